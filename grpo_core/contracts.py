@@ -1,0 +1,269 @@
+"""The data that flows between the engine and its plugins, and the shape of each component.
+
+Shape vocabulary, used in every docstring of the project:
+
+- ``P``: prompts per step, ``G``: group size (completions per prompt), ``B = P * G`` rows,
+- ``T``: completion tokens (padded), ``L``: prompt tokens (left padded), ``V``: vocabulary,
+- ``K``: steps per completion (padded), for process supervision.
+
+Masks are ``bool``; padded positions of every per-token output are exactly zero.
+Rows are ordered prompt-major: rows ``p*G .. p*G+G-1`` are the group of prompt ``p``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "AdvantageInputs",
+    "AdvantageEstimator",
+    "KLPenalty",
+    "PolicyLossInputs",
+    "PolicyLossOutput",
+    "PolicyLoss",
+    "BatchStats",
+    "LossAggregator",
+    "SamplingParams",
+    "RolloutBatch",
+    "RolloutBackend",
+    "RewardFunction",
+    "Dataset",
+    "Tracker",
+]
+
+
+# --------------------------------------------------------------------------- advantages
+@dataclass
+class AdvantageInputs:
+    """What an advantage estimator sees.
+
+    Attributes:
+        scores: ``float (B,)`` sequence scores; ``NaN`` marks an unscorable completion
+            (a reward function returned ``None``), which gets advantage 0 and is left out
+            of its group's statistics.
+        group_ids: ``long (B,)`` which prompt each row belongs to (``0 .. P-1``).
+        mask: ``bool (B, T)`` completion tokens.
+        step_scores: ``float (B, K)`` per-step scores for process supervision, or ``None``.
+        step_ends: ``long (B, K)`` token index (into ``T``) where each step ends, or ``None``.
+        step_mask: ``bool (B, K)`` which steps exist, or ``None``.
+    """
+
+    scores: Tensor
+    group_ids: Tensor
+    mask: Tensor
+    step_scores: Tensor | None = None
+    step_ends: Tensor | None = None
+    step_mask: Tensor | None = None
+
+
+@runtime_checkable
+class AdvantageEstimator(Protocol):
+    """``estimator(inputs) -> advantages float (B, T)``, zero where ``inputs.mask`` is False."""
+
+    def __call__(self, inputs: AdvantageInputs) -> Tensor: ...
+
+
+# --------------------------------------------------------------------------- KL penalties
+@runtime_checkable
+class KLPenalty(Protocol):
+    """``kl(logp, ref_logp, mask) -> float (B, T)``: a per-token estimate of KL(pi || pi_ref).
+
+    ``logp`` and ``ref_logp`` are ``float (B, T)`` log-probabilities of the sampled tokens
+    under the policy and the reference model; the output is zero where ``mask`` is False.
+    """
+
+    def __call__(self, logp: Tensor, ref_logp: Tensor, mask: Tensor) -> Tensor: ...
+
+
+# --------------------------------------------------------------------------- policy losses
+@dataclass
+class PolicyLossInputs:
+    """What a policy loss sees; every tensor is ``(B, T)`` for the rows of one micro-batch.
+
+    Attributes:
+        logp: log-probs of the sampled tokens under the current policy (with grad).
+        old_logp: log-probs under the policy that sampled them (no grad); equal to
+            ``logp.detach()`` when each rollout gets one update (``mu = 1``).
+        advantages: per-token advantages.
+        mask: ``bool`` completion tokens.
+    """
+
+    logp: Tensor
+    old_logp: Tensor
+    advantages: Tensor
+    mask: Tensor
+
+
+@dataclass
+class PolicyLossOutput:
+    """``loss``: ``float (B, T)`` per-token loss to minimise, zero on padding.
+
+    ``metrics``: name -> tensor statistics for logging. Per-token statistics are returned
+    as ``(B, T)`` tensors (zero on padding) so the engine can average them over a whole
+    mini-batch; scalars are logged as they are. Conventional names: ``ratio``,
+    ``clip/low``, ``clip/high``, ``clip/region``.
+    """
+
+    loss: Tensor
+    metrics: dict[str, Tensor] = field(default_factory=dict)
+
+
+@runtime_checkable
+class PolicyLoss(Protocol):
+    """``loss(inputs) -> PolicyLossOutput``.
+
+    Set the class attribute ``zero_advantage_is_zero_loss = True`` when rows whose
+    advantage is 0 contribute exactly 0 loss and gradient: the engine then skips their
+    forward and backward when nothing else (KL, entropy) needs them.
+    """
+
+    def __call__(self, inputs: PolicyLossInputs) -> PolicyLossOutput: ...
+
+
+# --------------------------------------------------------------------------- aggregation
+@dataclass(frozen=True)
+class BatchStats:
+    """Normalizers of one optimizer mini-batch, computed before micro-batching and summed
+    over processes, so that the gradient of a step does not depend on how the mini-batch
+    is split.
+
+    Attributes:
+        num_tokens: valid completion tokens in the whole mini-batch.
+        num_sequences: completions (rows) in the whole mini-batch.
+        max_length: the rollout's ``max_new_tokens``: the constant of Dr. GRPO's norm.
+    """
+
+    num_tokens: int
+    num_sequences: int
+    max_length: int
+
+
+@runtime_checkable
+class LossAggregator(Protocol):
+    """``aggregate(loss, mask, stats) -> scalar``.
+
+    ``loss`` is ``float (b, T)`` for one micro-batch of ``b`` rows, ``mask`` its ``bool (b, T)``.
+    The result must be a *sum of per-row contributions divided by a normalizer taken from
+    ``stats``*, so that summing it over the micro-batches of a mini-batch gives the
+    mini-batch's loss.
+    """
+
+    def __call__(self, loss: Tensor, mask: Tensor, stats: BatchStats) -> Tensor: ...
+
+
+# --------------------------------------------------------------------------- rollouts
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings shared by every rollout backend."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: tuple[str, ...] = ()
+    greedy: bool = False
+    seed: int | None = None
+
+
+@dataclass
+class RolloutBatch:
+    """What a rollout backend returns for ``P`` prompts times ``G`` completions.
+
+    Attributes:
+        prompt_ids: ``long (P, L)`` left-padded prompt tokens (each prompt once).
+        prompt_mask: ``bool (P, L)``.
+        completion_ids: ``long (B, T)`` right-padded completion tokens, pad elsewhere.
+        completion_mask: ``bool (B, T)``: True up to and including the EOS token (or the
+            stop string's last token); False after it.
+        truncated: ``bool (B,)``: the completion hit ``max_new_tokens`` without stopping.
+        sampling_logp: ``float (B, T)`` log-probs the sampler assigned, or ``None``.
+        completions: decoded completion text, ``B`` strings.
+    """
+
+    prompt_ids: Tensor
+    prompt_mask: Tensor
+    completion_ids: Tensor
+    completion_mask: Tensor
+    truncated: Tensor
+    completions: list[str]
+    sampling_logp: Tensor | None = None
+
+    @property
+    def group_size(self) -> int:
+        return self.completion_ids.shape[0] // self.prompt_ids.shape[0]
+
+
+@runtime_checkable
+class RolloutBackend(Protocol):
+    """Generates completions and keeps its copy of the weights in step with the policy.
+
+    ``setup(model, tokenizer)`` is called once before the first rollout, with the policy
+    model (unwrapped) and its tokenizer. ``generate`` samples ``group_size`` completions
+    for each prompt. ``sync_weights(model)`` is called after every optimizer step; a
+    backend that generates with the training model itself makes it a no-op.
+    """
+
+    def setup(self, model: Any, tokenizer: Any) -> None: ...
+
+    def generate(
+        self, prompt_ids: list[list[int]], group_size: int, sampling: SamplingParams
+    ) -> RolloutBatch: ...
+
+    def sync_weights(self, model: Any) -> None: ...
+
+
+# --------------------------------------------------------------------------- rewards
+RewardFunction = Callable[..., list]
+"""TRL's signature: ``reward(prompts, completions, **columns) -> list[float | None]``.
+
+``prompts`` and ``completions`` have ``B`` entries each (a prompt repeated ``G`` times):
+strings, or lists of chat messages when the dataset's prompts are conversational.
+Every other dataset column arrives as a keyword argument, also repeated per completion,
+with ``completion_ids`` (list of token id lists). ``None`` marks an unscorable completion.
+A process reward returns, per completion, a list of per-step scores instead of a float.
+"""
+
+
+# --------------------------------------------------------------------------- data
+@runtime_checkable
+class Dataset(Protocol):
+    """Rows of a task: each a dict with the prompt column plus any other columns.
+
+    ``load(split)`` returns the rows of ``"train"`` or ``"eval"`` (an empty list when the
+    task has no held-out split). ``base_dir`` resolves relative paths in the options.
+    """
+
+    def load(self, split: str) -> list[dict[str, Any]]: ...
+
+
+# --------------------------------------------------------------------------- tracking
+@runtime_checkable
+class Tracker(Protocol):
+    """Receives run events; must never raise for a failure of its own backend.
+
+    ``start(run_name, resume_id)`` returns the run id (or None); ``log_params`` gets the
+    resolved spec flattened to dotted keys; ``log_metrics(metrics, step)``;
+    ``log_artifact(path)``; ``log_table(name, rows, step)``; ``finish(status)`` with
+    status one of ``FINISHED``, ``FAILED``, ``KILLED``.
+    """
+
+    def start(self, run_name: str, resume_id: str | None = None) -> str | None: ...
+
+    def log_params(self, params: dict[str, Any]) -> None: ...
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+
+    def log_artifact(self, path: str) -> None: ...
+
+    def log_table(self, name: str, rows: list[dict[str, Any]], step: int) -> None: ...
+
+    def finish(self, status: str) -> None: ...
+
+
+def masked_fill_zero(x: Tensor, mask: Tensor) -> Tensor:
+    """``x`` with every position outside ``mask`` set to exactly 0 (NaN/inf included)."""
+    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))

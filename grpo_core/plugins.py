@@ -1,0 +1,205 @@
+"""Loading plugins: the built-ins, installed entry points (group ``grpo``) and local files.
+
+All three sources register on one :class:`pluggy.PluginManager` and fill one
+:class:`~grpo_core.registry.Registry`; the built-ins take no shortcut.
+
+Environment switches for installed (external) plugins:
+
+- ``GRPO_LOAD_PLUGINS``: comma-separated entry-point or distribution names to load;
+  unset loads all of them, empty loads none (what the test suite does).
+- ``GRPO_DISABLED_PLUGINS``: comma-separated names never to load.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import os
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+
+import pluggy
+
+from grpo_core import hookspecs
+from grpo_core.errors import PluginError
+from grpo_core.registry import Registrar, Registry
+
+ENTRY_POINT_GROUP = "grpo"
+
+#: Built-in plugin modules, registered like any other plugin.
+DEFAULT_PLUGINS: tuple[str, ...] = (
+    "grpo_plugins.advantages",
+    "grpo_plugins.kl",
+    "grpo_plugins.policy_losses",
+    "grpo_plugins.aggregators",
+    "grpo_plugins.rollout_hf",
+    "grpo_plugins.rollout_vllm",
+    "grpo_plugins.rewards",
+    "grpo_plugins.datasets",
+    "grpo_plugins.trackers",
+)
+
+
+@dataclass
+class PluginInfo:
+    """Where a registered plugin came from."""
+
+    name: str
+    source: str  # "builtin", "entry point" or "file"
+    distribution: str | None = None
+    version: str | None = None
+    location: str | None = None
+    components: dict[str, list[str]] = field(default_factory=dict)
+
+
+@dataclass
+class Plugins:
+    """A loaded plugin manager, what each plugin is, and the registry they filled."""
+
+    manager: pluggy.PluginManager
+    info: dict[str, PluginInfo]
+    registry: Registry
+
+
+def _env_names(var: str) -> set[str] | None:
+    value = os.environ.get(var)
+    if value is None:
+        return None
+    return {part.strip() for part in value.split(",") if part.strip()}
+
+
+def _register(pm: pluggy.PluginManager, module: ModuleType, name: str, what: str) -> None:
+    try:
+        pm.register(module, name=name)
+    except ValueError as exc:  # pluggy: name already registered
+        raise PluginError(f"{what}: a plugin named '{name}' is already loaded ({exc})") from exc
+    except pluggy.PluginValidationError as exc:
+        raise PluginError(f"{what}: invalid hook implementation: {exc}") from exc
+
+
+def _load_builtins(pm: pluggy.PluginManager, info: dict[str, PluginInfo], version: str) -> None:
+    for modname in DEFAULT_PLUGINS:
+        try:
+            module = importlib.import_module(modname)
+        except Exception as exc:
+            raise PluginError(
+                f'Error importing plugin "{modname}" (distribution grpo-core): '
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        _register(pm, module, modname, f'built-in plugin "{modname}"')
+        info[modname] = PluginInfo(modname, "builtin", "grpo-core", version)
+
+
+def _load_entry_points(pm: pluggy.PluginManager, info: dict[str, PluginInfo]) -> None:
+    wanted = _env_names("GRPO_LOAD_PLUGINS")
+    disabled = _env_names("GRPO_DISABLED_PLUGINS") or set()
+    if wanted is not None and not wanted:
+        return
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        dist = ep.dist.name if ep.dist is not None else None
+        names = {ep.name} | ({dist} if dist else set())
+        if names & disabled or (wanted is not None and not names & wanted):
+            continue
+        where = f'plugin "{ep.name}" (distribution {dist or "unknown"})'
+        try:
+            module = ep.load()
+        except Exception as exc:
+            raise PluginError(f"Error importing {where}: {type(exc).__name__}: {exc}") from exc
+        _register(pm, module, ep.name, where)
+        version = ep.dist.version if ep.dist is not None else None
+        info[ep.name] = PluginInfo(ep.name, "entry point", dist, version, ep.value)
+
+
+def load_plugin_file(path: Path) -> ModuleType:
+    """Import a local plugin file under a private module name."""
+    path = Path(path).resolve()
+    if not path.is_file():
+        raise PluginError(f"plugin file {path} does not exist")
+    modname = f"grpo_local_plugins.{path.stem}_{abs(hash(str(path))) & 0xFFFFFFFF:08x}"
+    spec = importlib.util.spec_from_file_location(modname, path)
+    if spec is None or spec.loader is None:
+        raise PluginError(f"plugin file {path} cannot be imported (is it a .py file?)")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[modname] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        sys.modules.pop(modname, None)
+        raise PluginError(
+            f'Error importing plugin file "{path}": {type(exc).__name__}: {exc}'
+        ) from exc
+    return module
+
+
+def _load_files(pm: pluggy.PluginManager, info: dict[str, PluginInfo], files: Iterable[Path]) -> None:
+    for path in files:
+        path = Path(path).resolve()
+        name = str(path)
+        if name in info:
+            continue
+        module = load_plugin_file(path)
+        _register(pm, module, name, f'plugin file "{path}"')
+        info[name] = PluginInfo(path.name, "file", None, None, name)
+
+
+def _check_pending(pm: pluggy.PluginManager) -> None:
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as exc:
+        known = ", ".join(hookspecs.KINDS.values())
+        raise PluginError(
+            f"plugin '{exc.plugin_name if hasattr(exc, 'plugin_name') else exc.plugin}' "
+            f"implements an unknown hook: {exc}; known hooks: {known}"
+        ) from exc
+
+
+def _fill_registry(pm: pluggy.PluginManager, info: dict[str, PluginInfo]) -> Registry:
+    registry = Registry()
+    for kind, hookname in hookspecs.KINDS.items():
+        caller = getattr(pm.hook, hookname)
+        # pluggy calls later registrations first; registration order reads better.
+        for impl in reversed(caller.get_hookimpls()):
+            registrar = Registrar(registry, kind, impl.plugin_name)
+            kwargs = {"register": registrar}
+            try:
+                impl.function(**{k: v for k, v in kwargs.items() if k in impl.argnames})
+            except PluginError:
+                raise
+            except Exception as exc:
+                raise PluginError(
+                    f"plugin '{impl.plugin_name}' failed in {hookname}: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+    for kind in hookspecs.KINDS:
+        for component in registry.components(kind):
+            plugin = info.get(component.plugin)
+            if plugin is not None:
+                plugin.components.setdefault(kind, []).append(component.name)
+    return registry
+
+
+def load_plugins(
+    files: Iterable[Path] = (), *, external: bool = True, objects: Iterable[object] = ()
+) -> Plugins:
+    """A fresh plugin manager with the built-ins, the installed plugins (unless
+    ``external`` is False or the environment says otherwise), the given files, and
+    plugin ``objects`` (modules or class instances, as tests register inline)."""
+    from grpo_core import __version__
+
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    info: dict[str, PluginInfo] = {}
+    _load_builtins(pm, info, __version__)
+    if external:
+        _load_entry_points(pm, info)
+    _load_files(pm, info, files)
+    for obj in objects:
+        name = getattr(obj, "__name__", None) or type(obj).__name__
+        _register(pm, obj, name, f'plugin "{name}"')
+        info[name] = PluginInfo(name, "object")
+    _check_pending(pm)
+    return Plugins(pm, info, _fill_registry(pm, info))
