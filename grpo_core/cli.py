@@ -1,0 +1,142 @@
+"""``grpo-run``: train from a spec, validate it, list plugins, print the JSON Schema.
+
+Exit codes: 0 success, 1 runtime failure, 2 invalid spec or usage, 130 interrupted
+(SIGINT), 143 terminated (SIGTERM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+
+from grpo_core.errors import GrpoError, UsageError
+
+COMMANDS = ("run", "validate", "plugins", "schema")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="grpo-run",
+        description="Train a causal LM with GRPO from a YAML spec.",
+        epilog="Commands: grpo-run SPEC (train), grpo-run validate SPEC, grpo-run plugins, "
+        "grpo-run schema. Exit codes: 0 ok, 1 runtime failure, 2 invalid spec or usage, "
+        "130 interrupted.",
+    )
+    sub = parser.add_subparsers(dest="command")
+
+    def spec_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("spec", help="path to the YAML spec")
+        p.add_argument(
+            "--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
+            help="override a field, e.g. --set train.lr=1e-5 (value parsed as YAML); repeatable",
+        )
+
+    run = sub.add_parser("run", help="train (the default command)")
+    spec_args(run)
+    run.add_argument(
+        "--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
+        help="continue the run from its latest checkpoint, or from the given checkpoint folder",
+    )
+    validate = sub.add_parser("validate", help="validate a spec and print it with every default filled in")
+    spec_args(validate)
+    plugins = sub.add_parser("plugins", help="list plugins and the components they register")
+    plugins.add_argument("--json", action="store_true", help="print JSON")
+    sub.add_parser("schema", help="print the JSON Schema of a spec, with every installed plugin's options")
+    return parser
+
+
+def _normalize(argv: list[str]) -> list[str]:
+    """``grpo-run SPEC ...`` means ``grpo-run run SPEC ...``."""
+    if argv and argv[0] not in COMMANDS and not argv[0].startswith("-"):
+        return ["run", *argv]
+    return argv
+
+
+def _cmd_validate(args) -> int:
+    from grpo_core.spec import dump_spec, load_spec
+
+    loaded = load_spec(args.spec, args.overrides)
+    sys.stdout.write(dump_spec(loaded.spec))
+    return 0
+
+
+def _cmd_plugins(args) -> int:
+    from grpo_core.hookspecs import KIND_LABELS
+    from grpo_core.plugins import load_plugins
+
+    plugins = load_plugins()
+    if args.json:
+        payload = [
+            {"name": i.name, "source": i.source, "distribution": i.distribution,
+             "version": i.version, "location": i.location, "components": i.components}
+            for i in plugins.info.values()
+        ]
+        print(json.dumps(payload, indent=2))
+        return 0
+    for key, info in plugins.info.items():
+        dist = f"{info.distribution} {info.version or ''}".strip() if info.distribution else info.location
+        print(f"{info.name}  ({info.source}: {dist})")
+        for kind, names in info.components.items():
+            print(f"  {KIND_LABELS[kind]}: {', '.join(names)}")
+        hooks = [h.name for h in plugins.manager.get_hookcallers(plugins.manager.get_plugin(key)) or []]
+        if not info.components and hooks:
+            print(f"  hooks: {', '.join(hooks)} (registered nothing)")
+    return 0
+
+
+def _cmd_schema(args) -> int:
+    from grpo_core.plugins import load_plugins
+    from grpo_core.spec.schema import spec_schema
+
+    print(json.dumps(spec_schema(load_plugins().registry), indent=2))
+    return 0
+
+
+def _cmd_run(args) -> int:
+    from grpo_core.spec import load_spec
+    from grpo_core.train.run import train
+
+    loaded = load_spec(args.spec, args.overrides)
+    return train(loaded, resume=args.resume)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    try:
+        args = parser.parse_args(_normalize(argv))
+    except SystemExit as exc:  # argparse already printed the usage message
+        return int(exc.code or 0)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    handler = {"run": _cmd_run, "validate": _cmd_validate, "plugins": _cmd_plugins, "schema": _cmd_schema}
+    try:
+        return handler[args.command](args)
+    except GrpoError as exc:
+        print(f"grpo-run: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("grpo-run: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # a bug or an unexpected failure: one line, details on demand
+        if os.environ.get("GRPO_DEBUG"):
+            traceback.print_exc()
+        else:
+            print(
+                f"grpo-run: error: {type(exc).__name__}: {exc}\n"
+                "(set GRPO_DEBUG=1 to see the traceback)",
+                file=sys.stderr,
+            )
+        return 1
+
+
+def _entry() -> None:  # pragma: no cover
+    sys.exit(main())
+
+
+if __name__ == "__main__":  # pragma: no cover
+    _entry()

