@@ -1,0 +1,344 @@
+"""Log-probabilities of sampled completion tokens, without full-vocabulary copies.
+
+The policy loss needs ``log pi(o_t | q, o_<t)`` for every completion token, i.e. one entry of
+a ``(B, T, V)`` log-softmax. Materializing that tensor (and keeping it for backward) costs
+``B*T*V`` floats: for ``B*T = 64k`` tokens and ``V = 152k`` that is 40 GB in float32. Here the
+language-model head is applied to ``chunk_size`` rows at a time, each chunk reduced at once
+to the chosen token's log-probability (``logit[target] - logsumexp(logits)``) and, when asked,
+the entropy; the chunk's logits are recomputed in backward (activation checkpointing) instead
+of being saved. Memory grows with ``N * chunk_size`` and ``N * H``, never ``N * V``.
+
+Public functions:
+
+- :func:`token_logprobs`: the chunked core on flat hidden states ``(N, H)``.
+- :func:`completion_logprobs`: runs a causal LM's decoder on prompts plus completions and
+  returns ``(B, T)`` log-probs (and entropies) of the completion tokens.
+- :func:`logit_transform`: the logit scaling / soft-capping a model config declares.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["token_logprobs", "completion_logprobs", "logit_transform", "DEFAULT_CHUNK_SIZE"]
+
+#: Rows of hidden states turned into logits at once. With ``V = 152k`` a chunk of 1024 rows
+#: holds ~0.6 GB of float32 logits (plus the softmax in backward).
+DEFAULT_CHUNK_SIZE = 1024
+
+Head = Tensor | nn.Module | Callable[[Tensor], Tensor]
+
+
+def logit_transform(config: Any) -> dict[str, float | None]:
+    """The post-processing of final logits a transformers config declares, as keyword
+    arguments of :func:`token_logprobs` (``logit_scale``, ``softcap``).
+
+    Known generic attributes: ``final_logit_softcapping`` (Gemma 2/3:
+    ``cap * tanh(z / cap)``), ``logit_scale`` (Cohere: ``z * scale``), ``logits_scaling``
+    (Granite: ``z / scaling``). Llama, SmolLM2, Qwen2/3 and Mistral have none. A model whose
+    ``forward`` transforms logits in another way is not covered: compare
+    :func:`completion_logprobs` with ``model(...).logits`` once when adding such a model.
+    """
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    scale = 1.0
+    if getattr(config, "logit_scale", None) is not None:
+        scale *= float(config.logit_scale)
+    if getattr(config, "logits_scaling", None) is not None:
+        scale /= float(config.logits_scaling)
+    softcap = getattr(config, "final_logit_softcapping", None)
+    return {"logit_scale": scale, "softcap": float(softcap) if softcap else None}
+
+
+def _apply_head(head: Head, hidden: Tensor, bias: Tensor | None) -> Tensor:
+    """Logits ``(n, V)`` of hidden states ``(n, H)`` under a weight ``(V, H)`` or a module."""
+    if isinstance(head, Tensor):
+        return F.linear(hidden.to(head.dtype), head, bias)
+    return head(hidden)
+
+
+def _chunk_stats(
+    hidden: Tensor,
+    targets: Tensor,
+    head: Head,
+    bias: Tensor | None,
+    scale: float,
+    softcap: float | None,
+    with_entropy: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """Log-prob ``(n,)`` of ``targets (n,)`` and entropy ``(n,)`` (or None) for one chunk
+    of hidden states ``(n, H)``; the ``(n, V)`` logits live only inside this call."""
+    logits = _apply_head(head, hidden, bias)
+    # At least float32 for the reductions; float64 models stay float64.
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    if scale != 1.0:
+        logits = logits * scale
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    if not with_entropy:
+        return logp, None
+    probs = torch.softmax(logits, dim=-1)
+    entropy = lse - (probs * logits).sum(dim=-1)
+    return logp, entropy
+
+
+def token_logprobs(
+    hidden: Tensor,
+    head: Head,
+    targets: Tensor,
+    *,
+    bias: Tensor | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    with_entropy: bool = False,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probabilities (and entropies) of ``targets`` under ``softmax(head(hidden))``.
+
+    For each chunk of ``chunk_size`` rows: ``z = head(h)`` (``h @ W.T + bias`` for a weight),
+    upcast to at least float32, then ``z = softcap * tanh(z / softcap)`` if ``softcap``,
+    ``z = z * logit_scale / temperature``; ``logp = z[target] - logsumexp(z)`` and
+    ``entropy = logsumexp(z) - sum(softmax(z) * z)``. The matmul runs in the head's dtype
+    (bf16 logits are what the model itself produces) and everything after it in float32.
+
+    When gradients are enabled, each chunk runs under non-reentrant activation
+    checkpointing: only its inputs (``hidden`` rows, targets) are kept for backward and the
+    ``(chunk, V)`` logits are recomputed there, one chunk at a time. Gradients flow to
+    ``hidden`` and to the head's parameters.
+
+    Args:
+        hidden: ``(N, H)`` final hidden states, one row per predicted token.
+        head: the output projection: a weight ``(V, H)``, or a module / callable mapping
+            ``(n, H) -> (n, V)`` (e.g. ``model.get_output_embeddings()``, LoRA-wrapped or not).
+        targets: ``long (N,)`` token ids whose log-probs are wanted.
+        bias: ``(V,)`` bias when ``head`` is a weight tensor.
+        chunk_size: rows per chunk (any positive number; need not divide ``N``).
+        with_entropy: also return the entropy of each row's distribution.
+        temperature: the sampling temperature; logits are divided by it (as TRL does) so the
+            log-probs are those of the distribution the sampler drew from.
+        logit_scale, softcap: see :func:`logit_transform`.
+
+    Returns:
+        ``(logp, entropy)``: ``float (N,)`` each (float32, or float64 for a float64 head),
+        ``entropy`` None unless ``with_entropy``.
+    """
+    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
+        raise ValueError(
+            f"token_logprobs: hidden must be (N, H) and targets (N,); got {tuple(hidden.shape)} "
+            f"and {tuple(targets.shape)}"
+        )
+    if chunk_size <= 0:
+        raise ValueError(f"token_logprobs: chunk_size must be positive, got {chunk_size}")
+    if temperature <= 0:
+        raise ValueError(f"token_logprobs: temperature must be positive, got {temperature}")
+    scale = float(logit_scale) / float(temperature)
+    args = (head, bias, scale, softcap, with_entropy)
+    use_checkpoint = torch.is_grad_enabled()
+    logps: list[Tensor] = []
+    entropies: list[Tensor] = []
+    for start in range(0, hidden.shape[0], chunk_size):
+        h, t = hidden[start : start + chunk_size], targets[start : start + chunk_size]
+        if use_checkpoint:
+            logp, ent = checkpoint(
+                _chunk_stats, h, t, *args, use_reentrant=False, preserve_rng_state=False
+            )
+        else:
+            logp, ent = _chunk_stats(h, t, *args)
+        logps.append(logp)
+        if ent is not None:
+            entropies.append(ent)
+    if not logps:  # N == 0
+        dtype = torch.promote_types(hidden.dtype, torch.float32)
+        empty = hidden.new_zeros((0,), dtype=dtype)
+        return empty, (empty if with_entropy else None)
+    logp = torch.cat(logps)
+    return logp, (torch.cat(entropies) if with_entropy else None)
+
+
+# --------------------------------------------------------------------------- full model
+def _position_ids(mask: Tensor) -> Tensor:
+    """``long (b, S)`` positions of a left-padded ``bool (b, S)`` mask: 0, 1, ... from each
+    row's first real token, 0 on padding (what ``generate`` computes from the mask)."""
+    pos = mask.long().cumsum(-1) - 1
+    return pos.masked_fill(~mask, 0)
+
+
+def _shares_prompt_safely(model: Any, decoder: nn.Module, group_size: int) -> bool:
+    """Whether the prompt can be encoded once and its cache expanded ``G`` times.
+
+    Not when ``G == 1`` (nothing to share), under gradient checkpointing in training
+    (transformers then drops the cache), or with sliding-window attention (the cache keeps
+    only the window, which the expansion trick does not model)."""
+    if group_size == 1:
+        return False
+    if getattr(decoder, "gradient_checkpointing", False) and decoder.training:
+        return False
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    layer_types = getattr(config, "layer_types", None) or ()
+    if any("sliding" in str(kind) for kind in layer_types):
+        return False
+    if getattr(config, "sliding_window", None) is not None:
+        return getattr(config, "use_sliding_window", True) is False
+    return True
+
+
+def _hidden_plain(decoder, prompt_ids, prompt_mask, completion_ids, group_size) -> Tensor:
+    """Decoder on ``concat(prompt repeated G times, completion)``.
+
+    Shapes: prompt ``(P, L)``, completion ``(B, T)``. Returns ``(B, T, H)``: the hidden
+    state that predicts each completion token (last prompt position, then completion
+    positions but the last)."""
+    ids = torch.cat([prompt_ids.repeat_interleave(group_size, 0), completion_ids], dim=1)
+    comp_attn = torch.ones_like(completion_ids, dtype=torch.bool)
+    mask = torch.cat([prompt_mask.repeat_interleave(group_size, 0), comp_attn], dim=1)
+    out = decoder(input_ids=ids, attention_mask=mask, position_ids=_position_ids(mask), use_cache=False)
+    length, steps = prompt_ids.shape[1], completion_ids.shape[1]
+    return out.last_hidden_state[:, length - 1 : length - 1 + steps]
+
+
+def _hidden_shared(decoder, config, prompt_ids, prompt_mask, completion_ids, group_size) -> Tensor | None:
+    """Like :func:`_hidden_plain`, but each prompt is encoded once: its keys and values
+    (``P`` rows) are repeated ``G`` times and the completions attend to them; gradients flow
+    back through the repetition. Returns ``(B, T, H)``, or None if the decoder kept no cache."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=config)
+    out = decoder(
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask,
+        position_ids=_position_ids(prompt_mask),
+        past_key_values=cache,
+        use_cache=True,
+    )
+    cache = out.past_key_values
+    if cache is None or cache.get_seq_length() != prompt_ids.shape[1]:
+        return None
+    cache.batch_repeat_interleave(group_size)
+    mask = torch.cat(
+        [
+            prompt_mask.repeat_interleave(group_size, 0),
+            torch.ones_like(completion_ids, dtype=torch.bool),
+        ],
+        dim=1,
+    )
+    start = prompt_mask.long().sum(-1).repeat_interleave(group_size)  # (B,)
+    steps = completion_ids.shape[1]
+    positions = start[:, None] + torch.arange(steps, device=completion_ids.device)[None, :]
+    comp = decoder(
+        input_ids=completion_ids,
+        attention_mask=mask,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+    ).last_hidden_state  # (B, T, H)
+    last_prompt = out.last_hidden_state[:, -1:].repeat_interleave(group_size, 0)  # (B, 1, H)
+    return torch.cat([last_prompt, comp[:, :-1]], dim=1)
+
+
+def _trim(prompt_ids, prompt_mask, completion_ids, completion_mask):
+    """Drop prompt columns that are padding in every row (left) and completion columns past
+    the last masked token of every row (right). Returns the four tensors and ``T_kept``."""
+    keep = prompt_mask.any(0).nonzero()
+    first = int(keep[0]) if keep.numel() else prompt_ids.shape[1]
+    if first == prompt_ids.shape[1]:
+        raise ValueError("completion_logprobs: every prompt is empty (prompt_mask is all False)")
+    cols = completion_mask.any(0).nonzero()
+    steps = int(cols[-1]) + 1 if cols.numel() else 0
+    return (
+        prompt_ids[:, first:],
+        prompt_mask[:, first:],
+        completion_ids[:, :steps],
+        completion_mask[:, :steps],
+        steps,
+    )
+
+
+def completion_logprobs(
+    model: Any,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    with_entropy: bool = False,
+    temperature: float = 1.0,
+    share_prompt: bool = True,
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probs (and entropies) of completion tokens under a causal LM, ``(B, T)`` each.
+
+    Runs ``model.get_decoder()`` (the body without the LM head) on each prompt followed by
+    each of its ``G = B // P`` completions, with position ids counted from each row's first
+    real token (left padding; the same ids ``generate`` uses), then applies the LM head
+    only at the positions that predict a masked completion token, in chunks
+    (:func:`token_logprobs`). Padding columns shared by all rows are trimmed first.
+
+    With ``share_prompt`` each prompt is encoded once (``P`` rows) and its key/value cache
+    repeated ``G`` times for the completions, gradients flowing through it; it falls back to
+    encoding ``prompt x G`` rows when that is unsafe (see :func:`_shares_prompt_safely`).
+    The two give equal results up to float rounding.
+
+    ``completion_mask`` selects which outputs are computed; every completion token up to a
+    row's last masked one is attended to, so a mask with holes (e.g. tool output excluded
+    from the loss) still conditions on those tokens. Logits are divided by ``temperature``
+    (TRL's convention: the log-probs of the sampling distribution, before top-k/top-p), and
+    scaled / soft-capped per :func:`logit_transform` of ``model.config``.
+
+    Args:
+        model: a transformers causal LM (``get_decoder()``, ``get_output_embeddings()``).
+        prompt_ids: ``long (P, L)`` left-padded prompts, each once.
+        prompt_mask: ``bool (P, L)``.
+        completion_ids: ``long (B, T)`` right-padded completions, rows prompt-major.
+        completion_mask: ``bool (B, T)`` tokens whose log-prob is wanted.
+        chunk_size: rows of the LM head evaluated at once.
+        with_entropy: also return per-token entropies.
+        temperature: sampling temperature (> 0).
+        share_prompt: encode each prompt once instead of ``G`` times.
+
+    Returns:
+        ``(logp, entropy)``: ``float32 (B, T)`` (float64 for a float64 model), exactly 0
+        where ``completion_mask`` is False; ``entropy`` None unless ``with_entropy``.
+    """
+    num_prompts, num_rows = prompt_ids.shape[0], completion_ids.shape[0]
+    if num_prompts == 0 or num_rows % num_prompts:
+        raise ValueError(
+            f"completion_logprobs: {num_rows} completion rows are not a multiple of "
+            f"{num_prompts} prompts"
+        )
+    group_size = num_rows // num_prompts
+    prompt_mask, completion_mask = prompt_mask.bool(), completion_mask.bool()
+    p_ids, p_mask, c_ids, c_mask, steps = _trim(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    head = model.get_output_embeddings()
+    dtype = torch.promote_types(head.weight.dtype, torch.float32)
+    logp = torch.zeros(completion_ids.shape, dtype=dtype, device=completion_ids.device)
+    entropy = torch.zeros_like(logp) if with_entropy else None
+    if steps == 0:
+        return logp, entropy
+    decoder = model.get_decoder()
+    hidden = None
+    if share_prompt and _shares_prompt_safely(model, decoder, group_size):
+        hidden = _hidden_shared(decoder, model.config, p_ids, p_mask, c_ids, group_size)
+    if hidden is None:
+        hidden = _hidden_plain(decoder, p_ids, p_mask, c_ids, group_size)
+    flat_logp, flat_ent = token_logprobs(
+        hidden[c_mask],
+        head,
+        c_ids[c_mask],
+        chunk_size=chunk_size,
+        with_entropy=with_entropy,
+        temperature=temperature,
+        **logit_transform(model.config),
+    )
+    full_mask = torch.zeros_like(completion_mask)
+    full_mask[:, :steps] = c_mask
+    logp = logp.masked_scatter(full_mask, flat_logp.to(dtype))
+    if with_entropy:
+        entropy = entropy.masked_scatter(full_mask, flat_ent.to(dtype))
+    return logp, entropy
