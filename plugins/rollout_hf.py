@@ -1,3 +1,342 @@
-"""Built-in plugin (placeholder until implemented)."""
+"""Rollout backend ``hf``: transformers ``generate`` with the training model itself.
 
-from grpo_core import hookimpl  # noqa: F401
+All ``P`` prompts times ``G`` completions are generated in one batched ``generate`` call (or
+in groups of ``prompts_per_generate`` prompts), left padded, with the KV cache, under
+``torch.inference_mode()`` and with the model in eval mode (its previous per-module train /
+eval flags are restored afterwards).
+
+Prompt prefill is shared (``share_prompt_prefill``, on by default): the ``P`` prompts minus
+their last token are run once through the decoder into a ``DynamicCache``, the cache is
+repeated ``G`` times per prompt (``Cache.batch_repeat_interleave``), and ``generate``
+continues from it, feeding only each prompt's last token. No prompt is prefilled ``G``
+times. Sharing is skipped when ``G == 1``, when prompts are one token long, or when the
+model's generation config asks for a specific ``cache_implementation``.
+
+Sampling follows :class:`~grpo_core.contracts.SamplingParams` only: every sampling knob
+that a model's ``generation_config.json`` commonly sets (temperature, top-k/p, repetition
+penalty, ...) is overridden, so a checkpoint's defaults never change what GRPO samples.
+``top_k = 0`` means no top-k. With ``seed`` set, the global RNG is forked, seeded, and
+restored afterwards (``torch.random.fork_rng``): the rollout is reproducible and the
+caller's RNG stream is untouched. Without a seed the global RNG is used.
+
+Stopping: a row ends at its first EOS token (any of the model's / tokenizer's EOS ids) or
+at the token that completes a stop string (transformers' ``StopStringCriteria``, which
+matches on token sequences, the prompt's tail included). ``sampling_logp`` is not returned
+(None): this backend samples from the very weights the trainer evaluates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from pydantic import Field
+from torch import Tensor
+
+from grpo_core import hookimpl
+from grpo_core.contracts import RolloutBatch, SamplingParams
+from grpo_core.options import Options
+
+__all__ = ["HFRolloutOptions", "HFRollout", "register_rollout_backends"]
+
+
+class HFRolloutOptions(Options):
+    """Options of the ``hf`` rollout backend (sampling settings come from the spec's
+    sampling section, not from here)."""
+
+    share_prompt_prefill: bool = Field(
+        True,
+        description=(
+            "Prefill each prompt once and repeat its KV cache G times, instead of prefilling "
+            "every one of the P*G rows; same tokens, less prefill compute."
+        ),
+    )
+    prompts_per_generate: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Prompts per generate call (each with its G completions), to bound generation "
+            "memory; null generates all prompts of a step in one call."
+        ),
+    )
+
+
+class _EndRecorder:
+    """A stopping criterion that records where each row first ended.
+
+    ``ends``: ``long (b,)`` sequence length (prompt included) at which the row produced an
+    EOS token or completed a stop string; -1 while it has not.
+    """
+
+    def __init__(self, eos_ids: Tensor, stop_criterion: Any | None):
+        self.eos_ids = eos_ids
+        self.stop_criterion = stop_criterion
+        self.ends: Tensor | None = None
+
+    def __call__(self, input_ids: Tensor, scores: Any, **kwargs: Any) -> Tensor:
+        done = torch.isin(input_ids[:, -1], self.eos_ids.to(input_ids.device))
+        if self.stop_criterion is not None:
+            done = done | self.stop_criterion(input_ids, scores).to(done.device)
+        if self.ends is None:
+            self.ends = torch.full_like(done, -1, dtype=torch.long)
+        newly = done & (self.ends < 0)
+        self.ends = torch.where(newly, input_ids.shape[1], self.ends)
+        return done
+
+
+def _left_pad(prompts: list[list[int]], pad_id: int, device: Any) -> tuple[Tensor, Tensor]:
+    """``long (P, L)`` left-padded prompt ids and their ``bool (P, L)`` mask."""
+    length = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), length), dtype=torch.bool)
+    for row, prompt in enumerate(prompts):
+        if prompt:
+            ids[row, length - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+            mask[row, length - len(prompt) :] = True
+    return ids.to(device), mask.to(device)
+
+
+@contextlib.contextmanager
+def _eval_mode(model: torch.nn.Module):
+    """Eval mode inside; every module's own ``training`` flag restored on exit."""
+    flags = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, flag in flags:
+            module.training = flag
+
+
+@contextlib.contextmanager
+def _seeded(seed: int | None, device: torch.device):
+    """Seed the global RNGs inside (forked, so the caller's state is restored after)."""
+    if seed is None:
+        yield
+        return
+    devices = []
+    if device.type == "cuda":
+        devices = [device.index if device.index is not None else torch.cuda.current_device()]
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+def _generation_config(sampling: SamplingParams, eos_ids: list[int], pad_id: int):
+    """A ``GenerationConfig`` from ``sampling`` alone, neutralising the knobs a model's own
+    generation config commonly sets (they would otherwise fill the unset fields)."""
+    from transformers import GenerationConfig
+
+    knobs: dict[str, Any] = {"do_sample": False}
+    if not sampling.greedy:  # greedy ignores them (and transformers warns if they are set)
+        knobs = {
+            "do_sample": True,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k,
+            "typical_p": 1.0,
+            "epsilon_cutoff": 0.0,
+            "eta_cutoff": 0.0,
+        }
+    return GenerationConfig(
+        max_new_tokens=sampling.max_new_tokens,
+        repetition_penalty=1.0,
+        no_repeat_ngram_size=0,
+        min_new_tokens=0,
+        num_beams=1,
+        num_return_sequences=1,
+        eos_token_id=eos_ids,
+        pad_token_id=pad_id,
+        use_cache=True,
+        return_dict_in_generate=False,
+        **knobs,
+    )
+
+
+def _check_sampling(sampling: SamplingParams) -> None:
+    if sampling.max_new_tokens < 1:
+        raise ValueError(f"hf rollout: max_new_tokens must be >= 1, got {sampling.max_new_tokens}")
+    if not sampling.greedy and sampling.temperature <= 0:
+        raise ValueError(
+            f"hf rollout: temperature must be > 0 when sampling, got {sampling.temperature} "
+            "(use greedy: true for argmax decoding)"
+        )
+    if not 0 < sampling.top_p <= 1:
+        raise ValueError(f"hf rollout: top_p must be in (0, 1], got {sampling.top_p}")
+    if sampling.top_k < 0:
+        raise ValueError(f"hf rollout: top_k must be >= 0 (0 = off), got {sampling.top_k}")
+
+
+class HFRollout:
+    """Generates with transformers ``generate`` on the training model (no weight copy)."""
+
+    def __init__(self, options: HFRolloutOptions | None = None):
+        self.options = options or HFRolloutOptions()
+        self.model: Any = None
+        self.tokenizer: Any = None
+        self._stop_criteria: dict[tuple[str, ...], Any] = {}
+
+    # ----------------------------------------------------------------- contract
+    def setup(self, model: Any, tokenizer: Any) -> None:
+        """Keep the policy model and tokenizer; find the pad and EOS ids."""
+        self.model, self.tokenizer = model, tokenizer
+        eos: list[int] = []
+        configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        for value in (configured, getattr(tokenizer, "eos_token_id", None)):
+            for token in value if isinstance(value, (list, tuple)) else [value]:
+                if token is not None and int(token) not in eos:
+                    eos.append(int(token))
+        if not eos:
+            raise ValueError("hf rollout: neither the model's generation config nor the tokenizer has an EOS token")
+        self.eos_ids = eos
+        pad = getattr(tokenizer, "pad_token_id", None)
+        if pad is None:
+            pad = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
+        self.pad_id = int(pad) if pad is not None else eos[0]
+
+    def sync_weights(self, model: Any) -> None:
+        """No-op: generation uses the training model itself."""
+
+    def generate(
+        self, prompt_ids: list[list[int]], group_size: int, sampling: SamplingParams
+    ) -> RolloutBatch:
+        """``G = group_size`` completions for each of the ``P`` prompts (token id lists).
+
+        Returns a :class:`RolloutBatch` of ``B = P * G`` rows, prompt-major; see the module
+        docstring for stopping, seeding and prefill sharing.
+        """
+        if self.model is None:
+            raise RuntimeError("hf rollout: setup(model, tokenizer) must be called before generate")
+        if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
+            raise ValueError("hf rollout: every prompt needs at least one token")
+        if group_size < 1:
+            raise ValueError(f"hf rollout: group_size must be >= 1, got {group_size}")
+        _check_sampling(sampling)
+        device = self.model.device
+        ids, mask = _left_pad(prompt_ids, self.pad_id, device)
+        step = self.options.prompts_per_generate or len(prompt_ids)
+        pieces = []
+        with _seeded(sampling.seed, device), _eval_mode(self.model), torch.inference_mode():
+            for start in range(0, len(prompt_ids), step):
+                part = slice(start, start + step)
+                pieces.append(self._generate_part(ids[part], mask[part], group_size, sampling))
+        completion_ids, completion_mask, truncated = self._assemble(pieces, sampling)
+        return RolloutBatch(
+            prompt_ids=ids.clone(),
+            prompt_mask=mask.clone(),
+            completion_ids=completion_ids,
+            completion_mask=completion_mask,
+            truncated=truncated,
+            completions=self._decode(completion_ids, completion_mask, sampling.stop),
+        )
+
+    # ----------------------------------------------------------------- internals
+    def _stop_criterion(self, stop: tuple[str, ...]) -> Any | None:
+        """transformers' ``StopStringCriteria`` for ``stop`` (built once per tuple)."""
+        if not stop:
+            return None
+        if stop not in self._stop_criteria:
+            from transformers import StopStringCriteria
+
+            self._stop_criteria[stop] = StopStringCriteria(tokenizer=self.tokenizer, stop_strings=list(stop))
+        return self._stop_criteria[stop]
+
+    def _can_share(self, ids: Tensor, group_size: int) -> bool:
+        if not self.options.share_prompt_prefill or group_size == 1 or ids.shape[1] < 2:
+            return False
+        config = getattr(self.model, "generation_config", None)
+        return getattr(config, "cache_implementation", None) is None
+
+    def _prefill(self, ids: Tensor, mask: Tensor, group_size: int) -> Any:
+        """Encode prompts ``(p, L)`` minus their last token once; return the cache with every
+        row repeated ``G`` times (``p*G`` rows, ``L-1`` positions)."""
+        from transformers import DynamicCache
+
+        config = self.model.config
+        text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        cache = DynamicCache(config=text_config)
+        positions = (mask.long().cumsum(-1) - 1).masked_fill(~mask, 0)
+        self.model.get_decoder()(
+            input_ids=ids[:, :-1],
+            attention_mask=mask[:, :-1],
+            position_ids=positions[:, :-1],
+            past_key_values=cache,
+            use_cache=True,
+        )
+        cache.batch_repeat_interleave(group_size)
+        return cache
+
+    def _generate_part(
+        self, ids: Tensor, mask: Tensor, group_size: int, sampling: SamplingParams
+    ) -> tuple[Tensor, Tensor]:
+        """Generate for ``p`` prompts ``(p, L)``; returns completion ids ``(p*G, n)`` (tokens
+        after each row's end are arbitrary) and lengths ``long (p*G,)``, -1 where the row
+        did not end (EOS / stop string) within ``n`` tokens."""
+        from transformers import StoppingCriteriaList
+
+        recorder = _EndRecorder(torch.tensor(self.eos_ids), self._stop_criterion(sampling.stop))
+        kwargs: dict[str, Any] = {}
+        if self._can_share(ids, group_size):
+            kwargs["past_key_values"] = self._prefill(ids, mask, group_size)
+        out = self.model.generate(
+            input_ids=ids.repeat_interleave(group_size, 0),
+            attention_mask=mask.repeat_interleave(group_size, 0).long(),
+            generation_config=_generation_config(sampling, self.eos_ids, self.pad_id),
+            stopping_criteria=StoppingCriteriaList([recorder]),
+            **kwargs,
+        )
+        length = ids.shape[1]
+        completions = out[:, length:]
+        ends = recorder.ends
+        if ends is None:  # generate produced nothing
+            ends = torch.full((completions.shape[0],), -1, dtype=torch.long, device=out.device)
+        lengths = torch.where(ends >= 0, ends - length, -1)
+        return completions, lengths
+
+    def _assemble(
+        self, pieces: list[tuple[Tensor, Tensor]], sampling: SamplingParams
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Right-padded ``(B, T)`` ids and mask and ``(B,)`` truncation flags from the parts,
+        ``T`` trimmed to the longest row. Runs outside inference mode: the results are
+        ordinary tensors that a training forward may save for backward."""
+        rows, lengths, truncated = [], [], []
+        for completions, ends in pieces:
+            for row, end in zip(completions, ends.tolist()):
+                stopped = end >= 0
+                size = end if stopped else min(row.shape[0], sampling.max_new_tokens)
+                rows.append(row[:size].clone())
+                lengths.append(size)
+                truncated.append(not stopped)
+        width = max(lengths)
+        device = pieces[0][0].device
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long, device=device)
+        mask = torch.zeros((len(rows), width), dtype=torch.bool, device=device)
+        for index, row in enumerate(rows):
+            ids[index, : row.shape[0]] = row
+            mask[index, : row.shape[0]] = True
+        return ids, mask, torch.tensor(truncated, dtype=torch.bool, device=device)
+
+    def _decode(self, ids: Tensor, mask: Tensor, stop: tuple[str, ...]) -> list[str]:
+        """Completion texts (special tokens skipped), cut right after the first stop string."""
+        texts = self.tokenizer.batch_decode(
+            [row[m].tolist() for row, m in zip(ids, mask)], skip_special_tokens=True
+        )
+        if not stop:
+            return texts
+        cut = []
+        for text in texts:
+            ends = [text.find(s) + len(s) for s in stop if s and s in text]
+            cut.append(text[: min(ends)] if ends else text)
+        return cut
+
+
+@hookimpl
+def register_rollout_backends(register) -> None:
+    """Register the ``hf`` rollout backend."""
+    register.add(
+        "hf",
+        HFRollout,
+        options=HFRolloutOptions,
+        description="transformers generate with the training model (KV cache, shared prompt prefill)",
+    )
