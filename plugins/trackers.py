@@ -1,3 +1,206 @@
-"""Built-in plugin (placeholder until implemented)."""
+"""Built-in trackers: ``mlflow`` (the default) and ``console``.
 
-from grpo_core import hookimpl  # noqa: F401
+Trackers never raise for a failure of their own backend: the engine also writes every
+metric to ``metrics.jsonl`` in the run folder, so nothing is lost when a server is down.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+from pydantic import Field
+
+from grpo_core import hookimpl
+from grpo_core.options import Options
+
+log = logging.getLogger("grpo.tracking")
+
+# MLflow's limits on one log_batch call, and on a param value.
+_MAX_METRICS_PER_BATCH = 1000
+_MAX_PARAMS_PER_BATCH = 100
+_MAX_PARAM_VALUE = 6000
+
+
+class MLflowOptions(Options):
+    experiment: str = Field("grpo-core", description="MLflow experiment name (created when missing).")
+    tracking_uri: str | None = Field(
+        None,
+        description="Tracking server or store URI; default: MLflow's own default "
+        "(MLFLOW_TRACKING_URI when set, else a local store in the working directory).",
+    )
+    tags: dict[str, str] = Field(default_factory=dict, description="Tags set on the run.")
+    retry_every: float = Field(
+        30.0, ge=0, description="Seconds between attempts to reach an unreachable server again."
+    )
+
+
+class MLflowTracker:
+    """Logs params, metrics, the spec and completion tables to MLflow.
+
+    When the server cannot be reached, metrics are kept in memory and sent, in order,
+    once it answers again; training never waits for it beyond one failed call.
+    """
+
+    def __init__(self, options: MLflowOptions):
+        self.options = options
+        self.run_id: str | None = None
+        self._client = None
+        self._pending: list[tuple[dict[str, float], int, int]] = []
+        self._last_failure = 0.0
+        self.failures = 0
+
+    # -- connection
+    def _connect(self):
+        if self._client is None:
+            from mlflow import MlflowClient
+
+            self._client = MlflowClient(tracking_uri=self.options.tracking_uri)
+        return self._client
+
+    @property
+    def tracking_uri(self) -> str:
+        import mlflow
+
+        return self.options.tracking_uri or mlflow.get_tracking_uri()
+
+    def _failed(self, what: str, exc: Exception) -> None:
+        self.failures += 1
+        self._last_failure = time.monotonic()
+        if self.failures == 1 or self.failures % 50 == 0:
+            log.warning("MLflow %s failed (%s: %s); metrics are kept and retried", what, type(exc).__name__, exc)
+
+    # -- Tracker contract
+    def start(self, run_name: str, resume_id: str | None = None) -> str | None:
+        try:
+            client = self._connect()
+            if resume_id:
+                client.update_run(resume_id, status="RUNNING")
+                self.run_id = resume_id
+            else:
+                exp = client.get_experiment_by_name(self.options.experiment)
+                exp_id = exp.experiment_id if exp else client.create_experiment(self.options.experiment)
+                run = client.create_run(exp_id, run_name=run_name, tags=dict(self.options.tags))
+                self.run_id = run.info.run_id
+        except Exception as exc:
+            self._failed("start", exc)
+        return self.run_id
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        if self.run_id is None:
+            return
+        from mlflow.entities import Param
+
+        items = [Param(k[:250], str(v)[:_MAX_PARAM_VALUE]) for k, v in params.items()]
+        try:
+            for i in range(0, len(items), _MAX_PARAMS_PER_BATCH):
+                self._connect().log_batch(self.run_id, params=items[i:i + _MAX_PARAMS_PER_BATCH])
+        except Exception as exc:
+            self._failed("log_params", exc)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self._pending.append((dict(metrics), step, int(time.time() * 1000)))
+        self.flush()
+
+    def flush(self, force: bool = False) -> bool:
+        """Send what is pending; True when nothing is left."""
+        if self.run_id is None and not force:
+            return not self._pending
+        if self.failures and not force and time.monotonic() - self._last_failure < self.options.retry_every:
+            return False
+        from mlflow.entities import Metric
+
+        try:
+            while self._pending:
+                batch: list[Metric] = []
+                taken = 0
+                for metrics, step, ts in self._pending:
+                    if batch and len(batch) + len(metrics) > _MAX_METRICS_PER_BATCH:
+                        break
+                    batch.extend(Metric(k, float(v), ts, step) for k, v in metrics.items())
+                    taken += 1
+                self._connect().log_batch(self.run_id, metrics=batch)
+                del self._pending[:taken]
+        except Exception as exc:
+            self._failed("log_metrics", exc)
+            return False
+        return True
+
+    def log_artifact(self, path: str) -> None:
+        if self.run_id is None:
+            return
+        try:
+            self._connect().log_artifact(self.run_id, str(path))
+        except Exception as exc:
+            self._failed("log_artifact", exc)
+
+    def log_table(self, name: str, rows: list[dict[str, Any]], step: int) -> None:
+        if self.run_id is None or not rows:
+            return
+        columns = list(rows[0])
+        data = {c: [r.get(c) for r in rows] for c in columns}
+        try:
+            self._connect().log_table(self.run_id, data=data, artifact_file=f"{name}/step_{step:06d}.json")
+        except Exception as exc:
+            self._failed("log_table", exc)
+
+    def finish(self, status: str) -> None:
+        self.flush(force=True)
+        if self.run_id is None:
+            return
+        try:
+            self._connect().set_terminated(self.run_id, status=status)
+        except Exception as exc:
+            self._failed("finish", exc)
+
+
+class ConsoleOptions(Options):
+    every: int = Field(1, ge=1, description="Print metrics every N steps.")
+    keys: list[str] | None = Field(
+        None, description="Metric names to print; default: reward, kl, loss, eval metrics and step time."
+    )
+
+
+_DEFAULT_KEYS = ("reward", "reward_std", "kl", "loss", "completions/mean_length", "time/step")
+
+
+class ConsoleTracker:
+    """Prints one line of metrics per step to stderr (a plain-text log of the run)."""
+
+    def __init__(self, options: ConsoleOptions):
+        self.options = options
+
+    def start(self, run_name: str, resume_id: str | None = None) -> str | None:
+        return None
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        keys = self.options.keys
+        if keys is None:
+            keys = [k for k in metrics if k in _DEFAULT_KEYS or k.startswith("eval/")]
+        if step % self.options.every and not any(k.startswith("eval/") for k in metrics):
+            return
+        shown = " ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics)
+        if shown:
+            print(f"[step {step}] {shown}", file=sys.stderr, flush=True)
+
+    def log_artifact(self, path: str) -> None:
+        pass
+
+    def log_table(self, name: str, rows: list[dict[str, Any]], step: int) -> None:
+        if rows:
+            print(f"[step {step}] {name}: {json.dumps(rows[0], ensure_ascii=False)[:300]}", file=sys.stderr)
+
+    def finish(self, status: str) -> None:
+        pass
+
+
+@hookimpl
+def register_trackers(register):
+    register.add("mlflow", MLflowTracker, options=MLflowOptions)
+    register.add("console", ConsoleTracker, options=ConsoleOptions)

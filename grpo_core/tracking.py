@@ -1,0 +1,73 @@
+"""The run's log: every event goes to ``metrics.jsonl`` in the run folder first, then to
+each tracker. A tracker that raises is reported and never stops training."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("grpo.tracking")
+
+
+def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}, "c": [2]}`` -> ``{"a.b": 1, "c.0": 2}``."""
+    out: dict[str, Any] = {}
+    if isinstance(data, dict):
+        for key, value in data.items():
+            out.update(flatten(value, f"{prefix}{key}."))
+    elif isinstance(data, list) and data:
+        for index, value in enumerate(data):
+            out.update(flatten(value, f"{prefix}{index}."))
+    else:
+        out[prefix[:-1]] = data
+    return out
+
+
+class RunLog:
+    """Fans run events out to trackers, with a local JSONL copy of every metric."""
+
+    def __init__(self, trackers: dict[str, Any], folder: Path):
+        self.trackers = trackers
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.folder / "metrics.jsonl"
+        self.run_id: str | None = None
+        self._warned: set[str] = set()
+
+    def _each(self, method: str, *args: Any) -> list[Any]:
+        results = []
+        for name, tracker in self.trackers.items():
+            try:
+                results.append(getattr(tracker, method)(*args))
+            except Exception as exc:  # a tracker must never kill training
+                if name not in self._warned:
+                    log.warning("tracker '%s' failed in %s: %s: %s", name, method, type(exc).__name__, exc)
+                    self._warned.add(name)
+                results.append(None)
+        return results
+
+    def start(self, run_name: str, resume_id: str | None = None) -> str | None:
+        ids = [r for r in self._each("start", run_name, resume_id) if r]
+        self.run_id = ids[0] if ids else resume_id
+        return self.run_id
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        self._each("log_params", params)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        clean = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
+        with self.metrics_path.open("a", encoding="utf-8") as fh:
+            fh.write(json.dumps({"step": step, **clean}) + "\n")
+        self._each("log_metrics", clean, step)
+
+    def log_artifact(self, path: str | Path) -> None:
+        self._each("log_artifact", str(path))
+
+    def log_table(self, name: str, rows: list[dict[str, Any]], step: int) -> None:
+        self._each("log_table", name, rows, step)
+
+    def finish(self, status: str) -> None:
+        self._each("finish", status)

@@ -1,0 +1,129 @@
+"""Prompts: rows of the dataset plugin turned into token ids, in a seeded order whose
+position can be saved and restored."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from grpo_core.errors import RunError
+from grpo_core.spec.models import DataSlot
+
+
+@dataclass
+class Prompt:
+    """One prompt ready for rollout: the row, what the rewards see, and its tokens."""
+
+    row: dict[str, Any]
+    prompt: Any  # a string, or the list of chat messages (system prompt included)
+    text: str
+    ids: list[int]
+
+
+def check_columns(rows: list[dict], needed: dict[str, str], split: str) -> None:
+    """Raise naming the first missing column and listing the ones that exist.
+
+    ``needed`` maps a column to who needs it (``"data.prompt_column"``, ``"reward function 'accuracy'"``).
+    """
+    if not rows:
+        return
+    columns = list(rows[0])
+    for column, who in needed.items():
+        if column not in rows[0]:
+            raise RunError(
+                f"{who} needs column '{column}', which the {split} data does not have; "
+                f"its columns are: {', '.join(columns)}"
+            )
+
+
+class PromptSource:
+    """Renders and tokenizes prompts lazily, in a seeded per-epoch order.
+
+    Empty prompts and prompts longer than the limit are skipped and counted in
+    ``self.skipped`` (reason -> count).
+    """
+
+    def __init__(self, rows: list[dict], tokenizer, slot: DataSlot, *, seed: int, max_tokens: int, shuffle: bool | None = None):
+        if not rows:
+            raise RunError(f"data: dataset '{slot.name}' has no rows to train on")
+        self.rows = rows
+        self.tokenizer = tokenizer
+        self.slot = slot
+        self.seed = seed
+        self.max_tokens = max_tokens
+        self.shuffle = slot.shuffle if shuffle is None else shuffle
+        self.epoch = 0
+        self.position = 0
+        self.skipped: dict[str, int] = {}
+        self._order = self._make_order()
+
+    def _make_order(self) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(len(self.rows))
+        return np.random.default_rng([self.seed, self.epoch]).permutation(len(self.rows))
+
+    def render(self, row: dict) -> Prompt | None:
+        """The prompt of ``row``, or None (counted) when it cannot be used."""
+        prompt = row[self.slot.prompt_column]
+        if isinstance(prompt, list):
+            messages = list(prompt)
+            if self.slot.system_prompt and not (messages and messages[0].get("role") == "system"):
+                messages = [{"role": "system", "content": self.slot.system_prompt}] + messages
+            if not any(str(m.get("content", "")).strip() for m in messages if m.get("role") != "system"):
+                return self._skip("empty prompt")
+            if self.slot.chat_template and getattr(self.tokenizer, "chat_template", None):
+                text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            else:
+                text = "\n".join(str(m.get("content", "")) for m in messages)
+            prompt = messages
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        elif isinstance(prompt, str):
+            if not prompt.strip():
+                return self._skip("empty prompt")
+            text = prompt
+            ids = self.tokenizer(text)["input_ids"]
+        else:
+            raise RunError(
+                f"data.prompt_column '{self.slot.prompt_column}' must hold strings or lists of chat "
+                f"messages; got {type(prompt).__name__}"
+            )
+        if len(ids) > self.max_tokens:
+            return self._skip("prompt too long")
+        return Prompt(row, prompt, text, ids)
+
+    def _skip(self, reason: str) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+        return None
+
+    def next(self, n: int) -> list[Prompt]:
+        """The next ``n`` usable prompts, starting a new (reshuffled) epoch as needed."""
+        out: list[Prompt] = []
+        misses = 0
+        while len(out) < n:
+            if self.position >= len(self._order):
+                self.epoch += 1
+                self.position = 0
+                self._order = self._make_order()
+            row = self.rows[int(self._order[self.position])]
+            self.position += 1
+            prompt = self.render(row)
+            if prompt is None:
+                misses += 1
+                if misses > len(self.rows):
+                    raise RunError(
+                        f"data: no usable prompt in dataset '{self.slot.name}' (skipped: {self.skipped})"
+                    )
+                continue
+            out.append(prompt)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position, "skipped": dict(self.skipped)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch = int(state["epoch"])
+        self.position = int(state["position"])
+        self.skipped = dict(state.get("skipped", {}))
+        self._order = self._make_order()

@@ -1,0 +1,35 @@
+"""AdamW and the learning-rate schedule: linear warm-up, then constant, cosine or linear decay."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from grpo_core.spec.models import TrainSection
+
+
+def lr_factor(step: int, *, warmup: int, total: int, schedule: str) -> float:
+    """Multiplier of the base learning rate at optimizer step ``step`` (0-based)."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    span = max(total - warmup, 1)
+    progress = min(max(step - warmup, 0) / span, 1.0)
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    return 1.0 - progress  # linear
+
+
+def make_optimizer(model, train: TrainSection, total_updates: int):
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        params, lr=train.lr, betas=tuple(train.adam_betas), eps=train.adam_eps,
+        weight_decay=train.weight_decay,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda step: lr_factor(step, warmup=train.warmup_steps, total=total_updates, schedule=train.schedule),
+    )
+    return optimizer, scheduler

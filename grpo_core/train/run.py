@@ -1,0 +1,269 @@
+"""Assembling a run from a validated spec, and the step loop."""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import signal
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from grpo_core.contracts import SamplingParams
+from grpo_core.errors import RunError
+from grpo_core.spec import LoadedSpec, Spec, dump_spec
+from grpo_core.tracking import RunLog, flatten
+from grpo_core.train import model as modeling
+from grpo_core.train.data import PromptSource, check_columns
+from grpo_core.train.evaluate import evaluate
+from grpo_core.train.optim import make_optimizer
+from grpo_core.train.scoring import RewardFn
+from grpo_core.train.step import run_step
+from grpo_core.train.update import Objective
+
+log = logging.getLogger("grpo.run")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+@dataclass
+class Run:
+    """Everything one run needs, built once from the spec."""
+
+    spec: Spec
+    loaded: LoadedSpec
+    output_dir: Path
+    tokenizer: Any
+    model: Any
+    backend: Any
+    estimator: Any
+    kl: Any
+    objective: Objective
+    rewards: list[RewardFn]
+    prompts: PromptSource
+    eval_prompts: list
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    log: RunLog
+    reference: Any = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    step: int = 0
+
+    def autocast(self):
+        return modeling.autocast(self.spec.train.mixed_precision, self.device)
+
+    def sampling(self, **changes: Any) -> SamplingParams:
+        r = self.spec.rollout
+        base = SamplingParams(
+            max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+            top_k=r.top_k, stop=tuple(r.stop),
+        )
+        return replace(base, **changes)
+
+
+def _rewards(spec: Spec) -> list[RewardFn]:
+    names = [slot.name for slot in spec.rewards]
+    out = []
+    for slot in spec.rewards:
+        label = slot.name if names.count(slot.name) == 1 else f"{slot.name}#{len(out)}"
+        out.append(RewardFn.of(label, slot.weight, slot.build()))
+    return out
+
+
+def _load_rows(spec: Spec):
+    dataset = spec.data.build()
+    try:
+        train_rows = dataset.load("train")
+        eval_rows = dataset.load("eval")
+    except RunError:
+        raise
+    except Exception as exc:
+        raise RunError(f"data: dataset '{spec.data.name}' failed to load: {type(exc).__name__}: {exc}") from exc
+    return train_rows, eval_rows
+
+
+def _check_data(spec: Spec, rewards: list[RewardFn], train_rows, eval_rows) -> None:
+    needed = {spec.data.prompt_column: "data.prompt_column"}
+    for fn in rewards:
+        for column in fn.required_columns:
+            needed.setdefault(column, f"reward function '{fn.name}'")
+    check_columns(train_rows, needed, "training")
+    check_columns(eval_rows, needed, "held-out")
+
+
+def build_run(loaded: LoadedSpec) -> Run:
+    spec = loaded.spec
+    seed_everything(spec.train.seed)
+    if spec.train.threads:
+        torch.set_num_threads(spec.train.threads)
+    output_dir = Path(spec.train.output_dir or Path("runs") / loaded.name)
+    output_dir.mkdir(parents=True, exist_ok=True)
+
+    rewards = _rewards(spec)
+    train_rows, eval_rows = _load_rows(spec)
+    _check_data(spec, rewards, train_rows, eval_rows)
+
+    tokenizer = modeling.load_tokenizer(spec.model, loaded.base_dir)
+    model = modeling.load_policy(spec.model, loaded.base_dir, tokenizer)
+    context = getattr(model.config, "max_position_embeddings", None) or 10**9
+    max_prompt = spec.data.max_prompt_tokens or max(1, context - spec.rollout.max_new_tokens)
+    prompts = PromptSource(train_rows, tokenizer, spec.data, seed=spec.train.seed, max_tokens=max_prompt)
+    eval_source = PromptSource(eval_rows or [{}], tokenizer, spec.data, seed=0, max_tokens=max_prompt, shuffle=False)
+    eval_prompts = [p for p in map(eval_source.render, eval_rows) if p is not None][: spec.eval.max_prompts]
+
+    backend = spec.rollout.build()
+    backend.setup(model, tokenizer)
+    algo = spec.algorithm
+    kl = algo.kl.build() if algo.kl.beta > 0 else None
+    reference = modeling.Reference(model) if algo.kl.beta > 0 else None
+    objective = Objective(
+        policy_loss=algo.policy_loss.build(), aggregator=algo.aggregation.build(),
+        kl=kl if algo.kl.placement == "loss" else None, beta=algo.kl.beta,
+        entropy_coef=algo.entropy_coef, early_stop_imp_ratio=algo.early_stop_imp_ratio,
+        temperature=spec.rollout.temperature, max_length=spec.rollout.max_new_tokens,
+    )
+    total_updates = spec.train.steps * algo.mu * spec.train.mini_batches
+    optimizer, scheduler = make_optimizer(model, spec.train, total_updates)
+    trackers = {slot.name: slot.build() for slot in spec.tracking}
+    return Run(
+        spec=spec, loaded=loaded, output_dir=output_dir, tokenizer=tokenizer, model=model,
+        backend=backend, estimator=algo.advantage.build(), kl=kl, objective=objective,
+        rewards=rewards, prompts=prompts, eval_prompts=eval_prompts, optimizer=optimizer,
+        scheduler=scheduler, log=RunLog(trackers, output_dir), reference=reference,
+    )
+
+
+class StopSignal:
+    """Turns SIGINT/SIGTERM into a flag the loop checks at safe points."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread
+                pass
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None:  # a second signal: stop now
+            raise KeyboardInterrupt
+        self.signum = signum
+        print(f"\ngrpo-run: {signal.Signals(signum).name} received; stopping after this step", file=sys.stderr)
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + (self.signum or signal.SIGINT)
+
+
+def _save_final(run: Run) -> Path:
+    final = run.output_dir / "final"
+    model = run.model
+    model.save_pretrained(final)
+    run.tokenizer.save_pretrained(final)
+    return final
+
+
+def _progress(run: Run, start: int):
+    if not run.spec.train.progress:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=run.spec.train.steps, initial=start, desc="grpo", unit="step", file=sys.stderr, dynamic_ncols=True)
+
+
+def _postfix(metrics: dict[str, float], last_eval: dict[str, float]) -> dict[str, str]:
+    shown = {"reward": metrics.get("reward"), "kl": metrics.get("kl"), "len": metrics.get("completions/mean_length")}
+    shown.update({k.replace("eval/rewards/", "eval_"): v for k, v in last_eval.items() if k.startswith("eval/rewards/")})
+    return {k: f"{v:.3g}" for k, v in shown.items() if v is not None and math.isfinite(v)}
+
+
+def train(loaded: LoadedSpec, resume: str | None = None) -> int:
+    """Train as the spec says; return the process exit code."""
+    run = build_run(loaded)
+    spec = run.spec
+    run.log.start(loaded.name)
+    run.log.log_params(flatten(spec.model_dump(mode="json")))
+    resolved = run.output_dir / "spec.resolved.yaml"
+    resolved.write_text(dump_spec(spec), encoding="utf-8")
+    run.log.log_artifact(resolved)
+    status, code = "FAILED", 1
+    last_eval: dict[str, float] = {}
+    bar = _progress(run, run.step)
+    nonfinite_streak = 0
+    try:
+        with StopSignal() as stop:
+            if spec.eval.at_start and run.eval_prompts:
+                last_eval = evaluate(run)
+                run.log.log_metrics(last_eval, run.step)
+            while run.step < spec.train.steps and stop.signum is None:
+                metrics, samples = run_step(run, run.step)
+                run.step += 1
+                nonfinite_streak = nonfinite_streak + 1 if metrics["train/nonfinite_updates"] else 0
+                metrics["train/nonfinite_streak"] = nonfinite_streak
+                metrics["data/skipped_prompts"] = float(sum(run.prompts.skipped.values()))
+                if spec.eval.every and run.step % spec.eval.every == 0 and run.step < spec.train.steps:
+                    last_eval = evaluate(run)
+                    metrics.update(last_eval)
+                run.log.log_metrics(metrics, run.step)
+                every = spec.train.log_completions_every
+                if every and run.step % every == 0:
+                    run.log.log_table("completions", samples, run.step)
+                if bar is not None:
+                    bar.set_postfix(_postfix(metrics, last_eval), refresh=False)
+                    bar.update(1)
+                if nonfinite_streak >= spec.train.max_nonfinite_updates:
+                    raise RunError(
+                        f"{nonfinite_streak} steps in a row had a non-finite loss or gradient "
+                        f"(train.max_nonfinite_updates = {spec.train.max_nonfinite_updates}); stopping "
+                        "with the last good weights. Lower train.lr or check the rewards."
+                    )
+            if stop.signum is not None:
+                status, code = "KILLED", stop.exit_code
+                print(f"grpo-run: stopped at step {run.step}.", file=sys.stderr)
+                return code
+        if spec.eval.at_end and run.eval_prompts:
+            last_eval = evaluate(run)
+            run.log.log_metrics(last_eval, run.step)
+        final = _save_final(run)
+        status, code = "FINISHED", 0
+        _summary(run, final, last_eval)
+        return code
+    except KeyboardInterrupt:
+        status, code = "KILLED", 130
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+        run.log.finish(status)
+
+
+def _summary(run: Run, final: Path, last_eval: dict[str, float]) -> None:
+    lines = [f"grpo-run: finished {run.step} steps.", f"  model saved to {final}"]
+    for key, value in sorted(last_eval.items()):
+        if key.startswith("eval/rewards/") or key == "eval/reward":
+            lines.append(f"  {key} = {value:.4f}")
+    lines.append(f"  metrics: {run.log.metrics_path}")
+    for name, tracker in run.log.trackers.items():
+        uri = getattr(tracker, "tracking_uri", None)
+        if getattr(tracker, "run_id", None):
+            lines.append(f"  {name} run id: {tracker.run_id}")
+            if uri:
+                lines.append(f"  open the UI: mlflow ui --backend-store-uri {uri}")
+    print("\n".join(lines), file=sys.stderr)

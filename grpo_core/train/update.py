@@ -1,0 +1,227 @@
+"""The policy update: ``mu`` passes over a rollout batch, in mini-batches (one optimizer
+step each) of micro-batches (one forward/backward each).
+
+The aggregator's normalizers are those of the whole mini-batch (:class:`BatchStats`),
+computed before micro-batching, so the gradient of a step does not depend on the
+micro-batch size. Rows that cannot change the gradient (advantage 0, no KL in the loss,
+no entropy bonus, a policy loss that declares ``zero_advantage_is_zero_loss``) get no
+forward or backward at all.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from grpo_core.contracts import BatchStats, PolicyLossInputs
+from grpo_core.train.logprobs import completion_logprobs
+
+
+@dataclass
+class TrainBatch:
+    """One rollout batch ready for updates (``P`` prompts, ``B = P*G`` rows, prompt-major).
+
+    ``mask`` is the loss mask (completion tokens, minus truncated completions when the
+    spec says so); ``old_logp`` is None when ``mu == 1`` (the detached current log-probs
+    serve); ``ref_logp`` is None unless the KL is in the loss.
+    """
+
+    prompt_ids: Tensor  # long (P, L)
+    prompt_mask: Tensor  # bool (P, L)
+    completion_ids: Tensor  # long (B, T)
+    mask: Tensor  # bool (B, T)
+    advantages: Tensor  # float (B, T)
+    old_logp: Tensor | None = None  # float (B, T)
+    ref_logp: Tensor | None = None  # float (B, T)
+
+    @property
+    def group_size(self) -> int:
+        return self.completion_ids.shape[0] // self.prompt_ids.shape[0]
+
+
+@dataclass
+class Objective:
+    """The built components of the loss and their engine-side settings."""
+
+    policy_loss: Any
+    aggregator: Any
+    kl: Any | None  # None unless beta > 0 and placement == "loss"
+    beta: float
+    entropy_coef: float
+    early_stop_imp_ratio: float | None
+    temperature: float
+    max_length: int
+
+    @property
+    def skips_zero_advantage_rows(self) -> bool:
+        return (
+            bool(getattr(self.policy_loss, "zero_advantage_is_zero_loss", False))
+            and self.kl is None
+            and self.entropy_coef == 0
+        )
+
+
+def forward_logprobs(model, batch: TrainBatch, rows: Tensor, *, with_entropy: bool, temperature: float):
+    """Log-probs ``(b, T)`` of ``rows``; the prompt is encoded once per prompt when the
+    rows hold the same number of completions of each prompt."""
+    g = batch.group_size
+    prompt_of = rows // g
+    prompts, counts = torch.unique_consecutive(prompt_of, return_counts=True)
+    if bool((counts == counts[0]).all()) and len(prompts) == len(torch.unique(prompt_of)):
+        p_ids, p_mask = batch.prompt_ids[prompts], batch.prompt_mask[prompts]
+    else:  # ragged: one prompt row per completion
+        p_ids, p_mask = batch.prompt_ids[prompt_of], batch.prompt_mask[prompt_of]
+    return completion_logprobs(
+        model, p_ids, p_mask, batch.completion_ids[rows], batch.mask[rows],
+        with_entropy=with_entropy, temperature=temperature,
+    )
+
+
+@torch.no_grad()
+def batch_logprobs(model, batch: TrainBatch, micro_batch_size: int, temperature: float, autocast) -> Tensor:
+    """Log-probs ``(B, T)`` of every row, without gradients (old policy, reference)."""
+    out = torch.zeros(batch.completion_ids.shape, dtype=torch.float32)
+    rows = torch.arange(batch.completion_ids.shape[0])
+    for micro in rows.split(micro_batch_size):
+        with autocast():
+            logp, _ = forward_logprobs(model, batch, micro, with_entropy=False, temperature=temperature)
+        out[micro] = logp.float()
+    return out
+
+
+class _Tally:
+    """Token-weighted sums and maxima of per-token metrics over a mini-batch."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = defaultdict(float)
+        self.maxes: dict[str, float] = {}
+        self.tokens = 0
+
+    def add(self, metrics: dict[str, Tensor], mask: Tensor) -> None:
+        self.tokens += int(mask.sum())
+        for name, value in metrics.items():
+            value = value.detach().float()
+            if value.dim() == 0:
+                self.sums[name] += float(value) * int(mask.sum())
+            elif name.endswith("/max"):
+                masked = torch.where(mask, value, torch.full((), -math.inf))
+                self.maxes[name] = max(self.maxes.get(name, -math.inf), float(masked.max()))
+            else:
+                self.sums[name] += float(torch.where(mask, value, torch.zeros(())).sum())
+
+    def result(self) -> dict[str, float]:
+        out = {k: v / self.tokens for k, v in self.sums.items()} if self.tokens else {}
+        out.update({k: v for k, v in self.maxes.items() if math.isfinite(v)})
+        return out
+
+
+def minibatches(num_prompts: int, group_size: int, count: int) -> list[Tensor]:
+    """Row indices of each mini-batch: whole groups, in order."""
+    per = num_prompts // count
+    return [
+        torch.arange(i * per * group_size, (i + 1) * per * group_size) for i in range(count)
+    ]
+
+
+def _ensure_grads(params: list[Tensor]) -> None:
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+
+def update(
+    model,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    batch: TrainBatch,
+    objective: Objective,
+    *,
+    mu: int,
+    mini_batches: int,
+    micro_batch_size: int | None,
+    max_grad_norm: float | None,
+    autocast: Callable,
+    all_reduce: Callable[[list[float]], list[float]] = lambda x: x,
+) -> dict[str, float]:
+    """Run the updates of one rollout batch; return averaged metrics and phase times."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    tally = _Tally()
+    counts = defaultdict(float)
+    times = defaultdict(float)
+    losses, grad_norms = [], []
+    with_entropy = objective.entropy_coef > 0
+    for _ in range(mu):
+        for rows in minibatches(batch.prompt_ids.shape[0], batch.group_size, mini_batches):
+            mask = batch.mask[rows]
+            n_tokens, n_seqs = all_reduce([float(mask.sum()), float(len(rows))])
+            stats = BatchStats(int(n_tokens), int(n_seqs), objective.max_length)
+            active = rows
+            if objective.skips_zero_advantage_rows:
+                active = rows[(batch.advantages[rows] != 0).any(dim=1)]
+            counts["rows"] += len(rows)
+            counts["rows_skipped"] += len(rows) - len(active)
+            t0 = time.perf_counter()
+            total_loss, ratio_sum, ratio_tokens = 0.0, 0.0, 0
+            size = micro_batch_size or max(len(active), 1)
+            for micro in active.split(size):
+                m = batch.mask[micro]
+                with autocast():
+                    logp, entropy = forward_logprobs(
+                        model, batch, micro, with_entropy=with_entropy, temperature=objective.temperature
+                    )
+                logp = logp.float()
+                old = batch.old_logp[micro] if batch.old_logp is not None else logp.detach()
+                out = objective.policy_loss(PolicyLossInputs(logp, old, batch.advantages[micro], m))
+                per_token = out.loss
+                metrics = dict(out.metrics)
+                if objective.kl is not None:
+                    kl = objective.kl(logp, batch.ref_logp[micro], m)
+                    per_token = per_token + objective.beta * kl
+                    metrics["kl"] = kl
+                if with_entropy:
+                    per_token = per_token - objective.entropy_coef * entropy
+                    metrics["entropy"] = entropy
+                loss = objective.aggregator(per_token, m, stats)
+                loss.backward()
+                total_loss += float(loss.detach())
+                tally.add(metrics, m)
+                log_ratio = torch.where(m, logp.detach() - old, torch.zeros(()))
+                ratio_sum += float(torch.where(m, log_ratio.exp(), torch.zeros(())).sum())
+                ratio_tokens += int(m.sum())
+            times["forward_backward"] += time.perf_counter() - t0
+
+            t0 = time.perf_counter()
+            _ensure_grads(params)
+            norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or math.inf)
+            mean_ratio = ratio_sum / ratio_tokens if ratio_tokens else 1.0
+            if not (math.isfinite(total_loss) and math.isfinite(float(norm))):
+                counts["nonfinite_updates"] += 1
+                optimizer.zero_grad(set_to_none=False)
+            elif objective.early_stop_imp_ratio is not None and mean_ratio > objective.early_stop_imp_ratio:
+                counts["dropped_minibatches"] += 1
+                optimizer.zero_grad(set_to_none=False)
+            else:
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=False)
+                counts["updates"] += 1
+                grad_norms.append(float(norm))
+            losses.append(total_loss)
+            times["optimizer"] += time.perf_counter() - t0
+
+    result = {f"policy/{k}" if not k.startswith(("kl", "entropy")) else k: v for k, v in tally.result().items()}
+    result["loss"] = sum(losses) / len(losses)
+    if grad_norms:
+        result["grad_norm"] = sum(grad_norms) / len(grad_norms)
+    result["perf/skipped_rows_frac"] = counts["rows_skipped"] / max(counts["rows"], 1)
+    result["train/nonfinite_updates"] = counts["nonfinite_updates"]
+    result["train/dropped_minibatches"] = counts["dropped_minibatches"]
+    result["train/updates"] = counts["updates"]
+    result.update({f"time/{k}": v for k, v in times.items()})
+    return result
