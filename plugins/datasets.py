@@ -80,7 +80,9 @@ class ArithmeticOptions(Options):
     @classmethod
     def _unique(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         if len(set(value)) != len(value):
-            raise ValueError(f"operations {list(value)} repeat an operator; list each of +, -, * once")
+            raise ValueError(
+                f"operations {list(value)} repeat an operator; list each of +, -, * once"
+            )
         return value
 
     @field_validator("instruction")
@@ -341,7 +343,12 @@ def _is_saved(path: Path) -> bool:
     )
 
 
-_NETWORK_ERRORS = {"OfflineModeIsEnabled", "LocalEntryNotFoundError", "ConnectError", "ConnectTimeout"}
+_NETWORK_ERRORS = {
+    "OfflineModeIsEnabled",
+    "LocalEntryNotFoundError",
+    "ConnectError",
+    "ConnectTimeout",
+}
 
 
 def _is_network_error(exc: BaseException | None) -> bool:
@@ -366,7 +373,12 @@ class HFDataset:
         import datasets
 
         name = self.options.name
-        saved = datasets.load_from_disk(name, keep_in_memory=True)
+        try:
+            saved = datasets.load_from_disk(name, keep_in_memory=True)
+        except Exception as exc:
+            raise RunError(
+                f"could not load the saved dataset in {name}: {type(exc).__name__}: {exc}"
+            ) from exc
         if isinstance(saved, datasets.DatasetDict):
             if split not in saved:
                 available = ", ".join(saved) or "(none)"
