@@ -310,6 +310,21 @@ def test_process_hand_values():
     torch.testing.assert_close(out, expected)
 
 
+@pytest.mark.parametrize("options", [{"eps": 0.0}, {}, {"scale_by_std": False}])
+def test_process_constant_group_is_exactly_zero(options):
+    # three steps of 0.1 over two completions: the naive mean leaves float residue
+    est = adv.ProcessAdvantage(adv.ProcessOptions(**options))
+    out = est(
+        inputs(
+            [NAN, NAN],
+            step_scores=torch.tensor([[0.1, 0.1], [0.1, 5.0]], dtype=F64),
+            step_ends=torch.tensor([[0, 2], [1, 0]]),
+            step_mask=torch.tensor([[True, True], [True, False]]),
+        )
+    )
+    assert torch.equal(out, torch.zeros(2, 3, dtype=F64))
+
+
 def test_process_missing_step_inputs_names_them():
     est = adv.ProcessAdvantage(adv.ProcessOptions())
     with pytest.raises(ValueError, match="step_scores, inputs.step_ends, inputs.step_mask missing"):
