@@ -128,6 +128,11 @@ class AccuracyReward:
     def __repr__(self) -> str:
         return f"accuracy(answer_column={self.options.answer_column!r})"
 
+    @property
+    def required_columns(self) -> list[str]:
+        """Dataset columns this reward reads; the engine checks them before training."""
+        return [self.options.answer_column]
+
     def _timeout(self) -> int | None:
         if self.options.timeout <= 0:
             return None

@@ -97,6 +97,10 @@ def test_accuracy_reads_the_configured_column_and_numeric_golds():
     assert out == [1.0, 0.0]
 
 
+def test_accuracy_declares_its_column_for_the_engine_check():
+    assert AccuracyReward(AccuracyOptions(answer_column="solution")).required_columns == ["solution"]
+
+
 def test_accuracy_missing_column_names_it_and_lists_what_exists():
     reward = AccuracyReward(AccuracyOptions())
     with pytest.raises(RunError, match=r"'accuracy' needs the dataset column 'answer'.*"
