@@ -4,7 +4,8 @@ A component is a :class:`grpo_core.contracts.Dataset`: ``load(split)`` for ``"tr
 or ``"eval"`` returns a list of plain Python dicts, each with a ``prompt`` (a string or a
 list of chat messages ``{"role", "content"}``) plus any other columns; ``"eval"`` is
 ``[]`` when there is no held-out split. Chat templates, system prompts and column checks
-are the engine's job, and so is resolving relative paths before the options get here.
+are the engine's job, and so is resolving relative paths: path fields are ``SpecPath``,
+which the spec loader resolves against the spec file's folder.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from grpo_core import hookimpl
 from grpo_core.errors import RunError
 from grpo_core.options import Options
+from grpo_core.spec import SpecPath
 
 __all__ = [
     "ArithmeticOptions",
@@ -201,7 +203,7 @@ _EXTENSIONS = {
 }
 
 
-def _builder(path: str, fmt: str) -> str:
+def _builder(path: str | Path, fmt: str) -> str:
     """The ``datasets`` builder for ``path``: ``json``, ``csv`` or ``parquet``."""
     if fmt != "auto":
         return "json" if fmt == "jsonl" else fmt
@@ -218,12 +220,11 @@ def _builder(path: str, fmt: str) -> str:
 class FileOptions(Options):
     """Options of the ``file`` dataset."""
 
-    train: str = Field(
-        min_length=1,
+    train: SpecPath = Field(
         description="Path of the training file: JSON Lines (.jsonl/.json), CSV (.csv) or "
         "Parquet (.parquet); one row per prompt, with a prompt column.",
     )
-    eval: str | None = Field(
+    eval: SpecPath | None = Field(
         None, description="Path of the held-out file, same formats; unset: no eval split."
     )
     format: FileFormat = Field(
@@ -266,15 +267,15 @@ def _check_utf8(path: Path, chunk: int = 1 << 20) -> None:
             offset += len(data)
 
 
-def _read_file(path_str: str, fmt: str) -> list[dict[str, Any]]:
+def _read_file(path: Path, fmt: str) -> list[dict[str, Any]]:
     import datasets
 
-    path = Path(path_str)
+    path_str = str(path)
     if not path.exists():
         raise RunError(f"dataset file {path_str} does not exist")
     if not path.is_file():
         raise RunError(f"dataset file {path_str} is not a file")
-    builder = _builder(path_str, fmt)
+    builder = _builder(path, fmt)
     if path.stat().st_size == 0:
         raise RunError(f"dataset file {path_str} is empty: it has no rows (0 bytes)")
     if builder in ("json", "csv"):
@@ -332,6 +333,18 @@ class HFOptions(Options):
     revision: str | None = Field(
         None, description="Hub git revision (branch, tag or commit); unset: the default branch."
     )
+
+    @field_validator("name")
+    @classmethod
+    def _local_copy(cls, value: str, info: ValidationInfo) -> str:
+        """A relative path to a saved dataset resolves against the spec's folder; a Hub
+        id (which looks like a relative path too) is left alone."""
+        base = (info.context or {}).get("base_dir")
+        if base is not None and not Path(value).is_absolute():
+            candidate = Path(base) / Path(value).expanduser()
+            if _is_saved(candidate):
+                return str(candidate)
+        return value
 
 
 def _is_saved(path: Path) -> bool:

@@ -21,6 +21,7 @@ from pydantic import Field, model_validator
 from grpo_core import hookimpl
 from grpo_core.errors import RunError
 from grpo_core.options import Options
+from grpo_core.spec import SpecPath
 
 __all__ = [
     "completion_text",
@@ -304,10 +305,10 @@ class OverlongReward:
 class RewardModelOptions(Options):
     """Options of the ``reward_model`` reward."""
 
-    path: str = Field(
-        min_length=1,
+    path: SpecPath = Field(
         description="Local directory of a transformers sequence-classification model and "
-        "its tokenizer (save_pretrained format); nothing is downloaded.",
+        "its tokenizer (save_pretrained format; relative to the spec's folder); nothing is "
+        "downloaded.",
     )
     batch_size: int = Field(
         8, ge=1, description="Completions scored per forward pass; an integer >= 1."
@@ -354,20 +355,21 @@ class RewardModelReward:
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
-        return f"reward_model(path={self.options.path!r})"
+        return f"reward_model(path={str(self.options.path)!r})"
 
     def _load(self) -> None:
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         opts = self.options
+        path = str(opts.path)
         dtype = "auto" if opts.dtype == "auto" else getattr(torch, opts.dtype)
         try:
             tokenizer = AutoTokenizer.from_pretrained(
-                opts.path, local_files_only=True, trust_remote_code=opts.trust_remote_code
+                path, local_files_only=True, trust_remote_code=opts.trust_remote_code
             )
             model = AutoModelForSequenceClassification.from_pretrained(
-                opts.path,
+                path,
                 local_files_only=True,
                 trust_remote_code=opts.trust_remote_code,
                 dtype=dtype,
@@ -375,7 +377,7 @@ class RewardModelReward:
         except (OSError, ValueError) as exc:
             raise RunError(
                 f"reward function 'reward_model' could not load a sequence-classification "
-                f"model from {opts.path!r}: {exc}"
+                f"model from {path!r}: {exc}"
             ) from exc
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token

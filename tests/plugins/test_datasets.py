@@ -193,6 +193,15 @@ def test_file_csv_and_parquet(tmp_path):
     assert dataset.load("eval") == ROWS
 
 
+def test_file_relative_paths_resolve_against_the_spec_folder(tmp_path):
+    (tmp_path / "data").mkdir()
+    _write_jsonl(tmp_path / "data" / "train.jsonl", ROWS)
+    options = FileOptions.model_validate({"train": "data/train.jsonl"},
+                                         context={"base_dir": tmp_path})
+    assert options.train == tmp_path / "data" / "train.jsonl" and options.eval is None
+    assert FileDataset(options).load("train") == ROWS
+
+
 def test_file_explicit_format_overrides_the_extension(tmp_path):
     data = _write_jsonl(tmp_path / "train.data", ROWS[:1])
     assert FileDataset(FileOptions(train=str(data), format="jsonl")).load("train") == ROWS[:1]
@@ -272,6 +281,14 @@ def test_hf_loads_a_saved_dataset_dict(saved_dict):
     assert dataset.load("eval") == ROWS[:1]
     assert type(dataset.load("train")[0]) is dict
     assert HFDataset(HFOptions(name=str(saved_dict))).load("eval") == []
+
+
+def test_hf_relative_saved_dir_resolves_but_hub_ids_do_not(saved_dict):
+    context = {"base_dir": saved_dict.parent}
+    local = HFOptions.model_validate({"name": saved_dict.name}, context=context)
+    assert local.name == str(saved_dict)
+    hub = HFOptions.model_validate({"name": "openai/gsm8k"}, context=context)
+    assert hub.name == "openai/gsm8k"
 
 
 def test_hf_missing_split_lists_the_available_ones(saved_dict):
