@@ -178,9 +178,13 @@ def _shares_prompt_safely(model: Any, decoder: nn.Module, group_size: int) -> bo
     only the window, which the expansion trick does not model)."""
     if group_size == 1:
         return False
-    if getattr(decoder, "gradient_checkpointing", False) and decoder.training:
+    if decoder.training and any(
+        getattr(m, "gradient_checkpointing", False) for m in decoder.modules()
+    ):
         return False
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = (
+        model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    )
     layer_types = getattr(config, "layer_types", None) or ()
     if any("sliding" in str(kind) for kind in layer_types):
         return False
@@ -198,12 +202,16 @@ def _hidden_plain(decoder, prompt_ids, prompt_mask, completion_ids, group_size) 
     ids = torch.cat([prompt_ids.repeat_interleave(group_size, 0), completion_ids], dim=1)
     comp_attn = torch.ones_like(completion_ids, dtype=torch.bool)
     mask = torch.cat([prompt_mask.repeat_interleave(group_size, 0), comp_attn], dim=1)
-    out = decoder(input_ids=ids, attention_mask=mask, position_ids=_position_ids(mask), use_cache=False)
+    out = decoder(
+        input_ids=ids, attention_mask=mask, position_ids=_position_ids(mask), use_cache=False
+    )
     length, steps = prompt_ids.shape[1], completion_ids.shape[1]
     return out.last_hidden_state[:, length - 1 : length - 1 + steps]
 
 
-def _hidden_shared(decoder, config, prompt_ids, prompt_mask, completion_ids, group_size) -> Tensor | None:
+def _hidden_shared(
+    decoder, config, prompt_ids, prompt_mask, completion_ids, group_size
+) -> Tensor | None:
     """Like :func:`_hidden_plain`, but each prompt is encoded once: its keys and values
     (``P`` rows) are repeated ``G`` times and the completions attend to them; gradients flow
     back through the repetition. Returns ``(B, T, H)``, or None if the decoder kept no cache."""
@@ -314,7 +322,9 @@ def completion_logprobs(
         )
     group_size = num_rows // num_prompts
     prompt_mask, completion_mask = prompt_mask.bool(), completion_mask.bool()
-    p_ids, p_mask, c_ids, c_mask, steps = _trim(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    p_ids, p_mask, c_ids, c_mask, steps = _trim(
+        prompt_ids, prompt_mask, completion_ids, completion_mask
+    )
     head = model.get_output_embeddings()
     dtype = torch.promote_types(head.weight.dtype, torch.float32)
     logp = torch.zeros(completion_ids.shape, dtype=dtype, device=completion_ids.device)

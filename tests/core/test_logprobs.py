@@ -89,7 +89,9 @@ TOLERANCES = {
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("share_prompt", [True, False])
 @pytest.mark.parametrize("chunk_size", [1, 5, 1024])
-def test_matches_reference_values_entropy_and_gradients(base_model, dtype, share_prompt, chunk_size):
+def test_matches_reference_values_entropy_and_gradients(
+    base_model, dtype, share_prompt, chunk_size
+):
     model = _model(base_model, dtype)
     batch = _batch(model.config.vocab_size)
     value_tol, grad_tol = TOLERANCES[dtype, share_prompt]
@@ -109,9 +111,28 @@ def test_matches_reference_values_entropy_and_gradients(base_model, dtype, share
     assert grads.keys() == ref_grads.keys()
     for name in grads:
         torch.testing.assert_close(
-            grads[name], ref_grads[name], rtol=0, atol=grad_tol * ref_grads[name].abs().max(),
+            grads[name],
+            ref_grads[name],
+            rtol=0,
+            atol=grad_tol * ref_grads[name].abs().max(),
             msg=lambda m, name=name: f"{name}: {m}",
         )
+
+
+def test_activation_checkpointing_falls_back_to_the_plain_path(base_model):
+    """transformers drops the KV cache under activation checkpointing in training; the
+    result must still be the reference, not a prompt-less forward."""
+    model = _model(base_model, torch.float64)
+    model.activation_checkpointing_enable()
+    model.train()
+    batch = _batch(model.config.vocab_size)
+    ref_logp, _ = _reference(model, *batch)
+    ref_grads = _grads(model, ref_logp.sum())
+    logp, _ = completion_logprobs(model, *batch, share_prompt=True)
+    torch.testing.assert_close(logp, ref_logp, atol=1e-10, rtol=0)
+    grads = _grads(model, logp.sum())
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], atol=1e-10, rtol=1e-8)
 
 
 def test_zero_on_padding_and_no_nan(base_model):
@@ -130,7 +151,9 @@ def test_left_padding_and_batch_do_not_change_a_prompts_logprobs(base_model):
     """A prompt scored alone equals the same prompt left padded next to a longer one."""
     model = _model(base_model, torch.float64)
     prompt_ids, prompt_mask, completion_ids, completion_mask = _batch(model.config.vocab_size)
-    batch_logp, _ = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    batch_logp, _ = completion_logprobs(
+        model, prompt_ids, prompt_mask, completion_ids, completion_mask
+    )
     alone_logp, _ = completion_logprobs(
         model, prompt_ids[:1, 3:], prompt_mask[:1, 3:], completion_ids[:G], completion_mask[:G]
     )
@@ -160,7 +183,12 @@ def test_all_padding_completions_give_zeros(base_model):
     model = _model(base_model, torch.float32)
     prompt_ids, prompt_mask, completion_ids, completion_mask = _batch(model.config.vocab_size)
     logp, entropy = completion_logprobs(
-        model, prompt_ids, prompt_mask, completion_ids, torch.zeros_like(completion_mask), with_entropy=True
+        model,
+        prompt_ids,
+        prompt_mask,
+        completion_ids,
+        torch.zeros_like(completion_mask),
+        with_entropy=True,
     )
     assert logp.shape == completion_ids.shape and logp.abs().sum() == 0 and entropy.abs().sum() == 0
 
@@ -168,7 +196,9 @@ def test_all_padding_completions_give_zeros(base_model):
 def test_rows_not_a_multiple_of_prompts_is_an_error(base_model):
     prompt_ids, prompt_mask, completion_ids, completion_mask = _batch(base_model.config.vocab_size)
     with pytest.raises(ValueError, match="not a multiple of 2 prompts"):
-        completion_logprobs(base_model, prompt_ids, prompt_mask, completion_ids[:5], completion_mask[:5])
+        completion_logprobs(
+            base_model, prompt_ids, prompt_mask, completion_ids[:5], completion_mask[:5]
+        )
 
 
 # --------------------------------------------------------------------------- the chunked core
@@ -192,26 +222,38 @@ def _core_reference(hidden, weight, bias, targets, scale=1.0, softcap=None):
     softcap=st.sampled_from([None, 3.0]),
     seed=st.integers(0, 2**16),
 )
-def test_core_matches_full_log_softmax(n, hidden_size, vocab, chunk, with_bias, temperature, softcap, seed):
+def test_core_matches_full_log_softmax(
+    n, hidden_size, vocab, chunk, with_bias, temperature, softcap, seed
+):
     gen = torch.Generator().manual_seed(seed)
     hidden = torch.randn(n, hidden_size, generator=gen, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(vocab, hidden_size, generator=gen, dtype=torch.float64, requires_grad=True)
-    bias = torch.randn(vocab, generator=gen, dtype=torch.float64, requires_grad=True) if with_bias else None
+    bias = (
+        torch.randn(vocab, generator=gen, dtype=torch.float64, requires_grad=True)
+        if with_bias
+        else None
+    )
     targets = torch.randint(0, vocab, (n,), generator=gen)
     params = [hidden, weight] + ([bias] if with_bias else [])
 
     ref_logp, ref_ent = _core_reference(hidden, weight, bias, targets, 1 / temperature, softcap)
     ref = torch.autograd.grad((ref_logp * 1.3).sum() + ref_ent.sum(), params, allow_unused=True)
     logp, ent = token_logprobs(
-        hidden, weight, targets, bias=bias, chunk_size=chunk, with_entropy=True,
-        temperature=temperature, softcap=softcap,
+        hidden,
+        weight,
+        targets,
+        bias=bias,
+        chunk_size=chunk,
+        with_entropy=True,
+        temperature=temperature,
+        softcap=softcap,
     )
     assert logp.shape == ent.shape == (n,)
     torch.testing.assert_close(logp, ref_logp, atol=1e-12, rtol=0)
     torch.testing.assert_close(ent, ref_ent, atol=1e-12, rtol=0)
     if n:
         got = torch.autograd.grad((logp * 1.3).sum() + ent.sum(), params, allow_unused=True)
-        for a, b in zip(got, ref):
+        for a, b in zip(got, ref, strict=True):
             torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
 
 
