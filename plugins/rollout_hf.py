@@ -188,7 +188,10 @@ class HFRollout:
                 if token is not None and int(token) not in eos:
                     eos.append(int(token))
         if not eos:
-            raise ValueError("hf rollout: neither the model's generation config nor the tokenizer has an EOS token")
+            raise ValueError(
+                "hf rollout: neither the model's generation config nor the tokenizer "
+                "has an EOS token"
+            )
         self.eos_ids = eos
         pad = getattr(tokenizer, "pad_token_id", None)
         if pad is None:
@@ -239,7 +242,9 @@ class HFRollout:
         if stop not in self._stop_criteria:
             from transformers import StopStringCriteria
 
-            self._stop_criteria[stop] = StopStringCriteria(tokenizer=self.tokenizer, stop_strings=list(stop))
+            self._stop_criteria[stop] = StopStringCriteria(
+                tokenizer=self.tokenizer, stop_strings=list(stop)
+            )
         return self._stop_criteria[stop]
 
     def _can_share(self, ids: Tensor, group_size: int) -> bool:
@@ -254,7 +259,9 @@ class HFRollout:
         from transformers import DynamicCache
 
         config = self.model.config
-        text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        text_config = (
+            config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        )
         cache = DynamicCache(config=text_config)
         positions = (mask.long().cumsum(-1) - 1).masked_fill(~mask, 0)
         self.model.get_decoder()(
@@ -302,7 +309,7 @@ class HFRollout:
         ordinary tensors that a training forward may save for backward."""
         rows, lengths, truncated = [], [], []
         for completions, ends in pieces:
-            for row, end in zip(completions, ends.tolist()):
+            for row, end in zip(completions, ends.tolist(), strict=True):
                 stopped = end >= 0
                 size = end if stopped else min(row.shape[0], sampling.max_new_tokens)
                 rows.append(row[:size].clone())
@@ -320,7 +327,7 @@ class HFRollout:
     def _decode(self, ids: Tensor, mask: Tensor, stop: tuple[str, ...]) -> list[str]:
         """Completion texts (special tokens skipped), cut right after the first stop string."""
         texts = self.tokenizer.batch_decode(
-            [row[m].tolist() for row, m in zip(ids, mask)], skip_special_tokens=True
+            [row[m].tolist() for row, m in zip(ids, mask, strict=True)], skip_special_tokens=True
         )
         if not stop:
             return texts
@@ -338,5 +345,5 @@ def register_rollout_backends(register) -> None:
         "hf",
         HFRollout,
         options=HFRolloutOptions,
-        description="transformers generate with the training model (KV cache, shared prompt prefill)",
+        description="transformers generate on the training model (KV cache, shared prefill)",
     )

@@ -1,0 +1,260 @@
+"""The ``hf`` rollout backend on the tiny offline model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from grpo_core.contracts import RolloutBackend, SamplingParams
+from grpo_core.plugins import load_plugins
+from grpo_core.testing import build_model, build_tokenizer
+from grpo_core.train.logprobs import completion_logprobs
+from grpo_plugins.rollout_hf import HFRollout, HFRolloutOptions
+
+GREEDY = SamplingParams(max_new_tokens=10, greedy=True)
+TEXTS = ["What is 3 + 4?", "Hi", "Think step by step. What is 12 * 7? Answer:"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny matmuls: intra-op threads only add synchronisation; restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return build_model(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    ids = [tokenizer(text)["input_ids"] for text in TEXTS]
+    assert len({len(p) for p in ids}) == 3  # ragged: different left pads
+    return ids
+
+
+def _backend(model, tokenizer, **options) -> HFRollout:
+    backend = HFRollout(HFRolloutOptions(**options))
+    backend.setup(model, tokenizer)
+    return backend
+
+
+def test_shapes_row_order_and_prompt_padding(model, tokenizer, prompts):
+    batch = _backend(model, tokenizer).generate(
+        prompts, 4, SamplingParams(max_new_tokens=6, seed=0)
+    )
+    lengths = [len(p) for p in prompts]
+    assert batch.prompt_ids.shape == batch.prompt_mask.shape == (3, max(lengths))
+    for row, prompt in enumerate(prompts):
+        assert batch.prompt_mask[row].sum() == len(prompt)
+        assert batch.prompt_ids[row, -len(prompt) :].tolist() == prompt
+        assert not batch.prompt_mask[row, : max(lengths) - len(prompt)].any()
+    assert batch.completion_ids.shape == batch.completion_mask.shape
+    assert batch.completion_ids.shape[0] == 12 and batch.completion_ids.shape[1] <= 6
+    assert batch.truncated.shape == (12,) and len(batch.completions) == 12
+    assert batch.group_size == 4 and batch.sampling_logp is None
+    assert batch.completion_mask[:, -1].any()  # trailing all-pad columns trimmed
+    # what a training forward needs: ordinary tensors, not inference-mode ones
+    assert not any(
+        t.is_inference() for t in (batch.prompt_ids, batch.completion_ids, batch.completion_mask)
+    )
+
+
+def test_greedy_rows_are_prompt_major_and_match_each_prompt_alone(model, tokenizer, prompts):
+    batch = _backend(model, tokenizer).generate(prompts, 3, GREEDY)
+    for index, prompt in enumerate(prompts):
+        alone = _backend(model, tokenizer).generate([prompt], 1, GREEDY)
+        group = slice(index * 3, index * 3 + 3)
+        width = alone.completion_ids.shape[1]
+        for row in batch.completion_ids[group]:
+            assert row[:width].tolist() == alone.completion_ids[0].tolist()
+        assert batch.completions[group] == alone.completions * 3
+
+
+@pytest.mark.parametrize("seed", [None, 7])
+def test_shared_prefill_gives_the_plain_paths_tokens(model, tokenizer, prompts, seed):
+    greedy = seed is None
+    sampling = GREEDY if greedy else SamplingParams(max_new_tokens=10, temperature=1.3, seed=seed)
+    shared = _backend(model, tokenizer).generate(prompts, 4, sampling)
+    plain = _backend(model, tokenizer, share_prompt_prefill=False).generate(prompts, 4, sampling)
+    assert torch.equal(shared.completion_ids, plain.completion_ids)
+    assert torch.equal(shared.completion_mask, plain.completion_mask)
+    assert shared.completions == plain.completions
+    if not greedy:  # sampling really happened: the rows of a group differ
+        assert len({tuple(r) for r in shared.completion_ids[:4].tolist()}) > 1
+
+
+def test_prompts_per_generate_splits_without_changing_greedy_tokens(model, tokenizer, prompts):
+    whole = _backend(model, tokenizer).generate(prompts, 2, GREEDY)
+    split = _backend(model, tokenizer, prompts_per_generate=2).generate(prompts, 2, GREEDY)
+    assert torch.equal(whole.completion_ids, split.completion_ids)
+
+
+def test_seed_reproduces_and_leaves_the_global_rng_alone(model, tokenizer, prompts):
+    backend = _backend(model, tokenizer)
+    sampling = SamplingParams(max_new_tokens=8, seed=3)
+    state = torch.get_rng_state()
+    first = backend.generate(prompts, 3, sampling)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(backend.generate(prompts, 3, sampling).completion_ids, first.completion_ids)
+    other = backend.generate(prompts, 3, SamplingParams(max_new_tokens=8, seed=4))
+    assert not torch.equal(other.completion_ids, first.completion_ids)
+
+
+def test_sampling_params_win_over_the_models_generation_defaults(model, tokenizer, prompts):
+    greedy = _backend(model, tokenizer).generate(prompts, 3, GREEDY).completion_ids
+    top1 = SamplingParams(max_new_tokens=10, top_k=1, temperature=2.0, seed=0)
+    assert torch.equal(_backend(model, tokenizer).generate(prompts, 3, top1).completion_ids, greedy)
+    model = copy.deepcopy(model)
+    model.generation_config.top_k = 1  # a checkpoint default that must not leak in
+    model.generation_config.repetition_penalty = 5.0
+    free = SamplingParams(max_new_tokens=10, temperature=2.0, seed=0)  # top_k = 0: off
+    sampled = _backend(model, tokenizer).generate(prompts, 3, free).completion_ids
+    assert len({tuple(r) for r in sampled[:3].tolist()}) > 1
+
+
+def test_mask_ends_at_eos_inclusive_and_text_skips_it(model, tokenizer, prompts):
+    """An lm_head bias that makes the (special) EOS token the argmax everywhere."""
+    model = copy.deepcopy(model)
+    head = model.lm_head
+    biased = torch.nn.Linear(head.in_features, head.out_features, bias=True)
+    with torch.no_grad():
+        biased.weight.copy_(head.weight)
+        biased.bias.zero_()
+        biased.bias[tokenizer.eos_token_id] = 100.0
+    model.lm_head = biased
+    batch = _backend(model, tokenizer).generate(
+        prompts, 2, SamplingParams(max_new_tokens=5, seed=0)
+    )
+    assert batch.completion_ids.tolist() == [[tokenizer.eos_token_id]] * 6
+    assert batch.completion_mask.all() and not batch.truncated.any()
+    assert batch.completions == [""] * 6
+
+
+def test_eos_at_a_known_step_ends_one_row_and_the_other_is_truncated(model, tokenizer, prompts):
+    """Make the token greedy decoding emits at step k of prompt 0 an EOS id."""
+    reference = _backend(model, tokenizer).generate(prompts[:2], 1, GREEDY).completion_ids.tolist()
+    step = next(k for k in range(2, 10) if reference[0][k] not in reference[0][:k] + reference[1])
+    model = copy.deepcopy(model)
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, reference[0][step]]
+    batch = _backend(model, tokenizer).generate(prompts[:2], 2, GREEDY)
+    lengths = batch.completion_mask.sum(1).tolist()
+    assert lengths == [step + 1, step + 1, 10, 10]
+    assert batch.truncated.tolist() == [False, False, True, True]
+    assert batch.completion_ids[0, : step + 1].tolist() == reference[0][: step + 1]
+    assert (batch.completion_ids[0, step + 1 :] == tokenizer.pad_token_id).all()
+    assert batch.completions[0] == tokenizer.decode(
+        reference[0][: step + 1], skip_special_tokens=True
+    )
+
+
+def _stop_string_at(tokenizer, prompt, tokens):
+    """A step ``k`` and an ASCII stop string that first appears in prompt + completion
+    text when (non-special) token ``k`` is emitted, ending exactly at that token's end.
+    Returns ``(k, stop, completion text up to k with special tokens skipped)``."""
+    prompt_text = tokenizer.decode(prompt)
+    special = set(tokenizer.all_special_ids)
+    for k in range(1, len(tokens)):
+        before, text = tokenizer.decode(tokens[:k]), tokenizer.decode(tokens[: k + 1])
+        stop = text[len(before) :][-2:]
+        clean = tokenizer.decode(tokens[: k + 1], skip_special_tokens=True)
+        if (
+            tokens[k] not in special
+            and stop.strip()
+            and stop.isascii()
+            and stop.isprintable()
+            and stop not in prompt_text + text[:-1]
+            and clean.endswith(stop)
+        ):
+            return k, stop, clean
+    raise AssertionError("no usable stop string in the greedy completion")
+
+
+def test_stop_string_ends_the_row_on_the_token_that_completes_it(model, tokenizer, prompts):
+    tokens = _backend(model, tokenizer).generate(prompts[:1], 1, GREEDY).completion_ids[0].tolist()
+    step, stop, text = _stop_string_at(tokenizer, prompts[0], tokens)
+    sampling = SamplingParams(max_new_tokens=10, greedy=True, stop=(stop, "never seen"))
+    batch = _backend(model, tokenizer).generate(prompts[:1], 2, sampling)
+    assert batch.completion_mask.sum(1).tolist() == [step + 1, step + 1]
+    assert batch.completion_ids[0].tolist() == tokens[: step + 1]
+    assert not batch.truncated.any()
+    assert batch.completions == [text, text] and text.endswith(stop)
+
+
+def test_truncation_flag_when_max_new_tokens_is_reached(model, tokenizer, prompts):
+    batch = _backend(model, tokenizer).generate(
+        prompts, 2, SamplingParams(max_new_tokens=3, greedy=True)
+    )
+    assert batch.completion_ids.shape == (6, 3)
+    assert batch.truncated.all() and batch.completion_mask.all()
+
+
+def test_model_modes_are_restored(model, tokenizer, prompts):
+    model = copy.deepcopy(model)
+    model.train()
+    model.model.layers[0].eval()  # a mixed state, restored module by module
+    before = [m.training for m in model.modules()]
+    seen = []
+    handle = model.register_forward_pre_hook(lambda module, args: seen.append(module.training))
+    _backend(model, tokenizer).generate(prompts, 2, GREEDY)
+    handle.remove()
+    assert seen and not any(seen)  # generated in eval mode
+    assert [m.training for m in model.modules()] == before
+
+
+def test_rollout_feeds_the_training_log_probs(model, tokenizer, prompts):
+    """The batch goes straight into a training forward (with grad); greedy tokens are each
+    step's argmax, so the log-probs computed there must say so."""
+    model = copy.deepcopy(model)
+    batch = _backend(model, tokenizer).generate(
+        prompts, 2, SamplingParams(max_new_tokens=6, greedy=True)
+    )
+    logp, _ = completion_logprobs(
+        model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask
+    )
+    logp.sum().backward()
+    assert model.lm_head.weight.grad is not None
+    # the argmax of V probabilities is at least 1/V
+    assert (
+        logp[batch.completion_mask] > -torch.log(torch.tensor(float(model.config.vocab_size)))
+    ).all()
+
+
+def test_registered_as_hf_and_built_from_options(model, tokenizer, prompts):
+    component = load_plugins(external=False).registry.get("rollout_backend", "hf")
+    assert component.options is HFRolloutOptions
+    backend = component.build(HFRolloutOptions(share_prompt_prefill=False, prompts_per_generate=1))
+    assert isinstance(backend, HFRollout) and isinstance(backend, RolloutBackend)
+    assert backend.options.share_prompt_prefill is False
+    assert isinstance(component.build(), HFRollout)
+    backend.setup(model, tokenizer)
+    backend.sync_weights(model)  # a no-op
+    assert backend.generate(prompts[:1], 2, GREEDY).completion_ids.shape[0] == 2
+    with pytest.raises(ValidationError, match="prompts_per_generate"):
+        HFRolloutOptions(prompts_per_generate=0)
+    with pytest.raises(ValidationError, match="temperature"):
+        HFRolloutOptions(temperature=0.7)
+    assert all(field.description for field in HFRolloutOptions.model_fields.values())
+
+
+def test_errors_name_the_problem(model, tokenizer, prompts):
+    with pytest.raises(RuntimeError, match="setup"):
+        HFRollout().generate(prompts, 2, GREEDY)
+    backend = _backend(model, tokenizer)
+    with pytest.raises(ValueError, match="at least one token"):
+        backend.generate([[]], 2, GREEDY)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        backend.generate(prompts, 2, SamplingParams(max_new_tokens=4, temperature=0.0))
+    with pytest.raises(ValueError, match="group_size"):
+        backend.generate(prompts, 0, GREEDY)
