@@ -383,7 +383,11 @@ def _check_steps(inputs: AdvantageInputs) -> tuple[Tensor, Tensor, Tensor]:
         )
     scores, ends, step_mask = (getattr(inputs, name) for name in names)
     rows, length = inputs.mask.shape
-    if not (scores.shape == ends.shape == step_mask.shape) or scores.dim() != 2 or scores.shape[0] != rows:
+    if (
+        not (scores.shape == ends.shape == step_mask.shape)
+        or scores.dim() != 2
+        or scores.shape[0] != rows
+    ):
         raise ValueError(
             f"step_scores, step_ends and step_mask must all be (B, K) with B = {rows}; got "
             f"{tuple(scores.shape)}, {tuple(ends.shape)}, {tuple(step_mask.shape)}"

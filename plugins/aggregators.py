@@ -140,8 +140,5 @@ def register_loss_aggregators(register):
         seq_mean_token_sum,
         description="sum of token losses / sequences in the mini-batch",
     )
-    register.add(
-        "seq-mean-token-sum-norm", SeqMeanTokenSumNorm, options=SeqMeanTokenSumNormOptions
-    )
+    register.add("seq-mean-token-sum-norm", SeqMeanTokenSumNorm, options=SeqMeanTokenSumNormOptions)
     register.add("token-sum", token_sum, description="plain sum of token losses")
-

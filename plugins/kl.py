@@ -168,7 +168,7 @@ class _ClampedKL:
 
 
 class LowVarKL(_ClampedKL):
-    """k3 estimator exp(ref - logp) - (ref - logp) - 1: unbiased, non-negative, low variance (the seeds' KL)."""
+    """k3 estimator exp(ref - logp) - (ref - logp) - 1: unbiased, non-negative (the seeds' KL)."""
 
     estimator = staticmethod(k3_kl)
 

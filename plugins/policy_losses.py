@@ -207,7 +207,7 @@ def ppo_clip_loss(
 
 
 class ClipPolicyLoss:
-    """PPO clipped surrogate with asymmetric eps and optional dual clip (the seeds' GRPO objective)."""
+    """PPO clipped surrogate with asymmetric eps and optional dual clip (the seeds' GRPO loss)."""
 
     zero_advantage_is_zero_loss = True
 

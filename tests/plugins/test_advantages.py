@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from grpo_core.contracts import AdvantageInputs, BatchStats, PolicyLossInputs
+from grpo_core.contracts import AdvantageInputs, BatchStats
 from grpo_core.plugins import load_plugins
 from grpo_plugins import advantages as adv
 from grpo_plugins.aggregators import seq_mean_token_mean, token_mean
@@ -48,7 +48,9 @@ def members(group_ids: torch.Tensor) -> dict[int, list[int]]:
     return out
 
 
-def loop_grpo(scores, group_ids, mask, scale_by_std=True, std="population", std_scope="group", eps=1e-6):
+def loop_grpo(
+    scores, group_ids, mask, scale_by_std=True, std="population", std_scope="group", eps=1e-6
+):
     """Plain-Python reference of the GRPO outcome advantage."""
     ddof = 1 if std == "unbiased" else 0
     r = scores.tolist()
@@ -59,7 +61,9 @@ def loop_grpo(scores, group_ids, mask, scale_by_std=True, std="population", std_
         if len(vals) < 2 or len(set(vals)) == 1:
             continue
         mean = sum(vals) / len(vals)
-        pool, centre = (everyone, sum(everyone) / len(everyone)) if std_scope == "batch" else (vals, mean)
+        pool, centre = (
+            (everyone, sum(everyone) / len(everyone)) if std_scope == "batch" else (vals, mean)
+        )
         sd = math.sqrt(sum((x - centre) ** 2 for x in pool) / (len(pool) - ddof))
         for i in rows:
             if not math.isnan(r[i]):
@@ -96,7 +100,9 @@ def test_grpo_unbiased_vs_population_by_hand():
     torch.testing.assert_close(pop, torch.tensor([s3, -1 / s3, -1 / s3, -1 / s3], dtype=F64))
     torch.testing.assert_close(unb, torch.tensor([1.5, -0.5, -0.5, -0.5], dtype=F64))
     # eps is added to the std, not the variance: 0.75 / (0.5 + 0.25) = 1
-    torch.testing.assert_close(grpo(r, eps=0.25, std="unbiased")[0, 0], torch.tensor(1.0, dtype=F64))
+    torch.testing.assert_close(
+        grpo(r, eps=0.25, std="unbiased")[0, 0], torch.tensor(1.0, dtype=F64)
+    )
 
 
 def test_grpo_scale_by_std_false_is_dr_grpo():
@@ -117,7 +123,13 @@ def test_grpo_batch_scope_by_hand():
 @pytest.mark.parametrize("group", [3, 5, 7, 10])
 @pytest.mark.parametrize(
     "options",
-    [{}, {"eps": 0.0}, {"scale_by_std": False}, {"std": "unbiased", "eps": 0.0}, {"std_scope": "batch"}],
+    [
+        {},
+        {"eps": 0.0},
+        {"scale_by_std": False},
+        {"std": "unbiased", "eps": 0.0},
+        {"std_scope": "batch"},
+    ],
 )
 def test_grpo_constant_group_is_exactly_zero(value, group, options):
     scores = [value] * group + [0.0, 1.0]
@@ -202,7 +214,9 @@ def test_grpo_zero_mean_unit_std_per_group(batch):
             torch.testing.assert_close(group_a.std(correction=0), torch.tensor(1.0, dtype=F64))
         else:
             assert torch.equal(group_a, torch.zeros_like(group_a))
-    assert torch.equal(a[torch.isnan(scores)], torch.zeros(int(torch.isnan(scores).sum()), dtype=F64))
+    assert torch.equal(
+        a[torch.isnan(scores)], torch.zeros(int(torch.isnan(scores).sum()), dtype=F64)
+    )
 
 
 @FAST
@@ -247,7 +261,7 @@ def loop_process(step_scores, step_ends, step_mask, group_ids, mask, scale_by_st
             continue
         mean = sum(vals) / len(vals)
         sd = math.sqrt(sum((v - mean) ** 2 for v in vals) / len(vals))
-        for (i, k), v in zip(steps, vals):
+        for (i, k), v in zip(steps, vals, strict=True):
             rhat = (v - mean) / (sd + eps) if scale_by_std else v - mean
             for t in range(length):
                 if mask[i, t] and step_ends[i, k].item() >= t:
@@ -263,8 +277,12 @@ def step_batches(draw):
     cells = rows * k
     value = st.one_of(st.integers(-8, 8).map(lambda x: x / 4), st.just(NAN))
     step_scores = torch.tensor(draw(st.lists(value, min_size=cells, max_size=cells)), dtype=F64)
-    step_ends = torch.tensor(draw(st.lists(st.integers(0, length - 1), min_size=cells, max_size=cells)))
-    step_mask = torch.tensor(draw(st.lists(st.booleans(), min_size=cells, max_size=cells)), dtype=torch.bool)
+    step_ends = torch.tensor(
+        draw(st.lists(st.integers(0, length - 1), min_size=cells, max_size=cells))
+    )
+    step_mask = torch.tensor(
+        draw(st.lists(st.booleans(), min_size=cells, max_size=cells)), dtype=torch.bool
+    )
     return (
         step_scores.reshape(rows, k),
         step_ends.reshape(rows, k).long(),
@@ -416,7 +434,12 @@ def loop_reinforce_pp(scores, group_ids, mask, eps=1e-8):
         ok = [i for i in rows if not math.isnan(r[i])]
         for i in ok:
             a[i] = r[i] - sum(r[j] for j in ok) / len(ok)
-    tokens = [(i, t) for i in range(len(r)) for t in range(mask.shape[1]) if mask[i, t] and not math.isnan(r[i])]
+    tokens = [
+        (i, t)
+        for i in range(len(r))
+        for t in range(mask.shape[1])
+        if mask[i, t] and not math.isnan(r[i])
+    ]
     out = torch.zeros(mask.shape, dtype=F64)
     if not tokens:
         return out
@@ -476,7 +499,9 @@ def test_estimators_registered_and_buildable():
         assert out.shape == (2, 3) and out.abs().sum() > 0, name
 
 
-@pytest.mark.parametrize("model", [adv.GRPOOptions, adv.ProcessOptions, adv.ReinforcePlusPlusOptions])
+@pytest.mark.parametrize(
+    "model", [adv.GRPOOptions, adv.ProcessOptions, adv.ReinforcePlusPlusOptions]
+)
 def test_options_reject_unknown_keys_and_describe_every_field(model):
     with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
         model(nonsense=1)

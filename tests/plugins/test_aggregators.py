@@ -22,7 +22,9 @@ AGGREGATORS = {
     "seq-mean-token-mean": agg.seq_mean_token_mean,
     "seq-mean-token-sum": agg.seq_mean_token_sum,
     "seq-mean-token-sum-norm": agg.SeqMeanTokenSumNorm(agg.SeqMeanTokenSumNormOptions()),
-    "seq-mean-token-sum-norm/L=3": agg.SeqMeanTokenSumNorm(agg.SeqMeanTokenSumNormOptions(norm_length=3)),
+    "seq-mean-token-sum-norm/L=3": agg.SeqMeanTokenSumNorm(
+        agg.SeqMeanTokenSumNormOptions(norm_length=3)
+    ),
     "token-sum": agg.token_sum,
 }
 
@@ -137,21 +139,32 @@ def test_unequal_lengths_token_mean_differs_from_seq_mean():
 # --------------------------------------------------------------------------- registration
 def test_aggregators_registered_and_buildable():
     registry = load_plugins(external=False).registry
-    names = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum"]
+    names = [
+        "token-mean",
+        "seq-mean-token-mean",
+        "seq-mean-token-sum",
+        "seq-mean-token-sum-norm",
+        "token-sum",
+    ]
     for name in names:
         component = registry.get("loss_aggregator", name)
         assert component.plugin == "grpo_plugins.aggregators"
         built = component.build(component.options() if component.options else None)
         torch.testing.assert_close(built(LOSS, MASK, STATS), AGGREGATORS[name](LOSS, MASK, STATS))
     assert registry.get("loss_aggregator", "token-mean").options is None
-    assert registry.get("loss_aggregator", "seq-mean-token-sum-norm").options is agg.SeqMeanTokenSumNormOptions
+    assert (
+        registry.get("loss_aggregator", "seq-mean-token-sum-norm").options
+        is agg.SeqMeanTokenSumNormOptions
+    )
 
 
 def test_norm_length_options():
     with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
         agg.SeqMeanTokenSumNormOptions(length=3)
     for bad in (0, -4):
-        with pytest.raises(ValidationError, match="norm_length must be a positive integer.*or null"):
+        with pytest.raises(
+            ValidationError, match="norm_length must be a positive integer.*or null"
+        ):
             agg.SeqMeanTokenSumNormOptions(norm_length=bad)
     with pytest.raises(ValidationError, match="valid integer"):
         agg.SeqMeanTokenSumNormOptions(norm_length=2.5)

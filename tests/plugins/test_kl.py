@@ -42,7 +42,9 @@ def test_hand_values():
     torch.testing.assert_close(build("abs")(logp, ref, mask), d.abs())
     torch.testing.assert_close(build("mse")(logp, ref, mask), 0.5 * d**2)
     # the other sign: logp = 0, ref = 1 -> e - 1 - 1
-    k3 = build("low_var_kl")(torch.zeros(1, 1, dtype=F64), torch.ones(1, 1, dtype=F64), full((1, 1)))
+    k3 = build("low_var_kl")(
+        torch.zeros(1, 1, dtype=F64), torch.ones(1, 1, dtype=F64), full((1, 1))
+    )
     torch.testing.assert_close(k3, torch.tensor([[math.e - 2]], dtype=F64))
     k1 = build("kl")(torch.zeros(1, 1, dtype=F64), torch.ones(1, 1, dtype=F64), full((1, 1)))
     assert k1.item() == -1.0  # k1 can be negative
@@ -105,7 +107,9 @@ def test_unbiased_estimators_recover_true_kl_by_sampling(name):
     gen = torch.Generator().manual_seed(1234)
     tokens = torch.multinomial(P, n, replacement=True, generator=gen)
     logp, ref = P.log()[tokens][None], Q.log()[tokens][None]
-    estimate = build(name, log_ratio_clamp=None, output_clamp=None)(logp, ref, full(logp.shape)).mean()
+    estimate = build(name, log_ratio_clamp=None, output_clamp=None)(
+        logp, ref, full(logp.shape)
+    ).mean()
     true_kl = (P * (P / Q).log()).sum()
     per_token = build(name)(P.log()[None], Q.log()[None], full((1, 4)))[0]
     sd = ((P * (per_token - true_kl) ** 2).sum()).sqrt()
@@ -171,7 +175,9 @@ def test_options_validation(model):
         model(clamp=3)
     for field in ("log_ratio_clamp", "output_clamp"):
         for bad in (0.0, -1.0, math.inf):
-            with pytest.raises(ValidationError, match=f"{field} must be a positive finite number.*or null"):
+            with pytest.raises(
+                ValidationError, match=f"{field} must be a positive finite number.*or null"
+            ):
                 model(**{field: bad})
         assert getattr(model(**{field: None}), field) is None
     for name, field in model.model_fields.items():

@@ -89,7 +89,9 @@ def per_token_grad(loss, log_ratio, adv):
 
 @FAST
 @given(
-    st.lists(st.tuples(st.floats(0.3, 2.5), st.floats(0.1, 3.0), st.booleans()), min_size=1, max_size=16),
+    st.lists(
+        st.tuples(st.floats(0.3, 2.5), st.floats(0.1, 3.0), st.booleans()), min_size=1, max_size=16
+    ),
     st.sampled_from([(0.2, None), (0.2, 0.28), (0.1, 0.5)]),
 )
 def test_clip_gradient_zero_exactly_outside_trust_region_on_the_advantage_side(tokens, eps):
@@ -138,7 +140,9 @@ def test_clip_dual_clip_caps_negative_advantage_loss():
 
 
 def test_clip_metrics_by_hand():
-    log_ratio = torch.tensor([[math.log(1.5), math.log(0.5), math.log(1.5), math.log(0.5), 0.0, 7.0]], dtype=F64)
+    log_ratio = torch.tensor(
+        [[math.log(1.5), math.log(0.5), math.log(1.5), math.log(0.5), 0.0, 7.0]], dtype=F64
+    )
     adv = torch.tensor([[1.0, -1.0, -1.0, 1.0, 1.0, 5.0]], dtype=F64)
     mask = torch.tensor([[True, True, True, True, True, False]])
     out = clip()(PolicyLossInputs(log_ratio, torch.zeros_like(log_ratio), adv, mask))
@@ -146,31 +150,45 @@ def test_clip_metrics_by_hand():
     assert m["clip/high"] == [1, 0, 0, 0, 0, 0]
     assert m["clip/low"] == [0, 1, 0, 0, 0, 0]
     assert m["clip/region"] == [1, 1, 0, 0, 0, 0]
-    torch.testing.assert_close(out.metrics["ratio"], torch.tensor([[1.5, 0.5, 1.5, 0.5, 1.0, 0.0]], dtype=F64))
+    torch.testing.assert_close(
+        out.metrics["ratio"], torch.tensor([[1.5, 0.5, 1.5, 0.5, 1.0, 0.0]], dtype=F64)
+    )
     assert torch.equal(out.metrics["ratio/max"], out.metrics["ratio"])
     assert all(v.shape == (1, 6) and not v.requires_grad for v in out.metrics.values())
 
 
-@pytest.mark.parametrize("loss", [clip(), clip(dual_clip=3.0), gspo()], ids=["clip", "dual", "gspo"])
+@pytest.mark.parametrize(
+    "loss", [clip(), clip(dual_clip=3.0), gspo()], ids=["clip", "dual", "gspo"]
+)
 def test_padding_inf_nan_never_leaks(loss):
-    logp = torch.tensor([[-0.5, -math.inf, NAN], [-1.0, math.inf, -math.inf]], dtype=F64, requires_grad=True)
+    logp = torch.tensor(
+        [[-0.5, -math.inf, NAN], [-1.0, math.inf, -math.inf]], dtype=F64, requires_grad=True
+    )
     old = torch.tensor([[-0.6, NAN, -math.inf], [-1.1, -math.inf, NAN]], dtype=F64)
     adv = torch.tensor([[1.0, NAN, math.inf], [-1.0, 2.0, NAN]], dtype=F64)
     mask = torch.tensor([[True, False, False], [True, False, False]])
     out = loss(PolicyLossInputs(logp, old, adv, mask))
-    assert torch.equal(out.loss[~mask], torch.zeros(4, dtype=F64)) and torch.isfinite(out.loss).all()
+    assert (
+        torch.equal(out.loss[~mask], torch.zeros(4, dtype=F64)) and torch.isfinite(out.loss).all()
+    )
     (grad,) = torch.autograd.grad(out.loss.sum(), logp)
     assert torch.isfinite(grad).all() and torch.equal(grad[~mask], torch.zeros(4, dtype=F64))
     for name, value in out.metrics.items():
         assert torch.equal(value[~mask], torch.zeros(4, dtype=F64)), name
 
 
-@pytest.mark.parametrize("loss", [clip(), clip(dual_clip=2.0), gspo()], ids=["clip", "dual", "gspo"])
+@pytest.mark.parametrize(
+    "loss", [clip(), clip(dual_clip=2.0), gspo()], ids=["clip", "dual", "gspo"]
+)
 def test_zero_advantage_is_zero_loss(loss):
     assert type(loss).zero_advantage_is_zero_loss is True
     logp = torch.tensor([[-0.1, -4.0, -2.0]], dtype=F64, requires_grad=True)
     old = torch.tensor([[-3.0, -0.5, -2.0]], dtype=F64)  # ratios far from 1
-    out = loss(PolicyLossInputs(logp, old, torch.zeros(1, 3, dtype=F64), torch.ones(1, 3, dtype=torch.bool)))
+    out = loss(
+        PolicyLossInputs(
+            logp, old, torch.zeros(1, 3, dtype=F64), torch.ones(1, 3, dtype=torch.bool)
+        )
+    )
     assert torch.equal(out.loss, torch.zeros(1, 3, dtype=F64))
     (grad,) = torch.autograd.grad(out.loss.sum(), logp)
     assert torch.equal(grad, torch.zeros(1, 3, dtype=F64))
@@ -182,7 +200,9 @@ def test_log_ratio_clamp_keeps_float32_finite():
     adv = torch.tensor([[-1.0]])
     out = clip()(PolicyLossInputs(logp, old, adv, torch.ones(1, 1, dtype=torch.bool)))
     assert out.loss.item() == pytest.approx(math.exp(20.0), rel=1e-5)
-    unclamped = clip(log_ratio_clamp=None)(PolicyLossInputs(logp, old, adv, torch.ones(1, 1, dtype=torch.bool)))
+    unclamped = clip(log_ratio_clamp=None)(
+        PolicyLossInputs(logp, old, adv, torch.ones(1, 1, dtype=torch.bool))
+    )
     assert math.isinf(unclamped.loss.item())
 
 
@@ -214,7 +234,9 @@ def test_gspo_at_ratio_one_is_seq_mean_vanilla_policy_gradient(batch):
     loss = gspo()
 
     def gspo_loss(leaf):
-        return seq_mean_token_mean(loss(PolicyLossInputs(leaf, leaf.detach(), adv, mask)).loss, mask, stats)
+        return seq_mean_token_mean(
+            loss(PolicyLossInputs(leaf, leaf.detach(), adv, mask)).loss, mask, stats
+        )
 
     def vanilla(leaf):
         return seq_mean_token_mean(-adv * leaf, mask, stats)
@@ -257,7 +279,9 @@ def test_gspo_clips_whole_sequences():
     logp = tok.clone().requires_grad_(True)
     adv = torch.tensor([[1.0], [-1.0], [1.0]], dtype=F64).expand(3, 2)
     old = torch.stack([torch.zeros(2), torch.zeros(2), tok[2]]).to(F64)
-    out = gspo(eps_low=0.05, eps_high=0.05)(PolicyLossInputs(logp, old, adv, torch.ones(3, 2, dtype=torch.bool)))
+    out = gspo(eps_low=0.05, eps_high=0.05)(
+        PolicyLossInputs(logp, old, adv, torch.ones(3, 2, dtype=torch.bool))
+    )
     (grad,) = torch.autograd.grad(out.loss.sum(), logp)
     s = math.sqrt(1.3 * 0.9)
     assert torch.equal(grad[0], torch.zeros(2, dtype=F64))
@@ -272,8 +296,13 @@ def test_gspo_clips_whole_sequences():
 def test_policy_losses_registered_and_buildable():
     registry = load_plugins(external=False).registry
     logp = torch.tensor([[-0.5, -1.0]], dtype=F64)
-    batch = PolicyLossInputs(logp, logp - 0.01, torch.ones(1, 2, dtype=F64), torch.ones(1, 2, dtype=torch.bool))
-    for name, impl, options in [("clip", pl.ClipPolicyLoss, pl.ClipOptions), ("gspo", pl.GSPOPolicyLoss, pl.GSPOOptions)]:
+    batch = PolicyLossInputs(
+        logp, logp - 0.01, torch.ones(1, 2, dtype=F64), torch.ones(1, 2, dtype=torch.bool)
+    )
+    for name, impl, options in [
+        ("clip", pl.ClipPolicyLoss, pl.ClipOptions),
+        ("gspo", pl.GSPOPolicyLoss, pl.GSPOOptions),
+    ]:
         component = registry.get("policy_loss", name)
         assert component.impl is impl and component.options is options
         assert component.plugin == "grpo_plugins.policy_losses"
@@ -298,7 +327,11 @@ def test_option_defaults():
         (pl.ClipOptions, {"eps_low": 1.0}, "eps_low must be in \\(0, 1\\)"),
         (pl.GSPOOptions, {"eps_high": -1e-4}, "eps_high must be a positive finite number.*or null"),
         (pl.ClipOptions, {"dual_clip": 1.0}, "dual_clip must be a finite number > 1.*or null"),
-        (pl.ClipOptions, {"log_ratio_clamp": 0.0}, "log_ratio_clamp must be a positive finite number"),
+        (
+            pl.ClipOptions,
+            {"log_ratio_clamp": 0.0},
+            "log_ratio_clamp must be a positive finite number",
+        ),
     ],
 )
 def test_options_invalid_values_say_what_is_valid(model, kwargs, message):
