@@ -101,8 +101,9 @@ def build_model(tokenizer, *, hidden_size: int = 32, layers: int = 2, seed: int 
         setattr(config, key, value)
     torch.manual_seed(seed)
     model = cls(config)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model
 
 
