@@ -282,6 +282,8 @@ class HFRollout:
         did not end (EOS / stop string) within ``n`` tokens."""
         from transformers import StoppingCriteriaList
 
+        first = int(mask.any(0).nonzero()[0])  # drop columns that are padding in every row
+        ids, mask = ids[:, first:], mask[:, first:]
         recorder = _EndRecorder(torch.tensor(self.eos_ids), self._stop_criterion(sampling.stop))
         kwargs: dict[str, Any] = {}
         if self._can_share(ids, group_size):

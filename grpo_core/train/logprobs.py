@@ -217,6 +217,8 @@ def _hidden_shared(
     back through the repetition. Returns ``(B, T, H)``, or None if the decoder kept no cache."""
     from transformers import DynamicCache
 
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
     cache = DynamicCache(config=config)
     out = decoder(
         input_ids=prompt_ids,
