@@ -169,7 +169,7 @@ def update(
             t0 = time.perf_counter()
             total_loss, ratio_sum, ratio_tokens = 0.0, 0.0, 0
             size = micro_batch_size or max(len(active), 1)
-            for micro in active.split(size):
+            for micro in active.split(size) if len(active) else ():
                 m = batch.mask[micro]
                 with autocast():
                     logp, entropy = forward_logprobs(
