@@ -30,7 +30,10 @@ from grpo_core.registry import Component, Registry
 
 def _resolve_path(value: Path, info: ValidationInfo) -> Path:
     base = (info.context or {}).get("base_dir")
-    value = Path(value).expanduser()
+    try:
+        value = Path(value).expanduser()
+    except RuntimeError as exc:  # "~name" of an unknown user: a spec error, not a crash
+        raise ValueError(f"cannot expand '~' in path {str(value)!r}: {exc}") from None
     if not value.is_absolute() and base is not None:
         value = Path(base) / value
     return value
