@@ -114,9 +114,16 @@ def _load_entry_points(pm: pluggy.PluginManager, info: dict[str, PluginInfo]) ->
         info[ep.name] = PluginInfo(ep.name, "entry point", dist, version, ep.value)
 
 
+def _resolve_file(path: Path) -> Path:
+    try:
+        return Path(path).resolve()
+    except (OSError, ValueError) as exc:  # e.g. a NUL byte in the name
+        raise PluginError(f"plugin file {str(path)!r} is not a valid path: {exc}") from None
+
+
 def load_plugin_file(path: Path) -> ModuleType:
     """Import a local plugin file under a private module name."""
-    path = Path(path).resolve()
+    path = _resolve_file(path)
     if not path.is_file():
         raise PluginError(f"plugin file {path} does not exist")
     modname = f"grpo_local_plugins.{path.stem}_{abs(hash(str(path))) & 0xFFFFFFFF:08x}"
@@ -137,7 +144,7 @@ def load_plugin_file(path: Path) -> ModuleType:
 
 def _load_files(pm: pluggy.PluginManager, info: dict[str, PluginInfo], files: Iterable[Path]) -> None:
     for path in files:
-        path = Path(path).resolve()
+        path = _resolve_file(path)
         name = str(path)
         if name in info:
             continue
