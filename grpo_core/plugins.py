@@ -16,6 +16,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import os
+import re
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from types import ModuleType
 import pluggy
 
 from grpo_core import hookspecs
-from grpo_core.errors import PluginError
+from grpo_core.errors import PluginError, did_you_mean
 from grpo_core.registry import Registrar, Registry
 
 ENTRY_POINT_GROUP = "grpo"
@@ -157,10 +158,13 @@ def _check_pending(pm: pluggy.PluginManager) -> None:
     try:
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
-        known = ", ".join(hookspecs.KINDS.values())
+        known = list(hookspecs.KINDS.values())
+        plugin = pm.get_name(exc.plugin) or repr(exc.plugin)
+        match = re.search(r"unknown hook '([^']+)'", str(exc))
+        hook = match.group(1) if match else "?"
         raise PluginError(
-            f"plugin '{exc.plugin_name if hasattr(exc, 'plugin_name') else exc.plugin}' "
-            f"implements an unknown hook: {exc}; known hooks: {known}"
+            f"plugin '{plugin}' implements an unknown hook '{hook}'"
+            f"{did_you_mean(hook, known)}; known hooks: {', '.join(known)}"
         ) from exc
 
 
