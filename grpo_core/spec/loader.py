@@ -3,6 +3,7 @@ reports every problem at once with its YAML path and line."""
 
 from __future__ import annotations
 
+import re
 import types
 import typing
 from dataclasses import dataclass
@@ -56,6 +57,15 @@ def parse_yaml(text: str, source: str) -> tuple[Any, dict[tuple, int]]:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc)
+        tag = re.search(r"constructor for the tag '([^']+)'", problem)
+        if isinstance(exc, yaml.constructor.ConstructorError) and tag:
+            shown = tag.group(1).replace("tag:yaml.org,2002:", "!!")
+            raise SpecError(
+                [f"YAML tag {shown!r} is not allowed{where}: specs are read with YAML's safe "
+                 "loader, which builds only plain data (mappings, lists, strings, numbers, "
+                 "booleans, null)"],
+                source,
+            ) from None
         raise SpecError([f"not valid YAML{where}: {problem}"], source) from None
     return data, (_line_map(node) if node is not None else {})
 
