@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from typing import Any
@@ -36,6 +37,13 @@ class MLflowOptions(Options):
     retry_every: float = Field(
         30.0, ge=0, description="Seconds between attempts to reach an unreachable server again."
     )
+    request_timeout: float = Field(
+        10.0, gt=0, description="Seconds one HTTP request to the server may take (MLFLOW_HTTP_REQUEST_TIMEOUT)."
+    )
+    request_retries: int = Field(
+        0, ge=0, description="MLflow's own retries of a failed HTTP request (MLFLOW_HTTP_REQUEST_MAX_RETRIES). "
+        "0 by default: this tracker keeps what failed and sends it later, so training never waits on retries."
+    )
 
 
 class MLflowTracker:
@@ -57,6 +65,10 @@ class MLflowTracker:
     def _connect(self):
         if self._client is None:
             from mlflow import MlflowClient
+
+            # Read by MLflow at request time; a user's own setting wins.
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(self.options.request_timeout)))
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(self.options.request_retries))
 
             self._client = MlflowClient(tracking_uri=self.options.tracking_uri)
         return self._client
@@ -148,7 +160,10 @@ class MLflowTracker:
             self._failed("log_table", exc)
 
     def finish(self, status: str) -> None:
-        self.flush(force=True)
+        if not self.flush(force=True):
+            rows = len(self._pending)
+            log.warning("MLflow unreachable at the end of the run: %d metric rows were not sent "
+                        "(they are in the run folder's metrics.jsonl)", rows)
         if self.run_id is None:
             return
         try:

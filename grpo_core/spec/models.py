@@ -221,7 +221,10 @@ class TrackerSlot(Slot):
 
 
 class CheckpointSection(Section):
-    every: int = Field(0, ge=0, description="Write a checkpoint every N steps (and on interruption); 0: only at the end.")
+    every: int = Field(
+        0, ge=0, description="Write a checkpoint every N steps and at the end; 0: none periodically. "
+        "One is always written when the run is interrupted or stops on non-finite updates."
+    )
     keep: int = Field(2, ge=1, description="Keep the last K checkpoints.")
 
 

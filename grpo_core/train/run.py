@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from grpo_core import checkpoint as ckpt
 from grpo_core.contracts import SamplingParams
 from grpo_core.errors import RunError
 from grpo_core.spec import LoadedSpec, Spec, dump_spec
@@ -57,6 +58,8 @@ class Run:
     reference: Any = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     step: int = 0
+    nonfinite_streak: int = 0
+    last_eval: dict[str, float] = field(default_factory=dict)
 
     def autocast(self):
         return modeling.autocast(self.spec.train.mixed_precision, self.device)
@@ -68,6 +71,46 @@ class Run:
             top_k=r.top_k, stop=tuple(r.stop),
         )
         return replace(base, **changes)
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.output_dir / "checkpoints"
+
+    def stateful(self) -> dict[str, Any]:
+        """Components that carry state across steps (``state_dict``/``load_state_dict``)."""
+        named = {"rollout": self.backend, "advantage": self.estimator}
+        named.update({f"rewards.{fn.name}": fn.fn for fn in self.rewards})
+        return {k: v for k, v in named.items() if hasattr(v, "state_dict") and hasattr(v, "load_state_dict")}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "run_id": self.log.run_id,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": ckpt.rng_state(),
+            "data": self.prompts.state_dict(),
+            "nonfinite_streak": self.nonfinite_streak,
+            "last_eval": dict(self.last_eval),
+            "components": {k: v.state_dict() for k, v in self.stateful().items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.prompts.load_state_dict(state["data"])
+        self.nonfinite_streak = int(state.get("nonfinite_streak", 0))
+        self.last_eval = dict(state.get("last_eval", {}))
+        for key, component in self.stateful().items():
+            if key in state.get("components", {}):
+                component.load_state_dict(state["components"][key])
+        ckpt.set_rng_state(state["rng"])
+
+    def save_checkpoint(self) -> Path:
+        return ckpt.write_checkpoint(
+            self.checkpoint_dir, self.step, self.model, self.state_dict(), self.spec.checkpoint.keep
+        )
 
 
 def _rewards(spec: Spec) -> list[RewardFn]:
@@ -194,59 +237,90 @@ def _postfix(metrics: dict[str, float], last_eval: dict[str, float]) -> dict[str
     return {k: f"{v:.3g}" for k, v in shown.items() if v is not None and math.isfinite(v)}
 
 
+def _resume(run: Run, resume: str | None) -> str | None:
+    """Restore the run from a checkpoint; return the tracker run id to continue."""
+    if resume is None:
+        return None
+    found = ckpt.find_resumable(run.checkpoint_dir, resume)
+    if found is None:
+        raise RunError(
+            f"--resume: no usable checkpoint in {run.checkpoint_dir}; run without --resume to start afresh"
+        )
+    ckpt.load_model_weights(run.model, found.folder)
+    run.load_state_dict(found.state)
+    run.backend.sync_weights(run.model)
+    print(f"grpo-run: resuming from {found.folder} (step {run.step})", file=sys.stderr)
+    return found.state.get("run_id")
+
+
+def _one_step(run: Run) -> dict[str, float]:
+    spec = run.spec
+    metrics, samples = run_step(run, run.step)
+    run.step += 1
+    run.nonfinite_streak = run.nonfinite_streak + 1 if metrics["train/nonfinite_updates"] else 0
+    metrics["train/nonfinite_streak"] = run.nonfinite_streak
+    metrics["data/skipped_prompts"] = float(sum(run.prompts.skipped.values()))
+    if spec.eval.every and run.step % spec.eval.every == 0 and run.step < spec.train.steps:
+        run.last_eval = evaluate(run)
+        metrics.update(run.last_eval)
+    run.log.log_metrics(metrics, run.step)
+    every = spec.train.log_completions_every
+    if every and run.step % every == 0:
+        run.log.log_table("completions", samples, run.step)
+    if spec.checkpoint.every and run.step % spec.checkpoint.every == 0:
+        run.save_checkpoint()
+    if run.nonfinite_streak >= spec.train.max_nonfinite_updates:
+        folder = run.save_checkpoint()
+        raise RunError(
+            f"{run.nonfinite_streak} steps in a row had a non-finite loss or gradient "
+            f"(train.max_nonfinite_updates = {spec.train.max_nonfinite_updates}); stopped with the "
+            f"last good weights in {folder}. Lower train.lr or check the rewards."
+        )
+    return metrics
+
+
 def train(loaded: LoadedSpec, resume: str | None = None) -> int:
     """Train as the spec says; return the process exit code."""
     run = build_run(loaded)
     spec = run.spec
-    run.log.start(loaded.name)
-    run.log.log_params(flatten(spec.model_dump(mode="json")))
-    resolved = run.output_dir / "spec.resolved.yaml"
-    resolved.write_text(dump_spec(spec), encoding="utf-8")
-    run.log.log_artifact(resolved)
-    status, code = "FAILED", 1
-    last_eval: dict[str, float] = {}
+    resume_id = _resume(run, resume)
+    run.log.start(loaded.name, resume_id)
+    if resume_id is None:
+        run.log.log_params(flatten(spec.model_dump(mode="json")))
+        resolved = run.output_dir / "spec.resolved.yaml"
+        resolved.write_text(dump_spec(spec), encoding="utf-8")
+        run.log.log_artifact(resolved)
+    status = "FAILED"
     bar = _progress(run, run.step)
-    nonfinite_streak = 0
     try:
         with StopSignal() as stop:
-            if spec.eval.at_start and run.eval_prompts:
-                last_eval = evaluate(run)
-                run.log.log_metrics(last_eval, run.step)
+            if spec.eval.at_start and run.eval_prompts and run.step == 0:
+                run.last_eval = evaluate(run)
+                run.log.log_metrics(run.last_eval, run.step)
             while run.step < spec.train.steps and stop.signum is None:
-                metrics, samples = run_step(run, run.step)
-                run.step += 1
-                nonfinite_streak = nonfinite_streak + 1 if metrics["train/nonfinite_updates"] else 0
-                metrics["train/nonfinite_streak"] = nonfinite_streak
-                metrics["data/skipped_prompts"] = float(sum(run.prompts.skipped.values()))
-                if spec.eval.every and run.step % spec.eval.every == 0 and run.step < spec.train.steps:
-                    last_eval = evaluate(run)
-                    metrics.update(last_eval)
-                run.log.log_metrics(metrics, run.step)
-                every = spec.train.log_completions_every
-                if every and run.step % every == 0:
-                    run.log.log_table("completions", samples, run.step)
+                metrics = _one_step(run)
                 if bar is not None:
-                    bar.set_postfix(_postfix(metrics, last_eval), refresh=False)
+                    bar.set_postfix(_postfix(metrics, run.last_eval), refresh=False)
                     bar.update(1)
-                if nonfinite_streak >= spec.train.max_nonfinite_updates:
-                    raise RunError(
-                        f"{nonfinite_streak} steps in a row had a non-finite loss or gradient "
-                        f"(train.max_nonfinite_updates = {spec.train.max_nonfinite_updates}); stopping "
-                        "with the last good weights. Lower train.lr or check the rewards."
-                    )
             if stop.signum is not None:
-                status, code = "KILLED", stop.exit_code
-                print(f"grpo-run: stopped at step {run.step}.", file=sys.stderr)
-                return code
+                status = "KILLED"
+                folder = run.save_checkpoint()
+                print(
+                    f"grpo-run: stopped at step {run.step}; checkpoint {folder}\n"
+                    f"  resume with: grpo-run {loaded.path} --resume", file=sys.stderr,
+                )
+                return stop.exit_code
         if spec.eval.at_end and run.eval_prompts:
-            last_eval = evaluate(run)
-            run.log.log_metrics(last_eval, run.step)
+            run.last_eval = evaluate(run)
+            run.log.log_metrics(run.last_eval, run.step)
+        if spec.checkpoint.every:
+            run.save_checkpoint()
         final = _save_final(run)
-        status, code = "FINISHED", 0
-        _summary(run, final, last_eval)
-        return code
+        status = "FINISHED"
+        _summary(run, final, run.last_eval)
+        return 0
     except KeyboardInterrupt:
-        status, code = "KILLED", 130
+        status = "KILLED"
         raise
     finally:
         if bar is not None:
