@@ -84,7 +84,13 @@ def apply_override(data: dict, assignment: str) -> tuple:
         raise ValueError(f"--set {assignment!r}: expected path.to.key=value")
     key, raw = assignment.split("=", 1)
     path = _parse_key(key.strip())
-    value = yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ValueError(
+            f"--set {key}: the value {raw!r} is not valid YAML ({problem}); quote it to pass a string"
+        ) from None
     node: Any = data
     for depth, part in enumerate(path[:-1]):
         nxt = path[depth + 1]
