@@ -79,7 +79,10 @@ def _parse_key(key: str) -> tuple:
 
 
 def apply_override(data: dict, assignment: str) -> tuple:
-    """Apply ``path.to.key=value`` (value parsed as YAML) to ``data`` in place."""
+    """Apply ``path.to.key=value`` (value parsed as YAML) to ``data`` in place.
+
+    Missing sections are created, and index ``len(list)`` appends an item. Returns the
+    path that the override set or created, to label its errors ``(--set)``."""
     if "=" not in assignment:
         raise ValueError(f"--set {assignment!r}: expected path.to.key=value")
     key, raw = assignment.split("=", 1)
@@ -92,17 +95,23 @@ def apply_override(data: dict, assignment: str) -> tuple:
             f"--set {key}: the value {raw!r} is not valid YAML ({problem}); quote it to pass a string"
         ) from None
     node: Any = data
+    created: tuple | None = None  # the outermost section or item this override creates
     for depth, part in enumerate(path[:-1]):
         nxt = path[depth + 1]
         if isinstance(part, int):
-            if not isinstance(node, list) or part >= len(node):
+            # like the last part, index len(list) appends a new item (rewards.1.name=format)
+            if not isinstance(node, list) or part > len(node):
                 raise ValueError(f"--set {key}: {format_path(path[:depth])} has no item {part}")
+            if part == len(node):
+                node.append([] if isinstance(nxt, int) else {})
+                created = created or path[: depth + 1]
             node = node[part]
             continue
         if not isinstance(node, dict):
             raise ValueError(f"--set {key}: {format_path(path[:depth])} is not a mapping")
         if node.get(part) is None:
             node[part] = [] if isinstance(nxt, int) else {}
+            created = created or path[: depth + 1]
         node = node[part]
     last = path[-1]
     if isinstance(last, int):
@@ -113,7 +122,7 @@ def apply_override(data: dict, assignment: str) -> tuple:
         node[last] = value
     else:
         raise ValueError(f"--set {key}: {format_path(path[:-1])} is not a mapping")
-    return path
+    return created or path
 
 
 # --------------------------------------------------------------------------- errors
