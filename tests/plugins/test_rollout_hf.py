@@ -258,3 +258,28 @@ def test_errors_name_the_problem(model, tokenizer, prompts):
         backend.generate(prompts, 2, SamplingParams(max_new_tokens=4, temperature=0.0))
     with pytest.raises(ValueError, match="group_size"):
         backend.generate(prompts, 0, GREEDY)
+
+
+def test_generation_copy_in_another_dtype_follows_the_policy():
+    """With ``dtype`` the backend generates with its own copy, which sync_weights refreshes."""
+    from grpo_core.contracts import SamplingParams
+    from grpo_core.testing import build_model, build_tokenizer
+    from grpo_plugins.rollout_hf import HFRollout, HFRolloutOptions
+
+    tok = build_tokenizer()
+    policy = build_model(tok)
+    backend = HFRollout(HFRolloutOptions(dtype="bfloat16"))
+    backend.setup(policy, tok)
+    assert backend.model is not policy
+    assert next(backend.model.parameters()).dtype == torch.bfloat16
+    assert next(policy.parameters()).dtype == torch.float32  # the policy is untouched
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.5)
+    before = next(backend.model.parameters()).clone()
+    backend.sync_weights(policy)
+    after = next(backend.model.parameters())
+    assert not torch.equal(before, after)
+    assert torch.equal(after, next(policy.parameters()).to(torch.bfloat16))
+    out = backend.generate([[5, 6, 7]], 2, SamplingParams(max_new_tokens=3, greedy=True))
+    assert out.completion_ids.shape[0] == 2
