@@ -172,8 +172,9 @@ def _fill_registry(pm: pluggy.PluginManager, info: dict[str, PluginInfo]) -> Reg
     registry = Registry()
     for kind, hookname in hookspecs.KINDS.items():
         caller = getattr(pm.hook, hookname)
-        # pluggy calls later registrations first; registration order reads better.
-        for impl in reversed(caller.get_hookimpls()):
+        # get_hookimpls() is in registration order (pluggy *calls* them in reverse):
+        # built-ins first, then entry points, files and objects, as load_plugins adds them.
+        for impl in caller.get_hookimpls():
             registrar = Registrar(registry, kind, impl.plugin_name)
             kwargs = {"register": registrar}
             try:
