@@ -68,7 +68,7 @@ def _plain_copy(model):
     for attr in ("quantization_config",):
         if hasattr(config, attr):
             delattr(config, attr)
-    plain = AutoModelForCausalLM.from_config(config, torch_dtype=next(model.parameters()).dtype)
+    plain = AutoModelForCausalLM.from_config(config, dtype=next(model.parameters()).dtype)
     missing, unexpected = plain.load_state_dict(model.state_dict(), strict=False)
     if unexpected or [m for m in missing if "rotary" not in m]:
         raise RunError(f"model: GGUF weights do not fit the architecture (missing {missing}, unexpected {unexpected})")

@@ -1,0 +1,157 @@
+"""The update stage: the fast paths give the same step as the plain one.
+
+Tolerances: the model is float64, so differences come only from summation order
+(micro-batches, skipped rows) and are far below 1e-9; the shared-prompt forward goes
+through Llama's float32 RMSNorm upcast, hence 1e-6 there.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from grpo_core.plugins import load_plugins
+from grpo_core.testing import build_model, build_tokenizer
+from grpo_core.train.update import Objective, TrainBatch, update
+from contextlib import nullcontext
+
+torch.set_num_threads(1)
+
+P, G, T = 3, 4, 6
+
+
+@pytest.fixture(scope="module")
+def registry():
+    return load_plugins(external=False).registry
+
+
+@pytest.fixture(scope="module")
+def base_model():
+    torch.manual_seed(0)
+    return build_model(build_tokenizer()).double()
+
+
+def make_batch(zero_groups=(1,), seed=0) -> TrainBatch:
+    gen = torch.Generator().manual_seed(seed)
+    prompt_ids = torch.randint(10, 300, (P, 5), generator=gen)
+    prompt_mask = torch.ones(P, 5, dtype=torch.bool)
+    prompt_mask[0, :2] = False  # left padding
+    completion_ids = torch.randint(10, 300, (P * G, T), generator=gen)
+    lengths = torch.randint(1, T + 1, (P * G,), generator=gen)
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    adv = torch.randn(P * G, 1, generator=gen, dtype=torch.float64).expand(-1, T).clone()
+    for g in zero_groups:
+        adv[g * G:(g + 1) * G] = 0.0
+    adv = adv * mask
+    return TrainBatch(prompt_ids, prompt_mask, completion_ids, mask, adv)
+
+
+class NoSkip:
+    """The same loss as the built-in, without declaring that zero advantages give zero loss."""
+
+    zero_advantage_is_zero_loss = False
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, inputs):
+        return self.inner(inputs)
+
+
+def objective(registry, loss=None, aggregator="seq-mean-token-mean", **kw) -> Objective:
+    loss = loss or registry.get("policy_loss", "clip").build()
+    agg = registry.get("loss_aggregator", aggregator).build()
+    defaults = dict(kl=None, beta=0.0, entropy_coef=0.0, early_stop_imp_ratio=None, temperature=1.0, max_length=T)
+    defaults.update(kw)
+    return Objective(policy_loss=loss, aggregator=agg, **defaults)
+
+
+def step(model, batch, obj, *, micro=None, mu=1, mini_batches=1):
+    model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    metrics = update(model, opt, sched, batch, obj, mu=mu, mini_batches=mini_batches,
+                     micro_batch_size=micro, max_grad_norm=None, autocast=nullcontext)
+    return model, metrics
+
+
+def max_diff(a, b) -> float:
+    return max(float((p - q).detach().abs().max()) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_skipping_zero_advantage_rows_gives_the_same_step(registry, base_model):
+    batch = make_batch(zero_groups=(1,))
+    obj_fast = objective(registry)
+    assert obj_fast.skips_zero_advantage_rows
+    fast, m_fast = step(base_model, batch, obj_fast)
+    slow, m_slow = step(base_model, batch, objective(registry, loss=NoSkip(obj_fast.policy_loss)))
+    assert m_fast["perf/skipped_rows_frac"] == pytest.approx(1 / P)
+    assert m_slow["perf/skipped_rows_frac"] == 0.0
+    assert max_diff(fast, slow) < 1e-9
+    assert max_diff(fast, base_model) > 1e-5  # the step did something
+    assert m_fast["loss"] == pytest.approx(m_slow["loss"], abs=1e-12)
+
+
+def test_a_mini_batch_of_only_zero_advantages_still_steps_the_optimizer(registry, base_model):
+    """Adam's moments move even with a zero gradient; skipping every row must not change that."""
+    batch = make_batch(zero_groups=range(P))
+    obj = objective(registry)
+    fast, m = step(base_model, batch, obj)
+    slow, _ = step(base_model, batch, objective(registry, loss=NoSkip(obj.policy_loss)))
+    assert m["perf/skipped_rows_frac"] == 1.0 and m["train/updates"] == 1.0
+    assert max_diff(fast, slow) < 1e-12
+
+
+@pytest.mark.parametrize("aggregator", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                                        "seq-mean-token-sum-norm", "token-sum"])
+def test_micro_batch_size_does_not_change_the_step(registry, base_model, aggregator):
+    batch = make_batch(zero_groups=())
+    obj = objective(registry, aggregator=aggregator)
+    whole, _ = step(base_model, batch, obj)
+    for micro in (1, 3, 5):
+        split, _ = step(base_model, batch, obj, micro=micro)
+        assert max_diff(whole, split) < 1e-6, micro
+
+
+def test_kl_in_the_loss_uses_every_row_and_reports_kl(registry, base_model):
+    batch = make_batch(zero_groups=(0,))
+    from grpo_core.train.update import batch_logprobs
+
+    ref = copy.deepcopy(base_model)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    batch.ref_logp = batch_logprobs(ref, batch, 4, 1.0, nullcontext).double()
+    obj = objective(registry, kl=registry.get("kl_penalty", "low_var_kl").build(), beta=0.1)
+    assert not obj.skips_zero_advantage_rows
+    _, m = step(base_model, batch, obj)
+    assert m["perf/skipped_rows_frac"] == 0.0
+    assert m["kl"] > 0
+
+
+def test_mu_two_uses_old_logprobs_and_moves_the_ratio(registry, base_model):
+    from grpo_core.train.update import batch_logprobs
+
+    batch = make_batch(zero_groups=())
+    batch.old_logp = batch_logprobs(base_model, batch, 4, 1.0, nullcontext).double()
+    _, m1 = step(base_model, batch, objective(registry), mu=1)
+    _, m2 = step(base_model, batch, objective(registry), mu=2)
+    assert m1["policy/ratio"] == pytest.approx(1.0, abs=1e-9)  # first pass: the policy is the old one
+    assert m2["train/updates"] == 2.0
+    assert abs(m2["policy/ratio"] - 1.0) > 1e-6  # the second pass sees the moved policy
+
+
+def test_non_finite_loss_skips_the_update_and_counts_it(registry, base_model):
+    class NaNLoss:
+        def __call__(self, inputs):
+            out = registry.get("policy_loss", "clip").build()(inputs)
+            out.loss = out.loss * float("nan")
+            return out
+
+    batch = make_batch(zero_groups=())
+    model, m = step(base_model, batch, objective(registry, loss=NaNLoss()))
+    assert m["train/nonfinite_updates"] == 1.0 and m["train/updates"] == 0.0
+    assert max_diff(model, base_model) == 0.0
+    assert all(torch.isfinite(p).all() for p in model.parameters())
