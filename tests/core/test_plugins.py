@@ -1,0 +1,353 @@
+"""Loading plugins from the three sources into one registry: built-ins, installed
+distributions (entry-point group ``grpo``), local ``.py`` files listed in the spec.
+
+Installed distributions are simulated by a ``*.dist-info`` folder on a temporary
+``sys.path`` entry (what pip writes), so the entry-point machinery and the
+``GRPO_LOAD_PLUGINS`` / ``GRPO_DISABLED_PLUGINS`` switches run for real without touching
+the interpreter's site-packages. The real install of the example plugin is in
+``test_example_plugin.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import grpo_core
+from grpo_core import hookimpl
+from grpo_core.cli import main
+from grpo_core.errors import PluginError, SpecError
+from grpo_core.hookspecs import KINDS
+from grpo_core.plugins import DEFAULT_PLUGINS, load_plugins
+from grpo_core.spec import load_spec
+
+PLUGIN_SOURCE = '''
+from pydantic import Field
+from grpo_core import hookimpl
+from grpo_core.options import Options
+
+
+class ShoutOptions(Options):
+    loud: int = Field(1, ge=0, description="How loud.")
+
+
+def shout(options):
+    def reward(prompts, completions, **kwargs):
+        """Rewards exclamation marks."""
+        return [float(c.count("!")) * options.loud for c in completions]
+    return reward
+
+
+@hookimpl
+def register_reward_functions(register):
+    register.add("{name}", shout, options=ShoutOptions)
+'''
+
+
+@pytest.fixture
+def fake_dist(tmp_path, monkeypatch):
+    """``fake_dist(dist, entry_point, source)``: an installed distribution ``dist`` whose
+    entry point ``entry_point`` (group ``grpo``) is a module with ``source``."""
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    modules: list[str] = []
+
+    def make(dist: str, entry_point: str, source: str, version: str = "1.2.3") -> str:
+        module = f"fake_grpo_{dist.replace('-', '_')}_{abs(hash(str(tmp_path))) % 10**8}"
+        (site / f"{module}.py").write_text(textwrap.dedent(source), encoding="utf-8")
+        info = site / f"{dist.replace('-', '_')}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n", encoding="utf-8"
+        )
+        (info / "entry_points.txt").write_text(f"[grpo]\n{entry_point} = {module}\n", encoding="utf-8")
+        modules.append(module)
+        return module
+
+    yield make
+    for module in modules:
+        sys.modules.pop(module, None)
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(text), encoding="utf-8")
+    return path
+
+
+# --------------------------------------------------------------------------- built-ins
+def test_builtins_register_like_any_plugin():
+    plugins = load_plugins(external=False)
+    assert list(plugins.info) == list(DEFAULT_PLUGINS)
+    for name in DEFAULT_PLUGINS:
+        info = plugins.info[name]
+        assert (info.source, info.distribution, info.version) == ("builtin", "grpo-core", grpo_core.__version__)
+        assert plugins.manager.get_plugin(name) is sys.modules[name]
+    # every required built-in of the design's table, found by kind and name
+    required = {
+        "advantage_estimator": ["grpo", "process", "dapo-token-scale", "rloo", "reinforce++"],
+        "kl_penalty": ["low_var_kl", "kl", "abs", "mse"],
+        "policy_loss": ["clip", "gspo"],
+        "loss_aggregator": ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                            "seq-mean-token-sum-norm", "token-sum"],
+        "rollout_backend": ["hf"],
+        "tracker": ["mlflow", "console"],
+    }
+    for kind, names in required.items():
+        for name in names:
+            assert plugins.registry.get(kind, name).plugin.startswith("grpo_plugins.")
+
+
+def test_each_load_is_a_fresh_manager():
+    class Inline:
+        @hookimpl
+        def register_trackers(self, register):
+            register.add("inline-tracker", object())
+
+    first = load_plugins(external=False, objects=[Inline()])
+    second = load_plugins(external=False)
+    assert first.manager is not second.manager
+    assert first.registry.find("tracker", "inline-tracker") is not None
+    assert second.registry.find("tracker", "inline-tracker") is None
+    assert "Inline" not in second.info
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_inline_plugin_registers_every_kind(kind):
+    hook = KINDS[kind]
+    component = object()
+    Inline = type("Inline", (), {hook: hookimpl(lambda self, register: register.add("mine", component))})
+    plugins = load_plugins(external=False, objects=[Inline()])
+    found = plugins.registry.get(kind, "mine")
+    assert found.impl is component and found.plugin == "Inline"
+    assert plugins.info["Inline"].source == "object"
+    assert plugins.info["Inline"].components == {kind: ["mine"]}
+
+
+def test_two_objects_with_one_name_are_refused():
+    class Same:
+        @hookimpl
+        def register_trackers(self, register):
+            pass
+
+    with pytest.raises(PluginError, match="a plugin named 'Same' is already loaded"):
+        load_plugins(external=False, objects=[Same(), Same()])
+
+
+# --------------------------------------------------------------------------- hook names
+def test_misspelled_hook_fails_loudly_with_the_closest_hook():
+    class Typo:
+        @hookimpl
+        def register_advantage_estimator(self, register):  # no "s"
+            register.add("never", object())
+
+    with pytest.raises(PluginError) as info:
+        load_plugins(external=False, objects=[Typo()])
+    message = str(info.value)
+    assert "plugin 'Typo' implements an unknown hook 'register_advantage_estimator'" in message
+    assert "did you mean 'register_advantage_estimators'?" in message
+    assert "known hooks: " + ", ".join(KINDS.values()) in message
+
+
+def test_hook_with_an_argument_the_spec_lacks_is_refused():
+    class Extra:
+        @hookimpl
+        def register_datasets(self, register, config):
+            pass
+
+    with pytest.raises(PluginError) as info:
+        load_plugins(external=False, objects=[Extra()])
+    assert 'plugin "Extra": invalid hook implementation' in str(info.value)
+    assert "config" in str(info.value)
+
+
+def test_hook_may_take_no_argument():
+    """pluggy's opt-in arguments: an implementation takes the arguments it needs."""
+    calls = []
+
+    class Quiet:
+        @hookimpl
+        def register_trackers(self):
+            calls.append(1)
+
+    load_plugins(external=False, objects=[Quiet()])
+    assert calls == [1]
+
+
+# --------------------------------------------------------------------------- entry points
+def _reward_plugin(name: str) -> str:
+    return PLUGIN_SOURCE.replace("{name}", name)
+
+
+def test_installed_entry_point_is_loaded_with_its_distribution(fake_dist, all_installed_plugins):
+    module = fake_dist("fake-dist", "fakeep", _reward_plugin("fake-shout"), version="1.2.3")
+    plugins = load_plugins()
+    info = plugins.info["fakeep"]
+    assert (info.source, info.distribution, info.version, info.location) == (
+        "entry point", "fake-dist", "1.2.3", module,
+    )
+    assert info.components == {"reward_function": ["fake-shout"]}
+    assert plugins.registry.get("reward_function", "fake-shout").plugin == "fakeep"
+    # after the built-ins in every listing
+    names = plugins.registry.names("reward_function")
+    assert names.index("fake-shout") > names.index("accuracy")
+
+
+@pytest.mark.parametrize(
+    ("load", "disabled", "loaded"),
+    [
+        (None, None, True),  # unset: every installed plugin
+        ("", None, False),  # empty: none
+        ("fakeep", None, True),  # by entry-point name
+        ("fake-dist", None, True),  # by distribution name
+        (" other , fakeep ", None, True),  # a comma list, spaces ignored
+        ("other", None, False),
+        (None, "fakeep", False),  # blocklist by entry-point name
+        (None, "x,fake-dist", False),  # blocklist by distribution name
+        ("fakeep", "fakeep", False),  # the blocklist wins
+    ],
+)
+def test_environment_switches(fake_dist, monkeypatch, all_installed_plugins, load, disabled, loaded):
+    fake_dist("fake-dist", "fakeep", _reward_plugin("fake-shout"))
+    for var, value in (("GRPO_LOAD_PLUGINS", load), ("GRPO_DISABLED_PLUGINS", disabled)):
+        if value is None:
+            monkeypatch.delenv(var, raising=False)
+        else:
+            monkeypatch.setenv(var, value)
+    plugins = load_plugins()
+    assert ("fakeep" in plugins.info) is loaded
+    assert (plugins.registry.find("reward_function", "fake-shout") is not None) is loaded
+
+
+def test_external_false_ignores_installed_plugins(fake_dist, all_installed_plugins):
+    fake_dist("fake-dist", "fakeep", _reward_plugin("fake-shout"))
+    assert "fakeep" not in load_plugins(external=False).info
+
+
+def test_plugin_that_fails_to_import_names_plugin_and_distribution(fake_dist, all_installed_plugins):
+    fake_dist("fake-broken", "broken", "import not_a_real_module_xyz\n")
+    with pytest.raises(PluginError) as info:
+        load_plugins()
+    message = str(info.value)
+    assert message.startswith('Error importing plugin "broken" (distribution fake-broken): ')
+    assert "ModuleNotFoundError" in message and "not_a_real_module_xyz" in message
+
+
+def test_broken_plugin_is_exit_2_from_the_cli_and_can_be_disabled(fake_dist, monkeypatch, all_installed_plugins):
+    fake_dist("fake-broken", "broken", "raise RuntimeError('boom at import')\n")
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        assert main(["plugins"]) == 2
+    assert 'Error importing plugin "broken" (distribution fake-broken): RuntimeError: boom at import' in err.getvalue()
+    assert "Traceback" not in err.getvalue()
+    monkeypatch.setenv("GRPO_DISABLED_PLUGINS", "broken")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["plugins"]) == 0
+    assert "grpo_plugins.rewards" in out.getvalue() and "broken" not in out.getvalue()
+
+
+def test_installed_plugin_clashing_with_a_builtin_names_both(fake_dist, all_installed_plugins):
+    fake_dist("fake-dist", "fakeep", _reward_plugin("accuracy"))
+    with pytest.raises(PluginError) as info:
+        load_plugins()
+    assert "reward function 'accuracy' is registered twice: by plugin 'grpo_plugins.rewards' " \
+           "and by plugin 'fakeep'" in str(info.value)
+
+
+# --------------------------------------------------------------------------- local files
+def test_spec_plugin_files_are_relative_to_the_spec(tmp_path, monkeypatch):
+    plugin = write(tmp_path / "project" / "local" / "shout.py", _reward_plugin("shout"))
+    spec = write(
+        tmp_path / "project" / "spec.yaml",
+        """\
+        model: {path: m}
+        rewards:
+          - name: shout
+            loud: 3
+        plugins: [local/shout.py]
+        """,
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    loaded = load_spec(spec)
+    reward = loaded.spec.rewards[0]
+    assert reward.options.loud == 3
+    assert reward.component.plugin == str(plugin.resolve())
+    assert reward.build()(["p", "p"], ["hi!!", "no"]) == [6.0, 0.0]
+    assert loaded.spec.plugins == [plugin.resolve()]
+    info = loaded.plugins.info[str(plugin.resolve())]
+    assert (info.name, info.source, info.components) == ("shout.py", "file", {"reward_function": ["shout"]})
+
+
+def test_spec_plugin_file_listed_twice_loads_once(tmp_path):
+    write(tmp_path / "shout.py", _reward_plugin("shout"))
+    spec = write(tmp_path / "spec.yaml", "model: {path: m}\nrewards: [{name: shout}]\nplugins: [shout.py, ./shout.py]\n")
+    loaded = load_spec(spec)
+    assert loaded.plugins.registry.names("reward_function").count("shout") == 1
+
+
+def test_missing_plugin_file_is_named_with_its_path(tmp_path):
+    spec = write(tmp_path / "spec.yaml", "model: {path: m}\nrewards: [{name: accuracy}]\nplugins: [nope.py]\n")
+    with pytest.raises(SpecError) as info:
+        load_spec(spec)
+    assert info.value.problems == [f"spec.plugins (line 3): plugin file {tmp_path / 'nope.py'} does not exist"]
+
+
+def test_plugin_file_that_fails_to_import_is_named(tmp_path):
+    write(tmp_path / "bad.py", "x = 1 / 0\n")
+    spec = write(tmp_path / "spec.yaml", "model: {path: m}\nrewards: [{name: accuracy}]\nplugins: [bad.py]\n")
+    with pytest.raises(SpecError) as info:
+        load_spec(spec)
+    (problem,) = info.value.problems
+    assert problem.startswith("spec.plugins (line 3): ")
+    assert f'Error importing plugin file "{tmp_path / "bad.py"}": ZeroDivisionError: division by zero' in problem
+
+
+def test_plugin_file_with_a_misspelled_hook_is_named(tmp_path):
+    write(
+        tmp_path / "typo.py",
+        """\
+        from grpo_core import hookimpl
+
+        @hookimpl
+        def register_reward_function(register):
+            pass
+        """,
+    )
+    spec = write(tmp_path / "spec.yaml", "model: {path: m}\nrewards: [{name: accuracy}]\nplugins: [typo.py]\n")
+    with pytest.raises(SpecError) as info:
+        load_spec(spec)
+    (problem,) = info.value.problems
+    assert f"plugin '{tmp_path / 'typo.py'}' implements an unknown hook 'register_reward_function'" in problem
+    assert "did you mean 'register_reward_functions'?" in problem
+
+
+def test_two_plugin_files_with_one_name_name_both_files(tmp_path):
+    a = write(tmp_path / "a.py", _reward_plugin("shout"))
+    b = write(tmp_path / "b.py", _reward_plugin("shout"))
+    spec = write(tmp_path / "spec.yaml", "model: {path: m}\nrewards: [{name: shout}]\nplugins: [a.py, b.py]\n")
+    with pytest.raises(SpecError) as info:
+        load_spec(spec)
+    assert f"reward function 'shout' is registered twice: by plugin '{a}' and by plugin '{b}'" in str(info.value)
+
+
+@pytest.mark.parametrize("value", ["shout.py", "[1, 2]", "{a: b}"])
+def test_plugins_must_be_a_list_of_paths(tmp_path, value):
+    spec = write(tmp_path / "spec.yaml", f"model: {{path: m}}\nrewards: [{{name: accuracy}}]\nplugins: {value}\n")
+    with pytest.raises(SpecError) as info:
+        load_spec(spec)
+    assert info.value.problems == ["spec.plugins (line 3): must be a list of .py file paths"]
+
+
+def test_plugin_file_path_with_a_nul_byte_is_a_spec_error(tmp_path):
+    spec = write(tmp_path / "spec.yaml", 'model: {path: m}\nrewards: [{name: accuracy}]\nplugins: ["a\\0b.py"]\n')
+    with pytest.raises(SpecError, match="is not a valid path: embedded null byte"):
+        load_spec(spec)
