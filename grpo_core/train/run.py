@@ -290,6 +290,8 @@ def train(loaded: LoadedSpec, resume: str | None = None) -> int:
         resolved = run.output_dir / "spec.resolved.yaml"
         resolved.write_text(dump_spec(spec), encoding="utf-8")
         run.log.log_artifact(resolved)
+        if loaded.path is not None:
+            run.log.log_artifact(loaded.path)
     status = "FAILED"
     bar = _progress(run, run.step)
     try:

@@ -1,0 +1,96 @@
+"""Training options on a tiny real model: LoRA (reference = adapter off), gradient
+checkpointing, bf16 autocast, a bf16 generation copy, KL placements, schedules."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_core.spec import load_spec
+from grpo_core.testing import save_tiny_model
+from grpo_core.train.optim import lr_factor
+from grpo_core.train.run import build_run
+from grpo_core.train.step import run_step
+
+torch.set_num_threads(1)
+SPECS = Path(__file__).resolve().parents[2] / "specs"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def make_run(tiny_model, tmp_path, *overrides):
+    base = [f"model.path={tiny_model}", "tracking=[]", f"train.output_dir={tmp_path}",
+            "train.progress=false", "train.threads=1"]
+    return build_run(load_spec(SPECS / "tiny.yaml", [*base, *overrides]))
+
+
+def weights(model) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters() if p.requires_grad]
+
+
+def test_lora_reference_is_the_base_with_the_adapter_disabled(tiny_model, tmp_path):
+    run = make_run(tiny_model, tmp_path, "model.lora={r: 4, alpha: 8}", "algorithm.kl.beta=0.1")
+    assert run.reference.uses_adapter and run.reference.model is None  # no second copy
+    trainable = [n for n, p in run.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    base = [p.detach().clone() for n, p in run.model.named_parameters() if not p.requires_grad]
+    metrics = {}
+    for step in range(2):
+        metrics, _ = run_step(run, step)
+    assert math.isfinite(metrics["loss"]) and metrics["kl"] > 0  # the adapter moved away from the base
+    frozen = [p for n, p in run.model.named_parameters() if not p.requires_grad]
+    assert all(torch.equal(a, b) for a, b in zip(base, frozen))
+
+
+def test_reference_copy_stays_frozen_without_lora(tiny_model, tmp_path):
+    run = make_run(tiny_model, tmp_path, "algorithm.kl.beta=0.1", "train.lr=1.0e-2")
+    ref_before = [p.detach().clone() for p in run.reference.model.parameters()]
+    policy_before = weights(run.model)
+    metrics, _ = run_step(run, 0)
+    metrics, _ = run_step(run, 1)
+    assert all(torch.equal(a, b) for a, b in zip(ref_before, run.reference.model.parameters()))
+    assert any(not torch.equal(a, b) for a, b in zip(policy_before, weights(run.model)))
+    assert metrics["kl"] > 0
+
+
+def test_no_reference_model_when_beta_is_zero(tiny_model, tmp_path):
+    run = make_run(tiny_model, tmp_path, "algorithm.kl.beta=0")
+    assert run.reference is None and run.objective.kl is None
+
+
+def test_kl_in_the_reward_lowers_the_rewards_fed_to_advantages(tiny_model, tmp_path):
+    run = make_run(tiny_model, tmp_path, "algorithm.kl={name: k1, beta: 0.5, placement: reward}", "train.lr=1.0e-2")
+    run_step(run, 0)
+    metrics, _ = run_step(run, 1)
+    assert run.objective.kl is None  # not in the loss
+    assert "kl" in metrics and math.isfinite(metrics["kl"])
+
+
+@pytest.mark.parametrize("overrides", [
+    ["model.gradient_checkpointing=true"],
+    ["train.mixed_precision=bf16"],
+    ["rollout.dtype=bfloat16"],
+    ["train.schedule=cosine", "train.warmup_steps=2", "train.mini_batches=2", "algorithm.mu=2"],
+])
+def test_options_train_with_finite_loss(tiny_model, tmp_path, overrides):
+    run = make_run(tiny_model, tmp_path, "train.lr=1.0e-2", *overrides)
+    before = weights(run.model)
+    for step in range(2):
+        metrics, _ = run_step(run, step)
+        assert math.isfinite(metrics["loss"]) and math.isfinite(metrics.get("grad_norm", 0.0))
+    assert any(not torch.equal(a, b) for a, b in zip(before, weights(run.model)))
+    assert all(torch.isfinite(p).all() for p in run.model.parameters())
+
+
+def test_schedules():
+    assert [lr_factor(s, warmup=2, total=10, schedule="constant") for s in (0, 1, 2, 9)] == [0.5, 1.0, 1.0, 1.0]
+    cos = [lr_factor(s, warmup=0, total=4, schedule="cosine") for s in range(5)]
+    assert cos[0] == 1.0 and cos[2] == pytest.approx(0.5) and cos[4] == pytest.approx(0.0, abs=1e-12)
+    lin = [lr_factor(s, warmup=1, total=5, schedule="linear") for s in range(5)]
+    assert lin == pytest.approx([1.0, 1.0, 0.75, 0.5, 0.25])
