@@ -8,6 +8,7 @@ through Llama's float32 RMSNorm upcast, hence 1e-6 there.
 from __future__ import annotations
 
 import copy
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -15,7 +16,6 @@ import torch
 from grpo_core.plugins import load_plugins
 from grpo_core.testing import build_model, build_tokenizer
 from grpo_core.train.update import Objective, TrainBatch, update
-from contextlib import nullcontext
 
 torch.set_num_threads(1)
 
@@ -155,3 +155,24 @@ def test_non_finite_loss_skips_the_update_and_counts_it(registry, base_model):
     assert m["train/nonfinite_updates"] == 1.0 and m["train/updates"] == 0.0
     assert max_diff(model, base_model) == 0.0
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_early_stop_drops_a_mini_batch_whose_mean_ratio_is_too_high(registry, base_model):
+    from grpo_core.train.update import batch_logprobs
+
+    batch = make_batch(zero_groups=())
+    batch.old_logp = batch_logprobs(base_model, batch, 4, 1.0, nullcontext).double()
+    batch.old_logp = batch.old_logp - 0.5 * batch.mask  # the sampler gave these tokens less mass
+    model, m = step(base_model, batch, objective(registry, early_stop_imp_ratio=1.2))
+    assert m["train/dropped_minibatches"] == 1.0 and m["train/updates"] == 0.0
+    assert max_diff(model, base_model) == 0.0
+    _, m = step(base_model, batch, objective(registry, early_stop_imp_ratio=2.0))
+    assert m["train/dropped_minibatches"] == 0.0 and m["train/updates"] == 1.0
+
+
+def test_entropy_is_computed_only_when_its_coefficient_is_set(registry, base_model):
+    batch = make_batch(zero_groups=())
+    _, without = step(base_model, batch, objective(registry))
+    _, with_bonus = step(base_model, batch, objective(registry, entropy_coef=0.01))
+    assert "entropy" not in without
+    assert with_bonus["entropy"] > 0
