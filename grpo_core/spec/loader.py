@@ -293,6 +293,21 @@ def load_spec(
     return LoadedSpec(spec, plugins, path, base_dir)
 
 
+class _SpecDumper(yaml.SafeDumper):
+    """PyYAML with ``allow_unicode`` writes NEL (U+0085) raw inside single quotes, where
+    its reader folds it into a space: strings holding one are double-quoted (escaped)."""
+
+
+def _represent_str(dumper: yaml.SafeDumper, data: str) -> yaml.Node:
+    style = '"' if "\x85" in data else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style=style)
+
+
+_SpecDumper.add_representer(str, _represent_str)
+
+
 def dump_spec(spec: Spec) -> str:
-    """The resolved spec, every default filled in, as YAML."""
-    return yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
+    """The resolved spec, every default filled in, as YAML that loads back unchanged."""
+    return yaml.dump(
+        spec.model_dump(mode="json"), Dumper=_SpecDumper, sort_keys=False, allow_unicode=True
+    )

@@ -181,6 +181,20 @@ def test_dump_and_reload_gives_the_same_spec(tmp_path, load):
     assert dump_spec(second) == text
 
 
+def test_dump_keeps_every_character_of_strings(tmp_path, plugins):
+    """NEL (U+0085) and the Unicode line separators survive the dump (PyYAML folds a raw
+    NEL into a space when it reads it back)."""
+    odd = ["a\x85b", "\x85", "caf\xe9 \u2028 \u2029 \t \n end ", "\x00\x1b\ufeff"]
+    first = load_spec(
+        {"model": {"path": "m"}, "rewards": [{"name": "accuracy"}], "rollout": {"stop": odd}, "run_name": odd[0]},
+        plugins=plugins,
+    ).spec
+    (tmp_path / "dumped.yaml").write_text(dump_spec(first), encoding="utf-8")
+    second = load_spec(tmp_path / "dumped.yaml", plugins=plugins).spec
+    assert second.rollout.stop == odd and second.run_name == odd[0]
+    assert "caf\xe9" in dump_spec(first)  # still readable: unicode is written as is
+
+
 # --------------------------------------------------------------------------- safe YAML
 @pytest.mark.parametrize(
     ("tag", "shown"),
