@@ -54,7 +54,10 @@ def test_one_hook_per_kind_named_register_kinds():
         if getattr(fn, "grpo_spec", None) is not None
     }
     assert specs == set(hookspecs.KINDS.values())
-    assert len(hookspecs.KINDS) == 8
+    assert set(hookspecs.KINDS) >= {  # the design's eight kinds (more may come)
+        "advantage_estimator", "kl_penalty", "policy_loss", "loss_aggregator",
+        "rollout_backend", "reward_function", "dataset", "tracker",
+    }
     for kind, hook in hookspecs.KINDS.items():
         # register_<kind>s, with English plurals (penalty -> penalties, loss -> losses)
         if kind.endswith("y"):
