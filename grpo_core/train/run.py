@@ -60,6 +60,7 @@ class Run:
     step: int = 0
     nonfinite_streak: int = 0
     last_eval: dict[str, float] = field(default_factory=dict)
+    saved_step: int | None = None  # the step of the last checkpoint this process wrote
 
     def autocast(self):
         return modeling.autocast(self.spec.train.mixed_precision, self.device)
@@ -108,9 +109,14 @@ class Run:
         ckpt.set_rng_state(state["rng"])
 
     def save_checkpoint(self) -> Path:
-        return ckpt.write_checkpoint(
-            self.checkpoint_dir, self.step, self.model, self.state_dict(), self.spec.checkpoint.keep
-        )
+        """Checkpoint the current step; a step this process already saved is not written twice."""
+        folder = self.checkpoint_dir / f"{ckpt.PREFIX}{self.step:06d}"
+        if self.saved_step != self.step or not folder.is_dir():
+            folder = ckpt.write_checkpoint(
+                self.checkpoint_dir, self.step, self.model, self.state_dict(), self.spec.checkpoint.keep
+            )
+            self.saved_step = self.step
+        return folder
 
 
 def _rewards(spec: Spec) -> list[RewardFn]:
@@ -279,6 +285,39 @@ def _one_step(run: Run) -> dict[str, float]:
     return metrics
 
 
+@dataclass
+class _StepStart:
+    """What a step changes before its update: the data position and the RNG states."""
+
+    step: int
+    updates: int
+    data: dict[str, Any]
+    rng: dict[str, Any]
+
+    @classmethod
+    def of(cls, run: Run) -> "_StepStart":
+        return cls(run.step, run.scheduler.last_epoch, run.prompts.state_dict(), ckpt.rng_state())
+
+
+def _save_failed_step(run: Run, start: _StepStart, loaded: LoadedSpec) -> None:
+    """A step that failed before its update (a reward function raised, no usable prompt)
+    left the model and optimizer as the previous step did: rewind its data position and
+    RNG states and checkpoint that state, so that no completed step is lost."""
+    if run.step != start.step or run.scheduler.last_epoch != start.updates or run.step == 0:
+        return
+    run.prompts.load_state_dict(start.data)
+    ckpt.set_rng_state(start.rng)
+    try:
+        folder = run.save_checkpoint()
+    except Exception as exc:  # keep the original error; the previous checkpoint stays
+        log.warning("could not checkpoint step %d after the failure: %s", run.step, exc)
+        return
+    print(
+        f"grpo-run: step {run.step + 1} failed before its update; checkpoint of step {run.step}: {folder}\n"
+        f"  resume with: grpo-run {loaded.path} --resume", file=sys.stderr,
+    )
+
+
 def train(loaded: LoadedSpec, resume: str | None = None) -> int:
     """Train as the spec says; return the process exit code."""
     run = build_run(loaded)
@@ -300,7 +339,12 @@ def train(loaded: LoadedSpec, resume: str | None = None) -> int:
                 run.last_eval = evaluate(run)
                 run.log.log_metrics(run.last_eval, run.step)
             while run.step < spec.train.steps and stop.signum is None:
-                metrics = _one_step(run)
+                start = _StepStart.of(run)
+                try:
+                    metrics = _one_step(run)
+                except RunError:
+                    _save_failed_step(run, start, loaded)
+                    raise
                 if bar is not None:
                     bar.set_postfix(_postfix(metrics, run.last_eval), refresh=False)
                     bar.update(1)
