@@ -351,3 +351,34 @@ def test_plugin_file_path_with_a_nul_byte_is_a_spec_error(tmp_path):
     spec = write(tmp_path / "spec.yaml", 'model: {path: m}\nrewards: [{name: accuracy}]\nplugins: ["a\\0b.py"]\n')
     with pytest.raises(SpecError, match="is not a valid path: embedded null byte"):
         load_spec(spec)
+
+
+# --------------------------------------------------------------------------- CONTRIBUTING
+CONTRIBUTING = Path(__file__).resolve().parents[2] / "CONTRIBUTING.md"
+DESIGN_HOOKS = {
+    "register_advantage_estimators", "register_kl_penalties", "register_policy_losses",
+    "register_loss_aggregators", "register_rollout_backends", "register_reward_functions",
+    "register_datasets", "register_trackers",
+}
+
+
+def test_contributing_has_a_runnable_plugin_per_hook(tmp_path):
+    """Each ``### `register_<kind>s(register)``` section's code block is a plugin file
+    that registers a component of that kind; every hook of the design is documented."""
+    import re
+
+    text = CONTRIBUTING.read_text(encoding="utf-8")
+    sections = re.findall(r"^### `(register_\w+)\(register\)`\n(.*?)(?=^##)", text, re.S | re.M)
+    hooks = [hook for hook, _ in sections]
+    assert set(hooks) >= DESIGN_HOOKS and set(hooks) <= set(KINDS.values())
+    files = []
+    for hook, body in sections:
+        (code,) = re.findall(r"```python\n(.*?)```", body, re.S)
+        files.append(write(tmp_path / f"{hook}.py", code))
+    plugins = load_plugins(files, external=False)
+    kind_of = {hook: kind for kind, hook in KINDS.items()}
+    for (hook, _), path in zip(sections, files):
+        components = plugins.info[str(path.resolve())].components
+        assert list(components) == [kind_of[hook]], hook
+    for script in re.findall(r"python (bench/\S+\.py)", text):
+        assert (CONTRIBUTING.parent / script).is_file(), script
