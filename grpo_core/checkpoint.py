@@ -6,7 +6,8 @@ states, data position, step, tracker run id, counters, and any extra state a com
 provides) and, written last, ``manifest.json`` with the size and SHA-256 of every file.
 It is assembled in a temporary folder and renamed into place, so a crash leaves either
 the complete checkpoint or none; a folder whose manifest is missing or does not match its
-files is reported and skipped on resume.
+files is reported and skipped on resume. What a killed writer left (its temporary folder)
+is removed by the next write or resume.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import sys
 import time
@@ -33,6 +35,7 @@ log = logging.getLogger("grpo.checkpoint")
 MANIFEST = "manifest.json"
 STATE = "state.pt"
 PREFIX = "step-"
+_LEFTOVER = re.compile(rf"\.({PREFIX}\d+)\.(tmp|old)-(\d+)")
 
 
 def _sha256(path: Path) -> str:
@@ -71,11 +74,40 @@ def params_finite(model) -> bool:
     return all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_leftovers(root: Path) -> None:
+    """Remove what a writer killed mid-write left under ``root`` (a process that is gone, or
+    this one): its temporary folders, each a full copy of the model. A checkpoint it had moved
+    aside to replace (``.old``) is put back when the replacement never arrived."""
+    if not root.is_dir():
+        return
+    for path in root.iterdir():
+        match = _LEFTOVER.fullmatch(path.name)
+        if match is None or (int(match[3]) != os.getpid() and _alive(int(match[3]))):
+            continue
+        final = root / match[1]
+        if match[2] == "old" and not final.exists():
+            path.rename(final)
+        else:
+            print(f"grpo-run: removing {path}, left by an interrupted checkpoint write", file=sys.stderr)
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def write_checkpoint(root: Path, step: int, model, state: dict[str, Any], keep: int) -> Path:
     """Write ``<root>/step-NNNNNN`` atomically and prune to the last ``keep``."""
     if not params_finite(model):
         raise RunError(f"refusing to checkpoint step {step}: the model has non-finite weights")
     root.mkdir(parents=True, exist_ok=True)
+    clean_leftovers(root)
     final = root / f"{PREFIX}{step:06d}"
     tmp = root / f".{final.name}.tmp-{os.getpid()}"
     if tmp.exists():
@@ -145,6 +177,7 @@ def find_resumable(root: Path, explicit: str | None = None) -> Loaded | None:
             raise RunError(f"--resume {explicit}: not a usable checkpoint: {problem}")
         candidates = [folder]
     else:
+        clean_leftovers(root)
         candidates = list(reversed(list_checkpoints(root)))
     for folder in candidates:
         problem = verify(folder)
