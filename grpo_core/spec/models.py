@@ -112,7 +112,9 @@ class RewardSlot(Slot):
     """One reward function and its weight in the total reward."""
 
     kind = "reward_function"
-    weight: float = Field(1.0, description="Weight of this function in the weighted sum of rewards.")
+    weight: float = Field(
+        1.0, allow_inf_nan=False, description="Weight of this function in the weighted sum of rewards (finite)."
+    )
 
 
 # --------------------------------------------------------------------------- algorithm
