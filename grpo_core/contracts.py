@@ -31,6 +31,7 @@ __all__ = [
     "RolloutBatch",
     "RolloutBackend",
     "RewardFunction",
+    "StepSplitter",
     "Dataset",
     "Tracker",
 ]
@@ -62,7 +63,12 @@ class AdvantageInputs:
 
 @runtime_checkable
 class AdvantageEstimator(Protocol):
-    """``estimator(inputs) -> advantages float (B, T)``, zero where ``inputs.mask`` is False."""
+    """``estimator(inputs) -> advantages float (B, T)``, zero where ``inputs.mask`` is False.
+
+    Set the class attribute ``needs_step_scores = True`` for an estimator that reads
+    ``inputs.step_scores``/``step_ends``/``step_mask``: the engine then cuts completions
+    into steps and fills them (an outcome reward's score counts on the last step).
+    """
 
     def __call__(self, inputs: AdvantageInputs) -> Tensor: ...
 
@@ -225,7 +231,26 @@ strings, or lists of chat messages when the dataset's prompts are conversational
 Every other dataset column arrives as a keyword argument, also repeated per completion,
 with ``completion_ids`` (list of token id lists). ``None`` marks an unscorable completion.
 A process reward returns, per completion, a list of per-step scores instead of a float.
+
+Process rewards name a ``steps`` parameter: the engine then passes ``steps``, one list of
+step texts per completion (cut by the spec's step splitter), and expects one score (or
+None) per step back for each completion. A completion whose text has no step gets one
+empty step ``""``, so it is still scored.
 """
+
+
+@runtime_checkable
+class StepSplitter(Protocol):
+    """``split(text) -> [(start, end), ...]``: character spans of the steps of one
+    completion's text, in order, non-overlapping, each non-empty (``start < end``).
+
+    ``text[start:end]`` is the step's text (delimiters and surrounding blanks left out).
+    For the advantage, a step runs up to where the next one starts (its delimiter is part
+    of it) and the last step runs to the completion's last token (EOS included), so every
+    completion token gets an advantage.
+    """
+
+    def __call__(self, text: str) -> list[tuple[int, int]]: ...
 
 
 # --------------------------------------------------------------------------- data

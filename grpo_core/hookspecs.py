@@ -101,6 +101,19 @@ def register_datasets(register: "Registrar") -> None:
 
 
 @hookspec
+def register_step_splitters(register: "Registrar") -> None:
+    """Register step splitters for process supervision; called once when the registry is
+    built.
+
+    A component is a :class:`~grpo_core.contracts.StepSplitter`: ``split(text) ->
+    [(start, end), ...]``, the character spans of the steps of one completion's text, in
+    order. The engine gives the steps' texts to reward functions that take ``steps`` and
+    maps each step's end to a completion token index for the advantage estimator.
+    Selected by ``algorithm.step_splitter.name``.
+    """
+
+
+@hookspec
 def register_trackers(register: "Registrar") -> None:
     """Register experiment trackers; called once when the registry is built.
 
@@ -118,6 +131,7 @@ KINDS: dict[str, str] = {
     "rollout_backend": "register_rollout_backends",
     "reward_function": "register_reward_functions",
     "dataset": "register_datasets",
+    "step_splitter": "register_step_splitters",
     "tracker": "register_trackers",
 }
 
@@ -130,5 +144,6 @@ KIND_LABELS: dict[str, str] = {
     "rollout_backend": "rollout backend",
     "reward_function": "reward function",
     "dataset": "dataset",
+    "step_splitter": "step splitter",
     "tracker": "tracker",
 }
