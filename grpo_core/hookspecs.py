@@ -87,7 +87,8 @@ def register_reward_functions(register: "Registrar") -> None:
 
     A component has TRL's signature ``reward(prompts, completions, **columns) ->
     list[float | None]`` (see :data:`~grpo_core.contracts.RewardFunction`), so a reward
-    function written for TRL registers unchanged. Selected by ``rewards[i].name``.
+    function written for TRL registers unchanged. A process reward names a ``steps``
+    parameter and returns one list of per-step scores per completion. Selected by ``rewards[i].name``.
     """
 
 

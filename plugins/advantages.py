@@ -460,6 +460,9 @@ def process_advantages(
 class ProcessAdvantage:
     """Process-supervision group-relative advantage: suffix sums of normalized step scores (https://arxiv.org/abs/2402.03300)."""
 
+    #: The engine fills ``step_scores``/``step_ends``/``step_mask`` for it.
+    needs_step_scores = True
+
     def __init__(self, options: ProcessOptions):
         self.options = options
 

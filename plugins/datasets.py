@@ -26,6 +26,7 @@ from grpo_core.spec import SpecPath
 __all__ = [
     "ArithmeticOptions",
     "ArithmeticDataset",
+    "MultiStepArithmeticOptions",
     "FileOptions",
     "FileDataset",
     "HFOptions",
@@ -43,6 +44,11 @@ def _check_split(dataset: str, split: str) -> None:
 # --------------------------------------------------------------------------- arithmetic
 Operation = Literal["+", "-", "*"]
 DEFAULT_INSTRUCTION = "What is {question}? Answer with just the number."
+STEPS_INSTRUCTION = (
+    "Compute {question} one operation at a time, left to right. Write each step on its own "
+    "line in the form 'a + b = c', starting from the previous result; the last line's "
+    "result is the answer."
+)
 
 
 class ArithmeticOptions(Options):
@@ -120,6 +126,25 @@ class ArithmeticOptions(Options):
         """How many distinct problems these settings can produce."""
         values = self.max_value - self.min_value + 1
         return values**self.num_terms * len(self.operations) ** (self.num_terms - 1)
+
+
+class MultiStepArithmeticOptions(ArithmeticOptions):
+    """Options of the ``arithmetic-steps`` task: ``arithmetic`` with three terms of + and
+    - by default and a prompt that asks for one step `a op b = c` per line (for the
+    ``arithmetic-steps`` process reward and the ``newline`` step splitter)."""
+
+    operations: tuple[Operation, ...] = Field(
+        ("+", "-"),
+        min_length=1,
+        description="Operators drawn between terms: a non-empty subset of '+', '-', '*' "
+        "(default + and -, which left to right is also the order of evaluation).",
+    )
+    num_terms: int = Field(3, ge=2, le=16, description="Terms per problem, 2..16 (default 3: two steps).")
+    instruction: str = Field(
+        STEPS_INSTRUCTION,
+        description="Prompt template; '{question}' is replaced by the problem. The default "
+        "asks for one step 'a op b = c' per line, the last line's result being the answer.",
+    )
 
 
 def _evaluate(terms: list[int], ops: list[str]) -> int:
@@ -440,5 +465,7 @@ class HFDataset:
 @hookimpl
 def register_datasets(register) -> None:
     register.add("arithmetic", ArithmeticDataset, options=ArithmeticOptions)
+    register.add("arithmetic-steps", ArithmeticDataset, options=MultiStepArithmeticOptions,
+                 description="multi-step arithmetic, one step 'a op b = c' per line")
     register.add("file", FileDataset, options=FileOptions)
     register.add("hf", HFDataset, options=HFOptions)

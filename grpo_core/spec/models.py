@@ -151,6 +151,15 @@ class AggregationSlot(Slot):
     )
 
 
+class StepSplitterSlot(Slot):
+    kind = "step_splitter"
+    name: str = Field(
+        "newline",
+        description="How completions are cut into steps for process supervision (rewards that "
+        "take `steps`, the process estimator): newline, blank-line, regex.",
+    )
+
+
 class AlgorithmSection(Section):
     """The objective: every choice is a plugin picked by name."""
 
@@ -158,6 +167,11 @@ class AlgorithmSection(Section):
     kl: KLSlot = Field(default_factory=KLSlot, description="KL penalty to the reference model.")
     policy_loss: PolicyLossSlot = Field(default_factory=PolicyLossSlot, description="Policy loss.")
     aggregation: AggregationSlot = Field(default_factory=AggregationSlot, description="Loss aggregator.")
+    step_splitter: StepSplitterSlot = Field(
+        default_factory=StepSplitterSlot,
+        description="Step splitter, used only when a reward function takes `steps` or the "
+        "advantage estimator needs step scores.",
+    )
     mu: int = Field(1, ge=1, description="Policy updates per rollout batch (GRPO's mu). 1 needs no old-policy forward.")
     entropy_coef: float = Field(
         0.0, ge=0, description="Entropy bonus coefficient; entropy is computed only when it is > 0."

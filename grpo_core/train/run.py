@@ -8,6 +8,7 @@ import random
 import signal
 import sys
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from grpo_core.train.evaluate import evaluate
 from grpo_core.train.optim import make_optimizer
 from grpo_core.train.scoring import RewardFn
 from grpo_core.train.step import run_step
+from grpo_core.train.steps import split_steps
 from grpo_core.train.update import Objective
 
 log = logging.getLogger("grpo.run")
@@ -56,6 +58,7 @@ class Run:
     scheduler: Any
     log: RunLog
     reference: Any = None
+    splitter: Any = None  # the step splitter (process supervision)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     step: int = 0
     nonfinite_streak: int = 0
@@ -119,12 +122,13 @@ class Run:
         return folder
 
 
-def _rewards(spec: Spec) -> list[RewardFn]:
+def _rewards(spec: Spec, splitter: Any) -> list[RewardFn]:
     names = [slot.name for slot in spec.rewards]
+    cut = partial(split_steps, splitter, spec.algorithm.step_splitter.name)
     out = []
     for slot in spec.rewards:
         label = slot.name if names.count(slot.name) == 1 else f"{slot.name}#{len(out)}"
-        out.append(RewardFn.of(label, slot.weight, slot.build()))
+        out.append(RewardFn.of(label, slot.weight, slot.build(), splitter=cut))
     return out
 
 
@@ -157,7 +161,8 @@ def build_run(loaded: LoadedSpec) -> Run:
     output_dir = Path(spec.train.output_dir or Path("runs") / loaded.name)
     output_dir.mkdir(parents=True, exist_ok=True)
 
-    rewards = _rewards(spec)
+    splitter = spec.algorithm.step_splitter.build()
+    rewards = _rewards(spec, splitter)
     train_rows, eval_rows = _load_rows(spec)
     _check_data(spec, rewards, train_rows, eval_rows)
 
@@ -188,6 +193,7 @@ def build_run(loaded: LoadedSpec) -> Run:
         backend=backend, estimator=algo.advantage.build(), kl=kl, objective=objective,
         rewards=rewards, prompts=prompts, eval_prompts=eval_prompts, optimizer=optimizer,
         scheduler=scheduler, log=RunLog(trackers, output_dir), reference=reference,
+        splitter=splitter,
     )
 
 

@@ -1,4 +1,12 @@
-"""Scoring completions with the spec's reward functions (TRL's calling convention)."""
+"""Scoring completions with the spec's reward functions (TRL's calling convention).
+
+Process supervision: a reward function that names a ``steps`` parameter gets the steps of
+every completion and returns, per completion, one score per step (a list) instead of a
+float. With steps, :func:`score` also returns ``step_scores (B, K)``: the weighted sum
+over functions of each step's score, where an outcome (float) score counts on the last
+step. A completion's per-function score of a process reward (for metrics and for outcome
+estimators) is the mean of its step scores.
+"""
 
 from __future__ import annotations
 
@@ -21,15 +29,21 @@ class RewardFn:
     fn: Callable[..., list]
     takes_kwargs: bool
     params: frozenset[str]
+    splitter: Callable[[list], Any] | None = None  # completions -> StepLayout
 
     @classmethod
-    def of(cls, name: str, weight: float, fn: Callable[..., list]) -> "RewardFn":
+    def of(cls, name: str, weight: float, fn: Callable[..., list], splitter: Callable[[list], Any] | None = None) -> "RewardFn":
         try:
             sig = inspect.signature(fn)
         except (TypeError, ValueError):
-            return cls(name, weight, fn, True, frozenset())
+            return cls(name, weight, fn, True, frozenset(), splitter)
         takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
-        return cls(name, weight, fn, takes_kwargs, frozenset(sig.parameters))
+        return cls(name, weight, fn, takes_kwargs, frozenset(sig.parameters), splitter)
+
+    @property
+    def takes_steps(self) -> bool:
+        """A process reward: it names a ``steps`` parameter."""
+        return "steps" in self.params
 
     def call(self, kwargs: dict[str, Any]) -> list:
         if not self.takes_kwargs:
@@ -48,12 +62,14 @@ class Scores:
     ``total``: ``float (B,)`` weighted sum, NaN where every function said None.
     ``per_function``: ``float (B, F)``, NaN where a function said None.
     ``failed``: completions whose reward function raised and were scored None.
+    ``step_scores``: ``float (B, K)`` weighted step scores when steps were given, else None.
     """
 
     total: torch.Tensor
     per_function: torch.Tensor
     names: list[str]
     failed: int = 0
+    step_scores: torch.Tensor | None = None  # float (B, K), NaN where no function scored
 
 
 def _to_float(value: Any, fn: RewardFn, index: int) -> float:
@@ -103,6 +119,45 @@ def _call_one(fn: RewardFn, kwargs: dict[str, Any], on_error: str) -> tuple[list
     return out, failed
 
 
+def _step_values(value: Any, fn: RewardFn, index: int, steps: list[list[str]] | None) -> list[float]:
+    """A process reward's per-step scores for completion ``index``, checked against its steps."""
+    values = list(value)
+    if steps is None:
+        raise RunError(
+            f"reward function '{fn.name}' returned a list of {len(values)} scores for completion "
+            f"{index}; per-step scores need the completion's steps: name a `steps` parameter "
+            "in the function (the engine then passes the steps of every completion)"
+        )
+    if len(values) != len(steps[index]):
+        raise RunError(
+            f"reward function '{fn.name}' returned {len(values)} step scores for completion "
+            f"{index}, which has {len(steps[index])} steps (algorithm.step_splitter); return one "
+            "score (or None) per entry of its `steps`"
+        )
+    return [_to_float(v, fn, index) for v in values]
+
+
+def _is_per_step(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) or (getattr(value, "ndim", 0) == 1 and hasattr(value, "tolist"))
+
+
+def _weighted(table: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Weighted sum over the last dim (functions) of the scored entries; NaN where none is."""
+    scored = ~torch.isnan(table)
+    total = torch.where(scored, table * weights, torch.zeros(())).sum(dim=-1)
+    return torch.where(scored.any(dim=-1), total, torch.full((), math.nan))
+
+
+def _default_steps(fns: list[RewardFn], completions: list[Any]) -> list[list[str]] | None:
+    """The steps for callers that did not cut them (evaluation), when a function takes them."""
+    takers = [fn for fn in fns if fn.takes_steps]
+    if not takers:
+        return None
+    if takers[0].splitter is None:
+        raise RunError(f"reward function '{takers[0].name}' takes `steps` but no step splitter was given")
+    return takers[0].splitter(completions).texts
+
+
 def score(
     fns: list[RewardFn],
     prompts: list[Any],
@@ -110,11 +165,21 @@ def score(
     columns: dict[str, list],
     completion_ids: list[list[int]],
     on_error: str = "raise",
+    steps: list[list[str]] | None = None,
 ) -> Scores:
-    """Call every reward function once on all ``B`` completions and combine them."""
+    """Call every reward function once on all ``B`` completions and combine them.
+
+    ``steps``: the step texts of each completion (process supervision), passed to the
+    functions as ``steps``; cut with the functions' splitter when None and one takes them.
+    """
     size = len(completions)
+    steps = steps if steps is not None else _default_steps(fns, completions)
     kwargs = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **columns}
+    if steps is not None:
+        kwargs["steps"] = steps
     table = torch.full((size, len(fns)), math.nan, dtype=torch.float32)
+    k = max((len(s) for s in steps), default=0) if steps is not None else 0
+    step_table = torch.full((size, k, len(fns)), math.nan, dtype=torch.float32)
     failed = 0
     for j, fn in enumerate(fns):
         values, n_failed = _call_one(fn, kwargs, on_error)
@@ -123,10 +188,14 @@ def score(
             got = f"{type(values).__name__} of length {len(values)}" if hasattr(values, "__len__") else repr(values)
             raise RunError(f"reward function '{fn.name}' returned {got}; expected a list of {size} floats or None")
         for i, v in enumerate(values):
-            table[i, j] = _to_float(v, fn, i)
+            if _is_per_step(v):
+                per_step = torch.tensor(_step_values(v, fn, i, steps), dtype=torch.float32)
+                step_table[i, : len(per_step), j] = per_step
+                table[i, j] = per_step.nanmean() if len(per_step) else math.nan
+            else:
+                table[i, j] = _to_float(v, fn, i)
+                if steps is not None and steps[i]:  # an outcome score counts on the last step
+                    step_table[i, len(steps[i]) - 1, j] = table[i, j]
     weights = torch.tensor([fn.weight for fn in fns], dtype=torch.float32)
-    weighted = table * weights
-    scored = ~torch.isnan(table)
-    total = torch.where(scored, weighted, torch.zeros(())).sum(dim=1)
-    total = torch.where(scored.any(dim=1), total, torch.full((), math.nan))
-    return Scores(total, table, [fn.name for fn in fns], failed)
+    step_scores = _weighted(step_table, weights) if steps is not None else None
+    return Scores(_weighted(table, weights), table, [fn.name for fn in fns], failed, step_scores)

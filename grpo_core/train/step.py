@@ -14,6 +14,7 @@ import torch
 from grpo_core.contracts import AdvantageInputs, RolloutBatch, SamplingParams
 from grpo_core.train.data import Prompt
 from grpo_core.train.scoring import Scores, score
+from grpo_core.train.steps import StepLayout, split_steps, step_tensors
 from grpo_core.train.update import TrainBatch, batch_logprobs, update
 
 
@@ -50,11 +51,51 @@ def columns_of(prompts: list[Prompt], group_size: int, exclude: str) -> dict[str
     return {k: [p.row.get(k) for p in prompts for _ in range(group_size)] for k in keys}
 
 
-def score_rollout(run, prompts: list[Prompt], rollout: RolloutBatch) -> Scores:
+def needs_step_scores(run) -> bool:
+    """The advantage estimator reads per-step scores (process supervision)."""
+    return bool(getattr(run.estimator, "needs_step_scores", False))
+
+
+def score_rollout(run, prompts: list[Prompt], rollout: RolloutBatch) -> tuple[Scores, StepLayout | None]:
+    """Scores of the rollout, and its steps when a reward function or the estimator needs them."""
     row_prompts, completions = as_completions(prompts, rollout)
     columns = columns_of(prompts, rollout.group_size, run.spec.data.prompt_column)
     ids = [row[m].tolist() for row, m in zip(rollout.completion_ids, rollout.completion_mask)]
-    return score(run.rewards, row_prompts, completions, columns, ids, run.spec.train.reward_errors)
+    layout = None
+    if needs_step_scores(run) or any(fn.takes_steps for fn in run.rewards):
+        layout = split_steps(run.splitter, run.spec.algorithm.step_splitter.name, rollout.completions)
+    steps = layout.texts if layout is not None else None
+    return score(run.rewards, row_prompts, completions, columns, ids, run.spec.train.reward_errors, steps), layout
+
+
+def _advantage_inputs(run, rollout: RolloutBatch, scores: Scores, layout: StepLayout | None,
+                      rewards: torch.Tensor, seq_kl: torch.Tensor | None, mask: torch.Tensor) -> AdvantageInputs:
+    """What the estimator sees: sequence rewards, and per-step scores with the token index
+    of each step's end when it needs them (a KL-in-reward penalty counts on the last step)."""
+    g = rollout.group_size
+    group_ids = torch.arange(rollout.prompt_ids.shape[0]).repeat_interleave(g)
+    inputs = AdvantageInputs(rewards, group_ids, mask)
+    if needs_step_scores(run):
+        ends, step_mask = step_tensors(layout, run.tokenizer, rollout.completion_ids,
+                                       rollout.completion_mask, rollout.completions)
+        step_scores = scores.step_scores.clone()
+        if seq_kl is not None:
+            last = step_mask.sum(dim=1).clamp(min=1) - 1
+            rows = torch.arange(step_scores.shape[0])
+            step_scores[rows, last] = step_scores[rows, last] - seq_kl
+        inputs.step_scores, inputs.step_ends, inputs.step_mask = step_scores, ends, step_mask
+    return inputs
+
+
+def _step_metrics(scores: Scores, layout: StepLayout | None) -> dict[str, float]:
+    if layout is None:
+        return {}
+    out = {"steps/per_completion": sum(layout.counts) / max(1, len(layout.counts))}
+    if scores.step_scores is not None:
+        valid = scores.step_scores[~torch.isnan(scores.step_scores)]
+        if valid.numel():
+            out["steps/score_mean"] = float(valid.mean())
+    return out
 
 
 def _reward_metrics(scores: Scores, group_size: int) -> dict[str, float]:
@@ -99,7 +140,7 @@ def run_step(run, step: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
     with timer("generate"), run.autocast():
         rollout = run.backend.generate([p.ids for p in prompts], g, sampling)
     with timer("score"):
-        scores = score_rollout(run, prompts, rollout)
+        scores, layout = score_rollout(run, prompts, rollout)
 
     mask = rollout.completion_mask.bool()
     if spec.rollout.mask_truncated_completions:
@@ -108,7 +149,7 @@ def run_step(run, step: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
                        torch.zeros(mask.shape))
     kl_cfg = spec.algorithm.kl
     micro = spec.train.micro_batch_size or mask.shape[0]
-    rewards = scores.total
+    rewards, seq_kl = scores.total, None
     metrics: dict[str, float] = {}
     with timer("logprobs"):
         if spec.algorithm.mu > 1 or (kl_cfg.beta > 0 and kl_cfg.placement == "reward"):
@@ -118,12 +159,12 @@ def run_step(run, step: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
                 batch.ref_logp = batch_logprobs(ref_model, batch, micro, spec.rollout.temperature, run.autocast)
     if kl_cfg.beta > 0 and kl_cfg.placement == "reward":
         kl = run.kl(batch.old_logp, batch.ref_logp, mask)
-        seq_kl = kl.sum(dim=1)
-        rewards = rewards - kl_cfg.beta * seq_kl
+        seq_kl = kl_cfg.beta * kl.sum(dim=1)
+        rewards = rewards - seq_kl
         metrics["kl"] = float(kl.sum() / mask.sum().clamp(min=1))
     with timer("advantage"):
-        group_ids = torch.arange(len(prompts)).repeat_interleave(g)
-        batch.advantages = run.estimator(AdvantageInputs(rewards, group_ids, mask)).float()
+        inputs = _advantage_inputs(run, rollout, scores, layout, rewards, seq_kl, mask)
+        batch.advantages = run.estimator(inputs).float()
 
     objective = run.objective
     upd = update(
@@ -137,6 +178,7 @@ def run_step(run, step: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
 
     adv = batch.advantages[mask]
     metrics.update(_reward_metrics(scores, g))
+    metrics.update(_step_metrics(scores, layout))
     metrics.update(_length_metrics(rollout))
     metrics.update(upd)
     metrics.update({f"time/{k}": v for k, v in timer.phases.items()})

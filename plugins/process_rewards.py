@@ -1,0 +1,232 @@
+"""Built-in process (per-step) rewards: ``arithmetic-steps`` and ``process_reward_model``.
+
+A process reward has TRL's signature plus a ``steps`` parameter: ``reward(prompts,
+completions, steps, **columns)``, where ``steps[i]`` is the list of step texts of
+completion ``i`` (cut by the spec's ``algorithm.step_splitter``). It returns, for each
+completion, one score (or None) per step. With the ``process`` advantage estimator the
+scores become per-token advantages (DeepSeekMath's process supervision); with an outcome
+estimator a completion's score is the mean of its step scores.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from grpo_core import hookimpl
+from grpo_core.errors import RunError
+from grpo_core.options import Options
+from grpo_core.spec import SpecPath
+from grpo_plugins.rewards import _resolve_device, completion_text
+
+__all__ = [
+    "check_step",
+    "ArithmeticStepsOptions",
+    "ArithmeticStepsReward",
+    "ProcessRewardModelOptions",
+    "ProcessRewardModel",
+]
+
+
+# --------------------------------------------------------------------------- arithmetic
+_EQUATION = re.compile(
+    r"(?:[^=\n]*?:)?\s*(-?\d+)\s*([-+*×xX])\s*(-?\d+)\s*=\s*(-?\d+)\s*\.?"
+)
+
+
+def check_step(text: str) -> bool | None:
+    """Whether a step ``a op b = c`` is right (``op`` one of ``+ - * × x``); None when the
+    step is not of that form. An optional label ending in ``:`` ("Step 1:") and a final
+    period are allowed; anything else around the equation makes it not of the form."""
+    match = _EQUATION.fullmatch(text.strip())
+    if match is None:
+        return None
+    a, op, b, c = int(match[1]), match[2], int(match[3]), int(match[4])
+    value = a + b if op == "+" else a - b if op == "-" else a * b
+    return value == c
+
+
+class ArithmeticStepsOptions(Options):
+    """Options of the ``arithmetic-steps`` process reward."""
+
+    correct: float = Field(1.0, description="Score of a step `a op b = c` whose c is right.")
+    wrong: float = Field(
+        0.0,
+        description="Score of a step `a op b = c` whose c is wrong: 0 (default) or e.g. -1. "
+        "With the process estimator alone the choice does not matter (step scores are "
+        "normalized per group, and an affine change of all of them leaves the advantages "
+        "unchanged); it does when other rewards are added, e.g. accuracy on the last step.",
+    )
+    unparsed: float | None = Field(
+        0.0,
+        description="Score of a step that is not an equation `a op b = c` (prose, an empty "
+        "completion's single empty step); null leaves such steps unscored.",
+    )
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ArithmeticStepsOptions:
+        if not self.wrong < self.correct:
+            raise ValueError(f"wrong ({self.wrong}) must be lower than correct ({self.correct})")
+        return self
+
+
+class ArithmeticStepsReward:
+    """Verifiable process reward: each step `a op b = c` scores `correct` (1) when c is
+    right, `wrong` (0, or -1) when not; a step of another form scores `unparsed`."""
+
+    def __init__(self, options: ArithmeticStepsOptions | None = None):
+        self.options = options or ArithmeticStepsOptions()
+        self.__name__ = "arithmetic-steps"
+
+    def __repr__(self) -> str:
+        o = self.options
+        return f"arithmetic-steps(correct={o.correct}, wrong={o.wrong}, unparsed={o.unparsed})"
+
+    def score_step(self, text: str) -> float | None:
+        ok = check_step(text)
+        if ok is None:
+            return self.options.unparsed
+        return self.options.correct if ok else self.options.wrong
+
+    def __call__(self, prompts: list, completions: list, steps: list[list[str]], **columns: Any) -> list[list[float | None]]:
+        return [[self.score_step(step) for step in row] for row in steps]
+
+
+# --------------------------------------------------------------------------- reward model
+class ProcessRewardModelOptions(Options):
+    """Options of the ``process_reward_model`` reward."""
+
+    path: SpecPath = Field(
+        description="Local directory of a transformers token-classification model (a trained "
+        "PRM) and its fast tokenizer, save_pretrained format; nothing is downloaded.",
+    )
+    positive_label: int = Field(
+        1, ge=0, description="Index of the 'step is good' class; a one-label model is read with a sigmoid."
+    )
+    step_separator: str | None = Field(
+        None,
+        description="For step-tag PRMs (Math-Shepherd's ' ки\\n', Qwen's '<extra_0>'): the input is "
+        "the prompt then every step followed by this string, and a step is scored at the "
+        "separator's last token. Unset: the completion as generated, a step scored at its "
+        "last token.",
+    )
+    batch_size: int = Field(8, ge=1, description="Completions per forward pass.")
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
+        "float32", description="Weights' dtype, or auto (the checkpoint's)."
+    )
+    max_length: int | None = Field(
+        2048, ge=1, description="Longest input in tokens; longer inputs lose their start, and the "
+        "steps cut off with it are scored None. null: no limit."
+    )
+    device: str = Field("auto", min_length=1, description="torch device; auto: cuda:LOCAL_RANK if available, else cpu.")
+    trust_remote_code: bool = Field(False, description="Run modelling code shipped with the checkpoint.")
+
+
+def _token_at(offsets: list[tuple[int, int]], char: int) -> int | None:
+    """The token holding ``char`` (or the last one before it, for a character the tokenizer
+    drops); None when ``char`` lies before the first token kept (truncated away)."""
+    starts = [(index, s) for index, (s, e) in enumerate(offsets) if e > s]  # special tokens: (0, 0)
+    if not starts or char < starts[0][1]:
+        return None
+    return max(index for index, s in starts if s <= char)
+
+
+class ProcessRewardModel:
+    """Step scores from a token-classification PRM: the positive class's probability at
+    each step's last token (or at the step separator's last token)."""
+
+    def __init__(self, options: ProcessRewardModelOptions):
+        self.options = options
+        self.__name__ = "process_reward_model"
+        self._model = self._tokenizer = self._device = None
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"process_reward_model(path={str(self.options.path)!r})"
+
+    def _load(self) -> None:
+        import torch
+        from transformers import AutoModelForTokenClassification, AutoTokenizer
+
+        o, path = self.options, str(self.options.path)
+        dtype = "auto" if o.dtype == "auto" else getattr(torch, o.dtype)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=o.trust_remote_code)
+            model = AutoModelForTokenClassification.from_pretrained(
+                path, local_files_only=True, trust_remote_code=o.trust_remote_code, dtype=dtype
+            )
+        except (OSError, ValueError) as exc:
+            raise RunError(f"reward function 'process_reward_model' could not load a token-classification model from {path!r}: {exc}") from exc
+        if not tokenizer.is_fast:
+            raise RunError(f"reward function 'process_reward_model': the tokenizer in {path!r} is not a fast tokenizer; character offsets are needed")
+        if o.positive_label >= max(2, model.config.num_labels):
+            raise RunError(f"reward function 'process_reward_model': positive_label {o.positive_label} but the model has {model.config.num_labels} labels")
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        tokenizer.padding_side, tokenizer.truncation_side = "right", "left"
+        self._device = torch.device(_resolve_device(o.device))
+        self._model, self._tokenizer = model.to(self._device).eval(), tokenizer
+
+    def layout(self, prompt: Any, completion: Any, steps: list[str]) -> tuple[str, list[int], bool]:
+        """The input text, the character at which each step is scored, and whether the
+        chat template built it (then the tokenizer adds no special tokens)."""
+        sep = self.options.step_separator
+        body = completion_text(completion) if sep is None else "".join(s + sep for s in steps)
+        templated = isinstance(prompt, list) and bool(getattr(self._tokenizer, "chat_template", None))
+        if templated:
+            text = self._tokenizer.apply_chat_template(list(prompt) + [{"role": "assistant", "content": body}], tokenize=False)
+            offset = text.rfind(body) if body else len(text)
+        else:
+            prefix = completion_text(prompt)
+            text, offset = prefix + body, len(prefix)
+        chars, cursor = [], 0
+        for step in steps:
+            if sep is not None:
+                cursor += len(step) + len(sep)
+                chars.append(offset + cursor - 1)
+                continue
+            found = body.find(step, cursor) if step else -1
+            cursor = found + len(step) if found >= 0 else len(body)
+            chars.append(offset + max(cursor, 1) - 1)
+        return text, chars, templated
+
+    def _probabilities(self, logits):
+        import torch
+
+        if logits.shape[-1] == 1:
+            return torch.sigmoid(logits[..., 0].float())
+        return torch.softmax(logits.float(), dim=-1)[..., self.options.positive_label]
+
+    def __call__(self, prompts: list, completions: list, steps: list[list[str]], **columns: Any) -> list[list[float | None]]:
+        import torch
+
+        with self._lock:
+            if self._model is None:
+                self._load()
+        layouts = [self.layout(p, c, s) for p, c, s in zip(prompts, completions, steps)]
+        out: list[list[float | None]] = []
+        size, limit = self.options.batch_size, self.options.max_length
+        with torch.inference_mode():
+            for start in range(0, len(layouts), size):
+                chunk = layouts[start : start + size]
+                batch = self._tokenizer(
+                    [text for text, _, _ in chunk], return_tensors="pt", padding=True,
+                    truncation=limit is not None, max_length=limit,
+                    add_special_tokens=not chunk[0][2], return_offsets_mapping=True,
+                )
+                offsets = batch.pop("offset_mapping").tolist()
+                probs = self._probabilities(self._model(**batch.to(self._device)).logits).cpu()
+                for row, (_, chars, _) in enumerate(chunk):
+                    tokens = [_token_at([tuple(o) for o in offsets[row]], c) for c in chars]
+                    out.append([None if t is None else float(probs[row, t]) for t in tokens])
+        return out
+
+
+# --------------------------------------------------------------------------- registration
+@hookimpl
+def register_reward_functions(register) -> None:
+    register.add("arithmetic-steps", ArithmeticStepsReward, options=ArithmeticStepsOptions)
+    register.add("process_reward_model", ProcessRewardModel, options=ProcessRewardModelOptions)

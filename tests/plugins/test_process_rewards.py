@@ -1,0 +1,174 @@
+"""Process rewards (grpo_plugins.process_rewards) and the multi-step arithmetic task."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from grpo_core.errors import RunError
+from grpo_core.plugins import load_plugins
+from grpo_core.testing import build_model, build_tokenizer
+from grpo_plugins.advantages import process_advantages
+from grpo_plugins.datasets import ArithmeticDataset, MultiStepArithmeticOptions
+from grpo_plugins.process_rewards import (
+    ArithmeticStepsOptions,
+    ArithmeticStepsReward,
+    ProcessRewardModel,
+    ProcessRewardModelOptions,
+    check_step,
+)
+
+torch.set_num_threads(1)
+
+
+# --------------------------------------------------------------------------- arithmetic
+@pytest.mark.parametrize(
+    "step, ok",
+    [
+        ("12 + 34 = 46", True),
+        ("12 + 34 = 47", False),
+        ("46 - 50 = -4", True),
+        ("-3 - -3 = 0", True),
+        ("7 * 6 = 42", True),
+        ("7 × 6 = 42", True),
+        ("7x6=42", True),
+        ("Step 2: 46 - 5 = 41.", True),
+        ("  5+5=10  ", True),
+        ("5 + 5 = 11", False),
+    ],
+)
+def test_check_step_verifies_a_op_b_equals_c(step, ok):
+    assert check_step(step) is ok
+
+
+@pytest.mark.parametrize("step", ["", "the answer is 41", "41", "1 + 2 + 3 = 6", "1 + 2 = 3 + 0", "a + b = c", "= 3"])
+def test_check_step_is_none_for_other_forms(step):
+    assert check_step(step) is None
+
+
+def test_arithmetic_steps_scores_each_step():
+    reward = ArithmeticStepsReward()
+    steps = [["1 + 2 = 3", "3 + 4 = 8"], ["so"], [""]]
+    assert reward(["p"] * 3, ["c"] * 3, steps=steps) == [[1.0, 0.0], [0.0], [0.0]]
+    minus = ArithmeticStepsReward(ArithmeticStepsOptions(wrong=-1.0, unparsed=None))
+    assert minus(["p"] * 3, ["c"] * 3, steps=steps) == [[1.0, -1.0], [None], [None]]
+
+
+def test_arithmetic_steps_options_say_what_is_valid():
+    with pytest.raises(ValidationError, match=r"wrong \(1.0\) must be lower than correct \(1.0\)"):
+        ArithmeticStepsOptions(wrong=1.0)
+
+
+def test_wrong_zero_or_minus_one_give_the_same_process_advantages():
+    """What the option's description claims: the group normalization of the process
+    estimator removes an affine change of every step score."""
+    steps = [["1 + 2 = 3", "3 + 4 = 8"], ["2 + 2 = 4", "4 + 4 = 8", "x"], ["9 - 1 = 7"], ["5 * 5 = 25"]]
+    mask = torch.ones((4, 6), dtype=torch.bool)
+    ends = torch.tensor([[1, 5, 0], [0, 2, 5], [5, 0, 0], [5, 0, 0]])
+    step_mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 0, 0]], dtype=torch.bool)
+    group_ids = torch.tensor([0, 0, 1, 1])
+    out = []
+    for wrong, unparsed in [(0.0, 0.0), (-1.0, -1.0)]:
+        scores = ArithmeticStepsReward(ArithmeticStepsOptions(wrong=wrong, unparsed=unparsed))(None, None, steps=steps)
+        table = torch.zeros((4, 3))
+        for i, row in enumerate(scores):
+            table[i, : len(row)] = torch.tensor(row)
+        out.append(process_advantages(table, ends, step_mask, group_ids, mask))
+    assert out[0].abs().max() > 0.5
+    torch.testing.assert_close(out[0], out[1])
+
+
+def test_the_multi_step_task_asks_for_one_step_per_line():
+    data = ArithmeticDataset(MultiStepArithmeticOptions(train_size=20, eval_size=5, chat=False))
+    rows = data.load("train")
+    assert len(rows) == 20 and len(data.load("eval")) == 5
+    for row in rows:
+        terms = row["question"].split()
+        assert len(terms) == 5 and set(terms[1::2]) <= {"+", "-"}
+        value = int(terms[0])
+        for op, term in zip(terms[1::2], terms[2::2]):
+            value = value + int(term) if op == "+" else value - int(term)
+        assert row["answer"] == str(value)  # left to right, one step per operator
+        assert "one operation at a time" in row["prompt"] and "its own line" in row["prompt"]
+
+
+def test_builtins_are_registered():
+    registry = load_plugins(external=False).registry
+    assert registry.get("reward_function", "arithmetic-steps").plugin == "grpo_plugins.process_rewards"
+    assert registry.get("reward_function", "process_reward_model").options is ProcessRewardModelOptions
+    assert registry.get("dataset", "arithmetic-steps").options is MultiStepArithmeticOptions
+
+
+# --------------------------------------------------------------------------- PRM
+@pytest.fixture(scope="module")
+def prm(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prm")
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, kind="token-classification", seed=3).eval()
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path, model, tokenizer
+
+
+def direct(model, tokenizer, text: str, chars: list[int], add_special_tokens: bool = True) -> list[float]:
+    """P(label 1) at the token whose offsets hold each character, by a plain forward."""
+    enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=add_special_tokens, return_tensors="pt")
+    offsets = enc.pop("offset_mapping")[0].tolist()
+    with torch.no_grad():
+        probs = torch.softmax(model(**enc).logits[0], dim=-1)[:, 1]
+    return [float(probs[next(i for i, (a, b) in enumerate(offsets) if a <= c < b)]) for c in chars]
+
+
+def test_prm_scores_each_step_at_its_last_token(prm):
+    path, model, tokenizer = prm
+    reward = ProcessRewardModel(ProcessRewardModelOptions(path=path))
+    prompt, completion = "What is 1 + 2 + 4?\n", "1 + 2 = 3\n3 + 4 = 7\n"
+    steps = ["1 + 2 = 3", "3 + 4 = 7"]
+    got = reward([prompt, prompt], [completion, "nothing"], steps=[steps, ["nothing"]])
+    text = prompt + completion
+    expected = direct(model, tokenizer, text, [len(prompt) + 8, len(prompt) + 18])
+    assert got[0] == pytest.approx(expected, abs=1e-6)
+    assert got[1] == pytest.approx(direct(model, tokenizer, prompt + "nothing", [len(prompt) + 6]), abs=1e-6)
+    assert all(0.0 < p < 1.0 for p in got[0])
+
+
+def test_prm_with_chat_prompts_uses_the_template(prm):
+    path, model, tokenizer = prm
+    reward = ProcessRewardModel(ProcessRewardModelOptions(path=path))
+    prompt = [{"role": "user", "content": "What is 1 + 2?"}]
+    completion = [{"role": "assistant", "content": "1 + 2 = 3"}]
+    got = reward([prompt], [completion], steps=[["1 + 2 = 3"]])
+    text = tokenizer.apply_chat_template(prompt + completion, tokenize=False)
+    last = text.rfind("1 + 2 = 3") + len("1 + 2 = 3") - 1
+    assert got[0] == pytest.approx(direct(model, tokenizer, text, [last], add_special_tokens=False), abs=1e-6)
+
+
+def test_prm_step_tag_mode_reads_the_separator(prm):
+    path, model, tokenizer = prm
+    reward = ProcessRewardModel(ProcessRewardModelOptions(path=path, step_separator=" <tag>\n"))
+    got = reward(["Q: "], ["a\n\nb"], steps=[["a", "b"]])
+    text = "Q: a <tag>\nb <tag>\n"
+    first = text.index("\n")
+    assert got[0] == pytest.approx(direct(model, tokenizer, text, [first, len(text) - 1]), abs=1e-6)
+
+
+def test_prm_steps_truncated_away_are_none(prm):
+    path, _, _ = prm
+    reward = ProcessRewardModel(ProcessRewardModelOptions(path=path, max_length=6))
+    steps = ["1 + 2 = 3", "3 + 4 = 7", "7 + 1 = 8"]
+    got = reward(["What is 1 + 2 + 4 + 1?\n"], ["\n".join(steps)], steps=[steps])
+    assert got[0][0] is None and got[0][-1] is not None
+
+
+def test_prm_with_a_model_of_too_few_labels_is_an_error(prm):
+    path, _, _ = prm
+    reward = ProcessRewardModel(ProcessRewardModelOptions(path=path, positive_label=2))
+    with pytest.raises(RunError, match="positive_label 2 but the model has 2 labels"):
+        reward(["p"], ["c"], steps=[["c"]])
+
+
+def test_prm_missing_model_names_the_reward(tmp_path):
+    reward = ProcessRewardModel(ProcessRewardModelOptions(path=tmp_path / "none"))
+    with pytest.raises(RunError, match="'process_reward_model' could not load a token-classification model"):
+        reward(["p"], ["c"], steps=[["c"]])
