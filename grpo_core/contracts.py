@@ -32,6 +32,8 @@ __all__ = [
     "RolloutBackend",
     "RewardFunction",
     "StepSplitter",
+    "RewardExample",
+    "TrainableReward",
     "Dataset",
     "Tracker",
 ]
@@ -251,6 +253,38 @@ class StepSplitter(Protocol):
     """
 
     def __call__(self, text: str) -> list[tuple[int, int]]: ...
+
+
+@dataclass
+class RewardExample:
+    """One labelled sample for training a reward model (iterative GRPO).
+
+    ``prompt`` and ``completion`` are what reward functions receive (strings, or chat
+    messages for conversational data); ``label`` is the verifier's score.
+    """
+
+    prompt: Any
+    completion: Any
+    label: float
+
+
+@runtime_checkable
+class TrainableReward(Protocol):
+    """A reward function that can be trained (iterative GRPO): it is called like any
+    reward function and, at each iteration start, ``fit`` trains it on fresh labelled
+    samples of the latest policy (plus whatever replay it keeps) and ``evaluate`` scores
+    it on held-out samples. Both return metrics (name -> float; ``fit`` reports at least
+    ``train_loss``, ``evaluate`` at least ``accuracy``). Its ``state_dict`` covers the
+    weights, the optimizer and any replay buffer, so checkpoints and resume include them.
+    """
+
+    def fit(self, examples: list[RewardExample]) -> dict[str, float]: ...
+
+    def evaluate(self, examples: list[RewardExample]) -> dict[str, float]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 # --------------------------------------------------------------------------- data

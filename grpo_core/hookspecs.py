@@ -88,7 +88,10 @@ def register_reward_functions(register: "Registrar") -> None:
     A component has TRL's signature ``reward(prompts, completions, **columns) ->
     list[float | None]`` (see :data:`~grpo_core.contracts.RewardFunction`), so a reward
     function written for TRL registers unchanged. A process reward names a ``steps``
-    parameter and returns one list of per-step scores per completion. Selected by ``rewards[i].name``.
+    parameter and returns one list of per-step scores per completion. A reward function
+    with ``fit``/``evaluate``/``state_dict``/``load_state_dict``
+    (:class:`~grpo_core.contracts.TrainableReward`) can be the reward model that
+    iterative GRPO trains. Selected by ``rewards[i].name``.
     """
 
 

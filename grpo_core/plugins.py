@@ -41,6 +41,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "grpo_plugins.rollout_vllm",
     "grpo_plugins.rewards",
     "grpo_plugins.process_rewards",
+    "grpo_plugins.trainable_rewards",
     "grpo_plugins.datasets",
     "grpo_plugins.step_splitters",
     "grpo_plugins.trackers",

@@ -253,6 +253,46 @@ class EvalSection(Section):
     max_new_tokens: int | None = Field(None, ge=1, description="Default: rollout.max_new_tokens.")
 
 
+# --------------------------------------------------------------------------- iterative
+class VerifierSlot(Slot):
+    kind = "reward_function"
+    name: str = Field("accuracy", description="Reward function whose scores label the reward model's data.")
+
+
+class IterativeSection(Section):
+    """Iterative RL with GRPO (DeepSeekMath, Algorithm 1): at the start of each iteration
+    the reference model is reset to the current policy, and a trainable reward model (an
+    entry of `rewards`) is trained on fresh samples of the latest policy labelled by a
+    verifier, plus a replay of historical data; then the policy trains for
+    steps_per_iteration steps against it."""
+
+    iterations: int = Field(ge=1, description="Number of iterations I.")
+    steps_per_iteration: int = Field(
+        ge=1, description="Policy steps M per iteration; train.steps defaults to I * M (and must equal it)."
+    )
+    reward_model: str = Field(
+        min_length=1,
+        description="Name of the entry of `rewards` to train at each iteration start: a trainable "
+        "reward function such as trainable_reward_model.",
+    )
+    verifier: VerifierSlot = Field(
+        default_factory=VerifierSlot,
+        description="Reward function that labels the fresh samples (the task's verifier, e.g. "
+        "accuracy); it does not reward the policy unless also listed in `rewards`.",
+    )
+    prompts: int = Field(
+        16, ge=1, description="Training prompts whose completions (group_size each) train the reward "
+        "model at each iteration start; drawn from the training data."
+    )
+    heldout_prompts: int = Field(
+        4, ge=1, description="Further fresh prompts whose completions are held out to measure the "
+        "reward model's accuracy, before and after its update."
+    )
+    group_size: int | None = Field(
+        None, ge=1, description="Completions per prompt for the reward model's data; default rollout.group_size."
+    )
+
+
 class Spec(Section):
     """A grpo-core run."""
 
@@ -272,6 +312,9 @@ class Spec(Section):
         default_factory=list, description="Local plugin .py files, relative to the spec file."
     )
     run_name: str | None = Field(None, description="Run name in the tracker; default: the spec file's name.")
+    iterative: IterativeSection | None = Field(
+        None, description="Iterative GRPO with a trainable reward model; unset: plain GRPO."
+    )
 
     @model_validator(mode="after")
     def _batches_divide(self):
@@ -279,5 +322,35 @@ class Spec(Section):
             raise ValueError(
                 f"train.mini_batches ({self.train.mini_batches}) must divide train.prompts_per_step "
                 f"({self.train.prompts_per_step}) so that every group stays in one mini-batch"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _iterations_fit(self):
+        it = self.iterative
+        if it is None:
+            return self
+        names = [slot.name for slot in self.rewards]
+        if names.count(it.reward_model) != 1:
+            how = "is listed more than once" if it.reward_model in names else "is not one of them"
+            raise ValueError(
+                f"iterative.reward_model '{it.reward_model}' must name one entry of rewards "
+                f"({', '.join(names)}); it {how}"
+            )
+        total = it.iterations * it.steps_per_iteration
+        if "steps" not in self.train.model_fields_set:
+            self.train.steps = total
+        elif self.train.steps != total:
+            raise ValueError(
+                f"train.steps ({self.train.steps}) must equal iterative.iterations x "
+                f"iterative.steps_per_iteration ({it.iterations} x {it.steps_per_iteration} = {total}); "
+                "leave train.steps out to have it derived"
+            )
+        if self.model.lora is not None and self.algorithm.kl.beta > 0:
+            raise ValueError(
+                "iterative GRPO resets the reference model to the current policy at each "
+                "iteration; under model.lora the reference is the base model with the adapter "
+                "disabled, so a reset would mean merging the adapter into the base weights, "
+                "which is not supported: drop model.lora, or set algorithm.kl.beta: 0 (no reference)"
             )
         return self

@@ -23,6 +23,7 @@ from grpo_core.tracking import RunLog, flatten
 from grpo_core.train import model as modeling
 from grpo_core.train.data import PromptSource, check_columns
 from grpo_core.train.evaluate import evaluate
+from grpo_core.train.iterative import build_iterative
 from grpo_core.train.optim import make_optimizer
 from grpo_core.train.scoring import RewardFn
 from grpo_core.train.step import run_step
@@ -59,6 +60,7 @@ class Run:
     log: RunLog
     reference: Any = None
     splitter: Any = None  # the step splitter (process supervision)
+    iterative: Any = None  # the iteration stage of iterative GRPO, or None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     step: int = 0
     nonfinite_streak: int = 0
@@ -84,6 +86,7 @@ class Run:
         """Components that carry state across steps (``state_dict``/``load_state_dict``)."""
         named = {"rollout": self.backend, "advantage": self.estimator}
         named.update({f"rewards.{fn.name}": fn.fn for fn in self.rewards})
+        named["iterative"] = self.iterative
         return {k: v for k, v in named.items() if hasattr(v, "state_dict") and hasattr(v, "load_state_dict")}
 
     def state_dict(self) -> dict[str, Any]:
@@ -193,7 +196,7 @@ def build_run(loaded: LoadedSpec) -> Run:
         backend=backend, estimator=algo.advantage.build(), kl=kl, objective=objective,
         rewards=rewards, prompts=prompts, eval_prompts=eval_prompts, optimizer=optimizer,
         scheduler=scheduler, log=RunLog(trackers, output_dir), reference=reference,
-        splitter=splitter,
+        splitter=splitter, iterative=build_iterative(spec, rewards, reference),
     )
 
 
@@ -267,7 +270,9 @@ def _resume(run: Run, resume: str | None) -> str | None:
 
 def _one_step(run: Run) -> dict[str, float]:
     spec = run.spec
+    begun = run.iterative.begin(run) if run.iterative is not None and run.iterative.due(run.step) else {}
     metrics, samples = run_step(run, run.step)
+    metrics.update(begun)
     run.step += 1
     run.nonfinite_streak = run.nonfinite_streak + 1 if metrics["train/nonfinite_updates"] else 0
     metrics["train/nonfinite_streak"] = run.nonfinite_streak
