@@ -32,9 +32,7 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------- arithmetic
-_EQUATION = re.compile(
-    r"(?:[^=\n]*?:)?\s*(-?\d+)\s*([-+*×xX])\s*(-?\d+)\s*=\s*(-?\d+)\s*\.?"
-)
+_EQUATION = re.compile(r"(?:[^=\n]*?:)?\s*(-?\d+)\s*([-+*×xX])\s*(-?\d+)\s*=\s*(-?\d+)\s*\.?")
 
 
 def check_step(text: str) -> bool | None:
@@ -91,7 +89,9 @@ class ArithmeticStepsReward:
             return self.options.unparsed
         return self.options.correct if ok else self.options.wrong
 
-    def __call__(self, prompts: list, completions: list, steps: list[list[str]], **columns: Any) -> list[list[float | None]]:
+    def __call__(
+        self, prompts: list, completions: list, steps: list[list[str]], **columns: Any
+    ) -> list[list[float | None]]:
         return [[self.score_step(step) for step in row] for row in steps]
 
 
@@ -104,7 +104,9 @@ class ProcessRewardModelOptions(Options):
         "PRM) and its fast tokenizer, save_pretrained format; nothing is downloaded.",
     )
     positive_label: int = Field(
-        1, ge=0, description="Index of the 'step is good' class; a one-label model is read with a sigmoid."
+        1,
+        ge=0,
+        description="Index of the 'step is good' class; a one-label model is read with a sigmoid.",
     )
     step_separator: str | None = Field(
         None,
@@ -118,11 +120,19 @@ class ProcessRewardModelOptions(Options):
         "float32", description="Weights' dtype, or auto (the checkpoint's)."
     )
     max_length: int | None = Field(
-        2048, ge=1, description="Longest input in tokens; longer inputs lose their start, and the "
-        "steps cut off with it are scored None. null: no limit."
+        2048,
+        ge=1,
+        description="Longest input in tokens; longer inputs lose their start, and the "
+        "steps cut off with it are scored None. null: no limit.",
     )
-    device: str = Field("auto", min_length=1, description="torch device; auto: cuda:LOCAL_RANK if available, else cpu.")
-    trust_remote_code: bool = Field(False, description="Run modelling code shipped with the checkpoint.")
+    device: str = Field(
+        "auto",
+        min_length=1,
+        description="torch device; auto: cuda:LOCAL_RANK if available, else cpu.",
+    )
+    trust_remote_code: bool = Field(
+        False, description="Run modelling code shipped with the checkpoint."
+    )
 
 
 def _token_at(offsets: list[tuple[int, int]], char: int) -> int | None:
@@ -154,16 +164,24 @@ class ProcessRewardModel:
         o, path = self.options, str(self.options.path)
         dtype = "auto" if o.dtype == "auto" else getattr(torch, o.dtype)
         try:
-            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=o.trust_remote_code)
+            tokenizer = AutoTokenizer.from_pretrained(
+                path, local_files_only=True, trust_remote_code=o.trust_remote_code
+            )
             model = AutoModelForTokenClassification.from_pretrained(
                 path, local_files_only=True, trust_remote_code=o.trust_remote_code, dtype=dtype
             )
         except (OSError, ValueError) as exc:
-            raise RunError(f"reward function 'process_reward_model' could not load a token-classification model from {path!r}: {exc}") from exc
+            raise RunError(
+                f"reward function 'process_reward_model' could not load a token-classification model from {path!r}: {exc}"
+            ) from exc
         if not tokenizer.is_fast:
-            raise RunError(f"reward function 'process_reward_model': the tokenizer in {path!r} is not a fast tokenizer; character offsets are needed")
+            raise RunError(
+                f"reward function 'process_reward_model': the tokenizer in {path!r} is not a fast tokenizer; character offsets are needed"
+            )
         if o.positive_label >= max(2, model.config.num_labels):
-            raise RunError(f"reward function 'process_reward_model': positive_label {o.positive_label} but the model has {model.config.num_labels} labels")
+            raise RunError(
+                f"reward function 'process_reward_model': positive_label {o.positive_label} but the model has {model.config.num_labels} labels"
+            )
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         tokenizer.padding_side, tokenizer.truncation_side = "right", "left"
@@ -175,9 +193,13 @@ class ProcessRewardModel:
         chat template built it (then the tokenizer adds no special tokens)."""
         sep = self.options.step_separator
         body = completion_text(completion) if sep is None else "".join(s + sep for s in steps)
-        templated = isinstance(prompt, list) and bool(getattr(self._tokenizer, "chat_template", None))
+        templated = isinstance(prompt, list) and bool(
+            getattr(self._tokenizer, "chat_template", None)
+        )
         if templated:
-            text = self._tokenizer.apply_chat_template(list(prompt) + [{"role": "assistant", "content": body}], tokenize=False)
+            text = self._tokenizer.apply_chat_template(
+                list(prompt) + [{"role": "assistant", "content": body}], tokenize=False
+            )
             offset = text.rfind(body) if body else len(text)
         else:
             prefix = completion_text(prompt)
@@ -200,7 +222,9 @@ class ProcessRewardModel:
             return torch.sigmoid(logits[..., 0].float())
         return torch.softmax(logits.float(), dim=-1)[..., self.options.positive_label]
 
-    def __call__(self, prompts: list, completions: list, steps: list[list[str]], **columns: Any) -> list[list[float | None]]:
+    def __call__(
+        self, prompts: list, completions: list, steps: list[list[str]], **columns: Any
+    ) -> list[list[float | None]]:
         import torch
 
         with self._lock:
@@ -213,9 +237,13 @@ class ProcessRewardModel:
             for start in range(0, len(layouts), size):
                 chunk = layouts[start : start + size]
                 batch = self._tokenizer(
-                    [text for text, _, _ in chunk], return_tensors="pt", padding=True,
-                    truncation=limit is not None, max_length=limit,
-                    add_special_tokens=not chunk[0][2], return_offsets_mapping=True,
+                    [text for text, _, _ in chunk],
+                    return_tensors="pt",
+                    padding=True,
+                    truncation=limit is not None,
+                    max_length=limit,
+                    add_special_tokens=not chunk[0][2],
+                    return_offsets_mapping=True,
                 )
                 offsets = batch.pop("offset_mapping").tolist()
                 probs = self._probabilities(self._model(**batch.to(self._device)).logits).cpu()

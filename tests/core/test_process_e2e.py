@@ -46,7 +46,9 @@ def test_per_step_and_outcome_scores_combine_with_weights_on_the_steps():
     fns = [RewardFn.of("steps", 2.0, per_step), RewardFn.of("len", 0.5, outcome)]
     got = score(fns, ["p"] * 3, completions, {}, [[1]] * 3, steps=layout.texts)
     nan = math.nan
-    expected = torch.tensor([[2.0, 0.0 + 0.5 * 11, nan], [2.0 + 0.5, nan, nan], [0.0, 0.0, 0.5 * 5]])
+    expected = torch.tensor(
+        [[2.0, 0.0 + 0.5 * 11, nan], [2.0 + 0.5, nan, nan], [0.0, 0.0, 0.5 * 5]]
+    )
     torch.testing.assert_close(got.step_scores, expected, equal_nan=True)
     # a process reward's per-completion score is the mean of its steps
     torch.testing.assert_close(got.per_function[:, 0], torch.tensor([0.5, 1.0, 0.0]))
@@ -57,8 +59,14 @@ def test_none_steps_and_none_completions_are_unscored():
     def holes(prompts, completions, steps, **kwargs):
         return [[None, 1.0], None]
 
-    got = score([RewardFn.of("holes", 1.0, holes)], ["p"] * 2, ["a\nb", "c"], {}, [[1]] * 2,
-                steps=[["a", "b"], ["c"]])
+    got = score(
+        [RewardFn.of("holes", 1.0, holes)],
+        ["p"] * 2,
+        ["a\nb", "c"],
+        {},
+        [[1]] * 2,
+        steps=[["a", "b"], ["c"]],
+    )
     assert torch.isnan(got.step_scores[0, 0]) and got.step_scores[0, 1] == 1.0
     assert torch.isnan(got.step_scores[1]).all() and torch.isnan(got.total[1])
 
@@ -67,8 +75,11 @@ def test_a_step_count_mismatch_names_the_function():
     def short(prompts, completions, steps, **kwargs):
         return [[1.0] for _ in steps]
 
-    with pytest.raises(RunError, match=r"reward function 'short' returned 1 step scores for completion 0, "
-                                       r"which has 2 steps \(algorithm.step_splitter\)"):
+    with pytest.raises(
+        RunError,
+        match=r"reward function 'short' returned 1 step scores for completion 0, "
+        r"which has 2 steps \(algorithm.step_splitter\)",
+    ):
         score([RewardFn.of("short", 1.0, short)], ["p"], ["a\nb"], {}, [[1]], steps=[["a", "b"]])
 
 
@@ -76,7 +87,9 @@ def test_per_step_scores_without_a_steps_parameter_say_how_to_get_steps():
     def lists(prompts, completions, **kwargs):
         return [[1.0, 0.0] for _ in completions]
 
-    with pytest.raises(RunError, match="'lists' returned a list of 2 scores .* name a `steps` parameter"):
+    with pytest.raises(
+        RunError, match="'lists' returned a list of 2 scores .* name a `steps` parameter"
+    ):
         score([RewardFn.of("lists", 1.0, lists)], ["p"], ["a\nb"], {}, [[1]])
 
 
@@ -90,17 +103,23 @@ def test_evaluation_cuts_steps_itself_with_the_functions_splitter():
 # --------------------------------------------------------------------------- formula
 def rollout_of(tokenizer, groups: list[list[str]]) -> RolloutBatch:
     texts = [t for group in groups for t in group]
-    rows = [tokenizer(t, add_special_tokens=False).input_ids + [tokenizer.eos_token_id] for t in texts]
+    rows = [
+        tokenizer(t, add_special_tokens=False).input_ids + [tokenizer.eos_token_id] for t in texts
+    ]
     width = max(map(len, rows)) + 1
     ids = torch.full((len(rows), width), tokenizer.pad_token_id)
     mask = torch.zeros((len(rows), width), dtype=torch.bool)
     for i, row in enumerate(rows):
         ids[i, : len(row)], mask[i, : len(row)] = torch.tensor(row), True
     prompts = torch.ones((len(groups), 1), dtype=torch.long)
-    return RolloutBatch(prompts, prompts.bool(), ids, mask, torch.zeros(len(rows), dtype=torch.bool), texts)
+    return RolloutBatch(
+        prompts, prompts.bool(), ids, mask, torch.zeros(len(rows), dtype=torch.bool), texts
+    )
 
 
-def seed_formula(step_scores: list[list[float]], step_ends: list[list[int]], groups: list[list[int]], width: int):
+def seed_formula(
+    step_scores: list[list[float]], step_ends: list[list[int]], groups: list[list[int]], width: int
+):
     """DeepSeekMath's process advantage, literally: one mean and population std over all
     steps of a group, then A_t = sum of the normalized scores of steps ending at or after t."""
     out = [[0.0] * width for _ in step_scores]
@@ -110,7 +129,9 @@ def seed_formula(step_scores: list[list[float]], step_ends: list[list[int]], gro
         sigma = math.sqrt(sum((r - mu) ** 2 for r in flat) / len(flat))
         for i in rows:
             for t in range(width):
-                out[i][t] = sum((r - mu) / sigma for r, end in zip(step_scores[i], step_ends[i]) if end >= t)
+                out[i][t] = sum(
+                    (r - mu) / sigma for r, end in zip(step_scores[i], step_ends[i]) if end >= t
+                )
     return torch.tensor(out)
 
 
@@ -119,8 +140,14 @@ def test_the_engine_gives_the_process_estimator_the_seeds_formula_on_real_tokens
     groups = [["1 + 2 = 3\n3 + 4 = 7\n", "12 + 3 = 15", "3\n\n33\nno"], ["x", "3 3\n3", "4\n3\n"]]
     rollout = rollout_of(tokenizer, groups)
     layout = steps_of(rollout.completions)
-    scores = score([RewardFn.of("steps", 1.0, per_step)], ["p"] * 6, rollout.completions, {}, [[1]] * 6,
-                   steps=layout.texts)
+    scores = score(
+        [RewardFn.of("steps", 1.0, per_step)],
+        ["p"] * 6,
+        rollout.completions,
+        {},
+        [[1]] * 6,
+        steps=layout.texts,
+    )
     run = SimpleNamespace(estimator=ProcessAdvantage(ProcessOptions(eps=0.0)), tokenizer=tokenizer)
     mask = rollout.completion_mask
     inputs = _advantage_inputs(run, rollout, scores, layout, scores.total, None, mask)
@@ -147,10 +174,18 @@ def test_outcome_rewards_alone_under_the_process_estimator_are_grpo():
     tokenizer = build_tokenizer()
     rollout = rollout_of(tokenizer, [["1\n2", "33", "4\n5\n6"], ["7", "8\n9", "10 11"]])
     layout = steps_of(rollout.completions)
-    scores = score([RewardFn.of("len", 1.0, outcome)], ["p"] * 6, rollout.completions, {}, [[1]] * 6,
-                   steps=layout.texts)
+    scores = score(
+        [RewardFn.of("len", 1.0, outcome)],
+        ["p"] * 6,
+        rollout.completions,
+        {},
+        [[1]] * 6,
+        steps=layout.texts,
+    )
     run = SimpleNamespace(estimator=ProcessAdvantage(ProcessOptions()), tokenizer=tokenizer)
-    inputs = _advantage_inputs(run, rollout, scores, layout, scores.total, None, rollout.completion_mask)
+    inputs = _advantage_inputs(
+        run, rollout, scores, layout, scores.total, None, rollout.completion_mask
+    )
     torch.testing.assert_close(run.estimator(inputs), GRPOAdvantage(GRPOOptions())(inputs))
 
 
@@ -158,11 +193,19 @@ def test_kl_in_the_reward_counts_on_the_last_step():
     tokenizer = build_tokenizer()
     rollout = rollout_of(tokenizer, [["3\n3", "3"]])
     layout = steps_of(rollout.completions)
-    scores = score([RewardFn.of("steps", 1.0, per_step)], ["p"] * 2, rollout.completions, {}, [[1]] * 2,
-                   steps=layout.texts)
+    scores = score(
+        [RewardFn.of("steps", 1.0, per_step)],
+        ["p"] * 2,
+        rollout.completions,
+        {},
+        [[1]] * 2,
+        steps=layout.texts,
+    )
     run = SimpleNamespace(estimator=ProcessAdvantage(ProcessOptions()), tokenizer=tokenizer)
     seq_kl = torch.tensor([0.25, 0.5])
-    inputs = _advantage_inputs(run, rollout, scores, layout, scores.total - seq_kl, seq_kl, rollout.completion_mask)
+    inputs = _advantage_inputs(
+        run, rollout, scores, layout, scores.total - seq_kl, seq_kl, rollout.completion_mask
+    )
     expected = torch.tensor([[1.0, 0.75], [0.5, math.nan]])  # row 1 has one step
     torch.testing.assert_close(inputs.step_scores, expected, equal_nan=True)
     assert scores.step_scores[0, 1] == 1.0  # the scores themselves are left alone
@@ -191,14 +234,38 @@ def test_process_spec_runs_with_a_tiny_model_and_logs_to_mlflow(tiny_model, tmp_
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     (tmp_path / "signal.py").write_text(SIGNAL)
-    code = main([str(SPECS / "process.yaml"),
-                 "--set", "model.package=null", "--set", "model.gguf_file=null",
-                 "--set", f"model.path={tiny_model}", "--set", "train.steps=3",
-                 "--set", "eval.max_prompts=2", "--set", "eval.every=0", "--set", "rollout.max_new_tokens=10",
-                 "--set", "train.threads=1", "--set", "train.lr=0.02", "--set", "train.progress=false",
-                 # a step reward the random tiny model earns sometimes, so the policy moves
-                 "--set", f"plugins=[{tmp_path / 'signal.py'}]", "--set", "rewards.2.name=digit_steps",
-                 "--set", f"train.output_dir={tmp_path / 'out'}"])
+    code = main(
+        [
+            str(SPECS / "process.yaml"),
+            "--set",
+            "model.package=null",
+            "--set",
+            "model.gguf_file=null",
+            "--set",
+            f"model.path={tiny_model}",
+            "--set",
+            "train.steps=3",
+            "--set",
+            "eval.max_prompts=2",
+            "--set",
+            "eval.every=0",
+            "--set",
+            "rollout.max_new_tokens=10",
+            "--set",
+            "train.threads=1",
+            "--set",
+            "train.lr=0.02",
+            "--set",
+            "train.progress=false",
+            # a step reward the random tiny model earns sometimes, so the policy moves
+            "--set",
+            f"plugins=[{tmp_path / 'signal.py'}]",
+            "--set",
+            "rewards.2.name=digit_steps",
+            "--set",
+            f"train.output_dir={tmp_path / 'out'}",
+        ]
+    )
     assert code == 0
 
     from mlflow import MlflowClient
@@ -209,12 +276,24 @@ def test_process_spec_runs_with_a_tiny_model_and_logs_to_mlflow(tiny_model, tmp_
     assert run.data.params["algorithm.advantage.name"] == "process"
     assert run.data.params["algorithm.step_splitter.name"] == "newline"
     metrics = run.data.metrics
-    for key in ["steps/per_completion", "steps/score_mean", "rewards/arithmetic-steps/mean",
-                "rewards/accuracy/mean", "rewards/digit_steps/mean", "advantage/std", "kl", "loss",
-                "eval/rewards/arithmetic-steps", "eval/rewards/digit_steps", "time/advantage"]:
+    for key in [
+        "steps/per_completion",
+        "steps/score_mean",
+        "rewards/arithmetic-steps/mean",
+        "rewards/accuracy/mean",
+        "rewards/digit_steps/mean",
+        "advantage/std",
+        "kl",
+        "loss",
+        "eval/rewards/arithmetic-steps",
+        "eval/rewards/digit_steps",
+        "time/advantage",
+    ]:
         assert key in metrics, key
-    history = {k: {m.step: m.value for m in client.get_metric_history(run.info.run_id, k)}
-               for k in ["kl", "advantage/abs_max", "steps/per_completion"]}
+    history = {
+        k: {m.step: m.value for m in client.get_metric_history(run.info.run_id, k)}
+        for k in ["kl", "advantage/abs_max", "steps/per_completion"]
+    }
     assert sorted(history["kl"]) == [1, 2, 3]
     assert max(history["advantage/abs_max"].values()) > 0  # the step scores made advantages
     assert all(v >= 1 for v in history["steps/per_completion"].values())

@@ -42,7 +42,9 @@ def test_check_step_verifies_a_op_b_equals_c(step, ok):
     assert check_step(step) is ok
 
 
-@pytest.mark.parametrize("step", ["", "the answer is 41", "41", "1 + 2 + 3 = 6", "1 + 2 = 3 + 0", "a + b = c", "= 3"])
+@pytest.mark.parametrize(
+    "step", ["", "the answer is 41", "41", "1 + 2 + 3 = 6", "1 + 2 = 3 + 0", "a + b = c", "= 3"]
+)
 def test_check_step_is_none_for_other_forms(step):
     assert check_step(step) is None
 
@@ -63,14 +65,21 @@ def test_arithmetic_steps_options_say_what_is_valid():
 def test_wrong_zero_or_minus_one_give_the_same_process_advantages():
     """What the option's description claims: the group normalization of the process
     estimator removes an affine change of every step score."""
-    steps = [["1 + 2 = 3", "3 + 4 = 8"], ["2 + 2 = 4", "4 + 4 = 8", "x"], ["9 - 1 = 7"], ["5 * 5 = 25"]]
+    steps = [
+        ["1 + 2 = 3", "3 + 4 = 8"],
+        ["2 + 2 = 4", "4 + 4 = 8", "x"],
+        ["9 - 1 = 7"],
+        ["5 * 5 = 25"],
+    ]
     mask = torch.ones((4, 6), dtype=torch.bool)
     ends = torch.tensor([[1, 5, 0], [0, 2, 5], [5, 0, 0], [5, 0, 0]])
     step_mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 0, 0]], dtype=torch.bool)
     group_ids = torch.tensor([0, 0, 1, 1])
     out = []
     for wrong, unparsed in [(0.0, 0.0), (-1.0, -1.0)]:
-        scores = ArithmeticStepsReward(ArithmeticStepsOptions(wrong=wrong, unparsed=unparsed))(None, None, steps=steps)
+        scores = ArithmeticStepsReward(ArithmeticStepsOptions(wrong=wrong, unparsed=unparsed))(
+            None, None, steps=steps
+        )
         table = torch.zeros((4, 3))
         for i, row in enumerate(scores):
             table[i, : len(row)] = torch.tensor(row)
@@ -95,8 +104,12 @@ def test_the_multi_step_task_asks_for_one_step_per_line():
 
 def test_builtins_are_registered():
     registry = load_plugins(external=False).registry
-    assert registry.get("reward_function", "arithmetic-steps").plugin == "grpo_plugins.process_rewards"
-    assert registry.get("reward_function", "process_reward_model").options is ProcessRewardModelOptions
+    assert (
+        registry.get("reward_function", "arithmetic-steps").plugin == "grpo_plugins.process_rewards"
+    )
+    assert (
+        registry.get("reward_function", "process_reward_model").options is ProcessRewardModelOptions
+    )
     assert registry.get("dataset", "arithmetic-steps").options is MultiStepArithmeticOptions
 
 
@@ -111,9 +124,16 @@ def prm(tmp_path_factory):
     return path, model, tokenizer
 
 
-def direct(model, tokenizer, text: str, chars: list[int], add_special_tokens: bool = True) -> list[float]:
+def direct(
+    model, tokenizer, text: str, chars: list[int], add_special_tokens: bool = True
+) -> list[float]:
     """P(label 1) at the token whose offsets hold each character, by a plain forward."""
-    enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=add_special_tokens, return_tensors="pt")
+    enc = tokenizer(
+        text,
+        return_offsets_mapping=True,
+        add_special_tokens=add_special_tokens,
+        return_tensors="pt",
+    )
     offsets = enc.pop("offset_mapping")[0].tolist()
     with torch.no_grad():
         probs = torch.softmax(model(**enc).logits[0], dim=-1)[:, 1]
@@ -129,7 +149,9 @@ def test_prm_scores_each_step_at_its_last_token(prm):
     text = prompt + completion
     expected = direct(model, tokenizer, text, [len(prompt) + 8, len(prompt) + 18])
     assert got[0] == pytest.approx(expected, abs=1e-6)
-    assert got[1] == pytest.approx(direct(model, tokenizer, prompt + "nothing", [len(prompt) + 6]), abs=1e-6)
+    assert got[1] == pytest.approx(
+        direct(model, tokenizer, prompt + "nothing", [len(prompt) + 6]), abs=1e-6
+    )
     assert all(0.0 < p < 1.0 for p in got[0])
 
 
@@ -141,7 +163,9 @@ def test_prm_with_chat_prompts_uses_the_template(prm):
     got = reward([prompt], [completion], steps=[["1 + 2 = 3"]])
     text = tokenizer.apply_chat_template(prompt + completion, tokenize=False)
     last = text.rfind("1 + 2 = 3") + len("1 + 2 = 3") - 1
-    assert got[0] == pytest.approx(direct(model, tokenizer, text, [last], add_special_tokens=False), abs=1e-6)
+    assert got[0] == pytest.approx(
+        direct(model, tokenizer, text, [last], add_special_tokens=False), abs=1e-6
+    )
 
 
 def test_prm_step_tag_mode_reads_the_separator(prm):
@@ -170,5 +194,7 @@ def test_prm_with_a_model_of_too_few_labels_is_an_error(prm):
 
 def test_prm_missing_model_names_the_reward(tmp_path):
     reward = ProcessRewardModel(ProcessRewardModelOptions(path=tmp_path / "none"))
-    with pytest.raises(RunError, match="'process_reward_model' could not load a token-classification model"):
+    with pytest.raises(
+        RunError, match="'process_reward_model' could not load a token-classification model"
+    ):
         reward(["p"], ["c"], steps=[["c"]])

@@ -82,7 +82,9 @@ def test_newline_spans_are_ordered_and_match_str_split(lines):
 
 
 def test_split_steps_gives_a_completion_without_steps_one_empty_step():
-    layout = split_steps(splitter("newline"), "newline", ["a\nb", "  \n", [{"role": "assistant", "content": "x"}]])
+    layout = split_steps(
+        splitter("newline"), "newline", ["a\nb", "  \n", [{"role": "assistant", "content": "x"}]]
+    )
     assert layout.texts == [["a", "b"], [""], ["x"]]
     assert layout.spans[1] == [(3, 3)]
     assert layout.counts == [2, 1, 1]
@@ -116,11 +118,13 @@ def wordpiece_tokenizer():
     words = ["[UNK]", "[EOS]", "\n", "+", "-", "=", "*"] + [str(i) for i in range(10)]
     words += [f"##{i}" for i in range(10)]
     tok = Tokenizer(models.WordPiece({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(r"\n"), behavior="isolated"),
-        pre_tokenizers.Split(Regex(r"[ \t]+"), behavior="removed"),
-        pre_tokenizers.Punctuation("isolated"),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(r"\n"), behavior="isolated"),
+            pre_tokenizers.Split(Regex(r"[ \t]+"), behavior="removed"),
+            pre_tokenizers.Punctuation("isolated"),
+        ]
+    )
     tok.decoder = decoders.WordPiece()
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="[EOS]")
 
@@ -145,7 +149,9 @@ def ends_from_offsets(tokenizer, text: str, eos: bool) -> tuple[list[int], str, 
 @pytest.mark.parametrize("kind", list(TOKENIZERS))
 @pytest.mark.parametrize("trailing_newline", [False, True])
 @pytest.mark.parametrize("eos", [False, True])
-@pytest.mark.parametrize("text", ["1 + 2 = 3\n3 + 4 = 7", "12 + 34 = 46\n\n46 - 5 = 41\n41 * 2 = 82", "café = 1\nok"])
+@pytest.mark.parametrize(
+    "text", ["1 + 2 = 3\n3 + 4 = 7", "12 + 34 = 46\n\n46 - 5 = 41\n41 * 2 = 82", "café = 1\nok"]
+)
 def test_step_ends_match_the_tokenizers_offsets(kind, trailing_newline, eos, text):
     tokenizer = TOKENIZERS[kind]()
     text = text + ("\n" if trailing_newline else "")
@@ -206,5 +212,9 @@ def test_step_tensors_pad_to_the_longest_row_and_index_completion_tokens():
     assert ends.dtype == torch.long and step_mask.dtype == torch.bool
     assert ends[0].tolist() == [5, 11, 17] and step_mask[0].all()
     assert ends[1, 0] == 1 and step_mask[1].tolist() == [True, False, False]
-    assert ends[2, 0] == 0 and step_mask[2].tolist() == [True, False, False]  # EOS only: one empty step
+    assert ends[2, 0] == 0 and step_mask[2].tolist() == [
+        True,
+        False,
+        False,
+    ]  # EOS only: one empty step
     assert (ends[step_mask] < mask.sum(dim=1).repeat_interleave(step_mask.sum(dim=1))).all()
