@@ -50,7 +50,9 @@ class MLflowTracker:
     """Logs params, metrics, the spec and completion tables to MLflow.
 
     When the server cannot be reached, metrics are kept in memory and sent, in order,
-    once it answers again; training never waits for it beyond one failed call.
+    once it answers again; training never waits for it beyond one failed call. Rows still
+    unsent are part of the run's checkpoints, so a run that stops while the server is down
+    sends them after ``--resume``.
     """
 
     def __init__(self, options: MLflowOptions):
@@ -90,8 +92,8 @@ class MLflowTracker:
         try:
             client = self._connect()
             if resume_id:
+                self.run_id = resume_id  # known even while the server is down: rows wait for it
                 client.update_run(resume_id, status="RUNNING")
-                self.run_id = resume_id
             else:
                 exp = client.get_experiment_by_name(self.options.experiment)
                 exp_id = exp.experiment_id if exp else client.create_experiment(self.options.experiment)
@@ -140,6 +142,14 @@ class MLflowTracker:
             self._failed("log_metrics", exc)
             return False
         return True
+
+    # -- checkpointed with the run: rows not sent yet survive the process and go after a resume
+    def state_dict(self) -> dict[str, Any]:
+        return {"pending": [(dict(metrics), step, ts) for metrics, step, ts in self._pending]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        kept = [(dict(metrics), int(step), int(ts)) for metrics, step, ts in state.get("pending", [])]
+        self._pending[:0] = kept  # sent with their original timestamps: a row sent twice is one row
 
     def log_artifact(self, path: str) -> None:
         if self.run_id is None:

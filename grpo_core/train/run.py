@@ -86,6 +86,7 @@ class Run:
         """Components that carry state across steps (``state_dict``/``load_state_dict``)."""
         named = {"rollout": self.backend, "advantage": self.estimator}
         named.update({f"rewards.{fn.name}": fn.fn for fn in self.rewards})
+        named.update({f"tracking.{name}": tracker for name, tracker in self.log.trackers.items()})
         named["iterative"] = self.iterative
         return {k: v for k, v in named.items() if hasattr(v, "state_dict") and hasattr(v, "load_state_dict")}
 
