@@ -34,7 +34,7 @@ class RunLog:
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.folder / "metrics.jsonl"
-        self.run_id: str | None = None
+        self._start_id: str | None = None
         self._warned: set[str] = set()
 
     def _each(self, method: str, *args: Any) -> list[Any]:
@@ -51,8 +51,17 @@ class RunLog:
 
     def start(self, run_name: str, resume_id: str | None = None) -> str | None:
         ids = [r for r in self._each("start", run_name, resume_id) if r]
-        self.run_id = ids[0] if ids else resume_id
+        self._start_id = ids[0] if ids else resume_id
         return self.run_id
+
+    @property
+    def run_id(self) -> str | None:
+        """The trackers' run id, checkpointed to resume into the same run; read each time,
+        since a tracker whose server was down at start creates its run later."""
+        for tracker in self.trackers.values():
+            if getattr(tracker, "run_id", None):
+                return tracker.run_id
+        return self._start_id
 
     def log_params(self, params: dict[str, Any]) -> None:
         self._each("log_params", params)

@@ -50,9 +50,10 @@ class MLflowTracker:
     """Logs params, metrics, the spec and completion tables to MLflow.
 
     When the server cannot be reached, metrics are kept in memory and sent, in order,
-    once it answers again; training never waits for it beyond one failed call. Rows still
-    unsent are part of the run's checkpoints, so a run that stops while the server is down
-    sends them after ``--resume``.
+    once it answers again (a run that could not be created at start is created then, with
+    its params); training never waits for it beyond one failed call. Rows still unsent are
+    part of the run's checkpoints, so a run that stops while the server is down sends them
+    after ``--resume``.
     """
 
     def __init__(self, options: MLflowOptions):
@@ -60,6 +61,8 @@ class MLflowTracker:
         self.run_id: str | None = None
         self._client = None
         self._pending: list[tuple[dict[str, float], int, int]] = []
+        self._run_name: str | None = None
+        self._unsent: list[tuple[str, Any]] = []  # params and artifacts logged before the run existed
         self._last_failure = 0.0
         self.failures = 0
 
@@ -89,22 +92,31 @@ class MLflowTracker:
 
     # -- Tracker contract
     def start(self, run_name: str, resume_id: str | None = None) -> str | None:
+        self._run_name = run_name
         try:
-            client = self._connect()
             if resume_id:
                 self.run_id = resume_id  # known even while the server is down: rows wait for it
-                client.update_run(resume_id, status="RUNNING")
+                self._connect().update_run(resume_id, status="RUNNING")
             else:
-                exp = client.get_experiment_by_name(self.options.experiment)
-                exp_id = exp.experiment_id if exp else client.create_experiment(self.options.experiment)
-                run = client.create_run(exp_id, run_name=run_name, tags=dict(self.options.tags))
-                self.run_id = run.info.run_id
+                self._create_run()
         except Exception as exc:
             self._failed("start", exc)
         return self.run_id
 
+    def _create_run(self) -> None:
+        """Create the run, then send what was logged before it existed (server down at start)."""
+        client = self._connect()
+        exp = client.get_experiment_by_name(self.options.experiment)
+        exp_id = exp.experiment_id if exp else client.create_experiment(self.options.experiment)
+        run = client.create_run(exp_id, run_name=self._run_name, tags=dict(self.options.tags))
+        self.run_id = run.info.run_id
+        unsent, self._unsent = self._unsent, []
+        for method, arg in unsent:
+            getattr(self, method)(arg)
+
     def log_params(self, params: dict[str, Any]) -> None:
         if self.run_id is None:
+            self._unsent.append(("log_params", dict(params)))
             return
         from mlflow.entities import Param
 
@@ -120,14 +132,17 @@ class MLflowTracker:
         self.flush()
 
     def flush(self, force: bool = False) -> bool:
-        """Send what is pending; True when nothing is left."""
-        if self.run_id is None and not force:
+        """Send what is pending (creating the run first if the server was down at start);
+        True when nothing is left."""
+        if self._run_name is None:  # not started
             return not self._pending
         if self.failures and not force and time.monotonic() - self._last_failure < self.options.retry_every:
             return False
         from mlflow.entities import Metric
 
         try:
+            if self.run_id is None:
+                self._create_run()
             while self._pending:
                 batch: list[Metric] = []
                 taken = 0
@@ -153,6 +168,7 @@ class MLflowTracker:
 
     def log_artifact(self, path: str) -> None:
         if self.run_id is None:
+            self._unsent.append(("log_artifact", str(path)))
             return
         try:
             self._connect().log_artifact(self.run_id, str(path))
