@@ -35,7 +35,16 @@ class RunLog:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.folder / "metrics.jsonl"
         self._start_id: str | None = None
+        self._end_torn_line()
         self._warned: set[str] = set()
+
+    def _end_torn_line(self) -> None:
+        """A row a crash cut short must not swallow the next one: end it with a newline."""
+        if self.metrics_path.is_file() and self.metrics_path.stat().st_size:
+            with self.metrics_path.open("rb+") as fh:
+                fh.seek(-1, 2)
+                if fh.read(1) != b"\n":
+                    fh.write(b"\n")
 
     def _each(self, method: str, *args: Any) -> list[Any]:
         results = []
