@@ -32,17 +32,25 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------- arithmetic
-_EQUATION = re.compile(r"(?:[^=\n]*?:)?\s*(-?\d+)\s*([-+*×xX])\s*(-?\d+)\s*=\s*(-?\d+)\s*\.?")
+# ``a op b`` at the end of the text before the first '=', not preceded by a number or an
+# operator (so "1 + 2 + 3" is not read as "2 + 3"); ``c``: the integer right after it.
+_LEFT = re.compile(r"(?:^|[^\d.+\-*×=\s])\s*(-?\d+)\s*([-+*×])\s*(-?\d+)\s*$")
+_RIGHT = re.compile(r"\s*(-?\d+)(?!\.?\d)")
 
 
 def check_step(text: str) -> bool | None:
-    """Whether a step ``a op b = c`` is right (``op`` one of ``+ - * × x``); None when the
-    step is not of that form. An optional label ending in ``:`` ("Step 1:") and a final
-    period are allowed; anything else around the equation makes it not of the form."""
-    match = _EQUATION.fullmatch(text.strip())
-    if match is None:
+    """Whether the step's equation ``a op b = c`` is right (integers, ``op`` one of
+    ``+ - * ×``); None when the step has no such equation.
+
+    The equation is the first ``=`` of the step, with ``a op b`` just before it and the
+    integer ``c`` just after it; words around it are allowed ("Step 2: 46 - 5 = 41, so"),
+    a longer expression before the ``=`` ("1 + 2 + 3 = 6") or decimals are not the form.
+    """
+    left, equals, right = text.partition("=")
+    lhs, rhs = _LEFT.search(left), _RIGHT.match(right)
+    if not equals or lhs is None or rhs is None:
         return None
-    a, op, b, c = int(match[1]), match[2], int(match[3]), int(match[4])
+    a, op, b, c = int(lhs[1]), lhs[2], int(lhs[3]), int(rhs[1])
     value = a + b if op == "+" else a - b if op == "-" else a * b
     return value == c
 
@@ -73,7 +81,7 @@ class ArithmeticStepsOptions(Options):
 
 class ArithmeticStepsReward:
     """Verifiable process reward: each step `a op b = c` scores `correct` (1) when c is
-    right, `wrong` (0, or -1) when not; a step of another form scores `unparsed`."""
+    right, `wrong` (0, or -1) when not; a step without such an equation scores `unparsed`."""
 
     def __init__(self, options: ArithmeticStepsOptions | None = None):
         self.options = options or ArithmeticStepsOptions()
