@@ -45,9 +45,8 @@ def _check_split(dataset: str, split: str) -> None:
 Operation = Literal["+", "-", "*"]
 DEFAULT_INSTRUCTION = "What is {question}? Answer with just the number."
 STEPS_INSTRUCTION = (
-    "Compute {question} one operation at a time, left to right. Write each step on its own "
-    "line in the form 'a + b = c', starting from the previous result; the last line's "
-    "result is the answer."
+    "Compute {question} one operation at a time, left to right, one step per line. "
+    "For example, 12 + 30 - 5 is:\n12 + 30 = 42\n42 - 5 = 37\nNow compute {question}:"
 )
 
 
@@ -143,7 +142,8 @@ class MultiStepArithmeticOptions(ArithmeticOptions):
     instruction: str = Field(
         STEPS_INSTRUCTION,
         description="Prompt template; '{question}' is replaced by the problem. The default "
-        "asks for one step 'a op b = c' per line, the last line's result being the answer.",
+        "asks for one step 'a op b = c' per line and shows one worked example (SmolLM2-135M "
+        "writes equations far more often with it).",
     )
 
 

@@ -114,7 +114,7 @@ def test_the_multi_step_task_asks_for_one_step_per_line():
         for op, term in zip(terms[1::2], terms[2::2]):
             value = value + int(term) if op == "+" else value - int(term)
         assert row["answer"] == str(value)  # left to right, one step per operator
-        assert "one operation at a time" in row["prompt"] and "its own line" in row["prompt"]
+        assert "one step per line" in row["prompt"] and row["question"] in row["prompt"]
 
 
 def test_builtins_are_registered():
