@@ -178,6 +178,11 @@ def score(
     steps = steps if steps is not None else _default_steps(fns, completions)
     kwargs = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **columns}
     if steps is not None:
+        if "steps" in columns:
+            raise RunError(
+                "the dataset has a column 'steps', which would hide the completions' steps that "
+                "process rewards receive as `steps`; rename the column"
+            )
         kwargs["steps"] = steps
     table = torch.full((size, len(fns)), math.nan, dtype=torch.float32)
     k = max((len(s) for s in steps), default=0) if steps is not None else 0

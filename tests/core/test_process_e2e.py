@@ -93,6 +93,19 @@ def test_per_step_scores_without_a_steps_parameter_say_how_to_get_steps():
         score([RewardFn.of("lists", 1.0, lists)], ["p"], ["a\nb"], {}, [[1]])
 
 
+def test_a_dataset_column_named_steps_is_refused_when_steps_are_cut():
+    fn = RewardFn.of("steps", 1.0, per_step)
+    with pytest.raises(RunError, match="dataset has a column 'steps'.*rename the column"):
+        score([fn], ["p"], ["3"], {"steps": ["gold"]}, [[1]], steps=[["3"]])
+
+    # without process supervision the column passes through as any other
+    def column(prompts, completions, **kwargs):
+        return [float(len(kwargs["steps"][0]))]
+
+    got = score([RewardFn.of("col", 1.0, column)], ["p"], ["3"], {"steps": ["gold"]}, [[1]])
+    assert got.total.tolist() == [4.0]
+
+
 def test_evaluation_cuts_steps_itself_with_the_functions_splitter():
     fn = RewardFn.of("steps", 1.0, per_step, splitter=steps_of)
     assert fn.takes_steps and not RewardFn.of("len", 1.0, outcome).takes_steps
