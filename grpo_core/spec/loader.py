@@ -4,6 +4,7 @@ reports every problem at once with its YAML path and line."""
 from __future__ import annotations
 
 import re
+import shlex
 import types
 import typing
 from dataclasses import dataclass
@@ -27,10 +28,18 @@ class LoadedSpec:
     plugins: Plugins
     path: Path | None
     base_dir: Path
+    overrides: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
         return self.spec.run_name or (self.path.stem if self.path else "run")
+
+    def command(self, *extra: str) -> str:
+        """The ``grpo-run`` command line that loads this same spec, plus ``extra`` arguments."""
+        parts = ["grpo-run", str(self.path)]
+        for assignment in self.overrides:
+            parts += ["--set", assignment]
+        return shlex.join([*parts, *extra])
 
 
 # --------------------------------------------------------------------------- YAML
@@ -242,6 +251,7 @@ def load_spec(
 ) -> LoadedSpec:
     """Read, override, resolve and validate a spec; raise :class:`SpecError` listing every
     problem. ``source`` is a path to a YAML file or an already-parsed mapping."""
+    overrides = tuple(overrides)
     lines: dict[tuple, int] = {}
     if isinstance(source, dict):
         path, data, label = None, source, "(mapping)"
@@ -290,7 +300,7 @@ def load_spec(
     problems = resolve_slots(spec, plugins.registry, context)
     if problems:
         raise SpecError(_format(problems, lines, overridden), label)
-    return LoadedSpec(spec, plugins, path, base_dir)
+    return LoadedSpec(spec, plugins, path, base_dir, tuple(overrides))
 
 
 class _SpecDumper(yaml.SafeDumper):

@@ -326,7 +326,7 @@ def _save_failed_step(run: Run, start: _StepStart, loaded: LoadedSpec) -> None:
         return
     print(
         f"grpo-run: step {run.step + 1} failed before its update; checkpoint of step {run.step}: {folder}\n"
-        f"  resume with: grpo-run {loaded.path} --resume", file=sys.stderr,
+        f"  resume with: {loaded.command('--resume')}", file=sys.stderr,
     )
 
 
@@ -365,7 +365,7 @@ def train(loaded: LoadedSpec, resume: str | None = None) -> int:
                 folder = run.save_checkpoint()
                 print(
                     f"grpo-run: stopped at step {run.step}; checkpoint {folder}\n"
-                    f"  resume with: grpo-run {loaded.path} --resume", file=sys.stderr,
+                    f"  resume with: {loaded.command('--resume')}", file=sys.stderr,
                 )
                 return stop.exit_code
         if spec.eval.at_end and run.eval_prompts:

@@ -171,6 +171,8 @@ def update(
             size = micro_batch_size or max(len(active), 1)
             for micro in active.split(size) if len(active) else ():
                 m = batch.mask[micro]
+                if not bool(m.any()):  # no loss token: nothing to forward or backward
+                    continue
                 with autocast():
                     logp, entropy = forward_logprobs(
                         model, batch, micro, with_entropy=with_entropy, temperature=objective.temperature

@@ -443,15 +443,6 @@ def register_reward_functions(register):
     register.add("saw", saw)
 """
 
-MASKED_NEEDS_FIX = pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="engine gap (grpo_core/train/update.py, owned elsewhere): a micro-batch whose every "
-    "completion token is masked out (all truncated with mask_truncated_completions) gets a loss "
-    "with no grad_fn when the rows are not skipped (KL in the loss), and loss.backward() raises "
-    "RuntimeError; update() should skip micro-batches with no loss token",
-)
-
 
 @pytest.mark.parametrize(
     "token, rollout, beta",
@@ -460,9 +451,7 @@ MASKED_NEEDS_FIX = pytest.mark.xfail(
         ("7", {"max_new_tokens": 4, "stop": ["7"]}, 0.1),  # a stop string that matches at once
         ("7", {"max_new_tokens": 1}, 0.1),  # never stops: every completion truncated
         ("7", {"max_new_tokens": 2, "mask_truncated_completions": True}, 0.0),  # ... and masked out
-        pytest.param(
-            "7", {"max_new_tokens": 2, "mask_truncated_completions": True}, 0.1, marks=MASKED_NEEDS_FIX
-        ),
+        ("7", {"max_new_tokens": 2, "mask_truncated_completions": True}, 0.1),  # ... with KL in the loss
     ],
     ids=["empty", "stop-at-once", "never-stop", "never-stop-masked", "never-stop-masked-kl"],
 )

@@ -516,3 +516,16 @@ def test_every_slot_field_is_a_slot_of_a_known_kind():
     assert {s.kind for s in slots} == set(KINDS)
     for s in slots:
         assert typing.get_type_hints(s)["name"] is str
+
+
+def test_the_resume_hint_repeats_the_overrides(tmp_path):
+    """A run started with --set must be resumed with the same --set, or it looks elsewhere."""
+    import shlex
+
+    from grpo_core.spec import load_spec
+
+    spec = tmp_path / "s.yaml"
+    spec.write_text("model: {path: m}\nrewards: [{name: accuracy}]\n")
+    loaded = load_spec(spec, iter(["train.output_dir=/tmp/a b", "train.steps=3"]))
+    assert shlex.split(loaded.command("--resume")) == [
+        "grpo-run", str(spec), "--set", "train.output_dir=/tmp/a b", "--set", "train.steps=3", "--resume"]
