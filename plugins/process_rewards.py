@@ -23,6 +23,7 @@ from grpo_core.spec import SpecPath
 from grpo_plugins.rewards import _resolve_device, completion_text
 
 __all__ = [
+    "parse_step",
     "check_step",
     "ArithmeticStepsOptions",
     "ArithmeticStepsReward",
@@ -38,9 +39,9 @@ _LEFT = re.compile(r"(?:^|[^\d.+\-*×=\s])\s*(-?\d+)\s*([-+*×])\s*(-?\d+)\s*$")
 _RIGHT = re.compile(r"\s*(-?\d+)(?!\.?\d)")
 
 
-def check_step(text: str) -> bool | None:
-    """Whether the step's equation ``a op b = c`` is right (integers, ``op`` one of
-    ``+ - * ×``); None when the step has no such equation.
+def parse_step(text: str) -> tuple[int, str, int, int] | None:
+    """``(a, op, b, c)`` of the step's equation ``a op b = c`` (integers, ``op`` one of
+    ``+ - * ×``), or None when the step has none.
 
     The equation is the first ``=`` of the step, with ``a op b`` just before it and the
     integer ``c`` just after it; words around it are allowed ("Step 2: 46 - 5 = 41, so"),
@@ -50,18 +51,28 @@ def check_step(text: str) -> bool | None:
     lhs, rhs = _LEFT.search(left), _RIGHT.match(right)
     if not equals or lhs is None or rhs is None:
         return None
-    a, op, b, c = int(lhs[1]), lhs[2], int(lhs[3]), int(rhs[1])
-    value = a + b if op == "+" else a - b if op == "-" else a * b
-    return value == c
+    return int(lhs[1]), lhs[2], int(lhs[3]), int(rhs[1])
+
+
+def check_step(text: str) -> bool | None:
+    """Whether the step's equation ``a op b = c`` is right; None when it has none."""
+    parsed = parse_step(text)
+    if parsed is None:
+        return None
+    a, op, b, c = parsed
+    return (a + b if op == "+" else a - b if op == "-" else a * b) == c
+
+
+_NUMBER = re.compile(r"\d+")
 
 
 class ArithmeticStepsOptions(Options):
     """Options of the ``arithmetic-steps`` process reward."""
 
-    correct: float = Field(1.0, description="Score of a step `a op b = c` whose c is right.")
+    correct: float = Field(1.0, description="Score of a right step `a op b = c`.")
     wrong: float = Field(
         0.0,
-        description="Score of a step `a op b = c` whose c is wrong: 0 (default) or e.g. -1. "
+        description="Score of a wrong step `a op b = c`: 0 (default) or e.g. -1. "
         "With the process estimator alone the choice does not matter (step scores are "
         "normalized per group, and an affine change of all of them leaves the advantages "
         "unchanged); it does when other rewards are added, e.g. accuracy on the last step.",
@@ -70,6 +81,13 @@ class ArithmeticStepsOptions(Options):
         0.0,
         description="Score of a step that is not an equation `a op b = c` (prose, an empty "
         "completion's single empty step); null leaves such steps unscored.",
+    )
+    question_column: str | None = Field(
+        "question",
+        description="Dataset column holding the problem ('47 - 92 + 93', as the arithmetic "
+        "tasks give). When set, a step is right only if its arithmetic is and each operand "
+        "is a number of the problem or the result of an earlier right step, so steps copied "
+        "from elsewhere (the prompt's example) are wrong. null: check the arithmetic alone.",
     )
 
     @model_validator(mode="after")
@@ -80,8 +98,9 @@ class ArithmeticStepsOptions(Options):
 
 
 class ArithmeticStepsReward:
-    """Verifiable process reward: each step `a op b = c` scores `correct` (1) when c is
-    right, `wrong` (0, or -1) when not; a step without such an equation scores `unparsed`."""
+    """Verifiable process reward: each step `a op b = c` scores `correct` (1) when it is
+    right (and, by default, works on the problem's numbers), `wrong` (0, or -1) when not;
+    a step without such an equation scores `unparsed`."""
 
     def __init__(self, options: ArithmeticStepsOptions | None = None):
         self.options = options or ArithmeticStepsOptions()
@@ -89,18 +108,48 @@ class ArithmeticStepsReward:
 
     def __repr__(self) -> str:
         o = self.options
-        return f"arithmetic-steps(correct={o.correct}, wrong={o.wrong}, unparsed={o.unparsed})"
+        return (
+            f"arithmetic-steps(correct={o.correct}, wrong={o.wrong}, unparsed={o.unparsed}, "
+            f"question_column={o.question_column!r})"
+        )
 
-    def score_step(self, text: str) -> float | None:
-        ok = check_step(text)
-        if ok is None:
-            return self.options.unparsed
-        return self.options.correct if ok else self.options.wrong
+    @property
+    def required_columns(self) -> list[str]:
+        """Dataset columns this reward reads; the engine checks them before training."""
+        column = self.options.question_column
+        return [column] if column else []
+
+    def score_steps(self, steps: list[str], question: Any = None) -> list[float | None]:
+        """Scores of one completion's steps; ``question`` grounds the operands (None: not)."""
+        o = self.options
+        known = None if question is None else {int(n) for n in _NUMBER.findall(str(question))}
+        out: list[float | None] = []
+        for step in steps:
+            parsed, ok = parse_step(step), check_step(step)
+            if parsed is None:
+                out.append(o.unparsed)
+                continue
+            a, _, b, c = parsed
+            if known is not None:
+                ok = ok and abs(a) in known and abs(b) in known
+                if ok:
+                    known.add(abs(c))
+            out.append(o.correct if ok else o.wrong)
+        return out
 
     def __call__(
         self, prompts: list, completions: list, steps: list[list[str]], **columns: Any
     ) -> list[list[float | None]]:
-        return [[self.score_step(step) for step in row] for row in steps]
+        column = self.options.question_column
+        if column is None:
+            return [self.score_steps(row) for row in steps]
+        if column not in columns:
+            available = ", ".join(sorted(columns)) or "(none)"
+            raise RunError(
+                f"reward function 'arithmetic-steps' needs the dataset column '{column}' "
+                f"(question_column; null checks the arithmetic alone); columns available: {available}"
+            )
+        return [self.score_steps(row, q) for row, q in zip(steps, columns[column])]
 
 
 # --------------------------------------------------------------------------- reward model

@@ -65,11 +65,31 @@ def test_check_step_is_none_for_other_forms(step):
 
 
 def test_arithmetic_steps_scores_each_step():
-    reward = ArithmeticStepsReward()
+    reward = ArithmeticStepsReward(ArithmeticStepsOptions(question_column=None))
     steps = [["1 + 2 = 3", "3 + 4 = 8"], ["so"], [""]]
     assert reward(["p"] * 3, ["c"] * 3, steps=steps) == [[1.0, 0.0], [0.0], [0.0]]
-    minus = ArithmeticStepsReward(ArithmeticStepsOptions(wrong=-1.0, unparsed=None))
+    minus = ArithmeticStepsReward(
+        ArithmeticStepsOptions(wrong=-1.0, unparsed=None, question_column=None)
+    )
     assert minus(["p"] * 3, ["c"] * 3, steps=steps) == [[1.0, -1.0], [None], [None]]
+
+
+def test_arithmetic_steps_wants_the_problems_numbers_by_default():
+    reward = ArithmeticStepsReward()
+    assert reward.required_columns == ["question"]
+    steps = [
+        ["47 - 92 = -45", "-45 + 93 = 48"],  # the left-to-right path
+        ["92 - 47 = 45", "45 + 93 = 138"],  # right arithmetic on the problem's numbers
+        ["12 + 30 = 42", "42 - 5 = 37"],  # the prompt's example, copied
+        ["47 - 92 = -44", "-44 + 93 = 49"],  # a wrong result is no operand for later steps
+        ["47 + 1 = 48"],  # a number from nowhere
+    ]
+    got = reward(["p"] * 5, ["c"] * 5, steps=steps, question=["47 - 92 + 93"] * 5)
+    assert got == [[1.0, 1.0], [1.0, 1.0], [0.0, 0.0], [0.0, 0.0], [0.0]]
+    with pytest.raises(
+        RunError, match="needs the dataset column 'question' .*columns available: answer"
+    ):
+        reward(["p"], ["c"], steps=[["1 + 1 = 2"]], answer=["2"])
 
 
 def test_arithmetic_steps_options_say_what_is_valid():
@@ -92,9 +112,8 @@ def test_wrong_zero_or_minus_one_give_the_same_process_advantages():
     group_ids = torch.tensor([0, 0, 1, 1])
     out = []
     for wrong, unparsed in [(0.0, 0.0), (-1.0, -1.0)]:
-        scores = ArithmeticStepsReward(ArithmeticStepsOptions(wrong=wrong, unparsed=unparsed))(
-            None, None, steps=steps
-        )
+        options = ArithmeticStepsOptions(wrong=wrong, unparsed=unparsed, question_column=None)
+        scores = ArithmeticStepsReward(options)(None, None, steps=steps)
         table = torch.zeros((4, 3))
         for i, row in enumerate(scores):
             table[i, : len(row)] = torch.tensor(row)
