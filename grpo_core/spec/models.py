@@ -95,7 +95,7 @@ class RolloutSlot(Slot):
     """How completions are sampled: the backend plugin and the sampling settings."""
 
     kind = "rollout_backend"
-    name: str = Field("hf", description="Rollout backend plugin: hf (transformers generate), vllm, ...")
+    name: str = Field("hf", description="Rollout backend plugin: hf (transformers generate) or an installed one.")
     group_size: int = Field(8, ge=2, description="G: completions sampled per prompt.")
     max_new_tokens: int = Field(256, ge=1, description="Longest completion, in tokens.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (also used for the log-probs).")
