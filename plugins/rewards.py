@@ -115,8 +115,10 @@ class AccuracyReward:
     The completion's answer is extracted by ``math_verify.parse`` (``\\boxed{}``, "the
     answer is X", LaTeX, else the last expression of the text) and compared with the gold
     answer by ``math_verify.verify`` (numeric and symbolic equality). When math-verify
-    extracts nothing (it rejects, e.g., a bare parenthesised ``(19)``), the last number
-    in the text is tried instead. A completion with no answer at all scores 0.0.
+    extracts nothing (it rejects, e.g., a bare parenthesised ``(19)``), or extracts an
+    unevaluated expression while the gold is a plain number (the question restated, such
+    as ``87 + 86 = ?``), the last number in the text is tried instead. A completion with no
+    answer at all scores 0.0.
 
     Returns ``None`` (unscorable) when the *gold* answer itself cannot be parsed: that
     row says nothing about the policy, so it is left out of its group's statistics.
@@ -146,9 +148,13 @@ class AccuracyReward:
 
         return parse(text, parsing_timeout=self._timeout())
 
-    def _predicted(self, text: str) -> list:
+    def _predicted(self, text: str, numeric_gold: bool) -> list:
+        """The completion's answer. Against a plain-number gold the answer must itself be
+        a number: math-verify would otherwise evaluate a restated problem ("87 + 86 = ?"
+        parses as 87 + 86) and pay a policy for copying the question, which GRPO learns
+        within a few dozen steps. Such text falls back to its last number."""
         parsed = self._parse(text)
-        if parsed:
+        if parsed and (not numeric_gold or _NUMBER.fullmatch(str(parsed[-1]).strip())):
             return parsed
         numbers = _NUMBER.findall(text)
         return self._parse(numbers[-1].replace(",", "")) if numbers else []
@@ -167,7 +173,7 @@ class AccuracyReward:
             if not gold_parsed:
                 rewards.append(None)
                 continue
-            predicted = self._predicted(completion_text(completion))
+            predicted = self._predicted(completion_text(completion), bool(_NUMBER.fullmatch(gold_text)))
             if not predicted:
                 rewards.append(0.0)
                 continue

@@ -374,3 +374,20 @@ def test_registered_and_buildable_from_options(name):
 def test_every_option_has_a_description(model):
     for field_name, field in model.model_fields.items():
         assert field.description, f"{model.__name__}.{field_name} has no description"
+
+
+@pytest.mark.parametrize("completion, expected", [
+    ("87 + 86 = ?", 0.0),            # the question restated: math-verify would evaluate it to 173
+    ("87 + 86", 0.0),
+    ("\\boxed{87+86}", 0.0),
+    ("To compute 87 + 86 we add them.", 0.0),
+    ("87 + 86 = 173", 1.0),
+    ("The answer is 173.", 1.0),
+    ("\\boxed{173}", 1.0),
+    ("173", 1.0),
+])
+def test_accuracy_does_not_pay_for_restating_the_question(completion, expected):
+    """A policy learned to answer '87 + 86 = ?' within 40 steps when this paid 1.0."""
+    from grpo_plugins.rewards import AccuracyReward
+
+    assert AccuracyReward()(["What is 87 + 86?"], [completion], answer=["173"]) == [expected]
