@@ -36,6 +36,7 @@ __all__ = [
     "TrainableReward",
     "Dataset",
     "Tracker",
+    "completion_text",
 ]
 
 
@@ -326,3 +327,34 @@ class Tracker(Protocol):
 def masked_fill_zero(x: Tensor, mask: Tensor) -> Tensor:
     """``x`` with every position outside ``mask`` set to exactly 0 (NaN/inf included)."""
     return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _content_text(content: Any) -> str:
+    """The text of a message's ``content``: a string, or a list of typed parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # multimodal parts: [{"type": "text", "text": ...}]
+        return "".join(
+            part.get("text", "") if isinstance(part, dict) else str(part) for part in content
+        )
+    return str(content)
+
+
+def completion_text(completion: Any) -> str:
+    """The text of one completion, whatever its representation.
+
+    A string is returned as is; a chat message ``{"role", "content"}`` gives its content;
+    a list of messages (TRL's conversational completion, ``[{"role": "assistant",
+    "content": text}]``) gives the concatenated contents of its messages.
+    """
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, dict):
+        return _content_text(completion.get("content"))
+    if isinstance(completion, (list, tuple)):
+        return "".join(completion_text(message) for message in completion)
+    raise TypeError(
+        f"a completion must be a string or a list of chat messages, got {type(completion).__name__}"
+    )

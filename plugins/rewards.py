@@ -19,6 +19,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from grpo_core import hookimpl
+from grpo_core.contracts import completion_text
 from grpo_core.errors import RunError
 from grpo_core.options import Options
 from grpo_core.spec import SpecPath
@@ -39,37 +40,6 @@ logger = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------- helpers
-def _content_text(content: Any) -> str:
-    """The text of a message's ``content``: a string, or a list of typed parts."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # multimodal parts: [{"type": "text", "text": ...}]
-        return "".join(
-            part.get("text", "") if isinstance(part, dict) else str(part) for part in content
-        )
-    return str(content)
-
-
-def completion_text(completion: Any) -> str:
-    """The text of one completion, whatever its representation.
-
-    A string is returned as is; a chat message ``{"role", "content"}`` gives its content;
-    a list of messages (TRL's conversational completion, ``[{"role": "assistant",
-    "content": text}]``) gives the concatenated contents of its messages.
-    """
-    if isinstance(completion, str):
-        return completion
-    if isinstance(completion, dict):
-        return _content_text(completion.get("content"))
-    if isinstance(completion, (list, tuple)):
-        return "".join(completion_text(message) for message in completion)
-    raise TypeError(
-        f"a completion must be a string or a list of chat messages, got {type(completion).__name__}"
-    )
-
-
 def _column(reward: str, columns: dict[str, Any], name: str, size: int) -> list:
     """Keyword column ``name`` with ``size`` entries, or a RunError naming the reward."""
     if name not in columns:

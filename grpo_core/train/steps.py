@@ -30,19 +30,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from grpo_core.contracts import completion_text
 from grpo_core.errors import RunError
-
-
-def completion_text(completion: Any) -> str:
-    """The text of a completion: a string, or the contents of its chat messages."""
-    if isinstance(completion, str):
-        return completion
-    if isinstance(completion, dict):
-        content = completion.get("content")
-        return content if isinstance(content, str) else ""
-    if isinstance(completion, (list, tuple)):
-        return "".join(completion_text(message) for message in completion)
-    return str(completion)
 
 
 @dataclass
