@@ -263,7 +263,7 @@ def test_sigkill_mid_run_leaves_a_usable_checkpoint(tmp_path, write_spec, child,
     """Kill -9 repeatedly (once as soon as a checkpoint write is seen in progress, then at
     random times), resuming each time: every checkpoint left verifies or is skipped with a
     message, and every redone step logs the same metrics as the first time."""
-    steps = 12
+    steps = 16
     spec = write_spec(tmp_path, train={"steps": steps, "seed": 5}, checkpoint={"every": 1, "keep": 3})
     out = tmp_path / "out"
     root = out / "checkpoints"
@@ -283,22 +283,30 @@ def test_sigkill_mid_run_leaves_a_usable_checkpoint(tmp_path, write_spec, child,
             assert proc.wait() == 0, proc.output()
             break
         start = max(kit.last_step(out / "metrics.jsonl"), 1)  # at least one checkpoint before the first kill
-        proc.wait_for(lambda s=start: kit.last_step(out / "metrics.jsonl") > s, 150, "a new step")
+        # Kills are placed by progress, not by wall time: a warm step of the tiny model takes a
+        # few milliseconds, so a timed kill could land anywhere, even after the last step.
+        target = start + 1 + rng.randrange(3)
+        proc.wait_for(lambda t=target: kit.last_step(out / "metrics.jsonl") >= t, 150, f"step {target}")
         if attempt == 0:  # catch a checkpoint being written: a temporary folder under checkpoints/
+            # Bounded by progress as well as time: on a fast machine the run must not reach its
+            # end while we poll, or there is nothing left to resume.
             deadline = time.monotonic() + 20
             while proc.proc.poll() is None and time.monotonic() < deadline:
+                if kit.last_step(out / "metrics.jsonl") >= start + 3:
+                    break
                 if any(p.name.startswith(".") for p in root.iterdir()):
                     proc.signal(signal.SIGKILL)
                     caught_mid_write += 1
                     break
         else:
-            time.sleep(rng.uniform(0, 0.4))
+            time.sleep(rng.uniform(0, 0.02))
         proc.signal(signal.SIGKILL)
         assert proc.wait() == -signal.SIGKILL, proc.output()
         folders = ckpt.list_checkpoints(root)
         good = [f for f in folders if ckpt.verify(f) is None]
         broken = [f for f in folders if f not in good]
         assert good, f"attempt {attempt}: no usable checkpoint left"
+        assert int(good[-1].name[5:]) < steps, f"attempt {attempt}: the run reached its end before the kill"
         expect = (good, broken)
     # Every checkpoint verifies at the end, no temporary folder is left behind, and
     # the final weights are finite.
