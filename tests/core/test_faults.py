@@ -292,7 +292,7 @@ def test_sigkill_mid_run_leaves_a_usable_checkpoint(tmp_path, write_spec, child,
             # end while we poll, or there is nothing left to resume.
             deadline = time.monotonic() + 20
             while proc.proc.poll() is None and time.monotonic() < deadline:
-                if kit.last_step(out / "metrics.jsonl") >= start + 3:
+                if kit.last_step(out / "metrics.jsonl") >= target + 3:
                     break
                 if any(p.name.startswith(".") for p in root.iterdir()):
                     proc.signal(signal.SIGKILL)
