@@ -38,6 +38,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "grpo_plugins.policy_losses",
     "grpo_plugins.aggregators",
     "grpo_plugins.rollout_hf",
+    "grpo_plugins.rollout_vllm",
     "grpo_plugins.rewards",
     "grpo_plugins.process_rewards",
     "grpo_plugins.trainable_rewards",

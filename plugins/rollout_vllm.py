@@ -1,0 +1,712 @@
+"""Rollout backend ``vllm``: a vLLM engine colocated with training on the same GPU.
+
+Targets vLLM 0.10.2 and later (the V1 engine; TRL's supported range starts there). vLLM is
+imported lazily, inside the functions that need it: this module imports, registers and
+validates specs without it, and a spec that selects ``vllm`` on a machine without it fails
+at validation with the install command.
+
+Setup. The policy's config (``architectures`` set) and tokenizer are written to a temporary
+folder and ``vllm.LLM`` is built from it with ``load_format="dummy"`` (no weights read from
+disk, whatever the policy was loaded from: a folder, the Hub, a GGUF file), then
+:meth:`VLLMRollout.sync_weights` pushes the policy's weights. The engine runs in this
+process (``distributed_executor_backend="external_launcher"``): on one process the launcher
+variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...) are set for a world of one; in a
+``torchrun`` / ``accelerate launch`` run each process gets its own engine on its own GPU,
+and ``tensor_parallel_size`` > 1 splits one engine over groups of consecutive processes,
+each group generating the prompts of all its members (gathered, then split back).
+
+Generation: one ``llm.generate`` call for the ``P`` prompts, each a ``TokensPrompt`` with
+``SamplingParams(n=G, ...)`` (vLLM shares the prompt's prefill among its ``G`` samples
+through the prefix cache). Sampling follows :class:`~grpo_core.contracts.SamplingParams`
+only (:func:`sampling_kwargs`): ``top_k = 0`` becomes vLLM's ``-1``, ``greedy`` becomes
+temperature 0, penalties are neutral, stop strings are kept in the text, and the model's
+EOS ids (generation config and tokenizer, as ``hf``) are stop tokens. With ``seed`` set,
+prompt ``i`` of the call is seeded from ``seed + i`` (the engine's convention, see
+:class:`~grpo_core.contracts.SamplingParams`), mixed by :func:`request_seed` because vLLM
+seeds the ``G`` samples of a request with ``seed + k``; without a seed the engine's RNG
+(option ``seed``) is used.
+
+``sampling_logp`` is vLLM's log-prob of each sampled token (``logprobs=0``), with
+``logprobs_mode: processed_logprobs``: the distribution actually sampled from, after the
+temperature and top-k/top-p, so it equals the trainer's log-probs (temperature only) when
+``top_k = 0`` and ``top_p = 1``, up to the two engines' numerics. The engine may use it for
+truncated importance sampling. ``bench/vllm_check.py`` measures the agreement.
+
+Weight sync pushes the policy's state dict into the engine's model (``load_weights``),
+reached as ``llm.llm_engine.model_executor.driver_worker.worker.model_runner.model`` when
+the engine core is in this process (what the setup above makes), else through
+``llm.collective_rpc`` with a function run on each worker. Under LoRA (peft) the adapter is
+merged into the base weights of the pushed copy, ``W + scaling * B @ A`` per layer
+(:func:`merge_lora`), and peft's name prefixes are stripped so the names are the base
+model's; the training model is not modified. The prefix cache is reset after each sync.
+
+Sleep mode (``enable_sleep_mode``): after each ``generate`` the engine sleeps (level 1:
+weights offloaded to CPU memory, KV cache freed) so training gets the GPU memory back; the
+weights wake before a sync and the KV cache before the next ``generate``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib.util
+import inspect
+import logging
+import os
+import socket
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+from pydantic import Field, model_validator
+from pydantic_core import PydanticCustomError
+from torch import Tensor
+
+from grpo_core import hookimpl
+from grpo_core.contracts import RolloutBatch, SamplingParams
+from grpo_core.options import Options
+
+__all__ = [
+    "MISSING_VLLM",
+    "VLLMRollout",
+    "VLLMRolloutOptions",
+    "engine_kwargs",
+    "lora_layout",
+    "merge_lora",
+    "outputs_to_batch",
+    "policy_weights",
+    "register_rollout_backends",
+    "request_seed",
+    "sampling_kwargs",
+    "vllm_weight_name",
+    "write_model_files",
+]
+
+log = logging.getLogger("grpo.rollout.vllm")
+
+MISSING_VLLM = (
+    "rollout 'vllm' needs the vllm package, which is not installed: "
+    "pip install 'grpo-core[vllm]' (Linux with a CUDA GPU); or use rollout.name: hf"
+)
+
+
+def vllm_installed() -> bool:
+    """Whether ``import vllm`` can find the package (without importing it)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+class VLLMRolloutOptions(Options):
+    """Options of the ``vllm`` rollout backend (sampling settings come from the spec's
+    rollout section, not from here)."""
+
+    gpu_memory_utilization: float = Field(
+        0.3,
+        gt=0,
+        le=1,
+        description=(
+            "Fraction of the GPU's memory vLLM may take (weights, activations, KV cache). "
+            "It shares the GPU with training: leave room for the policy, its gradients and "
+            "the optimizer state."
+        ),
+    )
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description=(
+            "GPUs one engine is split over. Above 1 the run must be launched with a multiple "
+            "of this many processes (torchrun / accelerate launch), one GPU each."
+        ),
+    )
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto",
+        description=(
+            "dtype of the engine's weights. auto lets vLLM choose from the policy's config "
+            "dtype; bfloat16 is the usual choice for a policy trained in float32."
+        ),
+    )
+    max_model_len: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Longest prompt plus completion, in tokens; null uses the model's context length "
+            "(the KV cache must hold at least one such sequence)."
+        ),
+    )
+    enforce_eager: bool = Field(
+        False,
+        description="Run the model eagerly, without CUDA graphs: faster start, less memory, slower decoding.",
+    )
+    enable_sleep_mode: bool = Field(
+        False,
+        description=(
+            "After each generate, put the engine to sleep (level 1: weights offloaded to CPU "
+            "memory, KV cache freed) so training can use that memory; it wakes before the next "
+            "weight sync / generate."
+        ),
+    )
+    enable_prefix_caching: bool = Field(
+        True,
+        description="Reuse the KV cache of shared prompt prefixes (a prompt is prefilled once for its G samples).",
+    )
+    max_num_seqs: int | None = Field(
+        None, ge=1, description="Most sequences decoded at once; null keeps vLLM's default."
+    )
+    max_num_batched_tokens: int | None = Field(
+        None, ge=1, description="Most tokens in one engine step; null keeps vLLM's default."
+    )
+    seed: int = Field(
+        0,
+        description=(
+            "Seed of the engine's own RNG, used when the rollout has no seed; each "
+            "data-parallel replica adds its index."
+        ),
+    )
+    logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = Field(
+        "processed_logprobs",
+        description=(
+            "What sampling_logp holds: processed_logprobs, the distribution sampled from "
+            "(after temperature, top-k, top-p); raw_logprobs, the model's log-softmax at "
+            "temperature 1."
+        ),
+    )
+    model_impl: Literal["auto", "vllm", "transformers"] = Field(
+        "auto",
+        description=(
+            "Model implementation: vLLM's own, or transformers' through vLLM for "
+            "architectures vLLM lacks; auto prefers vLLM's."
+        ),
+    )
+    engine_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description=(
+            "More keyword arguments for vllm.LLM (any vLLM engine argument, e.g. "
+            "quantization, trust_remote_code); they override the options above."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _needs_vllm(self) -> VLLMRolloutOptions:
+        if not vllm_installed():
+            raise PydanticCustomError("vllm_missing", MISSING_VLLM)
+        return self
+
+
+# --------------------------------------------------------------------------- engine settings
+def engine_kwargs(options: VLLMRolloutOptions, model_dir: str, *, replica: int = 0) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.LLM`` for ``options``, the model files in ``model_dir``
+    (config and tokenizer, no weights) and data-parallel replica ``replica``."""
+    kwargs: dict[str, Any] = {
+        "model": model_dir,
+        "tokenizer": model_dir,
+        "load_format": "dummy",  # weights come from sync_weights
+        "dtype": options.dtype,
+        "gpu_memory_utilization": options.gpu_memory_utilization,
+        "tensor_parallel_size": options.tensor_parallel_size,
+        "max_model_len": options.max_model_len,
+        "enforce_eager": options.enforce_eager,
+        "enable_sleep_mode": options.enable_sleep_mode,
+        "enable_prefix_caching": options.enable_prefix_caching,
+        "seed": options.seed + replica,
+        "distributed_executor_backend": "external_launcher",
+        "logprobs_mode": options.logprobs_mode,
+        "model_impl": options.model_impl,
+    }
+    for name in ("max_num_seqs", "max_num_batched_tokens"):
+        value = getattr(options, name)
+        if value is not None:
+            kwargs[name] = value
+    kwargs.update(options.engine_kwargs)
+    return kwargs
+
+
+#: Engine arguments this backend sets that an older vLLM may not know; they are dropped
+#: there (with a warning) rather than failing. The user's ``engine_kwargs`` never are.
+OPTIONAL_ENGINE_ARGS = ("logprobs_mode", "model_impl")
+
+
+def drop_unknown(kwargs: dict[str, Any], known: Iterable[str], keep: Iterable[str] = ()) -> tuple[dict[str, Any], list[str]]:
+    """``kwargs`` without the :data:`OPTIONAL_ENGINE_ARGS` that are not in ``known`` (the
+    installed vLLM's engine arguments), except those in ``keep``; and the dropped names."""
+    known, keep = set(known), set(keep)
+    dropped = [k for k in OPTIONAL_ENGINE_ARGS if k in kwargs and k not in known and k not in keep]
+    return {k: v for k, v in kwargs.items() if k not in dropped}, dropped
+
+
+# --------------------------------------------------------------------------- sampling
+_MASK62 = (1 << 62) - 1
+
+
+def request_seed(seed: int) -> int:
+    """A well-mixed seed in ``[0, 2**62)`` for one vLLM request, from ``seed``.
+
+    vLLM seeds sample ``k`` of an ``n``-sample request with ``seed + k``; mixing keeps the
+    streams of neighbouring prompts (``seed + i``) from overlapping. splitmix64's finalizer.
+    """
+    z = (seed + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & _MASK62
+
+
+def sampling_kwargs(
+    sampling: SamplingParams, group_size: int, eos_ids: Sequence[int], seed: int | None
+) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.SamplingParams`` for one prompt: ``group_size`` samples
+    of ``sampling``, stopping at ``eos_ids``, seeded with ``seed`` (already mixed) or not.
+
+    Every knob that could change the distribution is set to neutral explicitly, so neither
+    vLLM's defaults nor a model's generation config alter what GRPO samples.
+    """
+    greedy = sampling.greedy
+    return {
+        "n": group_size,
+        "max_tokens": sampling.max_new_tokens,
+        "min_tokens": 0,
+        "temperature": 0.0 if greedy else sampling.temperature,
+        "top_p": 1.0 if greedy else sampling.top_p,
+        "top_k": -1 if greedy or sampling.top_k == 0 else sampling.top_k,  # vLLM: -1 = off
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "stop": list(sampling.stop),
+        "include_stop_str_in_output": True,
+        "stop_token_ids": list(eos_ids),
+        "ignore_eos": False,
+        "seed": seed,
+        "logprobs": 0,  # the sampled token's log-prob only
+        "skip_special_tokens": True,
+    }
+
+
+def _check_sampling(sampling: SamplingParams) -> None:
+    if sampling.max_new_tokens < 1:
+        raise ValueError(f"vllm rollout: max_new_tokens must be >= 1, got {sampling.max_new_tokens}")
+    if not sampling.greedy and sampling.temperature <= 0:
+        raise ValueError(
+            f"vllm rollout: temperature must be > 0 when sampling, got {sampling.temperature} "
+            "(use greedy: true for argmax decoding)"
+        )
+    if not 0 < sampling.top_p <= 1:
+        raise ValueError(f"vllm rollout: top_p must be in (0, 1], got {sampling.top_p}")
+    if sampling.top_k < 0:
+        raise ValueError(f"vllm rollout: top_k must be >= 0 (0 = off), got {sampling.top_k}")
+
+
+# --------------------------------------------------------------------------- outputs
+def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """``long (P, L)`` left-padded prompt ids and their ``bool (P, L)`` mask."""
+    length = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), length), dtype=torch.bool)
+    for row, prompt in enumerate(prompts):
+        if len(prompt):
+            ids[row, length - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
+            mask[row, length - len(prompt) :] = True
+    return ids, mask
+
+
+def _cut_after_stop(text: str, stop: Sequence[str]) -> str:
+    ends = [text.find(s) + len(s) for s in stop if s and s in text]
+    return text[: min(ends)] if ends else text
+
+
+def _token_logps(completion: Any, ids: list[int], where: str) -> list[float] | None:
+    entries = getattr(completion, "logprobs", None)
+    if entries is None:
+        return None
+    values = []
+    for t, token in enumerate(ids):
+        entry = entries[t].get(token) if t < len(entries) else None
+        if entry is None:
+            raise ValueError(f"vllm rollout: {where} has no log-prob for its token {t} (id {token})")
+        values.append(float(getattr(entry, "logprob", entry)))
+    return values
+
+
+def outputs_to_batch(
+    outputs: Sequence[Any],
+    prompt_ids: Sequence[Sequence[int]],
+    group_size: int,
+    *,
+    pad_id: int,
+    eos_ids: Sequence[int],
+    max_new_tokens: int,
+    stop: Sequence[str] = (),
+    device: torch.device | str = "cpu",
+) -> RolloutBatch:
+    """The :class:`RolloutBatch` of vLLM's ``llm.generate`` outputs, one per prompt.
+
+    Each output has ``.outputs``: ``group_size`` completions with ``.index``, ``.token_ids``,
+    ``.finish_reason`` (``"stop"`` / ``"length"``), ``.text`` and ``.logprobs`` (a list of
+    ``{token_id: Logprob}`` per token, or None). vLLM ends a completion right on its EOS
+    token or the token completing a stop string (both kept), so every returned token is
+    masked in. ``truncated`` is ``finish_reason == "length"`` unless the last token is an
+    EOS (vLLM reports ``length`` when EOS falls on the ``max_tokens``-th token, where ``hf``
+    counts it as stopped). ``sampling_logp`` (``float32 (B, T)``, 0 on padding) is None
+    when any completion lacks log-probs. Texts are cut right after the first stop string.
+    """
+    if len(outputs) != len(prompt_ids):
+        raise ValueError(f"vllm rollout: {len(outputs)} outputs for {len(prompt_ids)} prompts")
+    eos = {int(e) for e in eos_ids}
+    rows: list[list[int]] = []
+    logps: list[list[float] | None] = []
+    truncated: list[bool] = []
+    texts: list[str] = []
+    for p, output in enumerate(outputs):
+        completions = sorted(output.outputs, key=lambda c: getattr(c, "index", 0))
+        if len(completions) != group_size:
+            raise ValueError(
+                f"vllm rollout: prompt {p} has {len(completions)} completions, expected {group_size}"
+            )
+        for k, completion in enumerate(completions):
+            ids = [int(t) for t in completion.token_ids][:max_new_tokens]
+            rows.append(ids)
+            logps.append(_token_logps(completion, ids, f"completion {k} of prompt {p}"))
+            ended = bool(ids) and ids[-1] in eos
+            truncated.append(completion.finish_reason in (None, "length") and not ended)
+            texts.append(_cut_after_stop(completion.text or "", stop))
+    width = max((len(r) for r in rows), default=0)
+    completion_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    completion_mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    sampling_logp = torch.zeros((len(rows), width), dtype=torch.float32)
+    for b, ids in enumerate(rows):
+        completion_ids[b, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        completion_mask[b, : len(ids)] = True
+        if logps[b] is not None:
+            sampling_logp[b, : len(ids)] = torch.tensor(logps[b], dtype=torch.float32)
+    prompts, prompt_mask = _left_pad(prompt_ids, pad_id)
+    return RolloutBatch(
+        prompt_ids=prompts.to(device),
+        prompt_mask=prompt_mask.to(device),
+        completion_ids=completion_ids.to(device),
+        completion_mask=completion_mask.to(device),
+        truncated=torch.tensor(truncated, dtype=torch.bool, device=device),
+        completions=texts,
+        sampling_logp=None if any(v is None for v in logps) else sampling_logp.to(device),
+    )
+
+
+# --------------------------------------------------------------------------- weights
+_WRAPPERS = ("_orig_mod.", "_checkpoint_wrapped_module.")  # torch.compile, activation checkpointing
+
+
+def vllm_weight_name(name: str, adapter: str = "default") -> str:
+    """The base model's name of a state-dict key of a (peft-wrapped) policy:
+    ``base_model.model.`` prefix, ``.base_layer`` and ``.modules_to_save.<adapter>`` removed."""
+    name = name.removeprefix("base_model.model.")
+    name = name.replace(".base_layer.", ".").replace(f".modules_to_save.{adapter}.", ".")
+    for wrapper in _WRAPPERS:
+        name = name.replace(wrapper, "")
+    return name
+
+
+def lora_layout(model: Any) -> tuple[str, dict[str, float], frozenset[str]]:
+    """``(adapter, scalings, transposed)`` of a peft model's active LoRA adapter.
+
+    ``scalings``: module name (as in ``named_modules``) -> ``lora_alpha / r`` (or its
+    rsLoRA / pattern variant), for every LoRA layer not already merged; ``transposed``: the
+    modules whose weight is stored ``(in, out)`` (``fan_in_fan_out``, GPT-2's Conv1D).
+    """
+    adapter = model.active_adapter
+    if isinstance(adapter, (list, tuple)):
+        if len(adapter) != 1:
+            raise NotImplementedError(f"vllm rollout: one active LoRA adapter is supported, got {adapter}")
+        adapter = adapter[0]
+    scalings: dict[str, float] = {}
+    transposed: set[str] = set()
+    for name, module in model.named_modules():
+        scaling = getattr(module, "scaling", None)
+        if not (isinstance(scaling, dict) and adapter in scaling and hasattr(module, "base_layer")):
+            continue
+        if adapter in (getattr(module, "lora_magnitude_vector", None) or {}):
+            raise NotImplementedError("vllm rollout: DoRA adapters (use_dora) are not supported")
+        if getattr(module, "lora_bias", {}).get(adapter, False):
+            raise NotImplementedError("vllm rollout: LoRA adapters with lora_bias are not supported")
+        if getattr(module, "merged", False):
+            continue  # already in the base weight
+        scalings[name] = float(scaling[adapter])
+        if getattr(module, "fan_in_fan_out", False):
+            transposed.add(name)
+    return adapter, scalings, frozenset(transposed)
+
+
+def _delta(state: Mapping[str, Tensor], module: str, adapter: str, scaling: float, transposed: bool) -> Tensor:
+    """``scaling * B @ A`` of one LoRA layer, float32, in the base weight's layout."""
+    linear = (f"{module}.lora_A.{adapter}.weight", f"{module}.lora_B.{adapter}.weight")
+    embedding = (f"{module}.lora_embedding_A.{adapter}", f"{module}.lora_embedding_B.{adapter}")
+    if linear[0] in state:
+        a, b = state[linear[0]], state[linear[1]]
+        if a.dim() != 2:
+            raise NotImplementedError(f"vllm rollout: LoRA on {module} ({a.dim()}-d weight) is not supported")
+        delta = b.float() @ a.float()  # (out, r) @ (r, in)
+        return scaling * (delta.T if transposed else delta)
+    if embedding[0] in state:
+        a, b = state[embedding[0]], state[embedding[1]]  # (r, num_embeddings), (dim, r)
+        return scaling * (b.float() @ a.float()).T
+    raise KeyError(f"vllm rollout: no LoRA weights for {module} (adapter {adapter!r})")
+
+
+def merge_lora(
+    state: Mapping[str, Tensor],
+    scalings: Mapping[str, float],
+    adapter: str = "default",
+    transposed: frozenset[str] = frozenset(),
+) -> Iterator[tuple[str, Tensor]]:
+    """``(base model name, tensor)`` for every weight of a peft LoRA model's ``state``, with
+    each LoRA layer merged: ``W + scaling * B @ A`` (computed in float32, returned in
+    ``W``'s dtype; the transpose for ``transposed`` layers, ``(B @ A).T`` for embeddings).
+
+    ``scalings`` and ``transposed`` come from :func:`lora_layout`. Adapter tensors,
+    ``modules_to_save``' original copies and other adapters' tensors are left out; the
+    trainable copies of ``modules_to_save`` take the original's name. Tensors are produced
+    one at a time: nothing in ``state`` is modified.
+    """
+    suffix = ".base_layer.weight"
+    for name, tensor in state.items():
+        if ".lora_" in name or ".original_module." in name:
+            continue
+        if ".modules_to_save." in name and f".modules_to_save.{adapter}." not in name:
+            continue
+        module = name[: -len(suffix)] if name.endswith(suffix) else None
+        if module is not None and module in scalings:
+            delta = _delta(state, module, adapter, scalings[module], module in transposed)
+            tensor = (tensor.float() + delta.to(tensor.device)).to(tensor.dtype)
+        yield vllm_weight_name(name, adapter), tensor
+
+
+def policy_weights(model: Any) -> Iterator[tuple[str, Tensor]]:
+    """The policy's weights as the base model names them, LoRA merged (a peft model)."""
+    state = model.state_dict()
+    if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
+        adapter, scalings, transposed = lora_layout(model)
+        yield from merge_lora(state, scalings, adapter, transposed)
+    else:
+        for name, tensor in state.items():
+            yield vllm_weight_name(name), tensor
+
+
+def write_model_files(model: Any, tokenizer: Any, folder: str) -> None:
+    """The policy's (base model's) config, with ``architectures``, and tokenizer in
+    ``folder``: what vLLM reads to build the model; no weights."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = copy.deepcopy(base.config)
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")  # GGUF: the weights pushed are plain floats
+    config.architectures = [type(base).__name__]
+    config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def _engine_model(llm: Any) -> Any | None:
+    """The engine's ``nn.Module`` when its core runs in this process, else None."""
+    executor = getattr(getattr(llm, "llm_engine", None), "model_executor", None)
+    worker = getattr(executor, "driver_worker", None)
+    if worker is None:
+        return None
+    worker = getattr(worker, "worker", worker)  # V1 wraps the worker in a WorkerWrapperBase
+    runner = getattr(worker, "model_runner", None)
+    if runner is None:
+        return None
+    return runner.get_model() if hasattr(runner, "get_model") else getattr(runner, "model", None)
+
+
+def _load_on_worker(worker: Any, weights: list[tuple[str, Tensor]]) -> None:
+    """Run by ``llm.collective_rpc`` on each vLLM worker."""
+    runner = worker.model_runner
+    model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+    model.load_weights(weights)
+
+
+# --------------------------------------------------------------------------- processes
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _process_layout() -> tuple[int, int]:
+    """``(rank, world size)`` of this process; sets the launcher variables of a world of
+    one when no launcher did (vLLM's external_launcher reads them)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    return 0, 1
+
+
+def _special_ids(model: Any, tokenizer: Any) -> tuple[list[int], int]:
+    """EOS ids (generation config, then tokenizer) and the pad id, as the ``hf`` backend."""
+    eos: list[int] = []
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (configured, getattr(tokenizer, "eos_token_id", None)):
+        for token in value if isinstance(value, (list, tuple)) else [value]:
+            if token is not None and int(token) not in eos:
+                eos.append(int(token))
+    if not eos:
+        raise ValueError("vllm rollout: neither the model's generation config nor the tokenizer has an EOS token")
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
+    return eos, int(pad) if pad is not None else eos[0]
+
+
+# --------------------------------------------------------------------------- backend
+class VLLMRollout:
+    """Generates with a vLLM engine colocated on the training GPU; ``sync_weights`` pushes
+    the policy's weights (LoRA merged) into it after every optimizer step."""
+
+    def __init__(self, options: VLLMRolloutOptions | None = None):
+        # model_construct: the defaults without the install check, which setup repeats.
+        self.options = options or VLLMRolloutOptions.model_construct()
+        self.llm: Any = None
+        self.tokenizer: Any = None
+        self.device = torch.device("cpu")
+        self._folder: tempfile.TemporaryDirectory | None = None
+        self._tp_group: Any = None
+        self._asleep: set[str] = set()
+
+    # ----------------------------------------------------------------- contract
+    def setup(self, model: Any, tokenizer: Any) -> None:
+        """Build the engine from the policy's config and tokenizer, then push its weights."""
+        if not vllm_installed():
+            raise RuntimeError(MISSING_VLLM)
+        if not torch.cuda.is_available():
+            raise RuntimeError("vllm rollout: vLLM needs a CUDA GPU and torch sees none; use rollout.name: hf")
+        from vllm import LLM
+        from vllm.engine.arg_utils import EngineArgs
+
+        self.tokenizer = tokenizer
+        self.eos_ids, self.pad_id = _special_ids(model, tokenizer)
+        self.device = next(model.parameters()).device
+        rank, world = _process_layout()
+        tp = self.options.tensor_parallel_size
+        if world % tp:
+            raise RuntimeError(
+                f"vllm rollout: tensor_parallel_size {tp} needs a multiple of {tp} processes "
+                f"(one GPU each), this run has {world}"
+            )
+        if tp > 1:
+            import torch.distributed as dist
+
+            self._tp_group, _ = dist.new_subgroups_by_enumeration(
+                [list(range(start, start + tp)) for start in range(0, world, tp)]
+            )
+        self._folder = tempfile.TemporaryDirectory(prefix="grpo-vllm-")
+        write_model_files(model, tokenizer, self._folder.name)
+        kwargs = engine_kwargs(self.options, self._folder.name, replica=rank // tp)
+        known = {f.name for f in dataclasses.fields(EngineArgs)}
+        kwargs, dropped = drop_unknown(kwargs, known, keep=self.options.engine_kwargs)
+        if dropped:
+            log.warning(
+                "vllm rollout: this vLLM does not know %s (needs vLLM >= 0.10.2); sampling_logp "
+                "may then be raw log-probs at temperature 1", ", ".join(dropped),
+            )
+        self.llm = LLM(**kwargs)
+        self.sync_weights(model)
+        self._sleep()
+
+    def sync_weights(self, model: Any) -> None:
+        """Push the policy's weights (LoRA merged, peft names stripped) into the engine and
+        reset its prefix cache; the training model is untouched."""
+        if self.llm is None:
+            raise RuntimeError("vllm rollout: setup(model, tokenizer) must be called before sync_weights")
+        self._wake("weights")
+        with torch.no_grad():
+            target = _engine_model(self.llm)
+            if target is not None:
+                target.load_weights(policy_weights(model))
+            else:
+                self.llm.collective_rpc(_load_on_worker, args=(list(policy_weights(model)),))
+        if hasattr(self.llm, "reset_prefix_cache"):
+            self.llm.reset_prefix_cache()
+
+    def generate(
+        self, prompt_ids: list[list[int]], group_size: int, sampling: SamplingParams
+    ) -> RolloutBatch:
+        """``G = group_size`` completions for each of the ``P`` prompts (token id lists).
+
+        Returns a :class:`RolloutBatch` of ``B = P * G`` rows, prompt-major, with
+        ``sampling_logp``; see the module docstring for seeding and stopping.
+        """
+        if self.llm is None:
+            raise RuntimeError("vllm rollout: setup(model, tokenizer) must be called before generate")
+        if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
+            raise ValueError("vllm rollout: every prompt needs at least one token")
+        if group_size < 1:
+            raise ValueError(f"vllm rollout: group_size must be >= 1, got {group_size}")
+        _check_sampling(sampling)
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        seeds = [None if sampling.seed is None else request_seed(sampling.seed + i) for i in range(len(prompt_ids))]
+        prompts, seeds, mine = self._gather(list(map(list, prompt_ids)), seeds)
+        self._wake("weights", "kv_cache")
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts],
+            [VLLMSamplingParams(**sampling_kwargs(sampling, group_size, self.eos_ids, s)) for s in seeds],
+            use_tqdm=False,
+        )
+        self._sleep()
+        return outputs_to_batch(
+            list(outputs)[mine],
+            prompt_ids,
+            group_size,
+            pad_id=self.pad_id,
+            eos_ids=self.eos_ids,
+            max_new_tokens=sampling.max_new_tokens,
+            stop=sampling.stop,
+            device=self.device,
+        )
+
+    # ----------------------------------------------------------------- internals
+    def _gather(self, prompts: list[list[int]], seeds: list[int | None]) -> tuple[list, list, slice]:
+        """With tensor parallelism, every process of the group generates the prompts of
+        all of them; returns those and the slice of this process's outputs."""
+        if self._tp_group is None:
+            return prompts, seeds, slice(0, len(prompts))
+        import torch.distributed as dist
+
+        parts: list[Any] = [None] * dist.get_world_size(self._tp_group)
+        dist.all_gather_object(parts, (prompts, seeds), group=self._tp_group)
+        me = dist.get_rank(self._tp_group)
+        start = sum(len(p) for p, _ in parts[:me])
+        return (
+            [p for ps, _ in parts for p in ps],
+            [s for _, ss in parts for s in ss],
+            slice(start, start + len(prompts)),
+        )
+
+    def _sleep(self) -> None:
+        if self.options.enable_sleep_mode and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = {"weights", "kv_cache"}
+
+    def _wake(self, *parts: str) -> None:
+        wanted = [p for p in parts if p in self._asleep]
+        if not wanted:
+            return
+        torch.cuda.empty_cache()
+        if "tags" in inspect.signature(self.llm.wake_up).parameters:
+            self.llm.wake_up(tags=wanted)
+            self._asleep -= set(wanted)
+        else:
+            self.llm.wake_up()
+            self._asleep.clear()
+
+
+@hookimpl
+def register_rollout_backends(register) -> None:
+    """Register the ``vllm`` rollout backend."""
+    register.add(
+        "vllm",
+        VLLMRollout,
+        options=VLLMRolloutOptions,
+        description="vLLM engine colocated on the training GPU (paged KV cache, sampler log-probs)",
+    )
