@@ -40,6 +40,11 @@ def _parser() -> argparse.ArgumentParser:
         "--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
         help="continue the run from its latest checkpoint, or from the given checkpoint folder",
     )
+    run.add_argument(
+        "--nproc", type=int, default=1, metavar="N",
+        help="train in N data-parallel processes on this machine (one per GPU, or N on the CPU); "
+        "for several machines use accelerate launch or torchrun with -m grpo_core.cli run SPEC",
+    )
     validate = sub.add_parser("validate", help="validate a spec and print it with every default filled in")
     spec_args(validate)
     plugins = sub.add_parser("plugins", help="list plugins and the components they register")
@@ -100,7 +105,64 @@ def _cmd_run(args) -> int:
     from grpo_core.train.run import train
 
     loaded = load_spec(args.spec, args.overrides)
+    if args.nproc < 1:
+        raise UsageError(f"--nproc must be at least 1, got {args.nproc}")
+    if args.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1") or 1) == 1:
+        return _launch(args, loaded)
     return train(loaded, resume=args.resume)
+
+
+def _launch(args, loaded) -> int:
+    """Start ``args.nproc`` copies of this command, one per rank, with the environment
+    torchrun would give them (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` ...), and wait.
+    SIGINT and SIGTERM are passed on, so every process checkpoints and stops at the same
+    step; if one process fails, the others are stopped. Returns the first non-zero exit
+    code (the main process's when it has one), else 0."""
+    import signal
+    import socket
+    import subprocess
+    import time
+
+    from grpo_core.train.distributed import check_layout
+
+    check_layout(loaded.spec, args.nproc)
+    with socket.socket() as sock:  # a free port for the process group's rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, "-m", "grpo_core.cli", "run", args.spec]
+    for override in args.overrides:
+        command += ["--set", override]
+    if args.resume is not None:
+        command += ["--resume", args.resume]
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // args.nproc))
+    procs = []
+    for rank in range(args.nproc):
+        env = {
+            **os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(args.nproc),
+            "LOCAL_WORLD_SIZE": str(args.nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": threads,
+        }
+        procs.append(subprocess.Popen(command, env=env))
+
+    def forward(signum, frame):
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while any(proc.poll() is None for proc in procs):
+            if any(proc.returncode not in (None, 0) for proc in procs):  # one failed: stop the rest
+                time.sleep(5)  # give the others a moment to fail with their own message
+                for proc in procs:
+                    if proc.poll() is None:
+                        proc.terminate()
+            time.sleep(0.1)
+        codes = [proc.wait() for proc in procs]
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return next((c for c in codes if c), 0)
 
 
 def main(argv: list[str] | None = None) -> int:

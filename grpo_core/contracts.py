@@ -167,7 +167,12 @@ class LossAggregator(Protocol):
 # --------------------------------------------------------------------------- rollouts
 @dataclass(frozen=True)
 class SamplingParams:
-    """Sampling settings shared by every rollout backend."""
+    """Sampling settings shared by every rollout backend.
+
+    ``seed`` makes a rollout reproducible. A backend that seeds prompts separately uses
+    ``seed + i`` for the ``i``-th prompt of the call: the engine passes each process of a
+    multi-process run the step's seed plus the global index of its first prompt.
+    """
 
     max_new_tokens: int
     temperature: float = 1.0

@@ -29,13 +29,15 @@ def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
 class RunLog:
     """Fans run events out to trackers, with a local JSONL copy of every metric."""
 
-    def __init__(self, trackers: dict[str, Any], folder: Path):
-        self.trackers = trackers
+    def __init__(self, trackers: dict[str, Any], folder: Path, enabled: bool = True):
+        self.trackers = trackers if enabled else {}
+        self.enabled = enabled  # False on the non-main processes of a multi-process run
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.folder / "metrics.jsonl"
         self._start_id: str | None = None
-        self._end_torn_line()
+        if enabled:
+            self._end_torn_line()
         self._warned: set[str] = set()
 
     def _end_torn_line(self) -> None:
@@ -76,6 +78,8 @@ class RunLog:
         self._each("log_params", params)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        if not self.enabled:
+            return
         clean = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
         with self.metrics_path.open("a", encoding="utf-8") as fh:
             fh.write(json.dumps({"step": step, **clean}) + "\n")

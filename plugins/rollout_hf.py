@@ -17,7 +17,11 @@ that a model's ``generation_config.json`` commonly sets (temperature, top-k/p, r
 penalty, ...) is overridden, so a checkpoint's defaults never change what GRPO samples.
 ``top_k = 0`` means no top-k. With ``seed`` set, the global RNG is forked, seeded, and
 restored afterwards (``torch.random.fork_rng``): the rollout is reproducible and the
-caller's RNG stream is untouched. Without a seed the global RNG is used.
+caller's RNG stream is untouched. Each ``generate`` call of ``prompts_per_generate`` prompts
+starting at prompt ``i`` is seeded with ``seed + i``, so with ``prompts_per_generate: 1``
+a prompt's completions do not depend on which other prompts share the call (the engine
+offsets ``seed`` by a process's first prompt, so a multi-process run samples what a
+single process would). Without a seed the global RNG is used.
 
 Stopping: a row ends at its first EOS token (any of the model's / tokenizer's EOS ids) or
 at the token that completes a stop string (transformers' ``StopStringCriteria``, which
@@ -243,10 +247,12 @@ class HFRollout:
         ids, mask = _left_pad(prompt_ids, self.pad_id, device)
         step = self.options.prompts_per_generate or len(prompt_ids)
         pieces = []
-        with _seeded(sampling.seed, device), _eval_mode(self.model), torch.inference_mode():
+        with _eval_mode(self.model), torch.inference_mode():
             for start in range(0, len(prompt_ids), step):
                 part = slice(start, start + step)
-                pieces.append(self._generate_part(ids[part], mask[part], group_size, sampling))
+                seed = None if sampling.seed is None else sampling.seed + start
+                with _seeded(seed, device):
+                    pieces.append(self._generate_part(ids[part], mask[part], group_size, sampling))
         completion_ids, completion_mask, truncated = self._assemble(pieces, sampling)
         return RolloutBatch(
             prompt_ids=ids.clone(),

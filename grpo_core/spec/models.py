@@ -160,6 +160,27 @@ class StepSplitterSlot(Slot):
     )
 
 
+class RolloutCorrectionSection(Section):
+    """Truncated importance sampling for the gap between the sampler's and the trainer's
+    log-probs (a vLLM backend samples with other kernels, and often another precision).
+
+    With ``r = exp(logp_train_old - logp_sampler)`` per token (``level: token``) or per
+    completion (``level: sequence``, the product over its tokens), each completion token's
+    policy loss is multiplied by ``w = min(r, cap)`` (``mode: truncate``, TIS) or by
+    ``w = r`` where ``r <= cap`` and 0 elsewhere (``mode: mask``); ``w`` carries no gradient.
+    The KL term is not weighted. Applies only when the backend returns ``sampling_logp``
+    (``vllm`` does, ``hf`` samples from the trained weights and does not).
+    """
+
+    level: Literal["off", "token", "sequence"] = Field(
+        "token", description="off, token (one ratio per token) or sequence (one per completion)."
+    )
+    mode: Literal["truncate", "mask"] = Field(
+        "truncate", description="truncate: w = min(r, cap); mask: w = r where r <= cap, else 0."
+    )
+    cap: float = Field(2.0, gt=1, description="The cap C on the sampler-to-trainer ratio.")
+
+
 class AlgorithmSection(Section):
     """The objective: every choice is a plugin picked by name."""
 
@@ -179,6 +200,11 @@ class AlgorithmSection(Section):
     early_stop_imp_ratio: float | None = Field(
         None, gt=1, description="Drop (skip the update of) a mini-batch whose mean importance ratio "
         "exceeds this; dropped mini-batches are counted and logged."
+    )
+    rollout_correction: RolloutCorrectionSection = Field(
+        default_factory=RolloutCorrectionSection,
+        description="Truncated importance sampling against sampler/trainer log-prob mismatch "
+        "(backends that return sampling log-probs, e.g. vllm).",
     )
 
 
@@ -207,7 +233,14 @@ class TrainSection(Section):
         "no", description="Autocast compute dtype; weights and optimizer stay in model.dtype."
     )
     seed: int = Field(0, description="Seed of python, numpy and torch RNGs, data order and sampling.")
-    threads: int | None = Field(None, ge=1, description="torch CPU threads; default: torch's choice.")
+    threads: int | None = Field(
+        None, ge=1, description="torch CPU threads (per process); default: torch's choice."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto",
+        description="Where the policy trains and generates: auto is this process's GPU when CUDA "
+        "is available, else the CPU.",
+    )
     output_dir: SpecPath | None = Field(
         None, description="Run folder (checkpoints, final model, metrics JSONL); default runs/<spec name>."
     )

@@ -13,14 +13,19 @@ from grpo_core.train.scoring import score
 
 def evaluate(run) -> dict[str, float]:
     """``eval/reward`` and ``eval/rewards/<name>`` (mean over held-out prompts; for an
-    accuracy reward that is the greedy accuracy), plus mean completion length."""
+    accuracy reward that is the greedy accuracy), plus mean completion length.
+
+    With several processes each evaluates every N-th prompt and the scores are gathered,
+    so the figures are those of all held-out prompts."""
     spec = run.spec
-    prompts: list[Prompt] = run.eval_prompts
-    if not prompts:
+    everything: list[Prompt] = run.eval_prompts
+    if not everything:
         return {}
+    dist = run.dist
+    prompts = everything[dist.rank::dist.world]
     sampling = run.sampling(greedy=True, max_new_tokens=spec.eval.max_new_tokens or spec.rollout.max_new_tokens)
     totals, per_fn, lengths = [], [], []
-    names: list[str] = []
+    names: list[str] = [fn.name for fn in run.rewards]
     for start in range(0, len(prompts), spec.eval.batch_size):
         chunk = prompts[start:start + spec.eval.batch_size]
         with run.autocast():
@@ -32,10 +37,12 @@ def evaluate(run) -> dict[str, float]:
         totals.append(scores.total)
         per_fn.append(scores.per_function)
         names = scores.names
-        lengths.append(rollout.completion_mask.sum(dim=1).float())
-    total = torch.cat(totals)
-    table = torch.cat(per_fn)
-    out = {"eval/completions/mean_length": float(torch.cat(lengths).mean())}
+        lengths.append(rollout.completion_mask.sum(dim=1).float().cpu())
+    local = (totals, per_fn, lengths)
+    parts = dist.gather(local) if dist.active else [local]
+    total = torch.cat([t for part in parts for t in part[0]])
+    table = torch.cat([t for part in parts for t in part[1]])
+    out = {"eval/completions/mean_length": float(torch.cat([t for part in parts for t in part[2]]).mean())}
     valid = ~torch.isnan(total)
     out["eval/reward"] = float(total[valid].mean()) if valid.any() else math.nan
     for j, name in enumerate(names):
@@ -43,5 +50,5 @@ def evaluate(run) -> dict[str, float]:
         ok = ~torch.isnan(col)
         if ok.any():
             out[f"eval/rewards/{name}"] = float(col[ok].mean())
-    out["eval/prompts"] = float(len(prompts))
+    out["eval/prompts"] = float(len(everything))
     return out

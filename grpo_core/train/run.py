@@ -22,6 +22,7 @@ from grpo_core.spec import LoadedSpec, Spec, dump_spec
 from grpo_core.tracking import RunLog, flatten
 from grpo_core.train import model as modeling
 from grpo_core.train.data import PromptSource, check_columns
+from grpo_core.train.distributed import Dist, check_layout
 from grpo_core.train.evaluate import evaluate
 from grpo_core.train.iterative import build_iterative
 from grpo_core.train.optim import make_optimizer
@@ -61,11 +62,15 @@ class Run:
     reference: Any = None
     splitter: Any = None  # the step splitter (process supervision)
     iterative: Any = None  # the iteration stage of iterative GRPO, or None
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    dist: Dist = field(default_factory=Dist)
     step: int = 0
     nonfinite_streak: int = 0
     last_eval: dict[str, float] = field(default_factory=dict)
     saved_step: int | None = None  # the step of the last checkpoint this process wrote
+
+    @property
+    def device(self) -> torch.device:
+        return self.dist.device
 
     def autocast(self):
         return modeling.autocast(self.spec.train.mixed_precision, self.device)
@@ -116,12 +121,15 @@ class Run:
         ckpt.set_rng_state(state["rng"])
 
     def save_checkpoint(self) -> Path:
-        """Checkpoint the current step; a step this process already saved is not written twice."""
+        """Checkpoint the current step; a step this process already saved is not written twice.
+        With several processes the main one writes and the others wait for it."""
         folder = self.checkpoint_dir / f"{ckpt.PREFIX}{self.step:06d}"
         if self.saved_step != self.step or not folder.is_dir():
-            folder = ckpt.write_checkpoint(
-                self.checkpoint_dir, self.step, self.model, self.state_dict(), self.spec.checkpoint.keep
-            )
+            if self.dist.is_main:
+                folder = ckpt.write_checkpoint(
+                    self.checkpoint_dir, self.step, self.model, self.state_dict(), self.spec.checkpoint.keep
+                )
+            self.dist.barrier()
             self.saved_step = self.step
         return folder
 
@@ -157,8 +165,10 @@ def _check_data(spec: Spec, rewards: list[RewardFn], train_rows, eval_rows) -> N
     check_columns(eval_rows, needed, "held-out")
 
 
-def build_run(loaded: LoadedSpec) -> Run:
+def build_run(loaded: LoadedSpec, dist: Dist | None = None) -> Run:
     spec = loaded.spec
+    dist = dist or Dist.from_env(spec.train.device)
+    check_layout(spec, dist.world)
     seed_everything(spec.train.seed)
     if spec.train.threads:
         torch.set_num_threads(spec.train.threads)
@@ -171,7 +181,7 @@ def build_run(loaded: LoadedSpec) -> Run:
     _check_data(spec, rewards, train_rows, eval_rows)
 
     tokenizer = modeling.load_tokenizer(spec.model, loaded.base_dir)
-    model = modeling.load_policy(spec.model, loaded.base_dir, tokenizer)
+    model = modeling.load_policy(spec.model, loaded.base_dir, tokenizer).to(dist.device)
     context = getattr(model.config, "max_position_embeddings", None) or 10**9
     max_prompt = spec.data.max_prompt_tokens or max(1, context - spec.rollout.max_new_tokens)
     prompts = PromptSource(train_rows, tokenizer, spec.data, seed=spec.train.seed, max_tokens=max_prompt)
@@ -188,6 +198,7 @@ def build_run(loaded: LoadedSpec) -> Run:
         kl=kl if algo.kl.placement == "loss" else None, beta=algo.kl.beta,
         entropy_coef=algo.entropy_coef, early_stop_imp_ratio=algo.early_stop_imp_ratio,
         temperature=spec.rollout.temperature, max_length=spec.rollout.max_new_tokens,
+        correction=algo.rollout_correction,
     )
     total_updates = spec.train.steps * algo.mu * spec.train.mini_batches
     optimizer, scheduler = make_optimizer(model, spec.train, total_updates)
@@ -196,8 +207,8 @@ def build_run(loaded: LoadedSpec) -> Run:
         spec=spec, loaded=loaded, output_dir=output_dir, tokenizer=tokenizer, model=model,
         backend=backend, estimator=algo.advantage.build(), kl=kl, objective=objective,
         rewards=rewards, prompts=prompts, eval_prompts=eval_prompts, optimizer=optimizer,
-        scheduler=scheduler, log=RunLog(trackers, output_dir), reference=reference,
-        splitter=splitter, iterative=build_iterative(spec, rewards, reference),
+        scheduler=scheduler, log=RunLog(trackers, output_dir, enabled=dist.is_main), reference=reference,
+        splitter=splitter, iterative=build_iterative(spec, rewards, reference), dist=dist,
     )
 
 
@@ -233,14 +244,15 @@ class StopSignal:
 
 def _save_final(run: Run) -> Path:
     final = run.output_dir / "final"
-    model = run.model
-    model.save_pretrained(final)
-    run.tokenizer.save_pretrained(final)
+    if run.dist.is_main:
+        run.model.save_pretrained(final)
+        run.tokenizer.save_pretrained(final)
+    run.dist.barrier()
     return final
 
 
 def _progress(run: Run, start: int):
-    if not run.spec.train.progress:
+    if not run.spec.train.progress or not run.dist.is_main:
         return None
     from tqdm.auto import tqdm
 
@@ -265,7 +277,8 @@ def _resume(run: Run, resume: str | None) -> str | None:
     ckpt.load_model_weights(run.model, found.folder)
     run.load_state_dict(found.state)
     run.backend.sync_weights(run.model)
-    print(f"grpo-run: resuming from {found.folder} (step {run.step})", file=sys.stderr)
+    if run.dist.is_main:
+        print(f"grpo-run: resuming from {found.folder} (step {run.step})", file=sys.stderr)
     return found.state.get("run_id")
 
 
@@ -273,6 +286,7 @@ def _one_step(run: Run) -> dict[str, float]:
     spec = run.spec
     begun = run.iterative.begin(run) if run.iterative is not None and run.iterative.due(run.step) else {}
     metrics, samples = run_step(run, run.step)
+    metrics = run.dist.combine_metrics(metrics)
     metrics.update(begun)
     run.step += 1
     run.nonfinite_streak = run.nonfinite_streak + 1 if metrics["train/nonfinite_updates"] else 0
@@ -324,6 +338,8 @@ def _save_failed_step(run: Run, start: _StepStart, loaded: LoadedSpec) -> None:
     except Exception as exc:  # keep the original error; the previous checkpoint stays
         log.warning("could not checkpoint step %d after the failure: %s", run.step, exc)
         return
+    if not run.dist.is_main:
+        return
     print(
         f"grpo-run: step {run.step + 1} failed before its update; checkpoint of step {run.step}: {folder}\n"
         f"  resume with: {loaded.command('--resume')}", file=sys.stderr,
@@ -336,7 +352,7 @@ def train(loaded: LoadedSpec, resume: str | None = None) -> int:
     spec = run.spec
     resume_id = _resume(run, resume)
     run.log.start(loaded.name, resume_id)
-    if resume_id is None:
+    if resume_id is None and run.dist.is_main:
         run.log.log_params(flatten(spec.model_dump(mode="json")))
         resolved = run.output_dir / "spec.resolved.yaml"
         resolved.write_text(dump_spec(spec), encoding="utf-8")
@@ -350,7 +366,8 @@ def train(loaded: LoadedSpec, resume: str | None = None) -> int:
             if spec.eval.at_start and run.eval_prompts and run.step == 0:
                 run.last_eval = evaluate(run)
                 run.log.log_metrics(run.last_eval, run.step)
-            while run.step < spec.train.steps and stop.signum is None:
+            # With several processes, a signal seen by any stops all of them at the same step.
+            while run.step < spec.train.steps and not run.dist.any(stop.signum is not None):
                 start = _StepStart.of(run)
                 try:
                     metrics = _one_step(run)
@@ -360,13 +377,14 @@ def train(loaded: LoadedSpec, resume: str | None = None) -> int:
                 if bar is not None:
                     bar.set_postfix(_postfix(metrics, run.last_eval), refresh=False)
                     bar.update(1)
-            if stop.signum is not None:
+            if run.dist.any(stop.signum is not None):
                 status = "KILLED"
                 folder = run.save_checkpoint()
-                print(
-                    f"grpo-run: stopped at step {run.step}; checkpoint {folder}\n"
-                    f"  resume with: {loaded.command('--resume')}", file=sys.stderr,
-                )
+                if run.dist.is_main:
+                    print(
+                        f"grpo-run: stopped at step {run.step}; checkpoint {folder}\n"
+                        f"  resume with: {loaded.command('--resume')}", file=sys.stderr,
+                    )
                 return stop.exit_code
         if spec.eval.at_end and run.eval_prompts:
             run.last_eval = evaluate(run)
@@ -375,7 +393,8 @@ def train(loaded: LoadedSpec, resume: str | None = None) -> int:
             run.save_checkpoint()
         final = _save_final(run)
         status = "FINISHED"
-        _summary(run, final, run.last_eval)
+        if run.dist.is_main:
+            _summary(run, final, run.last_eval)
         return 0
     except KeyboardInterrupt:
         status = "KILLED"

@@ -12,7 +12,9 @@ from typing import Any
 import torch
 
 from grpo_core.contracts import AdvantageInputs, RolloutBatch, SamplingParams
+from grpo_core.errors import RunError
 from grpo_core.train.data import Prompt
+from grpo_core.train.distributed import pad_cat
 from grpo_core.train.scoring import Scores, score
 from grpo_core.train.steps import StepLayout, split_steps, step_tensors
 from grpo_core.train.update import TrainBatch, batch_logprobs, update
@@ -73,18 +75,47 @@ def _advantage_inputs(run, rollout: RolloutBatch, scores: Scores, layout: StepLa
     """What the estimator sees: sequence rewards, and per-step scores with the token index
     of each step's end when it needs them (a KL-in-reward penalty counts on the last step)."""
     g = rollout.group_size
-    group_ids = torch.arange(rollout.prompt_ids.shape[0]).repeat_interleave(g)
+    group_ids = torch.arange(rollout.prompt_ids.shape[0], device=mask.device).repeat_interleave(g)
     inputs = AdvantageInputs(rewards, group_ids, mask)
     if needs_step_scores(run):
         ends, step_mask = step_tensors(layout, run.tokenizer, rollout.completion_ids,
                                        rollout.completion_mask, rollout.completions)
-        step_scores = scores.step_scores.clone()
+        step_scores = scores.step_scores.to(mask.device, copy=True)
         if seq_kl is not None:
             last = step_mask.sum(dim=1).clamp(min=1) - 1
-            rows = torch.arange(step_scores.shape[0])
+            rows = torch.arange(step_scores.shape[0], device=mask.device)
             step_scores[rows, last] = step_scores[rows, last] - seq_kl
         inputs.step_scores, inputs.step_ends, inputs.step_mask = step_scores, ends, step_mask
     return inputs
+
+
+def global_advantages(run, inputs: AdvantageInputs) -> torch.Tensor:
+    """The estimator's advantages ``(b, T)`` for this process's rows. With several
+    processes, the inputs of all are gathered (groups renumbered, ``T`` and ``K`` padded)
+    and the estimator runs on the global batch, so batch-scoped statistics match a
+    single-process run; each process keeps its own rows and width."""
+    dist = run.dist
+    if not dist.active:
+        return run.estimator(inputs).float()
+    local = inputs
+    parts = dist.gather(AdvantageInputs(*(None if t is None else t.cpu() for t in (
+        inputs.scores, inputs.group_ids, inputs.mask, inputs.step_scores, inputs.step_ends, inputs.step_mask))))
+    offsets = [0]
+    for part in parts:
+        offsets.append(offsets[-1] + int(part.group_ids.max()) + 1 if part.group_ids.numel() else offsets[-1])
+    steps = parts[0].step_scores is not None
+    full = AdvantageInputs(
+        torch.cat([p.scores for p in parts]),
+        torch.cat([p.group_ids + off for p, off in zip(parts, offsets)]),
+        pad_cat([p.mask for p in parts], False),
+        pad_cat([p.step_scores for p in parts], 0.0) if steps else None,
+        pad_cat([p.step_ends for p in parts], 0) if steps else None,
+        pad_cat([p.step_mask for p in parts], False) if steps else None,
+    )
+    adv = run.estimator(full).float()
+    start = sum(p.scores.shape[0] for p in parts[: dist.rank])
+    rows, width = local.mask.shape
+    return adv[start: start + rows, :width].to(local.mask.device)
 
 
 def _step_metrics(scores: Scores, layout: StepLayout | None) -> dict[str, float]:
@@ -136,20 +167,34 @@ def run_step(run, step: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
     t_start = time.perf_counter()
     g = spec.rollout.group_size
     prompts = run.prompts.next(spec.train.prompts_per_step)
-    sampling = run.sampling(seed=spec.train.seed * 1_000_003 + step)
+    first, stop = run.dist.shard_bounds(len(prompts))
+    prompts = prompts[first:stop]  # this process's groups (all of them with one process)
+    sampling = run.sampling(seed=spec.train.seed * 1_000_003 + step + first)
     with timer("generate"), run.autocast():
         rollout = run.backend.generate([p.ids for p in prompts], g, sampling)
     with timer("score"):
-        scores, layout = score_rollout(run, prompts, rollout)
+        failure = None
+        try:
+            scores, layout = score_rollout(run, prompts, rollout)
+        except RunError as exc:
+            failure = exc
+        if run.dist.active:  # every process stops together, with the first process's message
+            failures = [f for f in run.dist.gather(None if failure is None else str(failure)) if f]
+            if failures and failure is None:
+                failure = RunError(failures[0])
+        if failure is not None:
+            raise failure
 
     mask = rollout.completion_mask.bool()
     if spec.rollout.mask_truncated_completions:
         mask = mask & ~rollout.truncated.bool()[:, None]
     batch = TrainBatch(rollout.prompt_ids, rollout.prompt_mask.bool(), rollout.completion_ids, mask,
-                       torch.zeros(mask.shape))
+                       torch.zeros(mask.shape, device=mask.device))
+    if rollout.sampling_logp is not None:
+        batch.sampling_logp = rollout.sampling_logp.to(mask.device, torch.float32)
     kl_cfg = spec.algorithm.kl
     micro = spec.train.micro_batch_size or mask.shape[0]
-    rewards, seq_kl = scores.total, None
+    rewards, seq_kl = scores.total.to(mask.device), None
     metrics: dict[str, float] = {}
     with timer("logprobs"):
         if spec.algorithm.mu > 1 or (kl_cfg.beta > 0 and kl_cfg.placement == "reward"):
@@ -164,14 +209,14 @@ def run_step(run, step: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
         metrics["kl"] = float(kl.sum() / mask.sum().clamp(min=1))
     with timer("advantage"):
         inputs = _advantage_inputs(run, rollout, scores, layout, rewards, seq_kl, mask)
-        batch.advantages = run.estimator(inputs).float()
+        batch.advantages = global_advantages(run, inputs)
 
     objective = run.objective
     upd = update(
         run.model, run.optimizer, run.scheduler, batch, objective,
         mu=spec.algorithm.mu, mini_batches=spec.train.mini_batches,
         micro_batch_size=spec.train.micro_batch_size, max_grad_norm=spec.train.max_grad_norm,
-        autocast=run.autocast,
+        autocast=run.autocast, dist=run.dist,
     )
     with timer("sync"):
         run.backend.sync_weights(run.model)

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from grpo_core.contracts import BatchStats, PolicyLossInputs
+from grpo_core.train.distributed import Dist
 from grpo_core.train.logprobs import completion_logprobs
 
 
@@ -39,6 +40,7 @@ class TrainBatch:
     advantages: Tensor  # float (B, T)
     old_logp: Tensor | None = None  # float (B, T)
     ref_logp: Tensor | None = None  # float (B, T)
+    sampling_logp: Tensor | None = None  # float (B, T): the sampler's, when the backend gives them
 
     @property
     def group_size(self) -> int:
@@ -57,6 +59,7 @@ class Objective:
     early_stop_imp_ratio: float | None
     temperature: float
     max_length: int
+    correction: Any = None  # a RolloutCorrectionSection, or None: no sampler/trainer correction
 
     @property
     def skips_zero_advantage_rows(self) -> bool:
@@ -65,6 +68,47 @@ class Objective:
             and self.kl is None
             and self.entropy_coef == 0
         )
+
+
+def rollout_correction(
+    trainer_logp: Tensor, sampler_logp: Tensor, mask: Tensor, *, level: str, mode: str, cap: float
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Importance weights ``(b, T)`` for sampler/trainer mismatch, and their metrics.
+
+    ``r = exp(trainer_logp - sampler_logp)`` per token (``level="token"``), or per row
+    ``exp(sum_t (trainer_logp - sampler_logp))`` over its ``mask`` tokens, broadcast to them
+    (``level="sequence"``). ``mode="truncate"``: ``w = min(r, cap)`` (truncated importance
+    sampling); ``mode="mask"``: ``w = r`` where ``r <= cap``, else 0. ``w`` is 0 on
+    padding and carries no gradient. Metrics (per token): ``rollout_correction/weight``,
+    ``rollout_correction/capped`` (1 where ``r > cap``), ``rollout_correction/logp_diff``
+    (``|trainer - sampler|``) and its ``/max``, ``rollout_correction/k3`` (the k3 estimate
+    of KL(sampler || trainer), ``exp(d) - d - 1`` with ``d = trainer - sampler``).
+    """
+    diff = torch.where(mask, trainer_logp.detach() - sampler_logp, torch.zeros((), device=mask.device))
+    if level == "sequence":
+        log_ratio = diff.sum(dim=1, keepdim=True).expand_as(diff)
+    elif level == "token":
+        log_ratio = diff
+    else:
+        raise ValueError(f"rollout correction level must be 'token' or 'sequence', got {level!r}")
+    ratio = torch.exp(log_ratio.clamp(max=80.0))  # exp(80) is finite in float32; above it the cap rules
+    capped = ratio > cap
+    if mode == "truncate":
+        weight = ratio.clamp(max=cap)
+    elif mode == "mask":
+        weight = torch.where(capped, torch.zeros((), device=mask.device), ratio)
+    else:
+        raise ValueError(f"rollout correction mode must be 'truncate' or 'mask', got {mode!r}")
+    zero = torch.zeros((), device=mask.device)
+    weight = torch.where(mask, weight, zero)
+    metrics = {
+        "rollout_correction/weight": weight,
+        "rollout_correction/capped": torch.where(mask, capped.float(), zero),
+        "rollout_correction/logp_diff": diff.abs(),
+        "rollout_correction/logp_diff/max": diff.abs(),
+        "rollout_correction/k3": torch.where(mask, torch.expm1(diff) - diff, zero),
+    }
+    return weight, metrics
 
 
 def forward_logprobs(model, batch: TrainBatch, rows: Tensor, *, with_entropy: bool, temperature: float):
@@ -86,7 +130,7 @@ def forward_logprobs(model, batch: TrainBatch, rows: Tensor, *, with_entropy: bo
 @torch.no_grad()
 def batch_logprobs(model, batch: TrainBatch, micro_batch_size: int, temperature: float, autocast) -> Tensor:
     """Log-probs ``(B, T)`` of every row, without gradients (old policy, reference)."""
-    out = torch.zeros(batch.completion_ids.shape, dtype=torch.float32)
+    out = torch.zeros(batch.completion_ids.shape, dtype=torch.float32, device=batch.completion_ids.device)
     rows = torch.arange(batch.completion_ids.shape[0])
     for micro in rows.split(micro_batch_size):
         with autocast():
@@ -114,6 +158,19 @@ class _Tally:
                 self.maxes[name] = max(self.maxes.get(name, -math.inf), float(masked.max()))
             else:
                 self.sums[name] += float(torch.where(mask, value, torch.zeros(())).sum())
+
+    def merge(self, dist: Dist) -> None:
+        """Fold in every other process's tally (token-weighted sums stay exact)."""
+        if not dist.active:
+            return
+        parts = dist.gather((dict(self.sums), dict(self.maxes), self.tokens))
+        self.sums, self.maxes, self.tokens = defaultdict(float), {}, 0
+        for sums, maxes, tokens in parts:
+            self.tokens += tokens
+            for k, v in sums.items():
+                self.sums[k] += v
+            for k, v in maxes.items():
+                self.maxes[k] = max(self.maxes.get(k, -math.inf), v)
 
     def result(self) -> dict[str, float]:
         out = {k: v / self.tokens for k, v in self.sums.items()} if self.tokens else {}
@@ -147,9 +204,16 @@ def update(
     micro_batch_size: int | None,
     max_grad_norm: float | None,
     autocast: Callable,
-    all_reduce: Callable[[list[float]], list[float]] = lambda x: x,
+    dist: Dist | None = None,
 ) -> dict[str, float]:
-    """Run the updates of one rollout batch; return averaged metrics and phase times."""
+    """Run the updates of one rollout batch; return averaged metrics and phase times.
+
+    With several processes (``dist``), each holds its own groups of the batch: the
+    normalizers, the loss, the importance-ratio sums and the gradients are summed over
+    processes, so every process takes the same optimizer step as one process holding the
+    whole batch would.
+    """
+    dist = dist or Dist()
     params = [p for p in model.parameters() if p.requires_grad]
     tally = _Tally()
     counts = defaultdict(float)
@@ -159,7 +223,7 @@ def update(
     for _ in range(mu):
         for rows in minibatches(batch.prompt_ids.shape[0], batch.group_size, mini_batches):
             mask = batch.mask[rows]
-            n_tokens, n_seqs = all_reduce([float(mask.sum()), float(len(rows))])
+            n_tokens, n_seqs = dist.sum_floats([float(mask.sum()), float(len(rows))])
             stats = BatchStats(int(n_tokens), int(n_seqs), objective.max_length)
             active = rows
             if objective.skips_zero_advantage_rows:
@@ -182,6 +246,14 @@ def update(
                 out = objective.policy_loss(PolicyLossInputs(logp, old, batch.advantages[micro], m))
                 per_token = out.loss
                 metrics = dict(out.metrics)
+                correction = objective.correction
+                if batch.sampling_logp is not None and correction is not None and correction.level != "off":
+                    weight, extra = rollout_correction(
+                        old, batch.sampling_logp[micro], m,
+                        level=correction.level, mode=correction.mode, cap=correction.cap,
+                    )
+                    per_token = per_token * weight
+                    metrics.update(extra)
                 if objective.kl is not None:
                     kl = objective.kl(logp, batch.ref_logp[micro], m)
                     per_token = per_token + objective.beta * kl
@@ -200,6 +272,9 @@ def update(
 
             t0 = time.perf_counter()
             _ensure_grads(params)
+            if dist.active:
+                dist.sum_grads(params)
+                total_loss, ratio_sum, ratio_tokens = dist.sum_floats([total_loss, ratio_sum, ratio_tokens])
             norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or math.inf)
             mean_ratio = ratio_sum / ratio_tokens if ratio_tokens else 1.0
             if not (math.isfinite(total_loss) and math.isfinite(float(norm))):
@@ -217,7 +292,9 @@ def update(
             losses.append(total_loss)
             times["optimizer"] += time.perf_counter() - t0
 
-    result = {f"policy/{k}" if not k.startswith(("kl", "entropy")) else k: v for k, v in tally.result().items()}
+    tally.merge(dist)
+    own = ("kl", "entropy", "rollout_correction")  # logged under their own names
+    result = {f"policy/{k}" if not k.startswith(own) else k: v for k, v in tally.result().items()}
     result["loss"] = sum(losses) / len(losses)
     if grad_norms:
         result["grad_norm"] = sum(grad_norms) / len(grad_norms)

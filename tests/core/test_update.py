@@ -12,6 +12,8 @@ from contextlib import nullcontext
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from grpo_core.plugins import load_plugins
 from grpo_core.testing import build_model, build_tokenizer
@@ -176,3 +178,84 @@ def test_entropy_is_computed_only_when_its_coefficient_is_set(registry, base_mod
     _, with_bonus = step(base_model, batch, objective(registry, entropy_coef=0.01))
     assert "entropy" not in without
     assert with_bonus["entropy"] > 0
+
+
+# --------------------------------------------------------------------------- rollout correction
+def test_rollout_correction_weights_by_hand():
+    from grpo_core.train.update import rollout_correction
+
+    ln = torch.log
+    trainer = torch.tensor([[0.0, -1.0, -2.0, -5.0]], dtype=torch.float64)
+    # d = trainer - sampler = [0, ln 3, -ln 4, (padding)]: token ratios 1, 3, 1/4
+    sampler = trainer - torch.stack([torch.tensor(0.0), ln(torch.tensor(3.0)), -ln(torch.tensor(4.0)),
+                                     torch.tensor(7.0)]).double()[None]
+    mask = torch.tensor([[True, True, True, False]])
+    w, m = rollout_correction(trainer, sampler, mask, level="token", mode="truncate", cap=2.0)
+    assert w.tolist()[0] == pytest.approx([1.0, 2.0, 0.25, 0.0])
+    assert m["rollout_correction/capped"].tolist() == [[0.0, 1.0, 0.0, 0.0]]
+    assert float(m["rollout_correction/logp_diff/max"][mask].max()) == pytest.approx(float(ln(torch.tensor(4.0))))
+    w, _ = rollout_correction(trainer, sampler, mask, level="token", mode="mask", cap=2.0)
+    assert w.tolist()[0] == pytest.approx([1.0, 0.0, 0.25, 0.0])
+    # sequence level: r = exp(0 + ln 3 - ln 4) = 3/4 on every token of the row
+    w, m = rollout_correction(trainer, sampler, mask, level="sequence", mode="truncate", cap=2.0)
+    assert w.tolist()[0] == pytest.approx([0.75, 0.75, 0.75, 0.0])
+    assert m["rollout_correction/k3"][0, 1].item() == pytest.approx(3.0 - float(ln(torch.tensor(3.0))) - 1.0)
+
+
+@given(
+    diffs=st.lists(st.floats(-30, 30, allow_nan=False), min_size=1, max_size=12),
+    cap=st.floats(1.01, 10.0),
+    level=st.sampled_from(["token", "sequence"]),
+    mode=st.sampled_from(["truncate", "mask"]),
+    data=st.data(),
+)
+def test_rollout_correction_weights_are_bounded_detached_and_zero_on_padding(diffs, cap, level, mode, data):
+    from grpo_core.train.update import rollout_correction
+
+    n = len(diffs)
+    mask = torch.tensor(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)))[None]
+    trainer = torch.randn(1, n, dtype=torch.float64, requires_grad=True)
+    sampler = trainer.detach() - torch.tensor(diffs, dtype=torch.float64)[None]
+    w, _ = rollout_correction(trainer, sampler, mask, level=level, mode=mode, cap=cap)
+    assert not w.requires_grad
+    assert bool((w[~mask] == 0).all())
+    assert bool((w >= 0).all()) and bool((w <= cap * (1 + 1e-12)).all())
+    same, _ = rollout_correction(trainer, trainer.detach(), mask, level=level, mode=mode, cap=cap)
+    assert torch.equal(same, mask.double())  # no mismatch: every weight is exactly 1
+
+
+def test_rollout_correction_scales_the_policy_gradient(registry, base_model):
+    """With every sampler log-prob ln 2 below the trainer's and cap 3, each token's weight
+    is 2: the gradient is twice the uncorrected one (mu = 1, so the clip is inactive)."""
+    import math
+
+    from grpo_core.spec.models import RolloutCorrectionSection
+    from grpo_core.train.update import batch_logprobs
+
+    batch = make_batch(zero_groups=())
+    trainer = batch_logprobs(base_model, batch, 64, 1.0, nullcontext).double()
+
+    def grads(correction, sampling):
+        model = copy.deepcopy(base_model)
+        b = copy.copy(batch)
+        b.sampling_logp = sampling
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)  # a step that keeps the gradient readable
+        opt.zero_grad = lambda set_to_none=False: None  # noqa: E731 - keep .grad after the step
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        m = update(model, opt, sched, b, objective(registry, correction=correction), mu=1, mini_batches=1,
+                   micro_batch_size=None, max_grad_norm=None, autocast=nullcontext)
+        return torch.cat([p.grad.reshape(-1) for p in model.parameters()]), m
+
+    plain, m_plain = grads(None, None)
+    doubled, m = grads(RolloutCorrectionSection(cap=3.0), trainer - math.log(2.0))
+    assert torch.allclose(doubled, 2 * plain, rtol=1e-6, atol=1e-12)
+    assert m["rollout_correction/weight"] == pytest.approx(2.0)
+    assert m["rollout_correction/capped"] == 0.0
+    assert "rollout_correction/weight" not in m_plain
+    capped, m = grads(RolloutCorrectionSection(cap=1.5), trainer - math.log(2.0))
+    # x1.5, unlike x2, is not exact in binary: the model's float32 RMSNorm rounds differently
+    scale = float(plain.abs().max())
+    assert torch.allclose(capped, 1.5 * plain, rtol=1e-5, atol=1e-6 * scale)
+    assert m["rollout_correction/capped"] == 1.0
+    off, m = grads(RolloutCorrectionSection(level="off"), trainer - math.log(2.0))
+    assert torch.allclose(off, plain, rtol=0, atol=0)

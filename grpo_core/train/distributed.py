@@ -1,0 +1,208 @@
+"""Data-parallel runs: one process per device, each holding the whole model.
+
+A run started by ``accelerate launch`` or ``torchrun`` (or ``grpo-run --nproc N``, which
+starts ``torchrun`` for one machine) finds ``WORLD_SIZE > 1`` in its environment; accelerate's
+:class:`~accelerate.PartialState` then sets up the process group (gloo on CPU, NCCL on GPUs)
+and the device of each process. What the engine does with ``N`` processes:
+
+- Every process draws the same ``P`` prompts of a step (same seed, same data order) and keeps
+  a contiguous ``P / N`` of them: a group never spans processes. Its rollout is seeded with
+  the step's seed plus the index of its first prompt, so a backend that seeds each prompt
+  (``hf`` with ``prompts_per_generate``) samples the same completions whatever ``N`` is.
+- Rewards are computed where the group lives. The advantage inputs (rewards, masks, step
+  scores) of all processes are gathered and every process runs the estimator on the whole
+  batch, keeping its own rows: batch-scoped statistics (``std_scope: batch``,
+  ``reinforce++`` whitening) are those of the global batch.
+- The aggregators' normalizers (tokens, sequences of the mini-batch) are summed over
+  processes, so each process's loss is its share of the global loss; gradients are then
+  summed over processes (one all-reduce of the flattened gradients per optimizer step, what
+  DDP does, done here by hand because the engine runs the decoder and the output layer as
+  separate calls to share prompt keys and values and to project completion tokens only,
+  which DDP's wrapped ``forward`` would not see). The non-finite check and the clipping
+  norm use the reduced values, so all processes take the same decision.
+- Only the main process logs (trackers and ``metrics.jsonl``) and writes checkpoints and
+  the final model; the others wait at a barrier. Metrics are combined over processes:
+  means by default, maxima for ``*max*`` and ``time/*`` keys, minima for ``*min*`` keys,
+  sums for counts (:data:`SUMMED`).
+
+FSDP and DeepSpeed configs are refused with a message: both shard parameters behind the
+model's own ``forward``, which the engine does not call (see above).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Sequence, TypeVar
+
+import torch
+from torch import Tensor
+
+from grpo_core.errors import RunError
+
+T = TypeVar("T")
+
+#: Metrics summed over processes (counts and throughputs); see :meth:`Dist.combine_metrics`.
+SUMMED = frozenset({"reward/failed", "perf/tokens_per_second"})
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
+@dataclass
+class Dist:
+    """The process group as the engine uses it; ``Dist()`` is the single-process case."""
+
+    rank: int = 0
+    world: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @classmethod
+    def from_env(cls, device: str = "auto") -> "Dist":
+        """Join the process group set up by the launcher, if any, and pick the device:
+        ``auto`` is this process's GPU when CUDA is available, else the CPU."""
+        for engine in ("FSDP", "DEEPSPEED"):  # what accelerate launch sets from its config file
+            if os.environ.get(f"ACCELERATE_USE_{engine}", "false").lower() == "true":
+                raise RunError(
+                    f"accelerate is configured for {engine.replace('DEEPSPEED', 'DeepSpeed')}; grpo-core runs "
+                    "data-parallel (every process holds the whole model, gradients summed over processes). "
+                    "Use distributed_type MULTI_GPU in the accelerate config (or torchrun / grpo-run --nproc)."
+                )
+        cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+        if device == "cuda" and not torch.cuda.is_available():
+            raise RunError("train.device is 'cuda' but torch sees no CUDA device; use 'auto' or 'cpu'")
+        if world_size_from_env() <= 1:
+            return cls(0, 1, torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device()))
+        from accelerate import PartialState
+
+        state = PartialState(cpu=cpu)
+        return cls(state.process_index, state.num_processes, torch.device(state.device))
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+    def shard_bounds(self, count: int, what: str = "train.prompts_per_step") -> tuple[int, int]:
+        """``[start, stop)`` of this process's contiguous share of ``count`` items."""
+        if count % self.world:
+            raise RunError(
+                f"{what} = {count} is not a multiple of the {self.world} processes; groups "
+                f"are not split between processes, so use a multiple of {self.world}"
+            )
+        per = count // self.world
+        return self.rank * per, (self.rank + 1) * per
+
+    # ----------------------------------------------------------------- collectives
+    def _dist(self):
+        import torch.distributed as dist
+
+        return dist
+
+    def barrier(self) -> None:
+        if self.active:
+            self._dist().barrier()
+
+    def sum_floats(self, values: Sequence[float]) -> list[float]:
+        """Element-wise sum over processes (float64, so token counts stay exact)."""
+        if not self.active:
+            return [float(v) for v in values]
+        buf = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self._comm_device())
+        self._dist().all_reduce(buf)
+        return buf.tolist()
+
+    def any(self, flag: bool) -> bool:
+        return self.sum_floats([1.0 if flag else 0.0])[0] > 0
+
+    def gather(self, obj: T) -> list[T]:
+        """``obj`` of every process, in rank order (pickled; for small objects)."""
+        if not self.active:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        self._dist().all_gather_object(out, obj)
+        return out
+
+    def broadcast(self, obj: T) -> T:
+        """The main process's ``obj`` on every process."""
+        if not self.active:
+            return obj
+        box = [obj]
+        self._dist().broadcast_object_list(box, src=0)
+        return box[0]
+
+    def sum_grads(self, params: Sequence[Tensor]) -> None:
+        """Sum ``.grad`` over processes, in place, with one flat all-reduce per dtype."""
+        if not self.active:
+            return
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        for grads in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            self._dist().all_reduce(flat)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset: offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    def _comm_device(self) -> torch.device:
+        # NCCL reduces CUDA tensors only; gloo CPU ones.
+        return self.device if self.device.type == "cuda" else torch.device("cpu")
+
+    def combine_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """One metrics dict from every process's: see the module docstring."""
+        if not self.active:
+            return metrics
+        every = self.gather(metrics)
+        keys = sorted({k for m in every for k in m})
+        out: dict[str, float] = {}
+        for key in keys:
+            values = [float(m[key]) for m in every if key in m]
+            if key in SUMMED:
+                out[key] = sum(values)
+            elif "max" in key or key.startswith("time/"):
+                out[key] = max(values)
+            elif "min" in key:
+                out[key] = min(values)
+            else:
+                out[key] = sum(values) / len(values)
+        return out
+
+
+def check_layout(spec, world: int) -> None:
+    """Refuse, before anything loads, a spec that cannot run on ``world`` processes."""
+    if world <= 1:
+        return
+    Dist(0, world).shard_bounds(spec.train.prompts_per_step)
+    if spec.iterative is not None:
+        raise RunError(
+            f"iterative: iterative GRPO runs in one process for now ({world} were asked for); "
+            "run it without accelerate launch / --nproc"
+        )
+    local = spec.train.prompts_per_step // world
+    if local % spec.train.mini_batches:
+        raise RunError(
+            f"train.mini_batches = {spec.train.mini_batches} must divide the {local} prompts each of the "
+            f"{world} processes holds (train.prompts_per_step / processes)"
+        )
+
+
+def pad_cat(tensors: Sequence[Tensor], value: float | bool | int = 0) -> Tensor:
+    """Concatenate along dim 0, padding dim 1 (if any) on the right to the widest."""
+    if tensors[0].dim() < 2:
+        return torch.cat(list(tensors))
+    width = max(t.shape[1] for t in tensors)
+    padded = []
+    for t in tensors:
+        if t.shape[1] < width:
+            pad = torch.full((t.shape[0], width - t.shape[1], *t.shape[2:]), value, dtype=t.dtype, device=t.device)
+            t = torch.cat([t, pad], dim=1)
+        padded.append(t)
+    return torch.cat(padded)

@@ -1,0 +1,192 @@
+"""Data-parallel training: real multi-process runs (torchrun, gloo on CPU) against one
+process, and the pieces of :mod:`grpo_core.train.distributed` that need no process group."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_core import checkpoint as ckpt
+from grpo_core.errors import RunError
+from grpo_core.train.distributed import Dist, pad_cat
+
+from .conftest import CHILD_ENV, load_weights, read_metrics
+
+# A spec where every part of the step that processes must agree on is exercised: per-prompt
+# seeded sampling (so the completions do not depend on the process count), batch-scoped
+# advantage statistics (gathered over processes), the KL in the loss (a reference model on
+# every process), a token-mean aggregator (its normalizer summed over processes), and
+# held-out evaluation split between processes.
+DIST_SPEC = {
+    "data": {"name": "arithmetic", "train_size": 16, "eval_size": 6},
+    "rollout": {"group_size": 4, "max_new_tokens": 6, "prompts_per_generate": 1},
+    "algorithm": {
+        "advantage": {"name": "grpo", "std_scope": "batch"},
+        "kl": {"name": "low_var_kl", "beta": 0.04},
+        "aggregation": {"name": "token-mean"},
+    },
+    "train": {"steps": 2, "prompts_per_step": 4, "seed": 3},
+    "checkpoint": {"every": 1, "keep": 5},
+    "eval": {"at_start": True, "at_end": True},
+}
+
+
+def _grpo_run(args: list, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**__import__("os").environ, **CHILD_ENV}
+    env.pop("WORLD_SIZE", None)
+    return subprocess.run(
+        [sys.executable, "-m", "grpo_core.cli", "run", *map(str, args)],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+STABLE = ("loss", "kl", "grad_norm", "reward", "rewards/format/mean", "advantage/abs_max",
+          "policy/ratio", "train/updates", "eval/reward", "eval/rewards/format", "eval/prompts")
+
+
+@pytest.mark.slow
+def test_two_processes_take_the_same_steps_as_one_and_resume_with_either(tmp_path, write_spec):
+    spec = write_spec(tmp_path, **DIST_SPEC)
+    base = load_weights(Path(__import__("yaml").safe_load(spec.read_text())["model"]["path"]))
+
+    one = _grpo_run([spec, "--set", "train.output_dir=one"], tmp_path)
+    assert one.returncode == 0, one.stderr
+    two = _grpo_run([spec, "--nproc", "2", "--set", "train.output_dir=two"], tmp_path)
+    assert two.returncode == 0, two.stderr
+
+    # The same weights after the run, to float tolerance (sums in another order), and the
+    # update moved them far more than that.
+    w1, w2 = load_weights(tmp_path / "one" / "final"), load_weights(tmp_path / "two" / "final")
+    assert _max_diff(w1, base) > 1e-3
+    assert _max_diff(w1, w2) < 5e-5
+
+    # Only the main process logged: one row per step (plus the two evaluations), and the
+    # figures, summed or gathered over processes, are those of the single process.
+    rows1, rows2 = read_metrics(tmp_path / "one" / "metrics.jsonl"), read_metrics(tmp_path / "two" / "metrics.jsonl")
+    assert [r["step"] for r in rows2] == [r["step"] for r in rows1] == [0, 1, 2, 2]
+    for r1, r2 in zip(rows1, rows2):
+        for key in STABLE:
+            if key in r1:
+                assert r2[key] == pytest.approx(r1[key], rel=1e-3, abs=1e-6), (r1["step"], key)
+    assert rows2[0]["eval/prompts"] == 6  # both halves of the held-out set were scored
+    assert two.stderr.count("grpo-run: finished 2 steps.") == 1  # the summary, from the main process
+
+    # A checkpoint written by two processes resumes in one, and the other way round, and
+    # the runs go on as the single-process run does.
+    folders = ckpt.list_checkpoints(tmp_path / "two" / "checkpoints")
+    assert [f.name for f in folders] == ["step-000001", "step-000002"]
+    assert all(ckpt.verify(f) is None for f in folders)
+    longer = ["--set", "train.steps=3"]
+    straight = _grpo_run([spec, "--set", "train.output_dir=one", *longer, "--resume"], tmp_path)
+    assert straight.returncode == 0, straight.stderr
+    to_one = _grpo_run([spec, "--set", "train.output_dir=two", *longer, "--resume"], tmp_path)
+    assert to_one.returncode == 0, to_one.stderr
+    assert "resuming from" in to_one.stderr and "(step 2)" in to_one.stderr
+    assert _max_diff(load_weights(tmp_path / "one" / "final"), load_weights(tmp_path / "two" / "final")) < 5e-5
+
+    back = _grpo_run([spec, "--set", "train.output_dir=one", "--set", "train.steps=4", "--resume"], tmp_path)
+    assert back.returncode == 0, back.stderr
+    to_two = _grpo_run(
+        [spec, "--nproc", "2", "--set", "train.output_dir=two", "--set", "train.steps=4", "--resume"], tmp_path
+    )
+    assert to_two.returncode == 0, to_two.stderr
+    assert _max_diff(load_weights(tmp_path / "one" / "final"), load_weights(tmp_path / "two" / "final")) < 5e-5
+
+
+@pytest.mark.slow
+def test_a_batch_that_does_not_split_into_whole_groups_is_refused(tmp_path, write_spec):
+    spec = write_spec(tmp_path, **{**DIST_SPEC, "train": {"steps": 1, "prompts_per_step": 3}})
+    out = _grpo_run([spec, "--nproc", "2"], tmp_path)
+    assert out.returncode == 1
+    assert out.stderr.count("train.prompts_per_step = 3 is not a multiple of the 2 processes") == 1
+    assert "Traceback" not in out.stderr
+    assert not (tmp_path / "out").exists()  # refused before any process started
+
+
+@pytest.mark.slow
+def test_a_failing_process_stops_all_with_its_message(tmp_path, write_spec):
+    """A reward function that raises on one process only: every process stops at that
+    step with the same message (no process is left waiting in a collective)."""
+    (tmp_path / "flaky.py").write_text(
+        "import os\n"
+        "from grpo_core import hookimpl\n"
+        "def flaky(prompts, completions, **kw):\n"
+        "    if os.environ.get('RANK') == '1':\n"
+        "        raise ValueError('rank one cannot score')\n"
+        "    return [1.0] * len(completions)\n"
+        "@hookimpl\n"
+        "def register_reward_functions(register):\n"
+        "    register.add('flaky', flaky)\n",
+        encoding="utf-8",
+    )
+    spec = write_spec(tmp_path, **{**DIST_SPEC, "plugins": ["flaky.py"], "rewards": [{"name": "flaky"}]})
+    out = _grpo_run([spec, "--nproc", "2"], tmp_path, timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert "reward function 'flaky' raised" in out.stderr and "rank one cannot score" in out.stderr
+    assert out.stderr.count("grpo-run: error:") == 2  # each process stops with the message
+    assert "Traceback" not in out.stderr
+
+
+# --------------------------------------------------------------------------- no process group
+def test_single_process_dist_is_the_identity():
+    dist = Dist()
+    assert not dist.active and dist.is_main
+    assert dist.shard_bounds(6) == (0, 6)
+    assert dist.sum_floats([1, 2.5]) == [1.0, 2.5]
+    assert dist.gather({"a": 1}) == [{"a": 1}]
+    metrics = {"loss": 0.5, "time/step": 1.0}
+    assert dist.combine_metrics(metrics) is metrics
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.full((3,), 2.0)
+    dist.sum_grads([p])
+    assert torch.equal(p.grad, torch.full((3,), 2.0))
+
+
+@pytest.mark.parametrize(("rank", "bounds"), [(0, (0, 3)), (1, (3, 6))])
+def test_shards_are_contiguous_whole_groups(rank, bounds):
+    assert Dist(rank=rank, world=2).shard_bounds(6) == bounds
+    with pytest.raises(RunError, match=r"train.prompts_per_step = 5 is not a multiple of the 2 processes"):
+        Dist(rank=rank, world=2).shard_bounds(5)
+
+
+def test_pad_cat_pads_the_token_dimension_of_each_part():
+    a = torch.ones(2, 3)
+    b = torch.full((1, 5), 2.0)
+    out = pad_cat([a, b], 0.0)
+    assert out.shape == (3, 5)
+    assert torch.equal(out[:2, :3], a) and bool((out[:2, 3:] == 0).all())
+    assert torch.equal(out[2], b[0])
+    m = pad_cat([torch.ones(1, 2, dtype=torch.bool), torch.ones(1, 4, dtype=torch.bool)], False)
+    assert m.tolist() == [[True, True, False, False], [True, True, True, True]]
+    assert torch.equal(pad_cat([torch.arange(2), torch.arange(3)]), torch.tensor([0, 1, 0, 1, 2]))
+
+
+def test_combine_metrics_rules():
+    class Two(Dist):  # two processes' metrics, without a process group
+        def gather(self, obj):
+            return [obj, {"loss": 3.0, "time/step": 5.0, "completions/max_length": 9.0,
+                          "completions/min_length": 1.0, "reward/failed": 2.0, "perf/tokens_per_second": 10.0}]
+
+    out = Two(rank=0, world=2).combine_metrics(
+        {"loss": 1.0, "time/step": 2.0, "completions/max_length": 4.0, "completions/min_length": 3.0,
+         "reward/failed": 1.0, "perf/tokens_per_second": 30.0}
+    )
+    assert out == {"loss": 2.0, "time/step": 5.0, "completions/max_length": 9.0, "completions/min_length": 1.0,
+                   "reward/failed": 3.0, "perf/tokens_per_second": 40.0}
+
+
+@pytest.mark.parametrize(("variable", "name"), [("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed")])
+def test_fsdp_and_deepspeed_configs_are_refused(monkeypatch, variable, name):
+    """accelerate launch passes its config's engine to the processes in these variables."""
+    monkeypatch.setenv(variable, "true")
+    with pytest.raises(RunError, match=f"accelerate is configured for {name}; grpo-core runs data-parallel"):
+        Dist.from_env("cpu")
