@@ -64,6 +64,23 @@ def check_step(text: str) -> bool | None:
 
 
 _NUMBER = re.compile(r"\d+")
+_TERMS = re.compile(r"^\s*(\d+)((?:\s*[-+*×]\s*\d+)+)\s*$")
+_OP_TERM = re.compile(r"\s*([-+*×])\s*(\d+)")
+
+
+def _left_to_right(question: str) -> list[tuple[int, str, int, int]] | None:
+    """The steps ``(a, op, b, c)`` of ``question`` ('20 + 5 - 6') evaluated left to right,
+    or None when it is not such a chain of non-negative integers and operators."""
+    match = _TERMS.match(question)
+    if match is None:
+        return None
+    value, steps = int(match[1]), []
+    for op, term in _OP_TERM.findall(match[2]):
+        op, b = ("*" if op == "×" else op), int(term)
+        result = value + b if op == "+" else value - b if op == "-" else value * b
+        steps.append((value, op, b, result))
+        value = result
+    return steps
 
 
 class ArithmeticStepsOptions(Options):
@@ -88,6 +105,16 @@ class ArithmeticStepsOptions(Options):
         "tasks give). When set, a step is right only if its arithmetic is and each operand "
         "is a number of the problem or the result of an earlier right step, so steps copied "
         "from elsewhere (the prompt's example) are wrong. null: check the arithmetic alone.",
+    )
+
+    order: Literal["left-to-right", "any"] = Field(
+        "left-to-right",
+        description="With question_column: left-to-right (default) makes step j right only if it "
+        "is the j-th operation of the problem evaluated left to right (the previous step's "
+        "result, or the first term, then the next operator and term) with the right result, "
+        "so one right step that skips the rest of the problem does not pass for a solution, "
+        "and steps past the last operation are wrong; any accepts any right step whose "
+        "operands are numbers of the problem or earlier results.",
     )
 
     @model_validator(mode="after")
@@ -122,6 +149,10 @@ class ArithmeticStepsReward:
     def score_steps(self, steps: list[str], question: Any = None) -> list[float | None]:
         """Scores of one completion's steps; ``question`` grounds the operands (None: not)."""
         o = self.options
+        if question is not None and o.order == "left-to-right":
+            expected = _left_to_right(str(question))
+            if expected is not None:
+                return self._score_in_order(steps, expected)
         known = None if question is None else {int(n) for n in _NUMBER.findall(str(question))}
         out: list[float | None] = []
         for step in steps:
@@ -134,6 +165,22 @@ class ArithmeticStepsReward:
                 ok = ok and abs(a) in known and abs(b) in known
                 if ok:
                     known.add(abs(c))
+            out.append(o.correct if ok else o.wrong)
+        return out
+
+    def _score_in_order(self, steps: list[str], expected: list[tuple[int, str, int, int]]) -> list[float | None]:
+        o = self.options
+        out: list[float | None] = []
+        done = 0  # right steps so far, in order
+        for step in steps:
+            parsed = parse_step(step)
+            if parsed is None:
+                out.append(o.unparsed)
+                continue
+            a, op, b, c = parsed
+            op = "*" if op == "×" else op
+            ok = done < len(expected) and (a, op, b, c) == expected[done]
+            done += ok
             out.append(o.correct if ok else o.wrong)
         return out
 

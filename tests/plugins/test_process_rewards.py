@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 import torch
 from pydantic import ValidationError
 
@@ -85,6 +87,10 @@ def test_arithmetic_steps_wants_the_problems_numbers_by_default():
         ["47 + 1 = 48"],  # a number from nowhere
     ]
     got = reward(["p"] * 5, ["c"] * 5, steps=steps, question=["47 - 92 + 93"] * 5)
+    # left to right by default: only the first row follows the problem's order
+    assert got == [[1.0, 1.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0], [0.0]]
+    lax = ArithmeticStepsReward(ArithmeticStepsOptions(order="any"))
+    got = lax(["p"] * 5, ["c"] * 5, steps=steps, question=["47 - 92 + 93"] * 5)
     assert got == [[1.0, 1.0], [1.0, 1.0], [0.0, 0.0], [0.0, 0.0], [0.0]]
     with pytest.raises(
         RunError, match="needs the dataset column 'question' .*columns available: answer"
@@ -232,3 +238,48 @@ def test_prm_missing_model_names_the_reward(tmp_path):
         RunError, match="'process_reward_model' could not load a token-classification model"
     ):
         reward(["p"], ["c"], steps=[["c"]])
+
+
+def test_arithmetic_steps_left_to_right_by_hand():
+    """The hack a lax check pays for: one right equation on the problem's numbers that
+    skips the rest ('20 + 6 = 26' for 20 + 5 - 6) is wrong in order."""
+    reward = ArithmeticStepsReward()
+    steps = [
+        ["20 + 6 = 26"],  # right arithmetic, wrong operation
+        ["20 + 5 = 25"],  # the first step, then stopped: right so far
+        ["20 + 5 = 25", "25 - 6 = 19"],  # the solution
+        ["20 + 5 = 25", "25 - 6 = 19", "19 + 1 = 20"],  # a step past the last operation
+        ["so:", "20 + 5 = 25", "25 - 6 = 19"],  # prose does not break the order
+        ["20 + 5 = 24", "24 - 6 = 18"],  # a wrong result: the next step has no right operand
+    ]
+    got = reward(["p"] * 6, ["c"] * 6, steps=steps, question=["20 + 5 - 6"] * 6)
+    assert got == [[0.0], [1.0], [1.0, 1.0], [1.0, 1.0, 0.0], [0.0, 1.0, 1.0], [0.0, 0.0]]
+    times = reward(["p"], ["c"], steps=[["3 × 4 = 12", "12 + 1 = 13"]], question=["3 * 4 + 1"])
+    assert times == [[1.0, 1.0]]
+    # a question that is not a chain of numbers and operators falls back to the lax check
+    assert reward(["p"], ["c"], steps=[["2 + 3 = 5"]], question=["What is 2 + 3?"]) == [[1.0]]
+
+
+@given(
+    terms=st.lists(st.integers(1, 99), min_size=2, max_size=6),  # no "+ 0": a step equal to the one before
+    ops=st.lists(st.sampled_from(["+", "-"]), min_size=5, max_size=5),
+    error=st.integers(1, 5),
+    data=st.data(),
+)
+def test_arithmetic_steps_left_to_right_scores_the_solution_and_stops_at_an_error(terms, ops, error, data):
+    ops = ops[: len(terms) - 1]
+    question = " ".join([str(terms[0])] + [f"{o} {t}" for o, t in zip(ops, terms[1:])])
+    lines, value = [], terms[0]
+    for op, term in zip(ops, terms[1:]):
+        result = value + term if op == "+" else value - term
+        lines.append(f"{value} {op} {term} = {result}")
+        value = result
+    reward = ArithmeticStepsReward()
+    assert reward(["p"], ["c"], steps=[lines], question=[question]) == [[1.0] * len(lines)]
+    k = data.draw(st.integers(0, len(lines) - 1))  # step k gets a wrong result
+    broken = list(lines)
+    head, _, c = broken[k].rpartition("= ")
+    broken[k] = f"{head}= {int(c) + error}"
+    got = reward(["p"], ["c"], steps=[broken], question=[question])[0]
+    assert got[:k] == [1.0] * k and got[k] == 0.0
+    assert all(score == 0.0 for score in got[k + 1:])  # later steps have no right operand
