@@ -113,8 +113,10 @@ class ArithmeticStepsOptions(Options):
         "is the j-th operation of the problem evaluated left to right (the previous step's "
         "result, or the first term, then the next operator and term) with the right result, "
         "so one right step that skips the rest of the problem does not pass for a solution, "
-        "and steps past the last operation are wrong; any accepts any right step whose "
-        "operands are numbers of the problem or earlier results.",
+        "steps past the last operation are wrong, and the last step of a completion that "
+        "stops before the last operation is wrong (it ended the solution early: without "
+        "this, stopping after one right step pays more than trying the next one); any "
+        "accepts any right step whose operands are numbers of the problem or earlier results.",
     )
 
     @model_validator(mode="after")
@@ -182,6 +184,10 @@ class ArithmeticStepsReward:
             ok = done < len(expected) and (a, op, b, c) == expected[done]
             done += ok
             out.append(o.correct if ok else o.wrong)
+        if done < len(expected):  # stopped short of the answer: the last step did not end it
+            last = max((i for i, score in enumerate(out) if score is not None), default=None)
+            if last is not None:
+                out[last] = o.wrong
         return out
 
     def __call__(

@@ -246,14 +246,19 @@ def test_arithmetic_steps_left_to_right_by_hand():
     reward = ArithmeticStepsReward()
     steps = [
         ["20 + 6 = 26"],  # right arithmetic, wrong operation
-        ["20 + 5 = 25"],  # the first step, then stopped: right so far
+        ["20 + 5 = 25"],  # the first step, then stopped: the last step did not end it
         ["20 + 5 = 25", "25 - 6 = 19"],  # the solution
         ["20 + 5 = 25", "25 - 6 = 19", "19 + 1 = 20"],  # a step past the last operation
         ["so:", "20 + 5 = 25", "25 - 6 = 19"],  # prose does not break the order
         ["20 + 5 = 24", "24 - 6 = 18"],  # a wrong result: the next step has no right operand
     ]
     got = reward(["p"] * 6, ["c"] * 6, steps=steps, question=["20 + 5 - 6"] * 6)
-    assert got == [[0.0], [1.0], [1.0, 1.0], [1.0, 1.0, 0.0], [0.0, 1.0, 1.0], [0.0, 0.0]]
+    assert got == [[0.0], [0.0], [1.0, 1.0], [1.0, 1.0, 0.0], [0.0, 1.0, 1.0], [0.0, 0.0]]
+    # stopping after the first right step is no better than a wrong step; a right first
+    # step followed by an attempt at the next one keeps its credit
+    got = reward(["p"] * 2, ["c"] * 2, steps=[["20 + 5 = 25", "25 - 6 = 18"], ["20 + 5 = 25", "so 25"]],
+                 question=["20 + 5 - 6"] * 2)
+    assert got == [[1.0, 0.0], [1.0, 0.0]]
     times = reward(["p"], ["c"], steps=[["3 × 4 = 12", "12 + 1 = 13"]], question=["3 * 4 + 1"])
     assert times == [[1.0, 1.0]]
     # a question that is not a chain of numbers and operators falls back to the lax check
@@ -283,3 +288,6 @@ def test_arithmetic_steps_left_to_right_scores_the_solution_and_stops_at_an_erro
     got = reward(["p"], ["c"], steps=[broken], question=[question])[0]
     assert got[:k] == [1.0] * k and got[k] == 0.0
     assert all(score == 0.0 for score in got[k + 1:])  # later steps have no right operand
+    if len(lines) > 1:  # a right prefix that stops early: its last step is marked wrong
+        stopped = reward(["p"], ["c"], steps=[lines[:-1]], question=[question])[0]
+        assert stopped == [1.0] * (len(lines) - 2) + [0.0]
