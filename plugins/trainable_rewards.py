@@ -68,6 +68,12 @@ class TrainableRewardModelOptions(RewardModelOptions):
         description="Historical samples kept for replay (a uniform reservoir sample of all past ones).",
     )
     seed: int = Field(0, description="Seed of the replay draws and the training order.")
+    balance_classes: bool = Field(
+        False,
+        description="Weight the loss so that right (label > 0.5) and wrong samples count "
+        "equally in each update: a verifier's labels are often skewed (a weak policy is "
+        "mostly wrong), and an unweighted model then learns to say 'wrong' to everything.",
+    )
 
     @model_validator(mode="after")
     def _has_source(self) -> TrainableRewardModelOptions:
@@ -82,6 +88,16 @@ def replay_count(fresh: int, fraction: float, available: int) -> int:
     """Historical samples to add to ``fresh`` ones so that they are ``fraction`` of the
     whole: ``round(fresh * fraction / (1 - fraction))``, at most ``available``."""
     return min(available, round(fresh * fraction / (1.0 - fraction)))
+
+
+def class_weights(labels: list[float]) -> list[float]:
+    """Per-sample loss weights giving right (label > 0.5) and wrong samples equal total
+    weight, ``n / (2 * n_class)`` each, with mean 1; all 1 when one class is absent."""
+    n = len(labels)
+    n_pos = sum(1 for y in labels if y > 0.5)
+    if n_pos in (0, n):
+        return [1.0] * n
+    return [n / (2 * n_pos) if y > 0.5 else n / (2 * (n - n_pos)) for y in labels]
 
 
 class TrainableRewardModel(RewardModelReward):
@@ -222,6 +238,7 @@ class TrainableRewardModel(RewardModelReward):
         )
         data = list(examples) + replay
         self._rng.shuffle(data)
+        weights = class_weights([e.label for e in data]) if o.balance_classes else None
         optimizer = self._make_optimizer()
         model.train()
         losses: list[float] = []
@@ -229,7 +246,10 @@ class TrainableRewardModel(RewardModelReward):
             losses = []
             for start in range(0, len(data), o.batch_size):
                 batch = data[start : start + o.batch_size]
-                loss = F.binary_cross_entropy_with_logits(self._logits(batch), self._labels(batch))
+                weight = None if weights is None else torch.tensor(weights[start : start + o.batch_size])
+                loss = F.binary_cross_entropy_with_logits(
+                    self._logits(batch), self._labels(batch), weight=weight
+                )
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 if o.max_grad_norm is not None:
@@ -262,9 +282,12 @@ class TrainableRewardModel(RewardModelReward):
             for start in range(0, len(examples), self.options.batch_size):
                 logits.append(self._logits(examples[start : start + self.options.batch_size]))
         logits, labels = torch.cat(logits), self._labels(examples)
-        correct = (logits > 0) == (labels > 0.5)
+        positive = labels > 0.5
+        correct = (logits > 0) == positive
+        per_class = [correct[positive == c].float().mean() for c in (True, False) if (positive == c).any()]
         return {
             "accuracy": float(correct.float().mean()),
+            "balanced_accuracy": float(sum(per_class) / len(per_class)),
             "loss": float(F.binary_cross_entropy_with_logits(logits, labels.clamp(0, 1))),
             "positive_rate": float((labels > 0.5).float().mean()),
         }

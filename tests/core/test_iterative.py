@@ -23,6 +23,7 @@ from grpo_core.testing import save_tiny_model
 from grpo_plugins.trainable_rewards import (
     TrainableRewardModel,
     TrainableRewardModelOptions,
+    class_weights,
     replay_count,
 )
 
@@ -180,6 +181,51 @@ def test_trainable_reward_model_fits_with_replay_and_resumes_exactly(models):
     assert copy.fit(examples(20, 72)) == rm.fit(examples(20, 72))
     assert copy(["What is 3?"], [" 3"]) == rm(["What is 3?"], [" 3"])
     assert copy.evaluate(examples(10))["accuracy"] == rm.evaluate(examples(10))["accuracy"]
+
+
+@given(labels=st.lists(st.sampled_from([0.0, 1.0, 0.3, 0.8]), min_size=1, max_size=40))
+def test_class_weights_give_each_class_half_of_the_total(labels):
+    w = class_weights(labels)
+    assert len(w) == len(labels) and sum(w) == pytest.approx(len(labels))  # mean 1
+    pos = sum(x for x, y in zip(w, labels) if y > 0.5)
+    if 0 < sum(y > 0.5 for y in labels) < len(labels):
+        assert pos == pytest.approx(len(labels) / 2)
+    else:
+        assert w == [1.0] * len(labels)
+
+
+def test_class_weights_by_hand():
+    assert class_weights([1.0, 0.0, 0.0, 0.0]) == [2.0, 2 / 3, 2 / 3, 2 / 3]
+
+
+def test_balanced_classes_weight_the_loss_and_balanced_accuracy_is_per_class(models):
+    """One right sample in eight: the loss ``fit`` reports is the class-weighted BCE of the
+    model's logits (one batch, a learning rate too small to move them), and balanced
+    accuracy is the mean of the per-class accuracies."""
+    import torch.nn.functional as F
+
+    data = [RewardExample(f"What is {i}?", f" {i}" if i % 8 == 0 else f" x{i}", float(i % 8 == 0))
+            for i in range(16)]
+    labels = torch.tensor([e.label for e in data])
+    for balance in (False, True):
+        rm = TrainableRewardModel(TrainableRewardModelOptions(
+            path=models[1], lr=1e-12, batch_size=64, seed=1, balance_classes=balance))
+        rm._ready()
+        with torch.no_grad():
+            logits = rm._logits(data)
+        weight = torch.tensor(class_weights(labels.tolist())) if balance else None
+        expected = F.binary_cross_entropy_with_logits(logits, labels, weight=weight)
+        assert rm.fit(data)["train_loss"] == pytest.approx(float(expected), rel=1e-4)
+        if balance:
+            plain = F.binary_cross_entropy_with_logits(logits, labels)
+            assert float(expected) != pytest.approx(float(plain), rel=1e-3)  # the weights matter here
+    got = rm.evaluate(data)
+    with torch.no_grad():
+        predicted = rm._logits(data) > 0
+    right = labels > 0.5
+    per_class = [float((predicted[right == c] == c).float().mean()) for c in (True, False)]
+    assert got["balanced_accuracy"] == pytest.approx(sum(per_class) / 2)
+    assert got["accuracy"] == pytest.approx(float((predicted == right).float().mean()))
 
 
 def test_labels_outside_zero_one_are_refused(models):
