@@ -142,7 +142,9 @@ def _launch(args, loaded) -> int:
             "LOCAL_WORLD_SIZE": str(args.nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": threads,
         }
-        procs.append(subprocess.Popen(command, env=env))
+        # Own session: a terminal's Ctrl-C reaches the children once, forwarded by this
+        # process, not twice (a second signal means "stop now, no checkpoint").
+        procs.append(subprocess.Popen(command, env=env, start_new_session=True))
 
     def forward(signum, frame):
         for proc in procs:

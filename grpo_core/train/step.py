@@ -169,7 +169,8 @@ def run_step(run, step: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
     prompts = run.prompts.next(spec.train.prompts_per_step)
     first, stop = run.dist.shard_bounds(len(prompts))
     prompts = prompts[first:stop]  # this process's groups (all of them with one process)
-    sampling = run.sampling(seed=spec.train.seed * 1_000_003 + step + first)
+    # Each step's seeds are 65537 apart, so no two (step, prompt) pairs share one.
+    sampling = run.sampling(seed=spec.train.seed * 1_000_003 + step * 65_537 + first)
     with timer("generate"), run.autocast():
         rollout = run.backend.generate([p.ids for p in prompts], g, sampling)
     with timer("score"):

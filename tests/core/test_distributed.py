@@ -190,3 +190,29 @@ def test_fsdp_and_deepspeed_configs_are_refused(monkeypatch, variable, name):
     monkeypatch.setenv(variable, "true")
     with pytest.raises(RunError, match=f"accelerate is configured for {name}; grpo-core runs data-parallel"):
         Dist.from_env("cpu")
+
+
+@pytest.mark.slow
+def test_sigint_to_the_launcher_stops_every_process_with_one_checkpoint(tmp_path, write_spec, child, kit):
+    """SIGINT to `grpo-run --nproc 2`: both processes stop after the same step, the main one
+    writes one checkpoint, the run exits 130, and `--resume` on two processes finishes it."""
+    import signal
+
+    spec = write_spec(tmp_path, **{**DIST_SPEC, "train": {"steps": 40, "prompts_per_step": 4, "seed": 3},
+                                   "checkpoint": {"every": 0}, "eval": {"at_start": False, "at_end": False}})
+    proc = child([spec, "--nproc", "2"], cwd=tmp_path)
+    proc.wait_for(lambda: kit.last_step(tmp_path / "out" / "metrics.jsonl") >= 2, 150, "step 2")
+    proc.signal(signal.SIGINT)
+    assert proc.wait(120) == 130, proc.output()
+    log = proc.output()
+    assert log.count("stopped at step") == 1 and "resume with:" in log, log
+    folders = ckpt.list_checkpoints(tmp_path / "out" / "checkpoints")
+    assert len(folders) == 1 and ckpt.verify(folders[0]) is None
+    stopped = int(folders[0].name[5:])
+    assert 2 <= stopped < 40
+    rows = read_metrics(tmp_path / "out" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, stopped + 1))  # one row per step: main only
+    done = _grpo_run([spec, "--nproc", "2", "--set", f"train.steps={stopped + 1}", "--resume"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert f"(step {stopped})" in done.stderr
+    assert [r["step"] for r in read_metrics(tmp_path / "out" / "metrics.jsonl")][-1] == stopped + 1
