@@ -257,6 +257,12 @@ class TrainSection(Section):
     )
     progress: bool = Field(True, description="Show a progress bar in the terminal.")
 
+    @field_validator("mixed_precision", mode="before")
+    @classmethod
+    def _yaml_no(cls, v):
+        # YAML 1.1 reads a bare `no` as false: `mixed_precision: no` means "no".
+        return "no" if v is False else v
+
     @field_validator("adam_betas")
     @classmethod
     def _betas(cls, v):

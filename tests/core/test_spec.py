@@ -529,3 +529,14 @@ def test_the_resume_hint_repeats_the_overrides(tmp_path):
     loaded = load_spec(spec, iter(["train.output_dir=/tmp/a b", "train.steps=3"]))
     assert shlex.split(loaded.command("--resume")) == [
         "grpo-run", str(spec), "--set", "train.output_dir=/tmp/a b", "--set", "train.steps=3", "--resume"]
+
+
+def test_mixed_precision_no_survives_yaml(tmp_path):
+    """YAML 1.1 reads a bare `no` as false; in the spec it means no mixed precision."""
+    from grpo_core.spec import load_spec
+
+    path = tmp_path / "spec.yaml"
+    path.write_text("model: {path: m}\nrewards: [{name: accuracy}]\ntrain: {mixed_precision: no}\n", encoding="utf-8")
+    assert load_spec(path).spec.train.mixed_precision == "no"
+    assert load_spec(path, ["train.mixed_precision=no"]).spec.train.mixed_precision == "no"
+    assert load_spec(path, ["train.mixed_precision=bf16"]).spec.train.mixed_precision == "bf16"
