@@ -27,6 +27,15 @@ def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # KiB on Linux
 
 
+def rss_gb() -> float:
+    """Resident memory now (Linux /proc; NaN elsewhere)."""
+    try:
+        pages = int(open("/proc/self/statm").read().split()[1])
+    except OSError:
+        return float("nan")
+    return pages * resource.getpagesize() / 1024**3
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("spec")
@@ -34,15 +43,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     args = parser.parse_args(argv)
     overrides = ["tracking=[]", "train.progress=false", *args.overrides]
+    print(f"memory after imports: {rss_gb():.2f} GB resident", flush=True)
     t0 = time.perf_counter()
     run = build_run(load_spec(args.spec, overrides))
-    print(f"build: {time.perf_counter() - t0:.1f} s, peak RSS so far {peak_rss_gb():.2f} GB", flush=True)
+    print(f"build: {time.perf_counter() - t0:.1f} s, {rss_gb():.2f} GB resident (peak so far "
+          f"{peak_rss_gb():.2f} GB)", flush=True)
     rows = []
     for step in range(args.steps):
         metrics, _ = run_step(run, step)
         rows.append(metrics)
         print(f"step {step + 1}: {metrics['time/step']:.2f} s, reward {metrics.get('reward', float('nan')):.3f}, "
-              f"skipped rows {metrics['perf/skipped_rows_frac']:.2f}", flush=True)
+              f"skipped rows {metrics['perf/skipped_rows_frac']:.2f}, {rss_gb():.2f} GB resident after it "
+              f"(peak {peak_rss_gb():.2f} GB)", flush=True)
     body = rows[1:] or rows
     print(f"\nmedian over steps 2..{len(rows)} (seconds):")
     for phase in (*PHASES, "step"):
