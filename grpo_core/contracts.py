@@ -13,7 +13,7 @@ Rows are ordered prompt-major: rows ``p*G .. p*G+G-1`` are the group of prompt `
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -209,6 +209,39 @@ class RolloutBatch:
     @property
     def group_size(self) -> int:
         return self.completion_ids.shape[0] // self.prompt_ids.shape[0]
+
+
+def check_sampling(sampling: SamplingParams, backend: str) -> None:
+    """Refuse sampling settings no backend can honour, naming ``backend`` and what is valid."""
+    if sampling.max_new_tokens < 1:
+        raise ValueError(f"{backend} rollout: max_new_tokens must be >= 1, got {sampling.max_new_tokens}")
+    if not sampling.greedy and sampling.temperature <= 0:
+        raise ValueError(
+            f"{backend} rollout: temperature must be > 0 when sampling, got {sampling.temperature} "
+            "(use greedy: true for argmax decoding)"
+        )
+    if not 0 < sampling.top_p <= 1:
+        raise ValueError(f"{backend} rollout: top_p must be in (0, 1], got {sampling.top_p}")
+    if sampling.top_k < 0:
+        raise ValueError(f"{backend} rollout: top_k must be >= 0 (0 = off), got {sampling.top_k}")
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """``long (P, L)`` left-padded prompt ids and their ``bool (P, L)`` mask (CPU)."""
+    length = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), length), dtype=torch.bool)
+    for row, prompt in enumerate(prompts):
+        if len(prompt):
+            ids[row, length - len(prompt):] = torch.tensor(list(prompt), dtype=torch.long)
+            mask[row, length - len(prompt):] = True
+    return ids, mask
+
+
+def cut_after_stop(text: str, stop: Sequence[str]) -> str:
+    """``text`` up to and including the first of the ``stop`` strings it contains."""
+    ends = [text.find(s) + len(s) for s in stop if s and s in text]
+    return text[: min(ends)] if ends else text
 
 
 @runtime_checkable

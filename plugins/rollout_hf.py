@@ -40,7 +40,13 @@ from pydantic import Field
 from torch import Tensor
 
 from grpo_core import hookimpl
-from grpo_core.contracts import RolloutBatch, SamplingParams
+from grpo_core.contracts import (
+    RolloutBatch,
+    SamplingParams,
+    check_sampling,
+    cut_after_stop,
+    left_pad,
+)
 from grpo_core.options import Options
 
 __all__ = ["HFRolloutOptions", "HFRollout", "register_rollout_backends"]
@@ -98,18 +104,6 @@ class _EndRecorder:
         return done
 
 
-def _left_pad(prompts: list[list[int]], pad_id: int, device: Any) -> tuple[Tensor, Tensor]:
-    """``long (P, L)`` left-padded prompt ids and their ``bool (P, L)`` mask."""
-    length = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), length), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), length), dtype=torch.bool)
-    for row, prompt in enumerate(prompts):
-        if prompt:
-            ids[row, length - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-            mask[row, length - len(prompt) :] = True
-    return ids.to(device), mask.to(device)
-
-
 @contextlib.contextmanager
 def _eval_mode(model: torch.nn.Module):
     """Eval mode inside; every module's own ``training`` flag restored on exit."""
@@ -165,20 +159,6 @@ def _generation_config(sampling: SamplingParams, eos_ids: list[int], pad_id: int
         return_dict_in_generate=False,
         **knobs,
     )
-
-
-def _check_sampling(sampling: SamplingParams) -> None:
-    if sampling.max_new_tokens < 1:
-        raise ValueError(f"hf rollout: max_new_tokens must be >= 1, got {sampling.max_new_tokens}")
-    if not sampling.greedy and sampling.temperature <= 0:
-        raise ValueError(
-            f"hf rollout: temperature must be > 0 when sampling, got {sampling.temperature} "
-            "(use greedy: true for argmax decoding)"
-        )
-    if not 0 < sampling.top_p <= 1:
-        raise ValueError(f"hf rollout: top_p must be in (0, 1], got {sampling.top_p}")
-    if sampling.top_k < 0:
-        raise ValueError(f"hf rollout: top_k must be >= 0 (0 = off), got {sampling.top_k}")
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -242,9 +222,9 @@ class HFRollout:
             raise ValueError("hf rollout: every prompt needs at least one token")
         if group_size < 1:
             raise ValueError(f"hf rollout: group_size must be >= 1, got {group_size}")
-        _check_sampling(sampling)
+        check_sampling(sampling, "hf")
         device = self.model.device
-        ids, mask = _left_pad(prompt_ids, self.pad_id, device)
+        ids, mask = (t.to(device) for t in left_pad(prompt_ids, self.pad_id))
         step = self.options.prompts_per_generate or len(prompt_ids)
         pieces = []
         with _eval_mode(self.model), torch.inference_mode():
@@ -362,11 +342,7 @@ class HFRollout:
         )
         if not stop:
             return texts
-        cut = []
-        for text in texts:
-            ends = [text.find(s) + len(s) for s in stop if s and s in text]
-            cut.append(text[: min(ends)] if ends else text)
-        return cut
+        return [cut_after_stop(text, stop) for text in texts]
 
 
 @hookimpl

@@ -64,7 +64,13 @@ from pydantic_core import PydanticCustomError
 from torch import Tensor
 
 from grpo_core import hookimpl
-from grpo_core.contracts import RolloutBatch, SamplingParams
+from grpo_core.contracts import (
+    RolloutBatch,
+    SamplingParams,
+    check_sampling,
+    cut_after_stop,
+    left_pad,
+)
 from grpo_core.options import Options
 
 __all__ = [
@@ -280,38 +286,7 @@ def sampling_kwargs(
     }
 
 
-def _check_sampling(sampling: SamplingParams) -> None:
-    if sampling.max_new_tokens < 1:
-        raise ValueError(f"vllm rollout: max_new_tokens must be >= 1, got {sampling.max_new_tokens}")
-    if not sampling.greedy and sampling.temperature <= 0:
-        raise ValueError(
-            f"vllm rollout: temperature must be > 0 when sampling, got {sampling.temperature} "
-            "(use greedy: true for argmax decoding)"
-        )
-    if not 0 < sampling.top_p <= 1:
-        raise ValueError(f"vllm rollout: top_p must be in (0, 1], got {sampling.top_p}")
-    if sampling.top_k < 0:
-        raise ValueError(f"vllm rollout: top_k must be >= 0 (0 = off), got {sampling.top_k}")
-
-
 # --------------------------------------------------------------------------- outputs
-def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
-    """``long (P, L)`` left-padded prompt ids and their ``bool (P, L)`` mask."""
-    length = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), length), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), length), dtype=torch.bool)
-    for row, prompt in enumerate(prompts):
-        if len(prompt):
-            ids[row, length - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
-            mask[row, length - len(prompt) :] = True
-    return ids, mask
-
-
-def _cut_after_stop(text: str, stop: Sequence[str]) -> str:
-    ends = [text.find(s) + len(s) for s in stop if s and s in text]
-    return text[: min(ends)] if ends else text
-
-
 def _token_logps(completion: Any, ids: list[int], where: str) -> list[float] | None:
     entries = getattr(completion, "logprobs", None)
     if entries is None:
@@ -366,7 +341,7 @@ def outputs_to_batch(
             logps.append(_token_logps(completion, ids, f"completion {k} of prompt {p}"))
             ended = bool(ids) and ids[-1] in eos
             truncated.append(completion.finish_reason in (None, "length") and not ended)
-            texts.append(_cut_after_stop(completion.text or "", stop))
+            texts.append(cut_after_stop(completion.text or "", stop))
     width = max((len(r) for r in rows), default=0)
     completion_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     completion_mask = torch.zeros((len(rows), width), dtype=torch.bool)
@@ -376,7 +351,7 @@ def outputs_to_batch(
         completion_mask[b, : len(ids)] = True
         if logps[b] is not None:
             sampling_logp[b, : len(ids)] = torch.tensor(logps[b], dtype=torch.float32)
-    prompts, prompt_mask = _left_pad(prompt_ids, pad_id)
+    prompts, prompt_mask = left_pad(prompt_ids, pad_id)
     return RolloutBatch(
         prompt_ids=prompts.to(device),
         prompt_mask=prompt_mask.to(device),
@@ -641,7 +616,7 @@ class VLLMRollout:
             raise ValueError("vllm rollout: every prompt needs at least one token")
         if group_size < 1:
             raise ValueError(f"vllm rollout: group_size must be >= 1, got {group_size}")
-        _check_sampling(sampling)
+        check_sampling(sampling, "vllm")
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
 
