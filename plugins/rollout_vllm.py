@@ -37,7 +37,7 @@ reached as ``llm.llm_engine.model_executor.driver_worker.worker.model_runner.mod
 the engine core is in this process (what the setup above makes), else through
 ``llm.collective_rpc`` with a function run on each worker. Under LoRA (peft) the adapter is
 merged into the base weights of the pushed copy, ``W + scaling * B @ A`` per layer
-(:func:`merge_lora`), and peft's name prefixes are stripped so the names are the base
+(:func:`grpo_plugins.weights.merge_lora`), and peft's name prefixes are stripped so the names are the base
 model's; the training model is not modified. The prefix cache is reset after each sync.
 
 Sleep mode (``enable_sleep_mode``): after each ``generate`` the engine sleeps (level 1:
@@ -55,10 +55,11 @@ import logging
 import os
 import socket
 import tempfile
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 import torch
+from grpo_plugins.weights import policy_weights
 from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
 from torch import Tensor
@@ -78,14 +79,10 @@ __all__ = [
     "VLLMRollout",
     "VLLMRolloutOptions",
     "engine_kwargs",
-    "lora_layout",
-    "merge_lora",
     "outputs_to_batch",
-    "policy_weights",
     "register_rollout_backends",
     "request_seed",
     "sampling_kwargs",
-    "vllm_weight_name",
     "write_model_files",
 ]
 
@@ -364,104 +361,6 @@ def outputs_to_batch(
 
 
 # --------------------------------------------------------------------------- weights
-_WRAPPERS = ("_orig_mod.", "_checkpoint_wrapped_module.")  # torch.compile, activation checkpointing
-
-
-def vllm_weight_name(name: str, adapter: str = "default") -> str:
-    """The base model's name of a state-dict key of a (peft-wrapped) policy:
-    ``base_model.model.`` prefix, ``.base_layer`` and ``.modules_to_save.<adapter>`` removed."""
-    name = name.removeprefix("base_model.model.")
-    name = name.replace(".base_layer.", ".").replace(f".modules_to_save.{adapter}.", ".")
-    for wrapper in _WRAPPERS:
-        name = name.replace(wrapper, "")
-    return name
-
-
-def lora_layout(model: Any) -> tuple[str, dict[str, float], frozenset[str]]:
-    """``(adapter, scalings, transposed)`` of a peft model's active LoRA adapter.
-
-    ``scalings``: module name (as in ``named_modules``) -> ``lora_alpha / r`` (or its
-    rsLoRA / pattern variant), for every LoRA layer not already merged; ``transposed``: the
-    modules whose weight is stored ``(in, out)`` (``fan_in_fan_out``, GPT-2's Conv1D).
-    """
-    adapter = model.active_adapter
-    if isinstance(adapter, (list, tuple)):
-        if len(adapter) != 1:
-            raise NotImplementedError(f"vllm rollout: one active LoRA adapter is supported, got {adapter}")
-        adapter = adapter[0]
-    scalings: dict[str, float] = {}
-    transposed: set[str] = set()
-    for name, module in model.named_modules():
-        scaling = getattr(module, "scaling", None)
-        if not (isinstance(scaling, dict) and adapter in scaling and hasattr(module, "base_layer")):
-            continue
-        if adapter in (getattr(module, "lora_magnitude_vector", None) or {}):
-            raise NotImplementedError("vllm rollout: DoRA adapters (use_dora) are not supported")
-        if getattr(module, "lora_bias", {}).get(adapter, False):
-            raise NotImplementedError("vllm rollout: LoRA adapters with lora_bias are not supported")
-        if getattr(module, "merged", False):
-            continue  # already in the base weight
-        scalings[name] = float(scaling[adapter])
-        if getattr(module, "fan_in_fan_out", False):
-            transposed.add(name)
-    return adapter, scalings, frozenset(transposed)
-
-
-def _delta(state: Mapping[str, Tensor], module: str, adapter: str, scaling: float, transposed: bool) -> Tensor:
-    """``scaling * B @ A`` of one LoRA layer, float32, in the base weight's layout."""
-    linear = (f"{module}.lora_A.{adapter}.weight", f"{module}.lora_B.{adapter}.weight")
-    embedding = (f"{module}.lora_embedding_A.{adapter}", f"{module}.lora_embedding_B.{adapter}")
-    if linear[0] in state:
-        a, b = state[linear[0]], state[linear[1]]
-        if a.dim() != 2:
-            raise NotImplementedError(f"vllm rollout: LoRA on {module} ({a.dim()}-d weight) is not supported")
-        delta = b.float() @ a.float()  # (out, r) @ (r, in)
-        return scaling * (delta.T if transposed else delta)
-    if embedding[0] in state:
-        a, b = state[embedding[0]], state[embedding[1]]  # (r, num_embeddings), (dim, r)
-        return scaling * (b.float() @ a.float()).T
-    raise KeyError(f"vllm rollout: no LoRA weights for {module} (adapter {adapter!r})")
-
-
-def merge_lora(
-    state: Mapping[str, Tensor],
-    scalings: Mapping[str, float],
-    adapter: str = "default",
-    transposed: frozenset[str] = frozenset(),
-) -> Iterator[tuple[str, Tensor]]:
-    """``(base model name, tensor)`` for every weight of a peft LoRA model's ``state``, with
-    each LoRA layer merged: ``W + scaling * B @ A`` (computed in float32, returned in
-    ``W``'s dtype; the transpose for ``transposed`` layers, ``(B @ A).T`` for embeddings).
-
-    ``scalings`` and ``transposed`` come from :func:`lora_layout`. Adapter tensors,
-    ``modules_to_save``' original copies and other adapters' tensors are left out; the
-    trainable copies of ``modules_to_save`` take the original's name. Tensors are produced
-    one at a time: nothing in ``state`` is modified.
-    """
-    suffix = ".base_layer.weight"
-    for name, tensor in state.items():
-        if ".lora_" in name or ".original_module." in name:
-            continue
-        if ".modules_to_save." in name and f".modules_to_save.{adapter}." not in name:
-            continue
-        module = name[: -len(suffix)] if name.endswith(suffix) else None
-        if module is not None and module in scalings:
-            delta = _delta(state, module, adapter, scalings[module], module in transposed)
-            tensor = (tensor.float() + delta.to(tensor.device)).to(tensor.dtype)
-        yield vllm_weight_name(name, adapter), tensor
-
-
-def policy_weights(model: Any) -> Iterator[tuple[str, Tensor]]:
-    """The policy's weights as the base model names them, LoRA merged (a peft model)."""
-    state = model.state_dict()
-    if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
-        adapter, scalings, transposed = lora_layout(model)
-        yield from merge_lora(state, scalings, adapter, transposed)
-    else:
-        for name, tensor in state.items():
-            yield vllm_weight_name(name), tensor
-
-
 def write_model_files(model: Any, tokenizer: Any, folder: str) -> None:
     """The policy's (base model's) config, with ``architectures``, and tokenizer in
     ``folder``: what vLLM reads to build the model; no weights."""

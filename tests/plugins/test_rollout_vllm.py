@@ -25,14 +25,16 @@ from grpo_plugins.rollout_vllm import (
     VLLMRolloutOptions,
     drop_unknown,
     engine_kwargs,
-    lora_layout,
-    merge_lora,
     outputs_to_batch,
-    policy_weights,
     request_seed,
     sampling_kwargs,
-    vllm_weight_name,
     write_model_files,
+)
+from grpo_plugins.weights import (
+    lora_layout,
+    merge_lora,
+    policy_weights,
+    vllm_weight_name,
 )
 from pydantic import ValidationError
 
