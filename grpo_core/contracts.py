@@ -238,6 +238,23 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Ten
     return ids, mask
 
 
+def special_ids(model: Any, tokenizer: Any, backend: str) -> tuple[list[int], int]:
+    """EOS ids (the model's generation config, then the tokenizer) and the pad id (the
+    tokenizer's, the generation config's, else the first EOS) that rollout backends use."""
+    eos: list[int] = []
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (configured, getattr(tokenizer, "eos_token_id", None)):
+        for token in value if isinstance(value, (list, tuple)) else [value]:
+            if token is not None and int(token) not in eos:
+                eos.append(int(token))
+    if not eos:
+        raise ValueError(f"{backend} rollout: neither the model's generation config nor the tokenizer has an EOS token")
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
+    return eos, int(pad) if pad is not None else eos[0]
+
+
 def cut_after_stop(text: str, stop: Sequence[str]) -> str:
     """``text`` up to and including the first of the ``stop`` strings it contains."""
     ends = [text.find(s) + len(s) for s in stop if s and s in text]

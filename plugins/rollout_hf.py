@@ -46,6 +46,7 @@ from grpo_core.contracts import (
     check_sampling,
     cut_after_stop,
     left_pad,
+    special_ids,
 )
 from grpo_core.options import Options
 
@@ -183,22 +184,7 @@ class HFRollout:
         if dtype is not None and dtype != next(model.parameters()).dtype:
             self.model = copy.deepcopy(model).to(dtype).eval()
             self.model.requires_grad_(False)
-        eos: list[int] = []
-        configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        for value in (configured, getattr(tokenizer, "eos_token_id", None)):
-            for token in value if isinstance(value, (list, tuple)) else [value]:
-                if token is not None and int(token) not in eos:
-                    eos.append(int(token))
-        if not eos:
-            raise ValueError(
-                "hf rollout: neither the model's generation config nor the tokenizer "
-                "has an EOS token"
-            )
-        self.eos_ids = eos
-        pad = getattr(tokenizer, "pad_token_id", None)
-        if pad is None:
-            pad = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
-        self.pad_id = int(pad) if pad is not None else eos[0]
+        self.eos_ids, self.pad_id = special_ids(model, tokenizer, "hf")
 
     def sync_weights(self, model: Any) -> None:
         """Copy the policy's weights into the generation copy; a no-op without one."""

@@ -71,6 +71,7 @@ from grpo_core.contracts import (
     check_sampling,
     cut_after_stop,
     left_pad,
+    special_ids,
 )
 from grpo_core.options import Options
 
@@ -415,22 +416,6 @@ def _process_layout() -> tuple[int, int]:
     return 0, 1
 
 
-def _special_ids(model: Any, tokenizer: Any) -> tuple[list[int], int]:
-    """EOS ids (generation config, then tokenizer) and the pad id, as the ``hf`` backend."""
-    eos: list[int] = []
-    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    for value in (configured, getattr(tokenizer, "eos_token_id", None)):
-        for token in value if isinstance(value, (list, tuple)) else [value]:
-            if token is not None and int(token) not in eos:
-                eos.append(int(token))
-    if not eos:
-        raise ValueError("vllm rollout: neither the model's generation config nor the tokenizer has an EOS token")
-    pad = getattr(tokenizer, "pad_token_id", None)
-    if pad is None:
-        pad = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
-    return eos, int(pad) if pad is not None else eos[0]
-
-
 # --------------------------------------------------------------------------- backend
 class VLLMRollout:
     """Generates with a vLLM engine colocated on the training GPU; ``sync_weights`` pushes
@@ -457,7 +442,7 @@ class VLLMRollout:
         from vllm.engine.arg_utils import EngineArgs
 
         self.tokenizer = tokenizer
-        self.eos_ids, self.pad_id = _special_ids(model, tokenizer)
+        self.eos_ids, self.pad_id = special_ids(model, tokenizer, "vllm")
         self.device = next(model.parameters()).device
         rank, world = _process_layout()
         tp = self.options.tensor_parallel_size
