@@ -380,6 +380,19 @@ class RewardModelReward:
             return self._tokenizer.apply_chat_template(list(prompt) + reply, tokenize=False)
         return completion_text(prompt) + completion_text(completion)
 
+    def encode(self, texts: list[str], templated: bool) -> Any:
+        """The model's inputs for ``texts`` (padded, truncated to ``max_length``; special
+        tokens added unless a chat template already put them in)."""
+        limit = self.options.max_length
+        return self._tokenizer(
+            texts,
+            return_tensors="pt",
+            padding=True,
+            truncation=limit is not None,
+            max_length=limit,
+            add_special_tokens=not templated,
+        ).to(self._device)
+
     def __call__(self, prompts: list, completions: list, **columns: Any) -> list[float]:
         import torch
 
@@ -388,18 +401,11 @@ class RewardModelReward:
                 self._load()
         templated = self.templated(prompts)
         texts = [self.text(p, c, templated) for p, c in zip(prompts, completions)]
-        size, limit = self.options.batch_size, self.options.max_length
+        size = self.options.batch_size
         scores: list[float] = []
         with torch.inference_mode():
             for start in range(0, len(texts), size):
-                batch = self._tokenizer(
-                    texts[start : start + size],
-                    return_tensors="pt",
-                    padding=True,
-                    truncation=limit is not None,
-                    max_length=limit,
-                    add_special_tokens=not templated,
-                ).to(self._device)
+                batch = self.encode(texts[start : start + size], templated)
                 logits = self._model(**batch).logits
                 scores.extend(float(x) for x in logits[:, 0].float().cpu())
         return scores

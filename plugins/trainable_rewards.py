@@ -177,16 +177,7 @@ class TrainableRewardModel(RewardModelReward):
         prompts = [e.prompt for e in batch]
         templated = self.templated(prompts)
         texts = [self.text(e.prompt, e.completion, templated) for e in batch]
-        limit = self.options.max_length
-        enc = self._tokenizer(
-            texts,
-            return_tensors="pt",
-            padding=True,
-            truncation=limit is not None,
-            max_length=limit,
-            add_special_tokens=not templated,
-        ).to(self._device)
-        return self._model(**enc).logits[:, 0].float()
+        return self._model(**self.encode(texts, templated)).logits[:, 0].float()
 
     def _labels(self, batch: list[RewardExample]):
         import torch
