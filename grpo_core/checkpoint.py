@@ -74,7 +74,8 @@ def params_finite(model) -> bool:
     return all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id exists (ours or not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -92,7 +93,7 @@ def clean_leftovers(root: Path) -> None:
         return
     for path in root.iterdir():
         match = _LEFTOVER.fullmatch(path.name)
-        if match is None or (int(match[3]) != os.getpid() and _alive(int(match[3]))):
+        if match is None or (int(match[3]) != os.getpid() and pid_alive(int(match[3]))):
             continue
         final = root / match[1]
         if match[2] == "old" and not final.exists():

@@ -32,6 +32,7 @@ import pytest
 import torch
 import yaml
 
+from grpo_core.checkpoint import pid_alive
 from grpo_core.cli import main
 from grpo_core.contracts import AdvantageInputs
 from grpo_core.errors import SpecError
@@ -54,21 +55,11 @@ def _pip(*args: str) -> None:
         raise RuntimeError(f"pip {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _users() -> set[int]:
     """pytest processes that use the installed plugin now (dead ones dropped)."""
     if not USERS.exists():
         return set()
-    return {int(p) for p in USERS.read_text().split() if p.isdigit() and _alive(int(p))}
+    return {int(p) for p in USERS.read_text().split() if p.isdigit() and pid_alive(int(p))}
 
 
 @pytest.fixture(scope="session")
