@@ -211,6 +211,16 @@ class RolloutBatch:
         return self.completion_ids.shape[0] // self.prompt_ids.shape[0]
 
 
+def check_request(prompt_ids: Sequence[Sequence[int]], group_size: int, sampling: SamplingParams, backend: str) -> None:
+    """Refuse a ``generate`` request no backend can honour (no prompt, an empty prompt, a
+    group size below 1, impossible sampling settings), naming ``backend`` and what is valid."""
+    if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
+        raise ValueError(f"{backend} rollout: every prompt needs at least one token")
+    if group_size < 1:
+        raise ValueError(f"{backend} rollout: group_size must be >= 1, got {group_size}")
+    check_sampling(sampling, backend)
+
+
 def check_sampling(sampling: SamplingParams, backend: str) -> None:
     """Refuse sampling settings no backend can honour, naming ``backend`` and what is valid."""
     if sampling.max_new_tokens < 1:

@@ -43,7 +43,7 @@ from grpo_core import hookimpl
 from grpo_core.contracts import (
     RolloutBatch,
     SamplingParams,
-    check_sampling,
+    check_request,
     cut_after_stop,
     left_pad,
     special_ids,
@@ -204,11 +204,7 @@ class HFRollout:
         """
         if self.model is None:
             raise RuntimeError("hf rollout: setup(model, tokenizer) must be called before generate")
-        if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
-            raise ValueError("hf rollout: every prompt needs at least one token")
-        if group_size < 1:
-            raise ValueError(f"hf rollout: group_size must be >= 1, got {group_size}")
-        check_sampling(sampling, "hf")
+        check_request(prompt_ids, group_size, sampling, "hf")
         device = self.model.device
         ids, mask = (t.to(device) for t in left_pad(prompt_ids, self.pad_id))
         step = self.options.prompts_per_generate or len(prompt_ids)

@@ -68,7 +68,7 @@ from grpo_core import hookimpl
 from grpo_core.contracts import (
     RolloutBatch,
     SamplingParams,
-    check_sampling,
+    check_request,
     cut_after_stop,
     left_pad,
     special_ids,
@@ -496,11 +496,7 @@ class VLLMRollout:
         """
         if self.llm is None:
             raise RuntimeError("vllm rollout: setup(model, tokenizer) must be called before generate")
-        if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
-            raise ValueError("vllm rollout: every prompt needs at least one token")
-        if group_size < 1:
-            raise ValueError(f"vllm rollout: group_size must be >= 1, got {group_size}")
-        check_sampling(sampling, "vllm")
+        check_request(prompt_ids, group_size, sampling, "vllm")
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
 

@@ -3,12 +3,14 @@ process, and the pieces of :mod:`grpo_core.train.distributed` that need no proce
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from grpo_core import checkpoint as ckpt
 from grpo_core.errors import RunError
@@ -36,7 +38,7 @@ DIST_SPEC = {
 
 
 def _grpo_run(args: list, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**__import__("os").environ, **CHILD_ENV}
+    env = {**os.environ, **CHILD_ENV}
     env.pop("WORLD_SIZE", None)
     return subprocess.run(
         [sys.executable, "-m", "grpo_core.cli", "run", *map(str, args)],
@@ -56,7 +58,7 @@ STABLE = ("loss", "kl", "grad_norm", "reward", "rewards/format/mean", "advantage
 @pytest.mark.slow
 def test_two_processes_take_the_same_steps_as_one_and_resume_with_either(tmp_path, write_spec):
     spec = write_spec(tmp_path, **DIST_SPEC)
-    base = load_weights(Path(__import__("yaml").safe_load(spec.read_text())["model"]["path"]))
+    base = load_weights(Path(yaml.safe_load(spec.read_text())["model"]["path"]))
 
     one = _grpo_run([spec, "--set", "train.output_dir=one"], tmp_path)
     assert one.returncode == 0, one.stderr
