@@ -28,6 +28,11 @@ REDUCTIONS: dict[str, str] = {
     "completions/max_length": "max",
     "completions/min_length": "min",
     "advantage/abs_max": "max",
+    # dynamic sampling: each process counts its own groups
+    "dynamic_sampling/groups_kept": "sum",
+    "dynamic_sampling/groups_filled": "sum",
+    "dynamic_sampling/groups_dropped": "sum",
+    "dynamic_sampling/prompts_consumed": "sum",
 }
 
 _REDUCE = {"sum": sum, "max": max, "min": min, "mean": lambda values: sum(values) / len(values)}

@@ -79,6 +79,7 @@ class Run:
         named = {"rollout": self.engine.backend, "advantage": self.engine.estimator}
         named.update({f"rewards.{fn.name}": fn.fn for fn in self.engine.scorer.rewards})
         named.update({f"tracking.{name}": tracker for name, tracker in self.log.trackers.items()})
+        named["kl"] = self.engine.kl
         named["iterative"] = self.iterative
         return {k: v for k, v in named.items() if hasattr(v, "state_dict") and hasattr(v, "load_state_dict")}
 
@@ -298,6 +299,9 @@ def _step_and_record(run: Run) -> dict[str, float]:
     begun = run.iterative.begin(run.engine, run.prompts) if due else {}
     result = grpo_step(run.engine, run.prompts, run.step)
     metrics = run.dist.combine_metrics(result.metrics)
+    if run.engine.kl is not None:  # adaptive beta and reference sync see the global step
+        rows = spec.train.prompts_per_step * spec.rollout.group_size
+        metrics.update(run.engine.kl.after_step(run.step + 1, run.model, metrics.get("kl"), rows))
     metrics.update(begun)
     run.step += 1
     run.nonfinite_streak = run.nonfinite_streak + 1 if metrics["train/nonfinite_updates"] else 0
