@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import torch
 
+from grpo_core.contracts import masked_fill_zero
 from grpo_core.errors import RunError
 
 
@@ -146,7 +147,7 @@ def _is_per_step(value: Any) -> bool:
 def _weighted(table: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Weighted sum over the last dim (functions) of the scored entries; NaN where none is."""
     scored = ~torch.isnan(table)
-    total = torch.where(scored, table * weights, torch.zeros(())).sum(dim=-1)
+    total = masked_fill_zero(table * weights, scored).sum(dim=-1)
     return torch.where(scored.any(dim=-1), total, torch.full((), math.nan))
 
 

@@ -96,7 +96,7 @@ def rollout_correction(
     if mode == "truncate":
         weight = ratio.clamp(max=cap)
     elif mode == "mask":
-        weight = torch.where(capped, torch.zeros((), device=mask.device), ratio)
+        weight = masked_fill_zero(ratio, ~capped)
     else:
         raise ValueError(f"rollout correction mode must be 'truncate' or 'mask', got {mode!r}")
     weight = masked_fill_zero(weight, mask)
