@@ -70,7 +70,7 @@ def _cmd_validate(args) -> int:
 
 def _cmd_plugins(args) -> int:
     from grpo_core.hookspecs import KIND_LABELS
-    from grpo_core.plugins import load_plugins
+    from grpo_core.plugin_manager import load_plugins
 
     plugins = load_plugins()
     if args.json:
@@ -93,7 +93,7 @@ def _cmd_plugins(args) -> int:
 
 
 def _cmd_schema(args) -> int:
-    from grpo_core.plugins import load_plugins
+    from grpo_core.plugin_manager import load_plugins
     from grpo_core.spec.schema import spec_schema
 
     print(json.dumps(spec_schema(load_plugins().registry), indent=2))

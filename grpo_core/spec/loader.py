@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from grpo_core.errors import GrpoError, SpecError, did_you_mean
-from grpo_core.plugins import Plugins, load_plugins
+from grpo_core.plugin_manager import Plugins, load_plugins
 from grpo_core.spec.models import Spec
 from grpo_core.spec.slots import Slot, format_path, resolve_slot, resolve_slots
 

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from grpo_core import hookimpl, hookspecs
 from grpo_core.errors import PluginError
 from grpo_core.options import Options
-from grpo_core.plugins import load_plugins
+from grpo_core.plugin_manager import load_plugins
 from grpo_core.registry import Component, Registry
 
 

@@ -20,7 +20,7 @@ from grpo_core import hookimpl
 from grpo_core.errors import SpecError
 from grpo_core.hookspecs import KIND_LABELS, KINDS
 from grpo_core.options import Options
-from grpo_core.plugins import load_plugins
+from grpo_core.plugin_manager import load_plugins
 from grpo_core.spec import Slot, Spec, SpecPath, dump_spec, load_spec
 from grpo_core.spec.loader import _unwrap
 from grpo_core.spec.models import RewardSlot

@@ -22,7 +22,7 @@ from pydantic import Field
 from grpo_core import hookimpl
 from grpo_core.cli import main
 from grpo_core.options import Options
-from grpo_core.plugins import load_plugins
+from grpo_core.plugin_manager import load_plugins
 from grpo_core.spec import SpecPath, dump_spec, load_spec
 from grpo_core.spec.models import AdvantageSlot, EvalSection, PolicyLossSlot, Spec
 

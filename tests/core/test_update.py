@@ -15,7 +15,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from grpo_core.plugins import load_plugins
+from grpo_core.plugin_manager import load_plugins
 from grpo_core.testing import build_model, build_tokenizer
 from grpo_core.train.update import Objective, TrainBatch, update
 

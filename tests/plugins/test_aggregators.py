@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from grpo_core.contracts import BatchStats
-from grpo_core.plugins import load_plugins
+from grpo_core.plugin_manager import load_plugins
 from grpo_plugins import aggregators as agg
 
 F64 = torch.float64

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from grpo_core.contracts import BatchStats, PolicyLossInputs
-from grpo_core.plugins import load_plugins
+from grpo_core.plugin_manager import load_plugins
 from grpo_plugins import policy_losses as pl
 from grpo_plugins.aggregators import seq_mean_token_mean, token_mean
 

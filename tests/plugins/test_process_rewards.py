@@ -9,7 +9,7 @@ import torch
 from pydantic import ValidationError
 
 from grpo_core.errors import RunError
-from grpo_core.plugins import load_plugins
+from grpo_core.plugin_manager import load_plugins
 from grpo_core.testing import build_model, build_tokenizer
 from grpo_plugins.advantages import process_advantages
 from grpo_plugins.datasets import ArithmeticDataset, MultiStepArithmeticOptions

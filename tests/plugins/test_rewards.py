@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from grpo_core.errors import RunError
-from grpo_core.plugins import load_plugins
+from grpo_core.plugin_manager import load_plugins
 from grpo_plugins.rewards import (
     AccuracyOptions,
     AccuracyReward,

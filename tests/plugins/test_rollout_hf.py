@@ -9,7 +9,7 @@ import torch
 from pydantic import ValidationError
 
 from grpo_core.contracts import RolloutBackend, SamplingParams
-from grpo_core.plugins import load_plugins
+from grpo_core.plugin_manager import load_plugins
 from grpo_core.testing import build_model, build_tokenizer
 from grpo_core.train.logprobs import completion_logprobs
 from grpo_plugins.rollout_hf import HFRollout, HFRolloutOptions

@@ -41,7 +41,7 @@ from pydantic import ValidationError
 from grpo_core.cli import main
 from grpo_core.contracts import RolloutBackend, SamplingParams
 from grpo_core.hookspecs import KIND_LABELS
-from grpo_core.plugins import load_plugins
+from grpo_core.plugin_manager import load_plugins
 from grpo_core.testing import build_model, build_tokenizer
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
