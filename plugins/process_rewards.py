@@ -20,7 +20,7 @@ from grpo_core import hookimpl
 from grpo_core.errors import RunError
 from grpo_core.options import Options
 from grpo_core.spec import SpecPath
-from grpo_plugins.rewards import _resolve_device, completion_text
+from grpo_plugins.rewards import resolve_device, completion_text
 
 __all__ = [
     "parse_step",
@@ -295,7 +295,7 @@ class ProcessRewardModel:
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         tokenizer.padding_side, tokenizer.truncation_side = "right", "left"
-        self._device = torch.device(_resolve_device(o.device))
+        self._device = torch.device(resolve_device(o.device))
         self._model, self._tokenizer = model.to(self._device).eval(), tokenizer
 
     def layout(self, prompt: Any, completion: Any, steps: list[str]) -> tuple[str, list[int], bool]:

@@ -26,7 +26,7 @@ from grpo_core import hookimpl
 from grpo_core.contracts import RewardExample
 from grpo_core.errors import RunError
 from grpo_core.spec import SpecPath
-from grpo_plugins.rewards import RewardModelOptions, RewardModelReward, _resolve_device
+from grpo_plugins.rewards import RewardModelOptions, RewardModelReward, resolve_device
 
 __all__ = ["TrainableRewardModelOptions", "TrainableRewardModel", "replay_count"]
 
@@ -157,7 +157,7 @@ class TrainableRewardModel(RewardModelReward):
         if model.config.pad_token_id is None:
             model.config.pad_token_id = tokenizer.pad_token_id
         tokenizer.padding_side, tokenizer.truncation_side = "right", "left"
-        self._device = torch.device(_resolve_device(o.device))
+        self._device = torch.device(resolve_device(o.device))
         self._model, self._tokenizer = model.to(self._device).eval(), tokenizer
 
     def _ready(self):

@@ -9,6 +9,8 @@ path, and the validated options stay attached to the slot all the way into the l
 
 from __future__ import annotations
 
+import types
+import typing
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Iterator
 
@@ -90,6 +92,32 @@ def iter_slots(model: BaseModel, path: tuple = ()) -> Iterator[tuple[tuple, Slot
                 yield where, item
             elif isinstance(item, BaseModel):
                 yield from iter_slots(item, where)
+
+
+def field_types(annotation: Any) -> list[Any]:
+    """The concrete types inside Optional / Union / list / Annotated."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return field_types(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType, list, tuple):
+        out = []
+        for arg in typing.get_args(annotation):
+            out.extend(field_types(arg))
+        return out
+    return [annotation]
+
+
+def slot_locations(model: type[BaseModel], prefix: tuple = ()) -> list[tuple[tuple, type[Slot], bool]]:
+    """Static ``(path, slot class, is_list)`` of every slot field in the spec model."""
+    found = []
+    for name, field in model.model_fields.items():
+        is_list = typing.get_origin(field.annotation) is list
+        for t in field_types(field.annotation):
+            if isinstance(t, type) and issubclass(t, Slot):
+                found.append((prefix + (name,), t, is_list))
+            elif isinstance(t, type) and issubclass(t, BaseModel):
+                found.extend(slot_locations(t, prefix + (name,)))
+    return found
 
 
 def format_path(path: tuple) -> str:

@@ -26,7 +26,7 @@ from grpo_core.errors import RunError
 from grpo_core.hookspecs import KIND_LABELS, KINDS
 from grpo_core.plugin_manager import DEFAULT_PLUGINS, load_plugins
 from grpo_core.spec import Spec, dump_spec, load_spec
-from grpo_core.spec.loader import _slot_locations
+from grpo_core.spec.slots import slot_locations
 from grpo_core.spec.slots import iter_slots
 
 MINIMAL = "model: {path: some/model}\nrewards: [{name: accuracy}]\n"
@@ -268,7 +268,7 @@ def validator(schema):
 def test_schema_is_valid_json_schema_with_every_plugins_options(schema, validator):
     assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
     registry = load_plugins(external=False).registry
-    for _, slot_cls, _ in _slot_locations(Spec):
+    for _, slot_cls, _ in slot_locations(Spec):
         variants = schema["$defs"][slot_cls.__name__]["anyOf"]
         assert [v["properties"]["name"]["const"] for v in variants] == registry.names(slot_cls.kind)
         for variant in variants:

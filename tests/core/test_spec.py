@@ -22,7 +22,7 @@ from grpo_core.hookspecs import KIND_LABELS, KINDS
 from grpo_core.options import Options
 from grpo_core.plugin_manager import load_plugins
 from grpo_core.spec import Slot, Spec, SpecPath, dump_spec, load_spec
-from grpo_core.spec.loader import _unwrap
+from grpo_core.spec.slots import field_types
 from grpo_core.spec.models import RewardSlot
 from grpo_core.spec.slots import iter_slots
 
@@ -478,7 +478,7 @@ def _models(model: type[BaseModel], seen: set) -> None:
         return
     seen.add(model)
     for field in model.model_fields.values():
-        for t in _unwrap(field.annotation):
+        for t in field_types(field.annotation):
             if isinstance(t, type) and issubclass(t, BaseModel):
                 _models(t, seen)
 
