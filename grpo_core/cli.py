@@ -69,7 +69,7 @@ def _cmd_validate(args) -> int:
 
 
 def _cmd_plugins(args) -> int:
-    from grpo_core.hookspecs import KIND_LABELS
+    from grpo_core.hookspecs import KINDS
     from grpo_core.plugin_manager import load_plugins
 
     plugins = load_plugins()
@@ -85,7 +85,7 @@ def _cmd_plugins(args) -> int:
         dist = f"{info.distribution} {info.version or ''}".strip() if info.distribution else info.location
         print(f"{info.name}  ({info.source}: {dist})")
         for kind, names in info.components.items():
-            print(f"  {KIND_LABELS[kind]}: {', '.join(names)}")
+            print(f"  {KINDS[kind].label}: {', '.join(names)}")
         hooks = [h.name for h in plugins.manager.get_hookcallers(plugins.manager.get_plugin(key)) or []]
         if not info.components and hooks:
             print(f"  hooks: {', '.join(hooks)} (registered nothing)")

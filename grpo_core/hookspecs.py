@@ -15,6 +15,7 @@ stated otherwise).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import pluggy
@@ -126,28 +127,38 @@ def register_trackers(register: "Registrar") -> None:
     """
 
 
-#: The component kinds, in the order the registry lists them: ``kind -> hook name``.
-KINDS: dict[str, str] = {
-    "advantage_estimator": "register_advantage_estimators",
-    "kl_penalty": "register_kl_penalties",
-    "policy_loss": "register_policy_losses",
-    "loss_aggregator": "register_loss_aggregators",
-    "rollout_backend": "register_rollout_backends",
-    "reward_function": "register_reward_functions",
-    "dataset": "register_datasets",
-    "step_splitter": "register_step_splitters",
-    "tracker": "register_trackers",
-}
+@dataclass(frozen=True)
+class Kind:
+    """One component kind: its hook, the words messages use for it, and its contract.
 
-#: Words used in messages, per kind.
-KIND_LABELS: dict[str, str] = {
-    "advantage_estimator": "advantage estimator",
-    "kl_penalty": "KL penalty",
-    "policy_loss": "policy loss",
-    "loss_aggregator": "loss aggregator",
-    "rollout_backend": "rollout backend",
-    "reward_function": "reward function",
-    "dataset": "dataset",
-    "step_splitter": "step splitter",
-    "tracker": "tracker",
+    Attributes:
+        hook: the ``register_<kind>s`` hook that registers components of this kind.
+        label: the kind in words, as error messages and ``grpo-run plugins`` say it.
+        contract: the name of its Protocol in :mod:`grpo_core.contracts`; every built
+            component is checked against it (see :func:`grpo_core.registry.conform`).
+    """
+
+    hook: str
+    label: str
+    contract: str
+
+    @property
+    def protocol(self) -> type:
+        """The contract's class (imported on first use: contracts import torch)."""
+        from grpo_core import contracts
+
+        return getattr(contracts, self.contract)
+
+
+#: The component kinds, in the order the registry lists them.
+KINDS: dict[str, Kind] = {
+    "advantage_estimator": Kind("register_advantage_estimators", "advantage estimator", "AdvantageEstimator"),
+    "kl_penalty": Kind("register_kl_penalties", "KL penalty", "KLPenalty"),
+    "policy_loss": Kind("register_policy_losses", "policy loss", "PolicyLoss"),
+    "loss_aggregator": Kind("register_loss_aggregators", "loss aggregator", "LossAggregator"),
+    "rollout_backend": Kind("register_rollout_backends", "rollout backend", "RolloutBackend"),
+    "reward_function": Kind("register_reward_functions", "reward function", "RewardFunction"),
+    "dataset": Kind("register_datasets", "dataset", "Dataset"),
+    "step_splitter": Kind("register_step_splitters", "step splitter", "StepSplitter"),
+    "tracker": Kind("register_trackers", "tracker", "Tracker"),
 }

@@ -26,7 +26,7 @@ from pydantic import (
 )
 
 from grpo_core.errors import did_you_mean
-from grpo_core.hookspecs import KIND_LABELS
+from grpo_core.hookspecs import KINDS
 from grpo_core.registry import Component, Registry
 
 
@@ -134,7 +134,7 @@ def _option_problems(
         loc = path + tuple(err["loc"])
         if err["type"] == "extra_forbidden" and len(err["loc"]) == 1:
             key = str(err["loc"][0])
-            label = KIND_LABELS[slot.kind]
+            label = KINDS[slot.kind].label
             message = (
                 f"unknown key '{key}' for {label} '{slot.name}'{did_you_mean(key, valid)}; "
                 f"valid keys: {', '.join(valid)}"
@@ -153,7 +153,7 @@ def resolve_slot(
     if component is None:
         return [(path + ("name",), registry.unknown_message(slot.kind, slot.name))]
     extra = dict(slot.model_extra or {})
-    label = KIND_LABELS[slot.kind]
+    label = KINDS[slot.kind].label
     if component.options is None:
         if extra:
             keys = ", ".join(sorted(extra))

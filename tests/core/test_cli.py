@@ -23,7 +23,7 @@ import yaml
 
 from grpo_core.cli import main
 from grpo_core.errors import RunError
-from grpo_core.hookspecs import KIND_LABELS, KINDS
+from grpo_core.hookspecs import KINDS
 from grpo_core.plugin_manager import DEFAULT_PLUGINS, load_plugins
 from grpo_core.spec import Spec, dump_spec, load_spec
 from grpo_core.spec.slots import slot_locations
@@ -224,7 +224,7 @@ def test_plugins_lists_every_plugin_with_version_distribution_and_components():
             blocks[current] = []
     assert list(blocks) == list(DEFAULT_PLUGINS)
     for name, info in plugins.info.items():
-        expected = [f"{KIND_LABELS[kind]}: {', '.join(names)}" for kind, names in info.components.items()]
+        expected = [f"{KINDS[kind].label}: {', '.join(names)}" for kind, names in info.components.items()]
         assert [line for line in blocks[name] if not line.startswith("hooks:")] == expected
     listed = {n for lines in blocks.values() for line in lines for n in line.split(": ", 1)[1].split(", ")}
     for kind in KINDS:

@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field
 
 from grpo_core import hookimpl
 from grpo_core.errors import SpecError
-from grpo_core.hookspecs import KIND_LABELS, KINDS
+from grpo_core.hookspecs import KINDS
 from grpo_core.options import Options
 from grpo_core.plugin_manager import load_plugins
 from grpo_core.spec import Slot, Spec, SpecPath, dump_spec, load_spec
@@ -45,6 +45,9 @@ class ToyAdvantage:
 
     def __init__(self, options: ToyOptions):
         self.options = options
+
+    def __call__(self, inputs):
+        return inputs.mask.float() * self.options.alpha
 
 
 def bare_advantage(inputs):
@@ -261,7 +264,7 @@ def test_unknown_plugin_name_lists_that_kind_and_the_closest(problems, plugins, 
     typo = names[0][:-1] + "X" + names[0][-1]  # one letter inserted before the last one
     found = problems(MINIMAL + section.format(name=typo) + "\n")
     assert found == [
-        f"spec.{path} (line 5): unknown {KIND_LABELS[kind]} '{typo}'; did you mean '{names[0]}'?; "
+        f"spec.{path} (line 5): unknown {KINDS[kind].label} '{typo}'; did you mean '{names[0]}'?; "
         f"available: {', '.join(names)}"
     ]
 

@@ -40,7 +40,7 @@ from pydantic import ValidationError
 
 from grpo_core.cli import main
 from grpo_core.contracts import RolloutBackend, SamplingParams
-from grpo_core.hookspecs import KIND_LABELS
+from grpo_core.hookspecs import KINDS
 from grpo_core.plugin_manager import load_plugins
 from grpo_core.testing import build_model, build_tokenizer
 
@@ -79,7 +79,7 @@ def test_registered_as_a_builtin_and_listed():
     code, out, _ = cli("plugins")
     assert code == 0
     assert "grpo_plugins.rollout_vllm  (builtin: grpo-core" in out
-    assert f"  {KIND_LABELS['rollout_backend']}: vllm" in out
+    assert f"  {KINDS['rollout_backend'].label}: vllm" in out
     assert isinstance(VLLMRollout(), RolloutBackend)
 
 
