@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -382,3 +384,68 @@ def test_contributing_has_a_runnable_plugin_per_hook(tmp_path):
         assert list(components) == [kind_of[hook]], hook
     for script in re.findall(r"python (bench/\S+\.py)", text):
         assert (CONTRIBUTING.parent / script).is_file(), script
+
+
+# --------------------------------------------------------------------------- pluggy semantics
+def test_hooks_are_called_through_pluggy_so_tryfirst_and_wrappers_take_effect():
+    calls: list[str] = []
+
+    class Early:  # loaded first, but pluggy calls tryfirst implementations first
+        @hookimpl(tryfirst=True)
+        def register_trackers(self, register):
+            calls.append("early")
+            register.add("early", object())
+
+    class Late:
+        @hookimpl
+        def register_trackers(self, register):
+            calls.append("late")
+            register.add("late", object())
+
+    class Around:
+        @hookimpl(wrapper=True)
+        def register_trackers(self, register):
+            calls.append("before")
+            register.add("around", object())
+            result = yield
+            calls.append("after")
+            return result
+
+    plugins = load_plugins(external=False, objects=[Early(), Late(), Around()])
+    assert calls[0] == "before" and calls[-1] == "after"  # the wrapper ran around the others
+    assert calls.index("early") < calls.index("late")  # tryfirst honoured (LIFO would put 'late' first)
+    registry = plugins.registry
+    # the registry lists in plugin load order, whatever order pluggy called them in
+    assert registry.names("tracker")[-3:] == ["early", "late", "around"]
+    assert [registry.get("tracker", n).plugin for n in ("early", "late", "around")] == ["Early", "Late", "Around"]
+
+
+def test_a_helper_called_by_a_hook_credits_the_calling_plugin(tmp_path):
+    helper = write(tmp_path / "helper.py", "def add_all(register, names):\n"
+                   "    for name in names:\n        register.add(name, lambda p, c, **k: [0.0] * len(c))\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        one = write(tmp_path / "one.py", "from grpo_core import hookimpl\nimport helper\n"
+                    "@hookimpl\ndef register_reward_functions(register):\n    helper.add_all(register, ['r1'])\n")
+        two = write(tmp_path / "two.py", "from grpo_core import hookimpl\nimport helper\n"
+                    "@hookimpl\ndef register_reward_functions(register):\n    helper.add_all(register, ['r2'])\n")
+        registry = load_plugins([one, two], external=False).registry
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("helper", None)
+    assert helper.exists()
+    assert registry.get("reward_function", "r1").plugin == str(one.resolve())
+    assert registry.get("reward_function", "r2").plugin == str(two.resolve())
+
+
+def test_local_plugin_module_names_are_the_same_in_every_process(tmp_path):
+    plugin = write(tmp_path / "mine.py", "X = 1\n")
+    code = "import sys; from grpo_core.plugin_manager import load_plugin_file; print(load_plugin_file(sys.argv[1]).__name__)"
+    names = {
+        subprocess.run([sys.executable, "-c", code, str(plugin)], capture_output=True, text=True, check=True,
+                       env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip()
+        for seed in ("1", "2", "3")
+    }
+    assert len(names) == 1, names
+    (name,) = names
+    assert name.startswith("grpo_local_plugins.mine_") and len(name.rsplit("_", 1)[1]) == 8
