@@ -12,8 +12,9 @@ Rows are ordered prompt-major: rows ``p*G .. p*G+G-1`` are the group of prompt `
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor

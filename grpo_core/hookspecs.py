@@ -29,7 +29,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
 @hookspec
-def register_advantage_estimators(register: "Registrar") -> None:
+def register_advantage_estimators(register: Registrar) -> None:
     """Register advantage estimators; called once when the registry is built.
 
     A component is a :class:`~grpo_core.contracts.AdvantageEstimator`: it takes
@@ -40,7 +40,7 @@ def register_advantage_estimators(register: "Registrar") -> None:
 
 
 @hookspec
-def register_kl_penalties(register: "Registrar") -> None:
+def register_kl_penalties(register: Registrar) -> None:
     """Register KL penalty estimators; called once when the registry is built.
 
     A component is a :class:`~grpo_core.contracts.KLPenalty`:
@@ -50,7 +50,7 @@ def register_kl_penalties(register: "Registrar") -> None:
 
 
 @hookspec
-def register_policy_losses(register: "Registrar") -> None:
+def register_policy_losses(register: Registrar) -> None:
     """Register policy losses; called once when the registry is built.
 
     A component is a :class:`~grpo_core.contracts.PolicyLoss`: it takes
@@ -61,7 +61,7 @@ def register_policy_losses(register: "Registrar") -> None:
 
 
 @hookspec
-def register_loss_aggregators(register: "Registrar") -> None:
+def register_loss_aggregators(register: Registrar) -> None:
     """Register loss aggregators; called once when the registry is built.
 
     A component is a :class:`~grpo_core.contracts.LossAggregator`:
@@ -72,7 +72,7 @@ def register_loss_aggregators(register: "Registrar") -> None:
 
 
 @hookspec
-def register_rollout_backends(register: "Registrar") -> None:
+def register_rollout_backends(register: Registrar) -> None:
     """Register rollout backends; called once when the registry is built.
 
     A component is a :class:`~grpo_core.contracts.RolloutBackend` with ``setup``,
@@ -83,7 +83,7 @@ def register_rollout_backends(register: "Registrar") -> None:
 
 
 @hookspec
-def register_reward_functions(register: "Registrar") -> None:
+def register_reward_functions(register: Registrar) -> None:
     """Register reward functions; called once when the registry is built.
 
     A component has TRL's signature ``reward(prompts, completions, **columns) ->
@@ -97,7 +97,7 @@ def register_reward_functions(register: "Registrar") -> None:
 
 
 @hookspec
-def register_datasets(register: "Registrar") -> None:
+def register_datasets(register: Registrar) -> None:
     """Register datasets (tasks); called once when the registry is built.
 
     A component is a :class:`~grpo_core.contracts.Dataset`: ``load(split)`` returns rows
@@ -106,7 +106,7 @@ def register_datasets(register: "Registrar") -> None:
 
 
 @hookspec
-def register_step_splitters(register: "Registrar") -> None:
+def register_step_splitters(register: Registrar) -> None:
     """Register step splitters for process supervision; called once when the registry is
     built.
 
@@ -119,7 +119,7 @@ def register_step_splitters(register: "Registrar") -> None:
 
 
 @hookspec
-def register_trackers(register: "Registrar") -> None:
+def register_trackers(register: Registrar) -> None:
     """Register experiment trackers; called once when the registry is built.
 
     A component is a :class:`~grpo_core.contracts.Tracker`. Selected by

@@ -16,8 +16,8 @@ import hashlib
 import importlib
 import importlib.metadata
 import importlib.util
-import os
 import inspect
+import os
 import re
 import sys
 import traceback
@@ -25,7 +25,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType, ModuleType
-from typing import Any
 
 import pluggy
 

@@ -93,12 +93,13 @@ def conform(kind: str, component: Any, where: str) -> Any:
     """
     entry = KINDS[kind]
     methods, flags = contract_members(entry.protocol)
-    missing = [m for m in methods if not (callable(component) if m == "__call__" else callable(getattr(component, m, None)))]
+    missing = [m for m in methods if not callable(component if m == "__call__" else getattr(component, m, None))]
     if missing:
-        needs = "to be callable" if methods == ["__call__"] else f"{', '.join(methods)}"
+        needs = "to be callable" if methods == ["__call__"] else ", ".join(methods)
+        article = "an" if entry.label[0] in "aeiou" else "a"
         raise PluginError(
             f"{where} does not follow the {entry.contract} contract: missing {', '.join(missing)}; "
-            f"{'an' if entry.label[0] in 'aeiou' else 'a'} {entry.label} needs {needs} (see grpo_core.contracts.{entry.contract})"
+            f"{article} {entry.label} needs {needs} (see grpo_core.contracts.{entry.contract})"
         )
     absent = {flag: default for flag, default in flags.items() if not hasattr(component, flag)}
     for flag, default in flags.items():

@@ -15,7 +15,7 @@ the estimate itself. A clamp that is active stops the gradient through that toke
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from pydantic import Field, field_validator

@@ -14,13 +14,13 @@ import re
 import threading
 from typing import Any, Literal
 
+from grpo_plugins.rewards import completion_text, resolve_device
 from pydantic import Field, model_validator
 
 from grpo_core import hookimpl
 from grpo_core.errors import RunError
 from grpo_core.options import Options
 from grpo_core.spec import SpecPath
-from grpo_plugins.rewards import resolve_device, completion_text
 
 __all__ = [
     "parse_step",
@@ -282,15 +282,18 @@ class ProcessRewardModel:
             )
         except (OSError, ValueError) as exc:
             raise RunError(
-                f"reward function 'process_reward_model' could not load a token-classification model from {path!r}: {exc}"
+                "reward function 'process_reward_model' could not load a token-classification model "
+                f"from {path!r}: {exc}"
             ) from exc
         if not tokenizer.is_fast:
             raise RunError(
-                f"reward function 'process_reward_model': the tokenizer in {path!r} is not a fast tokenizer; character offsets are needed"
+                f"reward function 'process_reward_model': the tokenizer in {path!r} is not a fast "
+                "tokenizer; character offsets are needed"
             )
         if o.positive_label >= max(2, model.config.num_labels):
             raise RunError(
-                f"reward function 'process_reward_model': positive_label {o.positive_label} but the model has {model.config.num_labels} labels"
+                f"reward function 'process_reward_model': positive_label {o.positive_label} but the "
+                f"model has {model.config.num_labels} labels"
             )
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token

@@ -229,7 +229,9 @@ def engine_kwargs(options: VLLMRolloutOptions, model_dir: str, *, replica: int =
 OPTIONAL_ENGINE_ARGS = ("logprobs_mode", "model_impl")
 
 
-def drop_unknown(kwargs: dict[str, Any], known: Iterable[str], keep: Iterable[str] = ()) -> tuple[dict[str, Any], list[str]]:
+def drop_unknown(
+    kwargs: dict[str, Any], known: Iterable[str], keep: Iterable[str] = ()
+) -> tuple[dict[str, Any], list[str]]:
     """``kwargs`` without the :data:`OPTIONAL_ENGINE_ARGS` that are not in ``known`` (the
     installed vLLM's engine arguments), except those in ``keep``; and the dropped names."""
     known, keep = set(known), set(keep)

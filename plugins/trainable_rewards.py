@@ -20,13 +20,13 @@ import random
 from pathlib import Path
 from typing import Any
 
+from grpo_plugins.rewards import RewardModelOptions, RewardModelReward, resolve_device
 from pydantic import Field, model_validator
 
 from grpo_core import hookimpl
 from grpo_core.contracts import RewardExample
 from grpo_core.errors import RunError
 from grpo_core.spec import SpecPath
-from grpo_plugins.rewards import RewardModelOptions, RewardModelReward, resolve_device
 
 __all__ = ["TrainableRewardModelOptions", "TrainableRewardModel", "replay_count"]
 

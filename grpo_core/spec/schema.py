@@ -10,8 +10,8 @@ import copy
 from typing import Any
 
 from grpo_core.registry import Registry
-from grpo_core.spec.slots import slot_locations
 from grpo_core.spec.models import Spec
+from grpo_core.spec.slots import slot_locations
 
 
 def _rewrite_refs(node: Any, renames: dict[str, str]) -> Any:

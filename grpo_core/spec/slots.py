@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import types
 import typing
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Iterator
+from typing import Annotated, Any, ClassVar
 
 from pydantic import (
     AfterValidator,

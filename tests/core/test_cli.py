@@ -26,8 +26,7 @@ from grpo_core.errors import RunError
 from grpo_core.hookspecs import KINDS
 from grpo_core.plugin_manager import DEFAULT_PLUGINS, load_plugins
 from grpo_core.spec import Spec, dump_spec, load_spec
-from grpo_core.spec.slots import slot_locations
-from grpo_core.spec.slots import iter_slots
+from grpo_core.spec.slots import iter_slots, slot_locations
 
 MINIMAL = "model: {path: some/model}\nrewards: [{name: accuracy}]\n"
 
@@ -215,6 +214,7 @@ def test_plugins_lists_every_plugin_with_version_distribution_and_components():
     code, out, err = cli("plugins")
     assert (code, err) == (0, "")
     blocks: dict[str, list[str]] = {}
+    current = ""
     for line in out.splitlines():
         if line.startswith("  "):
             blocks[current].append(line.strip())
@@ -241,7 +241,8 @@ def test_plugins_json():
     assert [p["name"] for p in payload] == list(DEFAULT_PLUGINS)
     for entry in payload:
         assert set(entry) == {"name", "source", "distribution", "version", "location", "components"}
-        assert (entry["source"], entry["distribution"], entry["version"]) == ("builtin", "grpo-core", grpo_core.__version__)
+        expected = ("builtin", "grpo-core", grpo_core.__version__)
+        assert (entry["source"], entry["distribution"], entry["version"]) == expected
         assert entry["components"] == plugins.info[entry["name"]].components
     by_kind = {}
     for entry in payload:

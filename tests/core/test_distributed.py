@@ -186,7 +186,9 @@ def test_combine_metrics_rules():
                    "reward/failed": 3.0, "perf/tokens_per_second": 40.0}
 
 
-@pytest.mark.parametrize(("variable", "name"), [("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed")])
+@pytest.mark.parametrize(
+    ("variable", "name"), [("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed")]
+)
 def test_fsdp_and_deepspeed_configs_are_refused(monkeypatch, variable, name):
     """accelerate launch passes its config's engine to the processes in these variables."""
     monkeypatch.setenv(variable, "true")

@@ -11,6 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from grpo_plugins.trainable_rewards import (
+    TrainableRewardModel,
+    TrainableRewardModelOptions,
+    class_weights,
+    replay_count,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,12 +26,6 @@ from grpo_core.errors import RunError, SpecError
 from grpo_core.plugin_manager import load_plugins
 from grpo_core.spec import load_spec
 from grpo_core.testing import save_tiny_model
-from grpo_plugins.trainable_rewards import (
-    TrainableRewardModel,
-    TrainableRewardModelOptions,
-    class_weights,
-    replay_count,
-)
 
 torch.set_num_threads(1)
 SPECS = Path(__file__).resolve().parents[2] / "specs"

@@ -291,7 +291,9 @@ def test_spec_plugin_files_are_relative_to_the_spec(tmp_path, monkeypatch):
 
 def test_spec_plugin_file_listed_twice_loads_once(tmp_path):
     write(tmp_path / "shout.py", _reward_plugin("shout"))
-    spec = write(tmp_path / "spec.yaml", "model: {path: m}\nrewards: [{name: shout}]\nplugins: [shout.py, ./shout.py]\n")
+    spec = write(
+        tmp_path / "spec.yaml", "model: {path: m}\nrewards: [{name: shout}]\nplugins: [shout.py, ./shout.py]\n"
+    )
     loaded = load_spec(spec)
     assert loaded.plugins.registry.names("reward_function").count("shout") == 1
 
@@ -440,7 +442,10 @@ def test_a_helper_called_by_a_hook_credits_the_calling_plugin(tmp_path):
 
 def test_local_plugin_module_names_are_the_same_in_every_process(tmp_path):
     plugin = write(tmp_path / "mine.py", "X = 1\n")
-    code = "import sys; from grpo_core.plugin_manager import load_plugin_file; print(load_plugin_file(sys.argv[1]).__name__)"
+    code = (
+        "import sys; from grpo_core.plugin_manager import load_plugin_file; "
+        "print(load_plugin_file(sys.argv[1]).__name__)"
+    )
     names = {
         subprocess.run([sys.executable, "-c", code, str(plugin)], capture_output=True, text=True, check=True,
                        env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip()

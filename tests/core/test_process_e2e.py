@@ -10,6 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from grpo_plugins.advantages import GRPOAdvantage, GRPOOptions, ProcessAdvantage, ProcessOptions
+from grpo_plugins.step_splitters import SeparatorSplitter
 
 from grpo_core.cli import main
 from grpo_core.contracts import RolloutBatch
@@ -18,8 +20,6 @@ from grpo_core.testing import build_tokenizer, save_tiny_model
 from grpo_core.train.scoring import RewardFn, score
 from grpo_core.train.step import _advantage_inputs
 from grpo_core.train.steps import split_steps
-from grpo_plugins.advantages import GRPOAdvantage, GRPOOptions, ProcessAdvantage, ProcessOptions
-from grpo_plugins.step_splitters import SeparatorSplitter
 
 torch.set_num_threads(1)
 SPECS = Path(__file__).resolve().parents[2] / "specs"

@@ -7,15 +7,15 @@ import math
 
 import pytest
 import torch
+from grpo_plugins import advantages as adv
+from grpo_plugins.aggregators import seq_mean_token_mean, token_mean
+from grpo_plugins.policy_losses import ppo_clip_loss
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from grpo_core.contracts import AdvantageInputs, BatchStats
 from grpo_core.plugin_manager import load_plugins
-from grpo_plugins import advantages as adv
-from grpo_plugins.aggregators import seq_mean_token_mean, token_mean
-from grpo_plugins.policy_losses import ppo_clip_loss
 
 F64 = torch.float64
 NAN = float("nan")

@@ -6,12 +6,6 @@ import json
 import re
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from pydantic import ValidationError
-
-from grpo_core.errors import RunError
-from grpo_core.plugin_manager import load_plugins
 from grpo_plugins.datasets import (
     ArithmeticDataset,
     ArithmeticOptions,
@@ -21,6 +15,12 @@ from grpo_plugins.datasets import (
     HFOptions,
     _evaluate,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from grpo_core.errors import RunError
+from grpo_core.plugin_manager import load_plugins
 
 EXPRESSION = re.compile(r"^\d+( [-+*] \d+)+$")
 

@@ -6,12 +6,12 @@ import math
 
 import pytest
 import torch
+from grpo_plugins import kl as klmod
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from grpo_core.plugin_manager import load_plugins
-from grpo_plugins import kl as klmod
 
 F64 = torch.float64
 FAST = settings(max_examples=60, deadline=None)

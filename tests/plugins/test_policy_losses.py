@@ -7,14 +7,14 @@ import math
 
 import pytest
 import torch
+from grpo_plugins import policy_losses as pl
+from grpo_plugins.aggregators import seq_mean_token_mean, token_mean
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from grpo_core.contracts import BatchStats, PolicyLossInputs
 from grpo_core.plugin_manager import load_plugins
-from grpo_plugins import policy_losses as pl
-from grpo_plugins.aggregators import seq_mean_token_mean, token_mean
 
 F64 = torch.float64
 NAN = float("nan")
