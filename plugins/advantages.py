@@ -35,12 +35,7 @@ __all__ = [
     "masked_whiten",
 ]
 
-_EPS_DOC = (
-    "Added to the standard deviation before dividing; must be >= 0. Default 1e-6 (verl's "
-    "default): exactly constant groups already get 0 without it, so eps only tames groups "
-    "whose rewards differ by float noise, and at 1e-6 it changes the advantages of a group "
-    "with reward spread s by a relative 1e-6/s, invisible for the usual 0/1 rewards."
-)
+_EPS_DOC = "Added to the standard deviation before dividing, >= 0 (verl's default 1e-6)."
 
 
 # --------------------------------------------------------------------------- options
@@ -49,22 +44,18 @@ class GRPOOptions(Options):
 
     scale_by_std: bool = Field(
         True,
-        description="Divide the centred rewards by their standard deviation (GRPO). False "
-        "gives Dr. GRPO's r_i - mean(r) (https://arxiv.org/abs/2503.20783), which does not "
-        "up-weight prompts whose rewards barely vary. Default True: the seeds' GRPO formula.",
+        description="Divide the centred rewards by their std, as DeepSeekMath's GRPO (default). False is "
+        "Dr. GRPO's r_i - mean(r) (https://arxiv.org/abs/2503.20783).",
     )
     std: Literal["population", "unbiased"] = Field(
         "population",
-        description="'population' divides the squared deviations by n (the seeds' formula, "
-        "default); 'unbiased' divides by n - 1 (Bessel's correction, what TRL and verl use "
-        "via torch.std). n counts the scorable rewards the std is taken over.",
+        description="'population' divides by n (DeepSeekMath's formula, default); 'unbiased' by n - 1, "
+        "as TRL and verl (torch.std).",
     )
     std_scope: Literal["group", "batch"] = Field(
         "group",
-        description="'group' (default, the seeds' formula) takes the std over each prompt's "
-        "scorable rewards; 'batch' takes one std over all scorable rewards of the batch "
-        "(around the batch mean) while the mean stays per group, as TRL's "
-        "scale_rewards='batch'.",
+        description="'group' takes the std over each prompt's rewards (DeepSeekMath, default); 'batch' "
+        "one std over the whole batch, the mean staying per group (TRL's scale_rewards='batch').",
     )
     eps: float = Field(1e-6, ge=0.0, allow_inf_nan=False, description=_EPS_DOC)
 
@@ -74,8 +65,8 @@ class ProcessOptions(Options):
 
     scale_by_std: bool = Field(
         True,
-        description="Divide the centred step scores by the group's step-score std (the "
-        "seeds' formula, default). False keeps r - mean(R) only.",
+        description="Divide the centred step scores by the group's step-score std (DeepSeekMath's "
+        "process supervision, default). False keeps r - mean(R) only.",
     )
     eps: float = Field(1e-6, ge=0.0, allow_inf_nan=False, description=_EPS_DOC)
 
@@ -87,10 +78,8 @@ class ReinforcePlusPlusOptions(Options):
         1e-8,
         gt=0.0,
         allow_inf_nan=False,
-        description="Added to the token variance inside the square root when whitening; "
-        "must be > 0 (it keeps a batch of identical advantages finite). Default 1e-8: the "
-        "constant of verl's masked_whiten, so results match verl's "
-        "reinforce_plus_plus_baseline.",
+        description="Added to the token variance before the square root when whitening, > 0 (verl's "
+        "masked_whiten constant 1e-8).",
     )
 
 

@@ -73,10 +73,8 @@ class ArithmeticOptions(Options):
     )
     instruction: str = Field(
         DEFAULT_INSTRUCTION,
-        description="Prompt template; '{question}' is replaced by the problem (e.g. "
-        "'34 + 57') and is its only placeholder (write '{{' and '}}' for literal braces). "
-        "The default asks for the bare number, so that small instruct models end their "
-        "answer with it.",
+        description="Prompt template whose only placeholder '{question}' becomes the problem ('34 + 57'); "
+        "write '{{' and '}}' for literal braces.",
     )
     chat: bool = Field(
         True,

@@ -84,15 +84,21 @@ def _left_to_right(question: str) -> list[tuple[int, str, int, int]] | None:
 
 
 class ArithmeticStepsOptions(Options):
-    """Options of the ``arithmetic-steps`` process reward."""
+    """Options of the ``arithmetic-steps`` process reward.
+
+    ``wrong`` matters only beside other rewards: step scores are normalized per group, so
+    an affine change of all of them leaves the process advantages unchanged. With
+    ``order: left-to-right``, step ``j`` must be the ``j``-th operation of the problem
+    evaluated left to right (the previous result, or the first term, then the next
+    operator and term): a right step that skips the rest does not pass for a solution,
+    steps past the last operation are wrong, and so is the last step of a completion
+    that stops early (otherwise stopping after one right step pays more than going on).
+    """
 
     correct: float = Field(1.0, description="Score of a right step `a op b = c`.")
     wrong: float = Field(
         0.0,
-        description="Score of a wrong step `a op b = c`: 0 (default) or e.g. -1. "
-        "With the process estimator alone the choice does not matter (step scores are "
-        "normalized per group, and an affine change of all of them leaves the advantages "
-        "unchanged); it does when other rewards are added, e.g. accuracy on the last step.",
+        description="Score of a wrong step `a op b = c`: 0 (default) or e.g. -1; lower than correct.",
     )
     unparsed: float | None = Field(
         0.0,
@@ -101,22 +107,14 @@ class ArithmeticStepsOptions(Options):
     )
     question_column: str | None = Field(
         "question",
-        description="Dataset column holding the problem ('47 - 92 + 93', as the arithmetic "
-        "tasks give). When set, a step is right only if its arithmetic is and each operand "
-        "is a number of the problem or the result of an earlier right step, so steps copied "
-        "from elsewhere (the prompt's example) are wrong. null: check the arithmetic alone.",
+        description="Dataset column holding the problem ('47 - 92 + 93'): a step is right only if its "
+        "operands come from the problem or earlier right steps. null checks the arithmetic alone.",
     )
 
     order: Literal["left-to-right", "any"] = Field(
         "left-to-right",
-        description="With question_column: left-to-right (default) makes step j right only if it "
-        "is the j-th operation of the problem evaluated left to right (the previous step's "
-        "result, or the first term, then the next operator and term) with the right result, "
-        "so one right step that skips the rest of the problem does not pass for a solution, "
-        "steps past the last operation are wrong, and the last step of a completion that "
-        "stops before the last operation is wrong (it ended the solution early: without "
-        "this, stopping after one right step pays more than trying the next one); any "
-        "accepts any right step whose operands are numbers of the problem or earlier results.",
+        description="With question_column: left-to-right (default) wants step j to be the problem's "
+        "j-th operation, evaluated left to right; any accepts any right step on the problem's numbers.",
     )
 
     @model_validator(mode="after")
@@ -220,10 +218,8 @@ class ProcessRewardModelOptions(Options):
     )
     step_separator: str | None = Field(
         None,
-        description="For step-tag PRMs (Math-Shepherd's ' ки\\n', Qwen's '<extra_0>'): the input is "
-        "the prompt then every step followed by this string, and a step is scored at the "
-        "separator's last token. Unset: the completion as generated, a step scored at its "
-        "last token.",
+        description="For step-tag PRMs (Math-Shepherd's ' ки\\n', Qwen's '<extra_0>'): appended to every "
+        "step, each scored at its last token. Unset: the completion as generated, scored at step ends.",
     )
     batch_size: int = Field(8, ge=1, description="Completions per forward pass.")
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(

@@ -70,9 +70,8 @@ class TrainableRewardModelOptions(RewardModelOptions):
     seed: int = Field(0, description="Seed of the replay draws and the training order.")
     balance_classes: bool = Field(
         False,
-        description="Weight the loss so that right (label > 0.5) and wrong samples count "
-        "equally in each update: a verifier's labels are often skewed (a weak policy is "
-        "mostly wrong), and an unweighted model then learns to say 'wrong' to everything.",
+        description="Weight the loss so right (label > 0.5) and wrong samples count equally, so skewed "
+        "labels (a weak policy is mostly wrong) do not teach 'always wrong'.",
     )
 
     @model_validator(mode="after")

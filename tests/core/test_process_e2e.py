@@ -1,5 +1,5 @@
 """Process supervision in the engine: per-step scores from reward functions, step ends on
-the generated tokens, the seeds' process advantage end to end, and specs/process.yaml on a
+the generated tokens, DeepSeekMath's process advantage end to end, and specs/process.yaml on a
 tiny model with its metrics read back from MLflow."""
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ def seed_formula(
     return torch.tensor(out)
 
 
-def test_the_engine_gives_the_process_estimator_the_seeds_formula_on_real_tokens():
+def test_the_engine_gives_the_process_estimator_deepseekmaths_formula_on_real_tokens():
     tokenizer = build_tokenizer()
     groups = [["1 + 2 = 3\n3 + 4 = 7\n", "12 + 3 = 15", "3\n\n33\nno"], ["x", "3 3\n3", "4\n3\n"]]
     rollout = rollout_of(tokenizer, groups)
