@@ -173,3 +173,29 @@ def test_a_flag_of_the_wrong_type_is_refused():
     plugins = load_plugins(external=False, objects=[inline("Flaggy", "advantage_estimator", "f", estimator)])
     with pytest.raises(PluginError, match=r"'f' \(plugin 'Flaggy'\): needs_step_scores must be True or False"):
         plugins.registry.get("advantage_estimator", "f").build()
+
+
+# --------------------------------------------------------------------------- layering
+PUBLIC_SURFACE = {"grpo_core", "grpo_core.contracts", "grpo_core.options", "grpo_core.errors",
+                  "grpo_core.groups", "grpo_core.spec"}
+
+
+def test_plugins_import_only_the_public_engine_surface():
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "plugins"
+    used: dict[str, set[str]] = {}
+    for path in sorted(root.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            for name in names:
+                if name == "grpo_core" or name.startswith("grpo_core."):
+                    used.setdefault(name, set()).add(path.name)
+    assert used, "the walk found no engine import"
+    assert set(used) <= PUBLIC_SURFACE, {m: f for m, f in used.items() if m not in PUBLIC_SURFACE}
