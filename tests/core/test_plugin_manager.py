@@ -388,6 +388,22 @@ def test_contributing_has_a_runnable_plugin_per_hook(tmp_path):
         assert (CONTRIBUTING.parent / script).is_file(), script
 
 
+@pytest.mark.parametrize(("doc", "heading"), [("README.md", "## A plugin in ten lines"),
+                                              ("CONTRIBUTING.md", "## Your first plugin: a reward function")])
+def test_the_first_plugin_of_the_docs_runs(tmp_path, doc, heading):
+    import re
+
+    text = (CONTRIBUTING.parent / doc).read_text(encoding="utf-8")
+    section = text[text.index(heading):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    lines = [line for line in code.splitlines() if line.strip() and not line.startswith("#")]
+    assert len(lines) <= 10 or doc != "README.md", lines  # the README promises ten lines
+    path = write(tmp_path / "my_rewards.py", code)
+    reward = load_plugins([path], external=False).registry.get("reward_function", "short_answer").build()
+    assert reward(["p", "p"], ["42", "x" * 30]) == [1.0, 0.0]
+    assert reward.required_columns == ()  # the contract's default, filled at build
+
+
 # --------------------------------------------------------------------------- pluggy semantics
 def test_hooks_are_called_through_pluggy_so_tryfirst_and_wrappers_take_effect():
     calls: list[str] = []
