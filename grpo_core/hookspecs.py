@@ -77,10 +77,10 @@ def register_rollout_backends(register: Registrar) -> None:
 
 @hookspec
 def register_reward_functions(register: Registrar) -> None:
-    """Register reward functions (TRL's signature, so a TRL reward function registers unchanged); called once when the registry is built.
+    """Register reward functions; called once when the registry is built.
 
-    Each component follows :class:`~grpo_core.contracts.RewardFunction`. Selected by
-    ``rewards[i].name``.
+    Each component follows :class:`~grpo_core.contracts.RewardFunction` (TRL's signature,
+    so a TRL reward function registers unchanged). Selected by ``rewards[i].name``.
 
     A reward function that also follows :class:`~grpo_core.contracts.TrainableReward` can be
     the reward model that iterative GRPO trains.
