@@ -69,8 +69,8 @@ def _cmd_validate(args) -> int:
 
 
 def _cmd_plugins(args) -> int:
-    from grpo_core.hookspecs import KIND_LABELS
-    from grpo_core.plugins import load_plugins
+    from grpo_core.hookspecs import KINDS
+    from grpo_core.plugin_manager import load_plugins
 
     plugins = load_plugins()
     if args.json:
@@ -85,7 +85,7 @@ def _cmd_plugins(args) -> int:
         dist = f"{info.distribution} {info.version or ''}".strip() if info.distribution else info.location
         print(f"{info.name}  ({info.source}: {dist})")
         for kind, names in info.components.items():
-            print(f"  {KIND_LABELS[kind]}: {', '.join(names)}")
+            print(f"  {KINDS[kind].label}: {', '.join(names)}")
         hooks = [h.name for h in plugins.manager.get_hookcallers(plugins.manager.get_plugin(key)) or []]
         if not info.components and hooks:
             print(f"  hooks: {', '.join(hooks)} (registered nothing)")
@@ -93,7 +93,7 @@ def _cmd_plugins(args) -> int:
 
 
 def _cmd_schema(args) -> int:
-    from grpo_core.plugins import load_plugins
+    from grpo_core.plugin_manager import load_plugins
     from grpo_core.spec.schema import spec_schema
 
     print(json.dumps(spec_schema(load_plugins().registry), indent=2))

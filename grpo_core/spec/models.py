@@ -326,7 +326,9 @@ class CheckpointSection(Section):
 
 
 class EvalSection(Section):
-    every: int = Field(0, ge=0, description="Evaluate every N steps (and before and after training when > 0 or at_end).")
+    every: int = Field(
+        0, ge=0, description="Evaluate every N steps (and before and after training when > 0 or at_end)."
+    )
     at_start: bool = Field(True, description="Evaluate before the first step.")
     at_end: bool = Field(True, description="Evaluate after the last step.")
     max_prompts: int | None = Field(None, ge=1, description="Evaluate on at most this many held-out prompts.")
@@ -385,7 +387,8 @@ class Spec(Section):
     train: TrainSection = Field(default_factory=TrainSection, description="Optimisation and the loop.")
     tracking: list[TrackerSlot] = Field(
         default_factory=lambda: [TrackerSlot(name="mlflow")],
-        description="Experiment trackers (mlflow by default, as MLflow defaults: MLFLOW_TRACKING_URI or a local store).",
+        description="Experiment trackers (mlflow by default, as MLflow defaults: MLFLOW_TRACKING_URI or a "
+        "local store).",
     )
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection, description="Checkpoints.")
     eval: EvalSection = Field(default_factory=EvalSection, description="Held-out evaluation.")

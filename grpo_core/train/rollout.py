@@ -4,9 +4,10 @@ training step, the held-out evaluation and the iteration start of iterative GRPO
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

@@ -24,8 +24,8 @@ from grpo_core.train.data import PromptSource, check_columns
 from grpo_core.train.distributed import Dist, check_layout
 from grpo_core.train.evaluate import evaluate
 from grpo_core.train.iterative import build_iterative
-from grpo_core.train.optim import make_optimizer
 from grpo_core.train.kl import KLTerm
+from grpo_core.train.optim import make_optimizer
 from grpo_core.train.reasoning_steps import split_steps
 from grpo_core.train.rollout import Scorer
 from grpo_core.train.scoring import RewardFn
@@ -170,7 +170,7 @@ def _engine(spec: Spec, model, tokenizer, rewards: list[RewardFn], splitter, dis
     scorer = Scorer(
         rewards, spec.data.prompt_column, spec.train.reward_errors,
         split=partial(split_steps, splitter, algo.step_splitter.name),
-        with_steps=bool(getattr(estimator, "needs_step_scores", False)),
+        with_steps=estimator.needs_step_scores,
     )
     return Engine(
         model=model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler, backend=backend,
@@ -265,12 +265,15 @@ def _progress(run: Run, start: int):
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=run.spec.train.steps, initial=start, desc="grpo", unit="step", file=sys.stderr, dynamic_ncols=True)
+    return tqdm(
+        total=run.spec.train.steps, initial=start, desc="grpo", unit="step", file=sys.stderr, dynamic_ncols=True
+    )
 
 
 def _postfix(metrics: dict[str, float], last_eval: dict[str, float]) -> dict[str, str]:
     shown = {"reward": metrics.get("reward"), "kl": metrics.get("kl"), "len": metrics.get("completions/mean_length")}
-    shown.update({k.replace("eval/rewards/", "eval_"): v for k, v in last_eval.items() if k.startswith("eval/rewards/")})
+    evals = {k: v for k, v in last_eval.items() if k.startswith("eval/rewards/")}
+    shown.update({k.replace("eval/rewards/", "eval_"): v for k, v in evals.items()})
     return {k: f"{v:.3g}" for k, v in shown.items() if v is not None and math.isfinite(v)}
 
 
@@ -336,7 +339,7 @@ class _StepStart:
     rng: dict[str, Any]
 
     @classmethod
-    def of(cls, run: Run) -> "_StepStart":
+    def of(cls, run: Run) -> _StepStart:
         return cls(run.step, run.engine.scheduler.last_epoch, run.prompts.state_dict(), ckpt.rng_state())
 
 

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from grpo_core.contracts import masked_fill_zero
 from grpo_core.errors import RunError
+from grpo_core.registry import conform
 
 
 @dataclass
@@ -35,7 +37,8 @@ class RewardFn:
     @classmethod
     def of(
         cls, name: str, weight: float, fn: Callable[..., list], splitter: Callable[[list], Any] | None = None
-    ) -> "RewardFn":
+    ) -> RewardFn:
+        fn = conform("reward_function", fn, f"reward function '{name}'")  # declared flags present
         try:
             sig = inspect.signature(fn)
         except (TypeError, ValueError):
@@ -55,7 +58,7 @@ class RewardFn:
 
     @property
     def required_columns(self) -> list[str]:
-        return list(getattr(self.fn, "required_columns", []) or [])
+        return list(self.fn.required_columns)
 
 
 @dataclass

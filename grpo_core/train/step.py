@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -19,7 +20,13 @@ from grpo_core.train.distributed import Dist, pad_cat
 from grpo_core.train.kl import KLTerm
 from grpo_core.train.reasoning_steps import step_tensors
 from grpo_core.train.rollout import (
-    Scored, Scorer, concat_scored, reward_means, score_rollout, select_groups, zero_spread_groups,
+    Scored,
+    Scorer,
+    concat_scored,
+    reward_means,
+    score_rollout,
+    select_groups,
+    zero_spread_groups,
 )
 from grpo_core.train.update import Objective, TrainBatch, batch_logprobs, update
 
@@ -93,7 +100,7 @@ class Engine:
     @property
     def needs_step_scores(self) -> bool:
         """The advantage estimator reads per-step scores (process supervision)."""
-        return bool(getattr(self.estimator, "needs_step_scores", False))
+        return self.estimator.needs_step_scores
 
 
 @dataclass

@@ -14,7 +14,7 @@ import yaml
 
 from grpo_core import checkpoint as ckpt
 from grpo_core.errors import RunError
-from grpo_core.train.distributed import Dist, reduction, pad_cat
+from grpo_core.train.distributed import Dist, pad_cat, reduction
 
 from .conftest import CHILD_ENV, load_weights, read_metrics
 
@@ -202,7 +202,9 @@ def test_metric_reductions_are_declared_not_guessed_from_substrings():
         "max", "max", "mean", "mean"]
 
 
-@pytest.mark.parametrize(("variable", "name"), [("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed")])
+@pytest.mark.parametrize(
+    ("variable", "name"), [("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed")]
+)
 def test_fsdp_and_deepspeed_configs_are_refused(monkeypatch, variable, name):
     """accelerate launch passes its config's engine to the processes in these variables."""
     monkeypatch.setenv(variable, "true")

@@ -110,7 +110,8 @@ def test_dynamic_sampling_on_one_reward_function_uses_that_functions_scores():
     engine = engine_for(table, 1, 2)
     constant = RewardFn.of("constant", 1.0, lambda completions, **_: [0.5] * len(completions))
     engine.scorer.rewards.insert(0, constant)  # the total is table + 0.5: same spread as the table
-    engine.settings = StepSettings(**{**engine.settings.__dict__, "dynamic": DynamicSamplingSection(metric="constant", max_rounds=2)})
+    dynamic = DynamicSamplingSection(metric="constant", max_rounds=2)
+    engine.settings = StepSettings(**{**engine.settings.__dict__, "dynamic": dynamic})
     scored, metrics = collect(engine, Source(), 0, Timer())
     # 'constant' never spreads: both rounds run, and the first group fills the batch.
     assert metrics["dynamic_sampling/rounds"] == 2 and metrics["dynamic_sampling/groups_filled"] == 1
@@ -152,7 +153,8 @@ def test_reference_sync_mixes_every_n_steps_and_its_state_round_trips():
 
 
 @pytest.mark.parametrize(("override", "message"), [
-    ("algorithm.kl={beta: 0, ref_sync: {every: 2}}", "ref_sync needs a reference copy to move, but algorithm.kl.beta is 0"),
+    ("algorithm.kl={beta: 0, ref_sync: {every: 2}}",
+     "ref_sync needs a reference copy to move, but algorithm.kl.beta is 0"),
     ("algorithm.kl={beta: 0, adaptive: {target: 0.1}}", "adaptive needs a starting algorithm.kl.beta above 0"),
     ("algorithm.dynamic_sampling={metric: nope}", "metric 'nope' must be 'reward' or the name of a reward function"),
 ])
@@ -174,8 +176,10 @@ def test_reference_sync_is_refused_under_lora(tmp_path):
 def test_a_run_with_all_three_logs_them_and_resumes_exactly(tmp_path, write_spec, kit, capsys):
     spec = write_spec(
         tmp_path,
-        algorithm={"dynamic_sampling": {"max_rounds": 3},
-                   "kl": {"beta": 0.05, "ref_sync": {"every": 2, "alpha": 0.5}, "adaptive": {"target": 0.001, "horizon": 16}}},
+        algorithm={
+            "dynamic_sampling": {"max_rounds": 3},
+            "kl": {"beta": 0.05, "ref_sync": {"every": 2, "alpha": 0.5}, "adaptive": {"target": 0.001, "horizon": 16}},
+        },
         train={"steps": 4},
         checkpoint={"every": 1, "keep": 4},
     )
