@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -24,8 +26,12 @@ os.environ.pop("GRPO_DISABLED_PLUGINS", None)
 
 #: Held exclusively while pip installs or uninstalls a plugin into this interpreter
 #: (test_example_plugin.py), shared while a test loads every installed plugin. One path
-#: for every pytest process on the machine: xdist workers and concurrent sessions alike.
-SITE_LOCK = Path(tempfile.gettempdir()) / "grpo-core-tests-site-packages.lock"
+#: per interpreter environment (``sys.prefix``) for every pytest process on the machine:
+#: xdist workers and concurrent sessions of one environment alike; sessions of another
+#: virtualenv install into their own site-packages and do not share it.
+SITE_LOCK = Path(tempfile.gettempdir()) / (
+    f"grpo-core-tests-site-packages-{hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]}.lock"
+)
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ shared), and the plugin stays installed while any live pytest process still uses
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
 import importlib.metadata
 import importlib.util
@@ -43,7 +44,10 @@ pytestmark = pytest.mark.xdist_group(name="site-packages")
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "grpo-example-plugin"
 DIST = "grpo-example-plugin"
-USERS = Path(tempfile.gettempdir()) / "grpo-core-tests-example-plugin.users"
+# Per interpreter environment: a session in another virtualenv installs into its own site-packages.
+USERS = Path(tempfile.gettempdir()) / (
+    f"grpo-core-tests-example-plugin-{hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]}.users"
+)
 
 
 def _pip(*args: str) -> None:
