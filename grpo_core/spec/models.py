@@ -115,6 +115,17 @@ class RewardSlot(Slot):
     weight: float = Field(
         1.0, allow_inf_nan=False, description="Weight of this function in the weighted sum of rewards (finite)."
     )
+    concurrency: int = Field(
+        1, ge=1, description="Cut each step's batch into this many contiguous chunks and score them "
+        "at once: in parallel threads for a synchronous function, as concurrent tasks for an "
+        "`async def` one. 1: one call on the whole batch (on the calling thread when synchronous)."
+    )
+    call_timeout: float | None = Field(
+        None, gt=0, allow_inf_nan=False, description="Seconds this function may take on one step's "
+        "batch; completions not scored by then are None (train.reward_errors: none) or stop the run "
+        "(raise). An async call is cancelled; a synchronous one runs in a worker thread, which is "
+        "abandoned (threads cannot be killed). Default: no limit."
+    )
 
 
 # --------------------------------------------------------------------------- algorithm

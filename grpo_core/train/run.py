@@ -140,7 +140,8 @@ def _rewards(spec: Spec, splitter: Any) -> list[RewardFn]:
     out = []
     for slot in spec.rewards:
         label = slot.name if names.count(slot.name) == 1 else f"{slot.name}#{len(out)}"
-        out.append(RewardFn.of(label, slot.weight, slot.build(), splitter=cut))
+        out.append(RewardFn.of(label, slot.weight, slot.build(), splitter=cut,
+                               concurrency=slot.concurrency, timeout=slot.call_timeout))
     return out
 
 
