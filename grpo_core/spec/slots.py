@@ -83,7 +83,7 @@ def iter_slots(model: BaseModel, path: tuple = ()) -> Iterator[tuple[tuple, Slot
     """Every slot in ``model``, depth first, with its path."""
     for field_name in type(model).model_fields:
         value = getattr(model, field_name)
-        items = enumerate(value) if isinstance(value, list) else [(None, value)]
+        items = enumerate(value) if isinstance(value, list) else value.items() if isinstance(value, dict) else [(None, value)]
         for index, item in items:
             where = path + ((field_name,) if index is None else (field_name, index))
             if isinstance(item, Slot):

@@ -23,7 +23,7 @@ from grpo_core.tracking import RunLog, flatten
 from grpo_core.train import model as modeling
 from grpo_core.train.data import PromptSource, check_columns
 from grpo_core.train.distributed import Dist, check_layout
-from grpo_core.train.evaluate import evaluate
+from grpo_core.train.evaluate import evaluate, load_eval_sets
 from grpo_core.train.iterative import build_iterative
 from grpo_core.train.optim import make_optimizer
 from grpo_core.train.scoring import RewardFn
@@ -67,6 +67,12 @@ class Run:
     nonfinite_streak: int = 0
     last_eval: dict[str, float] = field(default_factory=dict)
     saved_step: int | None = None  # the step of the last checkpoint this process wrote
+    eval_sets: dict[str, Any] = field(default_factory=dict)  # the named sets of eval.sets
+
+    @property
+    def has_eval(self) -> bool:
+        """Some held-out set has prompts: the default one or a named one."""
+        return bool(self.eval_prompts) or any(s.prompts for s in self.eval_sets.values())
 
     @property
     def device(self) -> torch.device:
@@ -188,6 +194,8 @@ def build_run(loaded: LoadedSpec, dist: Dist | None = None) -> Run:
     prompts = PromptSource(train_rows, tokenizer, spec.data, seed=spec.train.seed, max_tokens=max_prompt)
     eval_source = PromptSource(eval_rows or [{}], tokenizer, spec.data, seed=0, max_tokens=max_prompt, shuffle=False)
     eval_prompts = [p for p in map(eval_source.render, eval_rows) if p is not None][: spec.eval.max_prompts]
+    required = {c: f"reward function '{fn.name}'" for fn in rewards for c in fn.required_columns}
+    eval_sets = load_eval_sets(spec, tokenizer, max_prompt, required)
 
     backend = spec.rollout.build()
     backend.setup(model, tokenizer)
@@ -210,6 +218,7 @@ def build_run(loaded: LoadedSpec, dist: Dist | None = None) -> Run:
         rewards=rewards, prompts=prompts, eval_prompts=eval_prompts, optimizer=optimizer,
         scheduler=scheduler, log=RunLog(trackers, output_dir, enabled=dist.is_main), reference=reference,
         splitter=splitter, iterative=build_iterative(spec, rewards, reference), dist=dist,
+        eval_sets=eval_sets,
     )
 
 
@@ -364,7 +373,7 @@ def train(loaded: LoadedSpec, resume: str | None = None) -> int:
     bar = _progress(run, run.step)
     try:
         with StopSignal() as stop:
-            if spec.eval.at_start and run.eval_prompts and run.step == 0:
+            if spec.eval.at_start and run.has_eval and run.step == 0:
                 run.last_eval = evaluate(run)
                 run.log.log_metrics(run.last_eval, run.step)
             # With several processes, a signal seen by any stops all of them at the same step.
@@ -387,7 +396,7 @@ def train(loaded: LoadedSpec, resume: str | None = None) -> int:
                         f"  resume with: {loaded.command('--resume')}", file=sys.stderr,
                     )
                 return stop.exit_code
-        if spec.eval.at_end and run.eval_prompts:
+        if spec.eval.at_end and run.has_eval:
             run.last_eval = evaluate(run)
             run.log.log_metrics(run.last_eval, run.step)
         if spec.checkpoint.every:
@@ -409,7 +418,7 @@ def train(loaded: LoadedSpec, resume: str | None = None) -> int:
 def _summary(run: Run, final: Path, last_eval: dict[str, float]) -> None:
     lines = [f"grpo-run: finished {run.step} steps.", f"  model saved to {final}"]
     for key, value in sorted(last_eval.items()):
-        if key.startswith("eval/rewards/") or key == "eval/reward":
+        if key.startswith("eval/") and not key.endswith(("/prompts", "mean_length")):
             lines.append(f"  {key} = {value:.4f}")
     lines.append(f"  metrics: {run.log.metrics_path}")
     for name, tracker in run.log.trackers.items():
