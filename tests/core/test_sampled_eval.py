@@ -139,3 +139,32 @@ def test_no_held_out_prompts_is_a_usage_error(tmp_path, write_spec, capsys):
     spec = write_spec(tmp_path)  # eval_size: 0, no sets
     assert main(["eval", str(spec)]) == 2
     assert "the spec has no held-out prompts" in capsys.readouterr().err
+
+
+def test_sampled_eval_does_not_change_training(tmp_path, write_spec, kit):
+    """Evaluation draws from its own seeded generator: a run evaluating every step trains
+    exactly as one that never evaluates."""
+    sections = {**EVAL, "train": {"steps": 3}}
+    with_eval = write_spec(tmp_path / "a", **{**sections, "eval": {**EVAL["eval"], "every": 1, "at_start": True}})
+    without = write_spec(tmp_path / "b", **{**sections, "eval": {"at_start": False, "at_end": False}})
+    assert main([str(with_eval)]) == 0 and main([str(without)]) == 0
+    volatile = ("time/", "perf/", "eval/")
+    rows = [[{k: v for k, v in r.items() if not k.startswith(volatile)} for r in _rows(d / "out" / "metrics.jsonl")]
+            for d in (tmp_path / "a", tmp_path / "b")]
+    rows[0] = [r for r in rows[0] if set(r) - {"step"}]  # the eval-only rows (at start)
+    assert rows[0] == rows[1]
+    assert any("eval/hard/pass@4" in r for r in _rows(tmp_path / "a" / "out" / "metrics.jsonl"))
+    a, b = (kit.load_weights(d / "out" / "final") for d in (tmp_path / "a", tmp_path / "b"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_eval_of_a_lora_adapter(tmp_path, write_spec, capsys):
+    spec = write_spec(tmp_path, **{**EVAL, "train": {"steps": 1},
+                                   "model": {"lora": {"r": 2, "alpha": 4, "target_modules": ["q_proj", "v_proj"]}}})
+    assert main([str(spec)]) == 0
+    capsys.readouterr()
+    (last,) = [r for r in _rows(tmp_path / "out" / "metrics.jsonl") if "eval/reward" in r]
+    assert (tmp_path / "out" / "final" / "adapter_config.json").is_file()
+    assert main(["eval", str(spec), "--model", str(tmp_path / "out" / "final"), "--json"]) == 0
+    evaluated = json.loads(capsys.readouterr().out)
+    assert {k: pytest.approx(v, abs=1e-6) for k, v in evaluated.items()} == {k: v for k, v in last.items() if k.startswith("eval/")}
