@@ -105,7 +105,7 @@ def grpo_worker(conn, args: dict) -> None:
     torch.set_num_threads(args["threads"])
     from grpo_core.spec import load_spec
     from grpo_core.train.run import build_run
-    from grpo_core.train.step import run_step
+    from grpo_core.train.step import grpo_step
 
     mixed, _, beta = CONFIGS[args["config"]]
     overrides = [
@@ -123,7 +123,7 @@ def grpo_worker(conn, args: dict) -> None:
     conn.send({"accuracy_before": before})
     step = 0
     while conn.recv() == "step":
-        metrics, _ = run_step(run, step)
+        metrics = grpo_step(run.engine, run.prompts, step).metrics
         step += 1
         phases = {p: metrics.get(f"time/{p}", 0.0) for p in PHASES if p != "other"}
         phases["other"] = metrics["time/step"] - sum(phases.values())

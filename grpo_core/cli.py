@@ -129,12 +129,13 @@ def _cmd_eval(args) -> int:
 
 def _cmd_run(args) -> int:
     from grpo_core.spec import load_spec
+    from grpo_core.train.distributed import world_size_from_env
     from grpo_core.train.run import train
 
     loaded = load_spec(args.spec, args.overrides)
     if args.nproc < 1:
         raise UsageError(f"--nproc must be at least 1, got {args.nproc}")
-    if args.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1") or 1) == 1:
+    if args.nproc > 1 and world_size_from_env() == 1:
         return _launch(args, loaded)
     return train(loaded, resume=args.resume)
 

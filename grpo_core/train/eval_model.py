@@ -4,9 +4,11 @@ held-out sets, without training, optimizer or trackers."""
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -15,24 +17,28 @@ from grpo_core.spec import LoadedSpec, Spec
 from grpo_core.train import model as modeling
 from grpo_core.train.data import PromptSource, check_columns
 from grpo_core.train.distributed import Dist
-from grpo_core.train.evaluate import EvalSet, evaluate, load_eval_sets
-from grpo_core.train.run import Run, _rewards, seed_everything
+from grpo_core.train.evaluate import EvalSet, evaluate_sets, load_eval_sets
+from grpo_core.train.reasoning_steps import split_steps
+from grpo_core.train.rollout import Scorer
+from grpo_core.train.run import _rewards, seed_everything
+from grpo_core.train.step import StepSettings
 
 
 @dataclass
 class EvalRun:
-    """What :func:`~grpo_core.train.evaluate.evaluate` reads of a run."""
+    """What evaluating needs: the rollout backend, the reward functions, the sets."""
 
     spec: Spec
     backend: Any
-    rewards: list
-    eval_prompts: list
-    eval_sets: dict[str, EvalSet]
+    scorer: Scorer
+    sets: list[EvalSet]
     dist: Dist = field(default_factory=Dist)
+    autocast: Callable = nullcontext
 
-    device = Run.device
-    autocast = Run.autocast
-    sampling = Run.sampling
+    def evaluate(self) -> dict[str, float]:
+        sampling = StepSettings.from_spec(self.spec).sampling
+        return evaluate_sets(self.spec, self.backend, self.scorer, self.sets, sampling,
+                             dist=self.dist, autocast=self.autocast)
 
 
 def saved_model_folder(path: str) -> Path:
@@ -80,7 +86,8 @@ def build_eval_run(loaded: LoadedSpec, model_dir: str | None = None) -> EvalRun:
     seed_everything(spec.train.seed)
     if spec.train.threads:
         torch.set_num_threads(spec.train.threads)
-    rewards = _rewards(spec, spec.algorithm.step_splitter.build())
+    splitter = spec.algorithm.step_splitter.build()
+    rewards = _rewards(spec, splitter)
     try:
         rows = spec.data.build().load("eval")
     except RunError:
@@ -106,14 +113,18 @@ def build_eval_run(loaded: LoadedSpec, model_dir: str | None = None) -> EvalRun:
                          "held-out split (e.g. eval_size, or eval: FILE) or name sets in eval.sets")
     backend = spec.rollout.build()
     backend.setup(model, tokenizer)
-    return EvalRun(spec, backend, rewards, eval_prompts, eval_sets, dist)
+    scorer = Scorer(rewards, spec.data.prompt_column, spec.train.reward_errors,
+                    split=partial(split_steps, splitter, spec.algorithm.step_splitter.name))
+    sets = [EvalSet("eval/", eval_prompts, spec.data.prompt_column), *eval_sets.values()]
+    autocast = partial(modeling.autocast, spec.train.mixed_precision, dist.device)
+    return EvalRun(spec, backend, scorer, sets, dist, autocast)
 
 
 def evaluate_model(loaded: LoadedSpec, model_dir: str | None = None) -> dict[str, float]:
     """Every held-out set's metrics (as logged during training) for the model saved in
     ``model_dir``, or for the spec's base model when None."""
     with torch.no_grad():
-        return evaluate(build_eval_run(loaded, model_dir))
+        return build_eval_run(loaded, model_dir).evaluate()
 
 
 def format_table(metrics: dict[str, float], set_names: list[str]) -> str:

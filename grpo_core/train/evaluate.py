@@ -6,129 +6,86 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
+from typing import Any, Callable
 
 import torch
 
+from grpo_core.contracts import SamplingParams
 from grpo_core.errors import RunError
 from grpo_core.train.data import Prompt, PromptSource, check_columns
+from grpo_core.train.distributed import Dist
 from grpo_core.train.passk import mean_at_n, mean_pass_at_k
-from grpo_core.train.step import as_completions, columns_of
-from grpo_core.train.scoring import score
+from grpo_core.train.rollout import Scorer, reward_means, sample_and_score
+from grpo_core.train.scoring import Scores
 
 
-@dataclass
-class EvalSet:
-    """One held-out set: its rendered prompts, their prompt column, its metrics' prefix."""
-
-    prefix: str  # "eval/" for the default set, "eval/<name>/" for a named one
-    prompts: list[Prompt]
-    prompt_column: str
-
-
-def evaluate(run) -> dict[str, float]:
-    """Every eval set's metrics: greedy ones (:func:`_greedy`) unless ``eval.greedy`` is
-    off, sampled ones (:func:`_sampled`) when ``eval.n > 0``."""
-    sets = [EvalSet("eval/", run.eval_prompts, run.spec.data.prompt_column), *run.eval_sets.values()]
-    out: dict[str, float] = {}
-    for eval_set in sets:
-        if not eval_set.prompts:
-            continue
-        if run.spec.eval.greedy:
-            out.update(_greedy(run, eval_set.prompts, eval_set.prefix, eval_set.prompt_column))
-        if run.spec.eval.n:
-            out.update(_sampled(run, eval_set))
-        out[f"{eval_set.prefix}prompts"] = float(len(eval_set.prompts))
-    return out
-
-
-def _greedy(run, everything: list[Prompt], prefix: str = "eval/", prompt_column: str | None = None) -> dict[str, float]:
+def evaluate(
+    backend: Any, scorer: Scorer, prompts: list[Prompt], sampling: SamplingParams, *,
+    batch_size: int, dist: Dist | None = None, autocast: Callable = nullcontext, prefix: str = "eval/",
+) -> dict[str, float]:
     """``eval/reward`` and ``eval/rewards/<name>`` (mean over held-out prompts; for an
     accuracy reward that is the greedy accuracy), plus mean completion length.
 
     With several processes each evaluates every N-th prompt and the scores are gathered,
     so the figures are those of all held-out prompts."""
-    spec = run.spec
-    dist = run.dist
-    prompts = everything[dist.rank::dist.world]
-    sampling = run.sampling(greedy=True, max_new_tokens=spec.eval.max_new_tokens or spec.rollout.max_new_tokens)
-    totals, per_fn, lengths = [], [], []
-    names: list[str] = [fn.name for fn in run.rewards]
-    for start in range(0, len(prompts), spec.eval.batch_size):
-        chunk = prompts[start:start + spec.eval.batch_size]
-        with run.autocast():
-            rollout = run.backend.generate([p.ids for p in chunk], 1, sampling)
-        row_prompts, completions = as_completions(chunk, rollout)
-        columns = columns_of(chunk, 1, prompt_column or spec.data.prompt_column)
-        ids = [r[m].tolist() for r, m in zip(rollout.completion_ids, rollout.completion_mask)]
-        scores = score(run.rewards, row_prompts, completions, columns, ids, spec.train.reward_errors)
-        totals.append(scores.total)
-        per_fn.append(scores.per_function)
-        names = scores.names
-        lengths.append(rollout.completion_mask.sum(dim=1).float().cpu())
-    local = (totals, per_fn, lengths)
-    parts = dist.gather(local) if dist.active else [local]
-    total = torch.cat([t for part in parts for t in part[0]])
-    table = torch.cat([t for part in parts for t in part[1]])
-    out = {f"{prefix}completions/mean_length": float(torch.cat([t for part in parts for t in part[2]]).mean())}
-    valid = ~torch.isnan(total)
-    out[f"{prefix}reward"] = float(total[valid].mean()) if valid.any() else math.nan
-    for j, name in enumerate(names):
-        col = table[:, j]
-        ok = ~torch.isnan(col)
-        if ok.any():
-            out[f"{prefix}rewards/{name}"] = float(col[ok].mean())
+    if not prompts:
+        return {}
+    dist = dist or Dist()
+    totals, per_fn, lengths, names = [], [], [], [fn.name for fn in scorer.rewards]
+    mine = prompts[dist.rank::dist.world]
+    for start in range(0, len(mine), batch_size):
+        scored = sample_and_score(backend, scorer, mine[start:start + batch_size], 1, sampling, autocast)
+        totals.append(scored.scores.total)
+        per_fn.append(scored.scores.per_function)
+        lengths.append(scored.rollout.completion_mask.sum(dim=1).float().cpu())
+    parts = dist.gather((totals, per_fn, lengths)) if dist.active else [(totals, per_fn, lengths)]
+    everyone = Scores(
+        total=torch.cat([t for part in parts for t in part[0]]),
+        per_function=torch.cat([t for part in parts for t in part[1]]),
+        names=names,
+    )
+    out = {f"{prefix}completions/mean_length": float(torch.cat([t for part in parts for t in part[2]]).mean()),
+           f"{prefix}reward": math.nan}
+    out.update(reward_means(everyone, prefix=prefix))
+    out[f"{prefix}prompts"] = float(len(prompts))
     return out
 
 
-def correct_column(run) -> int:
-    """Index, among ``run.rewards``, of the function whose score decides correctness:
-    ``eval.correct.reward`` (a reward listed twice: its first entry), else ``accuracy``
-    when listed, else the first one."""
-    wanted = run.spec.eval.correct.reward
-    names = [fn.name.split("#")[0] for fn in run.rewards]
-    for candidate in ([wanted] if wanted else ["accuracy"]):
-        if candidate in names:
-            return names.index(candidate)
-    if wanted:
-        raise RunError(f"eval.correct.reward '{wanted}' is not a reward function of this run ({', '.join(names)})")
-    return 0
+# ----------------------------------------------------------------------------- sampled
+def evaluate_sampled(
+    backend: Any, scorer: Scorer, prompts: list[Prompt], sampling: SamplingParams, *, n: int, ks: list[int],
+    correct: int, threshold: float, batch_size: int, dist: Dist | None = None,
+    autocast: Callable = nullcontext, prefix: str = "eval/",
+) -> dict[str, float]:
+    """``n`` sampled completions per prompt: ``<prefix>mean@n`` (mean total reward over
+    every sample), ``<prefix>rewards/<name>/mean@n`` per function, ``<prefix>pass@k`` for
+    each of ``ks`` (Chen et al.'s unbiased estimator; a sample is correct when reward
+    function number ``correct`` scores it ``>= threshold``) and ``<prefix>sampled/mean_length``.
 
-
-def _sampled(run, eval_set: EvalSet) -> dict[str, float]:
-    """``n`` sampled completions per prompt of ``eval_set``: ``<prefix>mean@n`` (mean total
-    reward over every sample), ``<prefix>rewards/<name>/mean@n`` per function,
-    ``<prefix>pass@k`` for each k (Chen et al.'s unbiased estimator, "correct" as
-    ``eval.correct`` says) and ``<prefix>sampled/mean_length``.
-
-    Samples are seeded from ``train.seed`` and the prompt's position, the same at every
-    evaluation, so two evaluations of a run differ by the weights, not by the draw."""
-    e, dist = run.spec.eval, run.dist
-    prompts = eval_set.prompts[dist.rank::dist.world]
-    j_correct, threshold = correct_column(run), e.correct.threshold
-    totals, tables, correct, lengths = [], [], [], []
-    for start in range(0, len(prompts), e.batch_size):
-        chunk = prompts[start:start + e.batch_size]
-        sampling = run.sampling(
-            temperature=e.temperature, top_p=e.top_p,
-            max_new_tokens=e.max_new_tokens or run.spec.rollout.max_new_tokens,
-            seed=run.spec.train.seed * 1_000_003 + 7_919 + dist.rank * 65_537 + start,
-        )
-        with run.autocast():
-            rollout = run.backend.generate([p.ids for p in chunk], e.n, sampling)
-        row_prompts, completions = as_completions(chunk, rollout)
-        columns = columns_of(chunk, e.n, eval_set.prompt_column)
-        ids = [r[m].tolist() for r, m in zip(rollout.completion_ids, rollout.completion_mask)]
-        scores = score(run.rewards, row_prompts, completions, columns, ids, run.spec.train.reward_errors)
-        totals.append(scores.total)
-        tables.append(scores.per_function)
-        hit = scores.per_function[:, j_correct] >= threshold  # NaN (unscorable) compares False
-        correct.append(hit.view(len(chunk), e.n).sum(dim=1))
-        lengths.append(rollout.completion_mask.sum(dim=1).float().cpu())
-    local = (totals, tables, correct, lengths)
+    ``sampling.seed`` seeds the draw: each process offsets it by its rank and each batch by
+    its first prompt, so an evaluation is reproducible for a given number of processes."""
+    if not prompts:
+        return {}
+    dist = dist or Dist()
+    totals, tables, hits, lengths = [], [], [], []
+    mine = prompts[dist.rank::dist.world]
+    for start in range(0, len(mine), batch_size):
+        chunk = mine[start:start + batch_size]
+        seeded = replace(sampling, seed=None if sampling.seed is None else sampling.seed + dist.rank * 65_537 + start)
+        scored = sample_and_score(backend, scorer, chunk, n, seeded, autocast)
+        totals.append(scored.scores.total)
+        tables.append(scored.scores.per_function)
+        hit = scored.scores.per_function[:, correct] >= threshold  # NaN (unscorable) compares False
+        hits.append(hit.view(len(chunk), n).sum(dim=1))
+        lengths.append(scored.rollout.completion_mask.sum(dim=1).float().cpu())
+    local = (totals, tables, hits, lengths)
     parts = dist.gather(local) if dist.active else [local]
     cat = [torch.cat([t for part in parts for t in part[i]]) for i in range(4)]
-    return sampled_metrics(eval_set.prefix, e.n, e.ks(), [fn.name for fn in run.rewards], *cat)
+    out = sampled_metrics(prefix, n, ks, [fn.name for fn in scorer.rewards], *cat)
+    out[f"{prefix}prompts"] = float(len(prompts))
+    return out
 
 
 def sampled_metrics(prefix: str, n: int, ks: list[int], names: list[str], total: torch.Tensor,
@@ -144,6 +101,61 @@ def sampled_metrics(prefix: str, n: int, ks: list[int], names: list[str], total:
     for k in ks:
         out[f"{prefix}pass@{k}"] = mean_pass_at_k(n, counts, k)
     out[f"{prefix}sampled/mean_length"] = float(lengths.mean()) if lengths.numel() else math.nan
+    return out
+
+
+def correct_index(spec, rewards: list) -> int:
+    """Index, among the reward functions, of the one whose score decides correctness:
+    ``eval.correct.reward`` (a reward listed twice: its first entry), else ``accuracy``
+    when listed, else the first one."""
+    wanted = spec.eval.correct.reward
+    names = [fn.name.split("#")[0] for fn in rewards]
+    for candidate in ([wanted] if wanted else ["accuracy"]):
+        if candidate in names:
+            return names.index(candidate)
+    if wanted:
+        raise RunError(f"eval.correct.reward '{wanted}' is not a reward function of this run ({', '.join(names)})")
+    return 0
+
+
+# ----------------------------------------------------------------------------- sets
+@dataclass
+class EvalSet:
+    """One held-out set: its rendered prompts, their prompt column, its metrics' prefix."""
+
+    prefix: str  # "eval/" for the default set, "eval/<name>/" for a named one
+    prompts: list[Prompt]
+    prompt_column: str
+
+
+def evaluate_sets(
+    spec, backend: Any, scorer: Scorer, sets: list[EvalSet], sampling: SamplingParams, *,
+    dist: Dist | None = None, autocast: Callable = nullcontext,
+) -> dict[str, float]:
+    """Every set's metrics: greedy ones (:func:`evaluate`) unless ``eval.greedy`` is off,
+    sampled ones (:func:`evaluate_sampled`) when ``eval.n > 0``. ``sampling``: the
+    rollout's settings, changed here as ``eval`` says.
+
+    The sampled draw is seeded from ``train.seed``, the same at every evaluation, so two
+    evaluations of a run differ by the weights, not by the draw."""
+    e = spec.eval
+    length = e.max_new_tokens or spec.rollout.max_new_tokens
+    greedy = replace(sampling, greedy=True, max_new_tokens=length)
+    sampled = replace(sampling, temperature=e.temperature, top_p=e.top_p, max_new_tokens=length,
+                      seed=spec.train.seed * 1_000_003 + 7_919)
+    out: dict[str, float] = {}
+    for eval_set in sets:
+        if not eval_set.prompts:
+            continue
+        set_scorer = replace(scorer, prompt_column=eval_set.prompt_column)
+        common = dict(batch_size=e.batch_size, dist=dist, autocast=autocast, prefix=eval_set.prefix)
+        if e.greedy:
+            out.update(evaluate(backend, set_scorer, eval_set.prompts, greedy, **common))
+        if e.n:
+            out.update(evaluate_sampled(
+                backend, set_scorer, eval_set.prompts, sampled, n=e.n, ks=e.ks(),
+                correct=correct_index(spec, scorer.rewards), threshold=e.correct.threshold, **common,
+            ))
     return out
 
 

@@ -14,7 +14,7 @@ import yaml
 
 from grpo_core import checkpoint as ckpt
 from grpo_core.errors import RunError
-from grpo_core.train.distributed import Dist, pad_cat
+from grpo_core.train.distributed import Dist, reduction, pad_cat
 
 from .conftest import CHILD_ENV, load_weights, read_metrics
 
@@ -188,6 +188,22 @@ def test_combine_metrics_rules():
     )
     assert out == {"loss": 2.0, "time/step": 5.0, "completions/max_length": 9.0, "completions/min_length": 1.0,
                    "reward/failed": 3.0, "perf/tokens_per_second": 40.0}
+
+
+def test_metric_reductions_are_declared_not_guessed_from_substrings():
+    """A user reward called ``max_len`` (or ``min_steps``) is a mean like any reward; only
+    declared names, ``/max``, ``/min`` suffixes and ``time/`` are reduced otherwise."""
+    class Two(Dist):
+        def gather(self, obj):
+            return [obj, {"rewards/max_len/mean": 3.0, "rewards/min_steps/mean": 3.0,
+                          "rollout_correction/logp_diff/max": 0.5, "policy/ratio/min": 0.25}]
+
+    out = Two(rank=0, world=2).combine_metrics({"rewards/max_len/mean": 1.0, "rewards/min_steps/mean": 1.0,
+                                                "rollout_correction/logp_diff/max": 2.0, "policy/ratio/min": 0.75})
+    assert out == {"rewards/max_len/mean": 2.0, "rewards/min_steps/mean": 2.0,
+                   "rollout_correction/logp_diff/max": 2.0, "policy/ratio/min": 0.25}
+    assert [reduction(k) for k in ("advantage/abs_max", "time/generate", "loss", "frac_max_like")] == [
+        "max", "max", "mean", "mean"]
 
 
 @pytest.mark.parametrize(("variable", "name"), [("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed")])

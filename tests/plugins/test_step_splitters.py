@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from grpo_core.errors import RunError
 from grpo_core.plugins import load_plugins
 from grpo_core.testing import build_tokenizer
-from grpo_core.train.steps import split_steps, step_tensors, step_token_ends
+from grpo_core.train.reasoning_steps import split_steps, step_tensors, step_token_ends
 from grpo_plugins.step_splitters import RegexOptions, SeparatorSplitter
 
 torch.set_num_threads(1)
