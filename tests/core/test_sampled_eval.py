@@ -168,3 +168,11 @@ def test_eval_of_a_lora_adapter(tmp_path, write_spec, capsys):
     assert main(["eval", str(spec), "--model", str(tmp_path / "out" / "final"), "--json"]) == 0
     evaluated = json.loads(capsys.readouterr().out)
     assert {k: pytest.approx(v, abs=1e-6) for k, v in evaluated.items()} == {k: v for k, v in last.items() if k.startswith("eval/")}
+
+
+def test_an_eval_set_with_an_unknown_dataset_is_reported_with_every_other_problem(tmp_path, write_spec, capsys):
+    spec = write_spec(tmp_path, train={"lr_rate": 1}, eval={"sets": {"hard": {"data": {"name": "arithmetc"}}}})
+    assert main(["validate", str(spec)]) == 2
+    err = capsys.readouterr().err
+    assert "(2 problems)" in err and "spec.train.lr_rate" in err
+    assert "spec.eval.sets.hard.data.name (line" in err and "unknown dataset 'arithmetc'; did you mean 'arithmetic'?" in err
