@@ -80,8 +80,8 @@ def _cmd_validate(args) -> int:
 
 
 def _cmd_plugins(args) -> int:
-    from grpo_core.hookspecs import KIND_LABELS
-    from grpo_core.plugins import load_plugins
+    from grpo_core.hookspecs import KINDS
+    from grpo_core.plugin_manager import load_plugins
 
     plugins = load_plugins()
     if args.json:
@@ -96,7 +96,7 @@ def _cmd_plugins(args) -> int:
         dist = f"{info.distribution} {info.version or ''}".strip() if info.distribution else info.location
         print(f"{info.name}  ({info.source}: {dist})")
         for kind, names in info.components.items():
-            print(f"  {KIND_LABELS[kind]}: {', '.join(names)}")
+            print(f"  {KINDS[kind].label}: {', '.join(names)}")
         hooks = [h.name for h in plugins.manager.get_hookcallers(plugins.manager.get_plugin(key)) or []]
         if not info.components and hooks:
             print(f"  hooks: {', '.join(hooks)} (registered nothing)")
@@ -104,7 +104,7 @@ def _cmd_plugins(args) -> int:
 
 
 def _cmd_schema(args) -> int:
-    from grpo_core.plugins import load_plugins
+    from grpo_core.plugin_manager import load_plugins
     from grpo_core.spec.schema import spec_schema
 
     print(json.dumps(spec_schema(load_plugins().registry), indent=2))
@@ -205,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    handler = {"run": _cmd_run, "eval": _cmd_eval, "validate": _cmd_validate, "plugins": _cmd_plugins, "schema": _cmd_schema}
+    handler = {
+        "run": _cmd_run, "eval": _cmd_eval, "validate": _cmd_validate, "plugins": _cmd_plugins, "schema": _cmd_schema,
+    }
     try:
         return handler[args.command](args)
     except GrpoError as exc:

@@ -157,9 +157,10 @@ class RemoteReward:
                 detail = f"HTTP {exc.code} {exc.reason}: {exc.read()[:200].decode('utf-8', 'replace')!r}"
                 if exc.code not in RETRIED_STATUS:
                     raise RunError(f"reward function 'remote': POST {opts.url} answered {detail}") from None
-            except (urllib.error.URLError, socket.timeout, TimeoutError, ConnectionError) as exc:
+            except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
                 reason = getattr(exc, "reason", exc)
-                detail = f"timed out after {opts.timeout:g} s" if isinstance(reason, (socket.timeout, TimeoutError)) else str(reason)
+                timed_out = isinstance(reason, (socket.timeout, TimeoutError))
+                detail = f"timed out after {opts.timeout:g} s" if timed_out else str(reason)
             if attempt >= opts.retries:
                 raise RunError(
                     f"reward function 'remote': POST {opts.url} failed after {attempt + 1} attempt(s): {detail}"
@@ -180,7 +181,8 @@ class RemoteReward:
             got = f"a list of {len(rewards)}" if isinstance(rewards, list) else repr(answer)[:200]
             raise RunError(f'{where} has no "rewards" list of {size} entries (one per completion); got {got}')
         for i, value in enumerate(rewards):
-            ok = value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value))
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            ok = value is None or (number and math.isfinite(value))
             if not ok:
                 raise RunError(f"{where}: reward {i} is {value!r}; expected a finite number or null")
         return [None if v is None else float(v) for v in rewards]

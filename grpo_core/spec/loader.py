@@ -5,19 +5,18 @@ from __future__ import annotations
 
 import re
 import shlex
-import types
-import typing
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
 from grpo_core.errors import GrpoError, SpecError, did_you_mean
-from grpo_core.plugins import Plugins, load_plugins
+from grpo_core.plugin_manager import Plugins, load_plugins
 from grpo_core.spec.models import Spec
-from grpo_core.spec.slots import Slot, format_path, resolve_slot, resolve_slots
+from grpo_core.spec.slots import field_types, format_path, resolve_slot, resolve_slots, slot_locations
 
 
 @dataclass
@@ -135,19 +134,6 @@ def apply_override(data: dict, assignment: str) -> tuple:
 
 
 # --------------------------------------------------------------------------- errors
-def _unwrap(annotation: Any) -> list[Any]:
-    """The concrete types inside Optional / Union / list / Annotated."""
-    origin = typing.get_origin(annotation)
-    if origin is typing.Annotated:
-        return _unwrap(typing.get_args(annotation)[0])
-    if origin in (typing.Union, types.UnionType, list, tuple):
-        out = []
-        for arg in typing.get_args(annotation):
-            out.extend(_unwrap(arg))
-        return out
-    return [annotation]
-
-
 def _model_at(model: type[BaseModel], loc: Iterable) -> type[BaseModel] | None:
     current: Any = model
     for part in loc:
@@ -158,7 +144,7 @@ def _model_at(model: type[BaseModel], loc: Iterable) -> type[BaseModel] | None:
         field = current.model_fields.get(part)
         if field is None:
             return None
-        models = [t for t in _unwrap(field.annotation) if isinstance(t, type) and issubclass(t, BaseModel)]
+        models = [t for t in field_types(field.annotation) if isinstance(t, type) and issubclass(t, BaseModel)]
         current = models[0] if models else None
     return current if isinstance(current, type) and issubclass(current, BaseModel) else None
 
@@ -187,21 +173,14 @@ def _pydantic_problems(exc: ValidationError) -> list[tuple[tuple, str]]:
     return problems
 
 
-def _slot_locations(model: type[BaseModel], prefix: tuple = ()) -> list[tuple[tuple, type[Slot], bool]]:
-    """Static ``(path, slot class, is_list)`` of every slot field in the spec model; a
-    ``"*"`` in a path stands for every key of a mapping (``eval.sets.*.data``)."""
-    found = []
-    for name, field in model.model_fields.items():
-        origin = typing.get_origin(field.annotation)
-        is_list = origin is list
-        here = prefix + ((name, "*") if origin is dict else (name,))
-        annotation = typing.get_args(field.annotation)[1] if origin is dict else field.annotation
-        for t in _unwrap(annotation):
-            if isinstance(t, type) and issubclass(t, Slot):
-                found.append((here, t, is_list))
-            elif isinstance(t, type) and issubclass(t, BaseModel):
-                found.extend(_slot_locations(t, here))
-    return found
+def _raw_slot_problems(data: dict, plugins: Plugins, context: dict) -> list[tuple[tuple, str]]:
+    """Phase two on the raw data, used when phase one failed, so that a wrong plugin
+    name is reported together with every other problem."""
+    problems: list[tuple[tuple, str]] = []
+    for path, cls, is_list in slot_locations(Spec):
+        for at, node in _raw_nodes(data, path):
+            problems.extend(_raw_problems_at(at, node, cls, is_list, plugins, context))
+    return problems
 
 
 def _raw_nodes(data: dict, path: tuple) -> list[tuple[tuple, Any]]:
@@ -218,17 +197,7 @@ def _raw_nodes(data: dict, path: tuple) -> list[tuple[tuple, Any]]:
     return nodes
 
 
-def _raw_slot_problems(data: dict, plugins: Plugins, context: dict) -> list[tuple[tuple, str]]:
-    """Phase two on the raw data, used when phase one failed, so that a wrong plugin
-    name is reported together with every other problem."""
-    problems: list[tuple[tuple, str]] = []
-    for path, cls, is_list in _slot_locations(Spec):
-        for at, node in _raw_nodes(data, path):
-            problems.extend(_raw_problems_at(at, node, cls, is_list, plugins, context))
-    return problems
-
-
-def _raw_problems_at(path: tuple, node: Any, cls: type[Slot], is_list: bool, plugins: Plugins,
+def _raw_problems_at(path: tuple, node: Any, cls: type, is_list: bool, plugins: Plugins,
                      context: dict) -> list[tuple[tuple, str]]:
     """Phase two for the raw slot (or list of slots) ``node`` found at ``path``."""
     problems: list[tuple[tuple, str]] = []

@@ -9,8 +9,11 @@ path, and the validated options stay attached to the slot all the way into the l
 
 from __future__ import annotations
 
+import types
+import typing
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Iterator
+from typing import Annotated, Any, ClassVar
 
 from pydantic import (
     AfterValidator,
@@ -24,7 +27,7 @@ from pydantic import (
 )
 
 from grpo_core.errors import did_you_mean
-from grpo_core.hookspecs import KIND_LABELS
+from grpo_core.hookspecs import KINDS
 from grpo_core.registry import Component, Registry
 
 
@@ -83,13 +86,46 @@ def iter_slots(model: BaseModel, path: tuple = ()) -> Iterator[tuple[tuple, Slot
     """Every slot in ``model``, depth first, with its path."""
     for field_name in type(model).model_fields:
         value = getattr(model, field_name)
-        items = enumerate(value) if isinstance(value, list) else value.items() if isinstance(value, dict) else [(None, value)]
+        if isinstance(value, list):
+            items = enumerate(value)
+        else:
+            items = value.items() if isinstance(value, dict) else [(None, value)]
         for index, item in items:
             where = path + ((field_name,) if index is None else (field_name, index))
             if isinstance(item, Slot):
                 yield where, item
             elif isinstance(item, BaseModel):
                 yield from iter_slots(item, where)
+
+
+def field_types(annotation: Any) -> list[Any]:
+    """The concrete types inside Optional / Union / list / Annotated."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return field_types(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType, list, tuple):
+        out = []
+        for arg in typing.get_args(annotation):
+            out.extend(field_types(arg))
+        return out
+    return [annotation]
+
+
+def slot_locations(model: type[BaseModel], prefix: tuple = ()) -> list[tuple[tuple, type[Slot], bool]]:
+    """Static ``(path, slot class, is_list)`` of every slot field in the spec model; a
+    ``"*"`` in a path stands for every key of a mapping (``eval.sets.*.data``)."""
+    found = []
+    for name, field in model.model_fields.items():
+        origin = typing.get_origin(field.annotation)
+        is_list = origin is list
+        here = prefix + ((name, "*") if origin is dict else (name,))
+        annotation = typing.get_args(field.annotation)[1] if origin is dict else field.annotation
+        for t in field_types(annotation):
+            if isinstance(t, type) and issubclass(t, Slot):
+                found.append((here, t, is_list))
+            elif isinstance(t, type) and issubclass(t, BaseModel):
+                found.extend(slot_locations(t, here))
+    return found
 
 
 def format_path(path: tuple) -> str:
@@ -106,7 +142,7 @@ def _option_problems(
         loc = path + tuple(err["loc"])
         if err["type"] == "extra_forbidden" and len(err["loc"]) == 1:
             key = str(err["loc"][0])
-            label = KIND_LABELS[slot.kind]
+            label = KINDS[slot.kind].label
             message = (
                 f"unknown key '{key}' for {label} '{slot.name}'{did_you_mean(key, valid)}; "
                 f"valid keys: {', '.join(valid)}"
@@ -125,7 +161,7 @@ def resolve_slot(
     if component is None:
         return [(path + ("name",), registry.unknown_message(slot.kind, slot.name))]
     extra = dict(slot.model_extra or {})
-    label = KIND_LABELS[slot.kind]
+    label = KINDS[slot.kind].label
     if component.options is None:
         if extra:
             keys = ", ".join(sorted(extra))

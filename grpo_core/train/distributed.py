@@ -9,8 +9,9 @@ by hand rather than through DDP's ``forward``.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -28,6 +29,11 @@ REDUCTIONS: dict[str, str] = {
     "completions/max_length": "max",
     "completions/min_length": "min",
     "advantage/abs_max": "max",
+    # dynamic sampling: each process counts its own groups
+    "dynamic_sampling/groups_kept": "sum",
+    "dynamic_sampling/groups_filled": "sum",
+    "dynamic_sampling/groups_dropped": "sum",
+    "dynamic_sampling/prompts_consumed": "sum",
 }
 
 _REDUCE = {"sum": sum, "max": max, "min": min, "mean": lambda values: sum(values) / len(values)}
@@ -57,7 +63,7 @@ class Dist:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     @classmethod
-    def from_env(cls, device: str = "auto") -> "Dist":
+    def from_env(cls, device: str = "auto") -> Dist:
         """Join the process group set up by the launcher, if any, and pick the device:
         ``auto`` is this process's GPU when CUDA is available, else the CPU."""
         for engine in ("FSDP", "DEEPSPEED"):  # what accelerate launch sets from its config file

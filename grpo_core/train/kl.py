@@ -5,6 +5,7 @@ engine reads ``algorithm.kl``."""
 from __future__ import annotations
 
 import copy
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +40,14 @@ class Reference:
         if self.model is not None:
             self.model.load_state_dict(policy.state_dict())
 
+    @torch.no_grad()
+    def mix_toward(self, policy, alpha: float) -> None:
+        """``ref <- alpha * policy + (1 - alpha) * ref``, parameter by parameter (TR-DPO)."""
+        if self.model is None:
+            raise RuntimeError("the reference is the adapter-disabled policy; there is no copy to move")
+        for ref, new in zip(self.model.parameters(), policy.parameters()):
+            ref.lerp_(new.detach().to(ref.dtype), alpha)
+
 
 @dataclass
 class KLTerm:
@@ -50,13 +59,17 @@ class KLTerm:
     beta: float
     placement: str = "loss"
     reference: Reference | None = None
+    sync: Any = None  # a RefSyncSection: move the reference toward the policy every few steps
+    adaptive: Any = None  # an AdaptiveKLSection: steer beta toward a target KL
+    syncs: int = 0  # reference syncs so far
 
     @classmethod
     def from_spec(cls, section, policy) -> KLTerm | None:
         """The term for ``algorithm.kl``, or None when ``beta`` is 0 (no reference at all)."""
         if section.beta <= 0:
             return None
-        return cls(section.build(), section.beta, section.placement, Reference(policy))
+        return cls(section.build(), section.beta, section.placement, Reference(policy),
+                   sync=section.ref_sync, adaptive=section.adaptive)
 
     @property
     def in_loss(self) -> bool:
@@ -77,3 +90,34 @@ class KLTerm:
         kl = self.estimator(logp, ref_logp, mask)
         penalty = self.beta * kl.sum(dim=1)
         return rewards - penalty, penalty, float(kl.sum() / mask.sum().clamp(min=1))
+
+    def after_step(self, step: int, policy, kl: float | None, rows: int) -> dict[str, float]:
+        """Bookkeeping after training step ``step`` (counted from 1): adapt ``beta`` to the
+        step's mean KL per token ``kl`` over its ``rows`` completions (all processes'), and
+        move the reference when a sync is due. Returns ``kl/beta`` (the coefficient the
+        next step uses) and ``kl/ref_syncs``."""
+        if self.adaptive is not None and kl is not None and math.isfinite(kl):
+            self.beta = adapted_beta(self.beta, kl, rows, target=self.adaptive.target, horizon=self.adaptive.horizon)
+        if self.sync is not None and step % self.sync.every == 0:
+            self.reference.mix_toward(policy, self.sync.alpha)
+            self.syncs += 1
+        return {"kl/beta": self.beta, "kl/ref_syncs": float(self.syncs)}
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"beta": self.beta, "syncs": self.syncs}
+        if self.syncs and self.reference is not None and self.reference.model is not None:
+            state["reference"] = self.reference.model.state_dict()  # no longer the initial policy
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.beta = float(state["beta"])
+        self.syncs = int(state.get("syncs", 0))
+        if "reference" in state:
+            self.reference.model.load_state_dict(state["reference"])
+
+
+def adapted_beta(beta: float, kl: float, rows: int, *, target: float, horizon: int) -> float:
+    """The adaptive KL controller's next coefficient (Ziegler et al. 2019):
+    ``beta * (1 + clip(kl / target - 1, -0.2, 0.2) * rows / horizon)``."""
+    error = min(max(kl / target - 1.0, -0.2), 0.2)
+    return beta * (1.0 + error * rows / horizon)

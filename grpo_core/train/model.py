@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import logging
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 

@@ -24,8 +24,9 @@ Shape vocabulary: ``B`` rows, ``T`` completion tokens, ``K`` steps per completio
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor

@@ -4,9 +4,10 @@ training step, the held-out evaluation and the iteration start of iterative GRPO
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -104,3 +105,62 @@ def zero_spread_groups(total: torch.Tensor, group_size: int) -> torch.Tensor:
     no gradient under group-relative advantages."""
     groups = torch.nan_to_num(total.view(-1, group_size), nan=math.inf)
     return (groups == groups[:, :1]).all(dim=1)
+
+
+def _pad_right(t: torch.Tensor, width: int, value) -> torch.Tensor:
+    if t.shape[1] == width:
+        return t
+    pad = torch.full((t.shape[0], width - t.shape[1], *t.shape[2:]), value, dtype=t.dtype, device=t.device)
+    return torch.cat([t, pad], dim=1)
+
+
+def _pad_left(t: torch.Tensor, width: int, value) -> torch.Tensor:
+    if t.shape[1] == width:
+        return t
+    pad = torch.full((t.shape[0], width - t.shape[1]), value, dtype=t.dtype, device=t.device)
+    return torch.cat([pad, t], dim=1)
+
+
+def select_groups(scored: Scored, groups: list[int]) -> Scored:
+    """The prompts ``groups`` (indices) of ``scored``, with their ``G`` rows each."""
+    g = scored.rollout.group_size
+    rows = [i * g + j for i in groups for j in range(g)]
+    r, s, lay = scored.rollout, scored.scores, scored.layout
+    idx, pidx = torch.tensor(rows, dtype=torch.long), torch.tensor(groups, dtype=torch.long)
+    rollout = RolloutBatch(
+        r.prompt_ids[pidx], r.prompt_mask[pidx], r.completion_ids[idx], r.completion_mask[idx], r.truncated[idx],
+        [r.completions[i] for i in rows], None if r.sampling_logp is None else r.sampling_logp[idx],
+    )
+    scores = Scores(s.total[idx], s.per_function[idx], s.names, s.failed,
+                    None if s.step_scores is None else s.step_scores[idx])
+    layout = None if lay is None else StepLayout([lay.spans[i] for i in rows], [lay.texts[i] for i in rows])
+    return Scored([scored.prompts[i] for i in groups], rollout, scores, layout)
+
+
+def concat_scored(parts: list[Scored]) -> Scored:
+    """Several scored rollouts as one: prompts left-padded, completions right-padded (padding
+    outside the masks is 0), step scores padded with NaN."""
+    if len(parts) == 1:
+        return parts[0]
+    rs = [p.rollout for p in parts]
+    width_p, width_c = max(r.prompt_ids.shape[1] for r in rs), max(r.completion_ids.shape[1] for r in rs)
+    rollout = RolloutBatch(
+        torch.cat([_pad_left(r.prompt_ids, width_p, 0) for r in rs]),
+        torch.cat([_pad_left(r.prompt_mask, width_p, False) for r in rs]),
+        torch.cat([_pad_right(r.completion_ids, width_c, 0) for r in rs]),
+        torch.cat([_pad_right(r.completion_mask, width_c, False) for r in rs]),
+        torch.cat([r.truncated for r in rs]),
+        [c for r in rs for c in r.completions],
+        None if rs[0].sampling_logp is None else torch.cat([_pad_right(r.sampling_logp, width_c, 0.0) for r in rs]),
+    )
+    ss = [p.scores for p in parts]
+    step_scores = None
+    if ss[0].step_scores is not None:
+        k = max(s.step_scores.shape[1] for s in ss)
+        step_scores = torch.cat([_pad_right(s.step_scores, k, math.nan) for s in ss])
+    scores = Scores(torch.cat([s.total for s in ss]), torch.cat([s.per_function for s in ss]), ss[0].names,
+                    sum(s.failed for s in ss), step_scores)
+    layout = None
+    if parts[0].layout is not None:
+        layout = StepLayout([x for p in parts for x in p.layout.spans], [x for p in parts for x in p.layout.texts])
+    return Scored([q for p in parts for q in p.prompts], rollout, scores, layout)

@@ -24,8 +24,8 @@ from grpo_core.train.data import PromptSource, check_columns
 from grpo_core.train.distributed import Dist, check_layout
 from grpo_core.train.evaluate import EvalSet, evaluate_sets, load_eval_sets
 from grpo_core.train.iterative import build_iterative
-from grpo_core.train.optim import make_optimizer
 from grpo_core.train.kl import KLTerm
+from grpo_core.train.optim import make_optimizer
 from grpo_core.train.reasoning_steps import split_steps
 from grpo_core.train.rollout import Scorer
 from grpo_core.train.scoring import RewardFn
@@ -85,6 +85,7 @@ class Run:
         named = {"rollout": self.engine.backend, "advantage": self.engine.estimator}
         named.update({f"rewards.{fn.name}": fn.fn for fn in self.engine.scorer.rewards})
         named.update({f"tracking.{name}": tracker for name, tracker in self.log.trackers.items()})
+        named["kl"] = self.engine.kl
         named["iterative"] = self.iterative
         return {k: v for k, v in named.items() if hasattr(v, "state_dict") and hasattr(v, "load_state_dict")}
 
@@ -176,7 +177,7 @@ def _engine(spec: Spec, model, tokenizer, rewards: list[RewardFn], splitter, dis
     scorer = Scorer(
         rewards, spec.data.prompt_column, spec.train.reward_errors,
         split=partial(split_steps, splitter, algo.step_splitter.name),
-        with_steps=bool(getattr(estimator, "needs_step_scores", False)),
+        with_steps=estimator.needs_step_scores,
     )
     return Engine(
         model=model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler, backend=backend,
@@ -274,12 +275,15 @@ def _progress(run: Run, start: int):
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=run.spec.train.steps, initial=start, desc="grpo", unit="step", file=sys.stderr, dynamic_ncols=True)
+    return tqdm(
+        total=run.spec.train.steps, initial=start, desc="grpo", unit="step", file=sys.stderr, dynamic_ncols=True
+    )
 
 
 def _postfix(metrics: dict[str, float], last_eval: dict[str, float]) -> dict[str, str]:
     shown = {"reward": metrics.get("reward"), "kl": metrics.get("kl"), "len": metrics.get("completions/mean_length")}
-    shown.update({k.replace("eval/rewards/", "eval_"): v for k, v in last_eval.items() if k.startswith("eval/rewards/")})
+    evals = {k: v for k, v in last_eval.items() if k.startswith("eval/rewards/")}
+    shown.update({k.replace("eval/rewards/", "eval_"): v for k, v in evals.items()})
     return {k: f"{v:.3g}" for k, v in shown.items() if v is not None and math.isfinite(v)}
 
 
@@ -308,6 +312,9 @@ def _step_and_record(run: Run) -> dict[str, float]:
     begun = run.iterative.begin(run.engine, run.prompts) if due else {}
     result = grpo_step(run.engine, run.prompts, run.step)
     metrics = run.dist.combine_metrics(result.metrics)
+    if run.engine.kl is not None:  # adaptive beta and reference sync see the global step
+        rows = spec.train.prompts_per_step * spec.rollout.group_size
+        metrics.update(run.engine.kl.after_step(run.step + 1, run.model, metrics.get("kl"), rows))
     metrics.update(begun)
     run.step += 1
     run.nonfinite_streak = run.nonfinite_streak + 1 if metrics["train/nonfinite_updates"] else 0
@@ -342,7 +349,7 @@ class _StepStart:
     rng: dict[str, Any]
 
     @classmethod
-    def of(cls, run: Run) -> "_StepStart":
+    def of(cls, run: Run) -> _StepStart:
         return cls(run.step, run.engine.scheduler.last_epoch, run.prompts.state_dict(), ckpt.rng_state())
 
 

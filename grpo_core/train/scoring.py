@@ -35,12 +35,15 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
+from grpo_core.contracts import masked_fill_zero
 from grpo_core.errors import RunError
+from grpo_core.registry import conform
 
 logger = logging.getLogger("grpo.scoring")
 
@@ -63,7 +66,8 @@ class RewardFn:
     def of(
         cls, name: str, weight: float, fn: Callable[..., list], splitter: Callable[[list], Any] | None = None,
         concurrency: int = 1, timeout: float | None = None,
-    ) -> "RewardFn":
+    ) -> RewardFn:
+        fn = conform("reward_function", fn, f"reward function '{name}'")  # declared flags present
         try:
             sig = inspect.signature(fn)
         except (TypeError, ValueError):
@@ -74,9 +78,9 @@ class RewardFn:
     @property
     def is_async(self) -> bool:
         """An ``async def`` function, or an object whose ``__call__`` is one."""
-        return inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(
-            getattr(self.fn, "__call__", None)
-        )
+        candidates = (self.fn, inspect.unwrap(self.fn))  # and through the engine's flag-carrying proxy
+        return any(inspect.iscoroutinefunction(c) or inspect.iscoroutinefunction(type(c).__call__)
+                   for c in candidates)
 
     @property
     def threaded(self) -> bool:
@@ -95,7 +99,7 @@ class RewardFn:
 
     @property
     def required_columns(self) -> list[str]:
-        return list(getattr(self.fn, "required_columns", []) or [])
+        return list(self.fn.required_columns)
 
 
 @dataclass
@@ -381,7 +385,7 @@ def _is_per_step(value: Any) -> bool:
 def _weighted(table: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Weighted sum over the last dim (functions) of the scored entries; NaN where none is."""
     scored = ~torch.isnan(table)
-    total = torch.where(scored, table * weights, torch.zeros(())).sum(dim=-1)
+    total = masked_fill_zero(table * weights, scored).sum(dim=-1)
     return torch.where(scored.any(dim=-1), total, torch.full((), math.nan))
 
 

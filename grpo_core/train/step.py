@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -18,7 +19,15 @@ from grpo_core.train.data import Prompt, PromptSource
 from grpo_core.train.distributed import Dist, pad_cat
 from grpo_core.train.kl import KLTerm
 from grpo_core.train.reasoning_steps import step_tensors
-from grpo_core.train.rollout import Scored, Scorer, reward_means, score_rollout, zero_spread_groups
+from grpo_core.train.rollout import (
+    Scored,
+    Scorer,
+    concat_scored,
+    reward_means,
+    score_rollout,
+    select_groups,
+    zero_spread_groups,
+)
 from grpo_core.train.update import Objective, TrainBatch, batch_logprobs, update
 
 
@@ -48,6 +57,7 @@ class StepSettings:
     max_grad_norm: float | None
     mask_truncated: bool
     sampling: SamplingParams
+    dynamic: Any = None  # a DynamicSamplingSection (DAPO's dynamic sampling), or None
 
     @classmethod
     def from_spec(cls, spec) -> StepSettings:
@@ -60,12 +70,14 @@ class StepSettings:
             group_size=r.group_size, prompts_per_step=t.prompts_per_step, seed=t.seed, mu=spec.algorithm.mu,
             mini_batches=t.mini_batches, micro_batch_size=t.micro_batch_size, max_grad_norm=t.max_grad_norm,
             mask_truncated=r.mask_truncated_completions, sampling=sampling,
+            dynamic=spec.algorithm.dynamic_sampling,
         )
 
-    def step_seed(self, step: int, first_prompt: int) -> int:
-        """The rollout seed of ``step`` for the process whose groups start at ``first_prompt``.
-        Steps are 65537 apart, so no two (step, prompt) pairs share a seed."""
-        return self.seed * 1_000_003 + step * 65_537 + first_prompt
+    def step_seed(self, step: int, first_prompt: int, round_: int = 0) -> int:
+        """The rollout seed of ``step`` (its rollout round ``round_``, under dynamic sampling)
+        for the process whose groups start at ``first_prompt``. Steps are 65537 apart and
+        rounds ``prompts_per_step`` apart, so no two (step, round, prompt) share a seed."""
+        return self.seed * 1_000_003 + step * 65_537 + round_ * self.prompts_per_step + first_prompt
 
 
 @dataclass
@@ -88,7 +100,7 @@ class Engine:
     @property
     def needs_step_scores(self) -> bool:
         """The advantage estimator reads per-step scores (process supervision)."""
-        return bool(getattr(self.estimator, "needs_step_scores", False))
+        return self.estimator.needs_step_scores
 
 
 @dataclass
@@ -115,18 +127,63 @@ def _score_everywhere(engine: Engine, prompts: list[Prompt], rollout: RolloutBat
     return scored
 
 
-def collect(engine: Engine, source: PromptSource, step: int, timer: Timer) -> Scored:
-    """Draw the step's prompts, keep this process's groups, generate ``G`` completions
-    of each and score them."""
+def rollout_round(engine: Engine, source: PromptSource, step: int, timer: Timer, round_: int = 0) -> Scored:
+    """Draw ``prompts_per_step`` prompts, keep this process's groups, generate ``G``
+    completions of each and score them."""
     s = engine.settings
     prompts = source.next(s.prompts_per_step)
     first, stop = engine.dist.shard_bounds(len(prompts))
     prompts = prompts[first:stop]  # this process's groups (all of them with one process)
-    sampling = replace(s.sampling, seed=s.step_seed(step, first))
+    sampling = replace(s.sampling, seed=s.step_seed(step, first, round_))
     with timer("generate"), engine.autocast():
         rollout = engine.backend.generate([p.ids for p in prompts], s.group_size, sampling)
     with timer("score"):
         return _score_everywhere(engine, prompts, rollout)
+
+
+def _spread_metric(scored: Scored, metric: str) -> torch.Tensor:
+    """``(B,)``: the values whose spread within a group decides whether it is kept."""
+    scores = scored.scores
+    if metric == "reward":
+        return scores.total
+    column = next(j for j, n in enumerate(scores.names) if n == metric or n.startswith(f"{metric}#"))
+    return scores.per_function[:, column]
+
+
+def collect(engine: Engine, source: PromptSource, step: int, timer: Timer) -> tuple[Scored, dict[str, float]]:
+    """The step's scored groups. Under dynamic sampling (DAPO), rounds of prompts are rolled
+    out until each process holds its share of ``prompts_per_step`` groups whose metric has a
+    spread, or ``max_rounds`` ran out; then the first zero-spread groups fill the rest."""
+    ds = engine.settings.dynamic
+    if ds is None:
+        return rollout_round(engine, source, step, timer), {}
+    kept: list[Scored] = []
+    spare: list[Scored] = []  # zero-spread groups, in order: the fill when rounds run out
+    n_kept = n_spare = n_seen = rounds = 0
+    while True:
+        scored = rollout_round(engine, source, step, timer, rounds)
+        rounds, need = rounds + 1, len(scored.prompts)
+        n_seen += need
+        flat = zero_spread_groups(_spread_metric(scored, ds.metric), scored.rollout.group_size).tolist()
+        spread = [i for i, flat_i in enumerate(flat) if not flat_i][: need - n_kept]
+        kept.append(select_groups(scored, spread))
+        n_kept += len(spread)
+        if n_spare < need:
+            zero = [i for i, flat_i in enumerate(flat) if flat_i][: need - n_spare]
+            spare.append(select_groups(scored, zero))
+            n_spare += len(zero)
+        if rounds >= ds.max_rounds or not engine.dist.any(n_kept < need):
+            break
+    filled = need - n_kept
+    parts = [p for p in kept if p.prompts]
+    if filled:
+        parts.append(select_groups(concat_scored([p for p in spare if p.prompts]), list(range(filled))))
+    metrics = {
+        "dynamic_sampling/rounds": float(rounds), "dynamic_sampling/groups_kept": float(n_kept),
+        "dynamic_sampling/groups_filled": float(filled), "dynamic_sampling/groups_dropped": float(n_seen - need),
+        "dynamic_sampling/prompts_consumed": float(n_seen),
+    }
+    return concat_scored(parts), metrics
 
 
 # ----------------------------------------------------------------------------- prepare
@@ -271,8 +328,9 @@ def samples(scored: Scored, batch: TrainBatch) -> list[dict[str, Any]]:
 def grpo_step(engine: Engine, source: PromptSource, step: int) -> StepResult:
     """One step: collect, prepare, update, sync the backend's weights; its metrics."""
     timer, t_start, s = Timer(), time.perf_counter(), engine.settings
-    scored = collect(engine, source, step, timer)
+    scored, sampled = collect(engine, source, step, timer)
     batch, metrics = prepare(engine, scored, timer)
+    metrics.update(sampled)
     upd = update(
         engine.model, engine.optimizer, engine.scheduler, batch, engine.objective,
         mu=s.mu, mini_batches=s.mini_batches, micro_batch_size=s.micro_batch_size,

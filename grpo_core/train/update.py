@@ -13,9 +13,10 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -64,7 +65,7 @@ class Objective:
     @property
     def skips_zero_advantage_rows(self) -> bool:
         return (
-            bool(getattr(self.policy_loss, "zero_advantage_is_zero_loss", False))
+            self.policy_loss.zero_advantage_is_zero_loss
             and self.kl is None
             and self.entropy_coef == 0
         )
@@ -96,7 +97,7 @@ def rollout_correction(
     if mode == "truncate":
         weight = ratio.clamp(max=cap)
     elif mode == "mask":
-        weight = torch.where(capped, torch.zeros((), device=mask.device), ratio)
+        weight = masked_fill_zero(ratio, ~capped)
     else:
         raise ValueError(f"rollout correction mode must be 'truncate' or 'mask', got {mode!r}")
     weight = masked_fill_zero(weight, mask)
@@ -212,7 +213,9 @@ def micro_batch_loss(
     m = batch.mask[rows]
     with_entropy = objective.entropy_coef > 0
     with autocast():
-        logp, entropy = forward_logprobs(model, batch, rows, with_entropy=with_entropy, temperature=objective.temperature)
+        logp, entropy = forward_logprobs(
+            model, batch, rows, with_entropy=with_entropy, temperature=objective.temperature
+        )
     logp = logp.float()
     old = batch.old_logp[rows] if batch.old_logp is not None else logp.detach()
     out = objective.policy_loss(PolicyLossInputs(logp, old, batch.advantages[rows], m))
@@ -233,7 +236,9 @@ def micro_batch_loss(
     return objective.aggregator(per_token, m, stats), metrics, logp, old
 
 
-def _backward_minibatch(model, batch, rows, objective, micro_batch_size, autocast, dist, tally, counts) -> _MinibatchSums:
+def _backward_minibatch(
+    model, batch, rows, objective, micro_batch_size, autocast, dist, tally, counts
+) -> _MinibatchSums:
     """Forward and backward every micro-batch of the mini-batch ``rows`` (gradients accumulate);
     rows that cannot change the gradient are skipped (see the module doc)."""
     mask = batch.mask[rows]
@@ -312,7 +317,9 @@ def update(
             sums = _backward_minibatch(model, batch, rows, objective, micro_batch_size, autocast, dist, tally, counts)
             times["forward_backward"] += time.perf_counter() - t0
             t0 = time.perf_counter()
-            outcome, loss, norm = _optimizer_decision(params, optimizer, scheduler, objective, sums, max_grad_norm, dist)
+            outcome, loss, norm = _optimizer_decision(
+                params, optimizer, scheduler, objective, sums, max_grad_norm, dist
+            )
             counts[_OUTCOME_COUNTS[outcome]] += 1
             if outcome == "updated":
                 grad_norms.append(norm)

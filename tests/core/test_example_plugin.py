@@ -36,7 +36,7 @@ from grpo_core.checkpoint import pid_alive
 from grpo_core.cli import main
 from grpo_core.contracts import AdvantageInputs
 from grpo_core.errors import SpecError
-from grpo_core.plugins import load_plugins
+from grpo_core.plugin_manager import load_plugins
 from grpo_core.spec import load_spec
 
 pytestmark = pytest.mark.xdist_group(name="site-packages")
@@ -237,7 +237,9 @@ def test_schema_includes_its_options(example_plugin, monkeypatch):
         assert main(["schema"]) == 0
     schema = json.loads(out.getvalue())
     (variant,) = [v for v in schema["$defs"]["RewardSlot"]["anyOf"] if v["title"] == "length_penalty (example)"]
-    assert set(variant["properties"]) == {"name", "weight", "concurrency", "call_timeout", "target_chars", "scale", "only_longer"}
+    assert set(variant["properties"]) == {
+        "name", "weight", "concurrency", "call_timeout", "target_chars", "scale", "only_longer",
+    }
     assert all(p.get("description") for p in variant["properties"].values())
     jsonschema = pytest.importorskip("jsonschema")
     validator = jsonschema.Draft202012Validator(schema)

@@ -1,5 +1,5 @@
 """Process supervision in the engine: per-step scores from reward functions, step ends on
-the generated tokens, the seeds' process advantage end to end, and specs/process.yaml on a
+the generated tokens, DeepSeekMath's process advantage end to end, and specs/process.yaml on a
 tiny model with its metrics read back from MLflow."""
 
 from __future__ import annotations
@@ -9,17 +9,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from grpo_plugins.advantages import GRPOAdvantage, GRPOOptions, ProcessAdvantage, ProcessOptions
+from grpo_plugins.step_splitters import SeparatorSplitter
 
 from grpo_core.cli import main
 from grpo_core.contracts import RolloutBatch
 from grpo_core.errors import RunError
 from grpo_core.testing import build_tokenizer, save_tiny_model
-from grpo_core.train.scoring import RewardFn, score
 from grpo_core.train.reasoning_steps import split_steps
 from grpo_core.train.rollout import Scored
+from grpo_core.train.scoring import RewardFn, score
 from grpo_core.train.step import advantage_inputs
-from grpo_plugins.advantages import GRPOAdvantage, GRPOOptions, ProcessAdvantage, ProcessOptions
-from grpo_plugins.step_splitters import SeparatorSplitter
 
 torch.set_num_threads(1)
 SPECS = Path(__file__).resolve().parents[2] / "specs"
@@ -148,7 +148,7 @@ def seed_formula(
     return torch.tensor(out)
 
 
-def test_the_engine_gives_the_process_estimator_the_seeds_formula_on_real_tokens():
+def test_the_engine_gives_the_process_estimator_deepseekmaths_formula_on_real_tokens():
     tokenizer = build_tokenizer()
     groups = [["1 + 2 = 3\n3 + 4 = 7\n", "12 + 3 = 15", "3\n\n33\nno"], ["x", "3 3\n3", "4\n3\n"]]
     rollout = rollout_of(tokenizer, groups)

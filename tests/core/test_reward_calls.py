@@ -115,7 +115,8 @@ def test_hung_sync_function_is_abandoned_after_its_timeout():
         out = _score(fns, on_error="none")
         assert torch.isnan(out.per_function[:, 0]).all() and out.failed == 6
         assert out.total.tolist() == [2.0 * i for i in range(6)]
-        with pytest.raises(RunError, match="'hung' did not return within its call_timeout of 0.2 s .*reward_errors: none"):
+        message = "'hung' did not return within its call_timeout of 0.2 s .*reward_errors: none"
+        with pytest.raises(RunError, match=message):
             _score(fns)
     finally:
         release.set()

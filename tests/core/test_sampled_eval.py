@@ -123,9 +123,11 @@ def test_a_bad_model_folder_exits_2(tmp_path, write_spec, capsys, model, message
     [
         ({"n": 4, "k": [1, 5]}, "eval.k values must be in 1..eval.n (4); got [5]"),
         ({"k": [1]}, "eval.k needs eval.n > 0"),
-        ({"n": 2, "correct": {"reward": "accurcy"}}, "eval.correct.reward 'accurcy' must name an entry of rewards (accuracy, format)"),
+        ({"n": 2, "correct": {"reward": "accurcy"}},
+         "eval.correct.reward 'accurcy' must name an entry of rewards (accuracy, format)"),
         ({"sets": {"rewards": {"data": {"name": "arithmetic"}}}}, "eval set name 'rewards'"),
-        ({"sets": {"hard": {"data": {"name": "arithmetc"}}}}, "eval.sets.hard.data.name (line |): unknown dataset 'arithmetc'"),
+        ({"sets": {"hard": {"data": {"name": "arithmetc"}}}},
+         "eval.sets.hard.data.name (line |): unknown dataset 'arithmetc'"),
     ],
 )
 def test_eval_options_are_validated(tmp_path, write_spec, capsys, change, message):
@@ -167,7 +169,8 @@ def test_eval_of_a_lora_adapter(tmp_path, write_spec, capsys):
     assert (tmp_path / "out" / "final" / "adapter_config.json").is_file()
     assert main(["eval", str(spec), "--model", str(tmp_path / "out" / "final"), "--json"]) == 0
     evaluated = json.loads(capsys.readouterr().out)
-    assert {k: pytest.approx(v, abs=1e-6) for k, v in evaluated.items()} == {k: v for k, v in last.items() if k.startswith("eval/")}
+    logged = {k: v for k, v in last.items() if k.startswith("eval/")}
+    assert {k: pytest.approx(v, abs=1e-6) for k, v in evaluated.items()} == logged
 
 
 def test_an_eval_set_with_an_unknown_dataset_is_reported_with_every_other_problem(tmp_path, write_spec, capsys):
@@ -175,4 +178,5 @@ def test_an_eval_set_with_an_unknown_dataset_is_reported_with_every_other_proble
     assert main(["validate", str(spec)]) == 2
     err = capsys.readouterr().err
     assert "(2 problems)" in err and "spec.train.lr_rate" in err
-    assert "spec.eval.sets.hard.data.name (line" in err and "unknown dataset 'arithmetc'; did you mean 'arithmetic'?" in err
+    assert "spec.eval.sets.hard.data.name (line" in err
+    assert "unknown dataset 'arithmetc'; did you mean 'arithmetic'?" in err

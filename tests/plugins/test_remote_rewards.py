@@ -7,15 +7,15 @@ from __future__ import annotations
 import json
 import threading
 import time
-from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
+from grpo_plugins.remote_rewards import RemoteOptions, RemoteReward
 
 from grpo_core.errors import RunError
-from grpo_core.plugins import load_plugins
+from grpo_core.plugin_manager import load_plugins
 from grpo_core.train.scoring import RewardFn, score
-from grpo_plugins.remote_rewards import RemoteOptions, RemoteReward
 
 
 class Server:
@@ -89,7 +89,8 @@ def test_scores_come_from_the_server_in_the_documented_format(server, monkeypatc
     assert out == [1.0, 3.0, 1.0, 6.0]
     (request,) = server.requests
     assert request["path"] == "/score"
-    assert request["body"] == {"prompts": PROMPTS, "completions": COMPLETIONS, "columns": {"answer": ["2", "2", "7", "7"]}}
+    columns = {"answer": ["2", "2", "7", "7"]}
+    assert request["body"] == {"prompts": PROMPTS, "completions": COMPLETIONS, "columns": columns}
     assert request["headers"]["Authorization"] == "Bearer s3cret" and request["headers"]["X-Run"] == "test"
     assert request["headers"]["Content-Type"] == "application/json"
     assert "s3cret" not in repr(fn.options)  # the secret is not part of the spec
@@ -97,7 +98,8 @@ def test_scores_come_from_the_server_in_the_documented_format(server, monkeypatc
 
 def test_batch_size_columns_and_completion_ids(server):
     fn = remote(server, batch_size=3, columns=["answer"], send_completion_ids=True)
-    out = fn(PROMPTS, COMPLETIONS, answer=["a", "b", "c", "d"], other=[1, 2, 3, 4], completion_ids=[[1], [2, 3], [4], [5]])
+    ids = [[1], [2, 3], [4], [5]]
+    out = fn(PROMPTS, COMPLETIONS, answer=["a", "b", "c", "d"], other=[1, 2, 3, 4], completion_ids=ids)
     assert out == [1.0, 3.0, 1.0, 6.0]
     first, second = (r["body"] for r in server.requests)
     assert first["completions"] == COMPLETIONS[:3] and second["completions"] == COMPLETIONS[3:]
@@ -153,7 +155,8 @@ def test_a_malformed_answer_is_a_clear_error(server, action, message):
 
 def test_a_missing_secret_variable_and_a_bad_url_are_clear_errors(monkeypatch):
     monkeypatch.delenv("RM_AUTH", raising=False)
-    with pytest.raises(RunError, match="header 'Authorization' takes its value from the environment variable RM_AUTH, which is not set"):
+    message = "header 'Authorization' takes its value from the environment variable RM_AUTH, which is not set"
+    with pytest.raises(RunError, match=message):
         RemoteReward(RemoteOptions(url="http://127.0.0.1:1/", headers_from_env={"Authorization": "RM_AUTH"}))
     with pytest.raises(ValueError, match="url must start with http:// or https://"):
         RemoteOptions(url="127.0.0.1:8000/score")
@@ -176,7 +179,8 @@ def test_a_training_run_scores_with_the_remote_reward(server, tmp_path, monkeypa
     model = save_tiny_model(tmp_path / "model")
     remote_slot = json.dumps({"name": "remote", "url": server.url, "concurrency": 2, "call_timeout": 30, "weight": 0.1})
     code = main([str(spec), "--set", f"model.path={model}", "--set", f"train.output_dir={tmp_path / 'out'}",
-                 "--set", "tracking=[]", "--set", "train.steps=2", "--set", "train.threads=1", "--set", "eval.every=0", "--set", "eval.at_start=false",
+                 "--set", "tracking=[]", "--set", "train.steps=2", "--set", "train.threads=1",
+                 "--set", "eval.every=0", "--set", "eval.at_start=false",
                  "--set", "eval.at_end=false", "--set", f"rewards=[{{name: accuracy}}, {remote_slot}]"])
     assert code == 0
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
