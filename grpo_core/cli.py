@@ -1,4 +1,5 @@
-"""``grpo-run``: train from a spec, validate it, list plugins, print the JSON Schema.
+"""``grpo-run``: train from a spec, evaluate a model, validate a spec, list plugins, print
+the JSON Schema.
 
 Exit codes: 0 success, 1 runtime failure, 2 invalid spec or usage, 130 interrupted
 (SIGINT), 143 terminated (SIGTERM).
@@ -14,16 +15,16 @@ import traceback
 
 from grpo_core.errors import GrpoError, UsageError
 
-COMMANDS = ("run", "validate", "plugins", "schema")
+COMMANDS = ("run", "eval", "validate", "plugins", "schema")
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="grpo-run",
         description="Train a causal LM with GRPO from a YAML spec.",
-        epilog="Commands: grpo-run SPEC (train), grpo-run validate SPEC, grpo-run plugins, "
-        "grpo-run schema. Exit codes: 0 ok, 1 runtime failure, 2 invalid spec or usage, "
-        "130 interrupted.",
+        epilog="Exit codes: 0 ok, 1 runtime failure, 2 invalid spec or usage, 130 interrupted. "
+        "Commands: grpo-run SPEC (train), grpo-run eval SPEC, grpo-run validate SPEC, "
+        "grpo-run plugins, grpo-run schema.",
     )
     sub = parser.add_subparsers(dest="command")
 
@@ -45,6 +46,16 @@ def _parser() -> argparse.ArgumentParser:
         help="train in N data-parallel processes on this machine (one per GPU, or N on the CPU); "
         "for several machines use accelerate launch or torchrun with -m grpo_core.cli run SPEC",
     )
+    evaluate = sub.add_parser(
+        "eval", help="evaluate a saved model (or the spec's base model) on the spec's held-out sets, "
+        "without training; prints a table"
+    )
+    spec_args(evaluate)
+    evaluate.add_argument(
+        "--model", default=None, metavar="FOLDER",
+        help="a model saved by grpo-run (runs/<name>/final, or a checkpoint folder); default: the spec's model",
+    )
+    evaluate.add_argument("--json", action="store_true", help="print the metrics as JSON instead of a table")
     validate = sub.add_parser("validate", help="validate a spec and print it with every default filled in")
     spec_args(validate)
     plugins = sub.add_parser("plugins", help="list plugins and the components they register")
@@ -97,6 +108,22 @@ def _cmd_schema(args) -> int:
     from grpo_core.spec.schema import spec_schema
 
     print(json.dumps(spec_schema(load_plugins().registry), indent=2))
+    return 0
+
+
+def _cmd_eval(args) -> int:
+    from grpo_core.spec import load_spec
+    from grpo_core.train.eval_model import evaluate_model, format_table, saved_model_folder
+
+    loaded = load_spec(args.spec, args.overrides)
+    if args.model is not None:
+        saved_model_folder(args.model)  # a bad path is a usage error before anything loads
+    metrics = evaluate_model(loaded, args.model)
+    print(f"grpo-run eval: {args.model or 'the spec model'} on {loaded.name}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(metrics, indent=2))
+    else:
+        print(format_table(metrics, list(loaded.spec.eval.sets)))
     return 0
 
 
@@ -178,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    handler = {"run": _cmd_run, "validate": _cmd_validate, "plugins": _cmd_plugins, "schema": _cmd_schema}
+    handler = {
+        "run": _cmd_run, "eval": _cmd_eval, "validate": _cmd_validate, "plugins": _cmd_plugins, "schema": _cmd_schema,
+    }
     try:
         return handler[args.command](args)
     except GrpoError as exc:

@@ -43,6 +43,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "grpo_plugins.rollout_hf",
     "grpo_plugins.rollout_vllm",
     "grpo_plugins.rewards",
+    "grpo_plugins.remote_rewards",
     "grpo_plugins.process_rewards",
     "grpo_plugins.trainable_rewards",
     "grpo_plugins.datasets",

@@ -178,21 +178,41 @@ def _raw_slot_problems(data: dict, plugins: Plugins, context: dict) -> list[tupl
     name is reported together with every other problem."""
     problems: list[tuple[tuple, str]] = []
     for path, cls, is_list in slot_locations(Spec):
-        node: Any = data
-        for part in path:
-            node = node.get(part) if isinstance(node, dict) else None
-        items = list(enumerate(node)) if is_list and isinstance(node, list) else [(None, node)]
-        for index, raw in items:
-            where = path if index is None else path + (index,)
-            if raw is None and index is None:
-                raw = {}
-            if not isinstance(raw, dict):
-                continue
-            try:
-                slot = cls.model_validate(raw, context=context)
-            except ValidationError:
-                continue  # phase one already reported it
-            problems.extend(resolve_slot(slot, where, plugins.registry, context))
+        for at, node in _raw_nodes(data, path):
+            problems.extend(_raw_problems_at(at, node, cls, is_list, plugins, context))
+    return problems
+
+
+def _raw_nodes(data: dict, path: tuple) -> list[tuple[tuple, Any]]:
+    """The raw values at ``path`` (``"*"``: every key of a mapping), each with its own path;
+    a missing value is None."""
+    nodes: list[tuple[tuple, Any]] = [((), data)]
+    for part in path:
+        nodes = [
+            (where + (key,), value)
+            for where, node in nodes
+            for key, value in ((node.items() if isinstance(node, dict) else []) if part == "*"
+                               else [(part, node.get(part) if isinstance(node, dict) else None)])
+        ]
+    return nodes
+
+
+def _raw_problems_at(path: tuple, node: Any, cls: type, is_list: bool, plugins: Plugins,
+                     context: dict) -> list[tuple[tuple, str]]:
+    """Phase two for the raw slot (or list of slots) ``node`` found at ``path``."""
+    problems: list[tuple[tuple, str]] = []
+    items = list(enumerate(node)) if is_list and isinstance(node, list) else [(None, node)]
+    for index, raw in items:
+        where = path if index is None else path + (index,)
+        if raw is None and index is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            continue
+        try:
+            slot = cls.model_validate(raw, context=context)
+        except ValidationError:
+            continue  # phase one already reported it
+        problems.extend(resolve_slot(slot, where, plugins.registry, context))
     return problems
 
 

@@ -5,6 +5,7 @@ Every field has a description: ``grpo-run schema`` and the docs are made from th
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -114,6 +115,17 @@ class RewardSlot(Slot):
     kind = "reward_function"
     weight: float = Field(
         1.0, allow_inf_nan=False, description="Weight of this function in the weighted sum of rewards (finite)."
+    )
+    concurrency: int = Field(
+        1, ge=1, description="Cut each step's batch into this many contiguous chunks and score them "
+        "at once: in parallel threads for a synchronous function, as concurrent tasks for an "
+        "`async def` one. 1: one call on the whole batch (on the calling thread when synchronous)."
+    )
+    call_timeout: float | None = Field(
+        None, gt=0, allow_inf_nan=False, description="Seconds this function may take on one step's "
+        "batch; completions not scored by then are None (train.reward_errors: none) or stop the run "
+        "(raise). An async call is cancelled; a synchronous one runs in a worker thread, which is "
+        "abandoned (threads cannot be killed). Default: no limit."
     )
 
 
@@ -325,15 +337,86 @@ class CheckpointSection(Section):
     keep: int = Field(2, ge=1, description="Keep the last K checkpoints.")
 
 
+class CorrectSection(Section):
+    """What counts as a correct completion for pass@k."""
+
+    reward: str | None = Field(
+        None, description="Entry of `rewards` whose score decides; default: the one named "
+        "accuracy when listed, else the first entry."
+    )
+    threshold: float = Field(
+        1.0, allow_inf_nan=False, description="A completion is correct when that reward's score is "
+        ">= this (1.0 suits 0/1 verifiers such as accuracy); an unscorable (None) one never is."
+    )
+
+
+class EvalSetSection(Section):
+    """A further named held-out set, logged under eval/<name>/."""
+
+    data: DataSlot = Field(description="The dataset slot of this set (name, options, prompt_column...).")
+    split: Literal["eval", "train"] = Field(
+        "eval", description="Which split of that dataset to evaluate on (e.g. train with a file "
+        "dataset whose `train` is the set's file)."
+    )
+    max_prompts: int | None = Field(None, ge=1, description="Evaluate on at most this many of its prompts.")
+
+
+#: Names an eval set cannot take: its metrics would clash with the default set's.
+RESERVED_SET_NAMES = frozenset({"reward", "rewards", "completions", "prompts", "sampled"})
+
+
 class EvalSection(Section):
+    """Held-out evaluation: greedy (one completion per prompt) and, with n > 0, n sampled
+    completions per prompt reported as mean@n and pass@k (Chen et al. 2021)."""
+
     every: int = Field(
         0, ge=0, description="Evaluate every N steps (and before and after training when > 0 or at_end)."
     )
     at_start: bool = Field(True, description="Evaluate before the first step.")
     at_end: bool = Field(True, description="Evaluate after the last step.")
     max_prompts: int | None = Field(None, ge=1, description="Evaluate on at most this many held-out prompts.")
-    batch_size: int = Field(32, ge=1, description="Prompts per greedy generation batch.")
+    batch_size: int = Field(32, ge=1, description="Prompts per generation batch.")
     max_new_tokens: int | None = Field(None, ge=1, description="Default: rollout.max_new_tokens.")
+    greedy: bool = Field(True, description="Report greedy decoding (eval/reward, eval/rewards/<name>).")
+    n: int = Field(
+        0, ge=0, description="Sampled completions per prompt for mean@n and pass@k; 0: none (greedy only)."
+    )
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the n samples.")
+    top_p: float = Field(
+        1.0, gt=0, le=1, description="Nucleus sampling mass of the n samples (top_k and stop as rollout)."
+    )
+    k: list[int] | None = Field(
+        None, min_length=1, description="The k of pass@k, each in 1..n; default [1, n]."
+    )
+    correct: CorrectSection = Field(default_factory=CorrectSection, description="What pass@k counts as correct.")
+    sets: dict[str, EvalSetSection] = Field(
+        default_factory=dict, description="Further named held-out sets, each logged under "
+        "eval/<name>/; the held-out split of `data` stays the default set, logged under eval/."
+    )
+
+    @model_validator(mode="after")
+    def _ks_fit(self):
+        if self.k is not None and self.n == 0:
+            raise ValueError("eval.k needs eval.n > 0 (samples per prompt)")
+        bad = [k for k in self.k or [] if not 1 <= k <= self.n]
+        if bad:
+            raise ValueError(f"eval.k values must be in 1..eval.n ({self.n}); got {bad}")
+        return self
+
+    @field_validator("sets")
+    @classmethod
+    def _set_names(cls, v):
+        for name in v:
+            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name) or name in RESERVED_SET_NAMES or "@" in name:
+                raise ValueError(
+                    f"eval set name {name!r}: use letters, digits, '_', '.', '-' (starting with a letter "
+                    f"or digit), other than {', '.join(sorted(RESERVED_SET_NAMES))}"
+                )
+        return v
+
+    def ks(self) -> list[int]:
+        """The k values of pass@k (sorted, unique)."""
+        return sorted(set(self.k)) if self.k else sorted({1, self.n})
 
 
 # --------------------------------------------------------------------------- iterative
@@ -406,6 +489,16 @@ class Spec(Section):
             raise ValueError(
                 f"train.mini_batches ({self.train.mini_batches}) must divide train.prompts_per_step "
                 f"({self.train.prompts_per_step}) so that every group stays in one mini-batch"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _correct_reward_listed(self):
+        wanted = self.eval.correct.reward
+        names = [slot.name for slot in self.rewards]
+        if wanted is not None and wanted not in names:
+            raise ValueError(
+                f"eval.correct.reward '{wanted}' must name an entry of rewards ({', '.join(names)})"
             )
         return self
 

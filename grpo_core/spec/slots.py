@@ -86,7 +86,10 @@ def iter_slots(model: BaseModel, path: tuple = ()) -> Iterator[tuple[tuple, Slot
     """Every slot in ``model``, depth first, with its path."""
     for field_name in type(model).model_fields:
         value = getattr(model, field_name)
-        items = enumerate(value) if isinstance(value, list) else [(None, value)]
+        if isinstance(value, list):
+            items = enumerate(value)
+        else:
+            items = value.items() if isinstance(value, dict) else [(None, value)]
         for index, item in items:
             where = path + ((field_name,) if index is None else (field_name, index))
             if isinstance(item, Slot):
@@ -109,15 +112,19 @@ def field_types(annotation: Any) -> list[Any]:
 
 
 def slot_locations(model: type[BaseModel], prefix: tuple = ()) -> list[tuple[tuple, type[Slot], bool]]:
-    """Static ``(path, slot class, is_list)`` of every slot field in the spec model."""
+    """Static ``(path, slot class, is_list)`` of every slot field in the spec model; a
+    ``"*"`` in a path stands for every key of a mapping (``eval.sets.*.data``)."""
     found = []
     for name, field in model.model_fields.items():
-        is_list = typing.get_origin(field.annotation) is list
-        for t in field_types(field.annotation):
+        origin = typing.get_origin(field.annotation)
+        is_list = origin is list
+        here = prefix + ((name, "*") if origin is dict else (name,))
+        annotation = typing.get_args(field.annotation)[1] if origin is dict else field.annotation
+        for t in field_types(annotation):
             if isinstance(t, type) and issubclass(t, Slot):
-                found.append((prefix + (name,), t, is_list))
+                found.append((here, t, is_list))
             elif isinstance(t, type) and issubclass(t, BaseModel):
-                found.extend(slot_locations(t, prefix + (name,)))
+                found.extend(slot_locations(t, here))
     return found
 
 

@@ -1,24 +1,30 @@
-"""Held-out evaluation: greedy completions scored by the spec's reward functions."""
+"""Held-out evaluation: greedy completions, and ``n`` sampled completions per prompt
+(mean@n, pass@k), scored by the spec's reward functions, on the default held-out set
+(the held-out split of ``data``, metrics ``eval/...``) and on each named set of
+``eval.sets`` (metrics ``eval/<name>/...``)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from grpo_core.contracts import SamplingParams
-from grpo_core.train.data import Prompt
+from grpo_core.errors import RunError
+from grpo_core.train.data import Prompt, PromptSource, check_columns
 from grpo_core.train.distributed import Dist
+from grpo_core.train.passk import mean_at_n, mean_pass_at_k
 from grpo_core.train.rollout import Scorer, reward_means, sample_and_score
 from grpo_core.train.scoring import Scores
 
 
 def evaluate(
     backend: Any, scorer: Scorer, prompts: list[Prompt], sampling: SamplingParams, *,
-    batch_size: int, dist: Dist | None = None, autocast: Callable = nullcontext,
+    batch_size: int, dist: Dist | None = None, autocast: Callable = nullcontext, prefix: str = "eval/",
 ) -> dict[str, float]:
     """``eval/reward`` and ``eval/rewards/<name>`` (mean over held-out prompts; for an
     accuracy reward that is the greedy accuracy), plus mean completion length.
@@ -41,8 +47,138 @@ def evaluate(
         per_function=torch.cat([t for part in parts for t in part[1]]),
         names=names,
     )
-    out = {"eval/completions/mean_length": float(torch.cat([t for part in parts for t in part[2]]).mean()),
-           "eval/reward": math.nan}
-    out.update(reward_means(everyone, prefix="eval/"))
-    out["eval/prompts"] = float(len(prompts))
+    out = {f"{prefix}completions/mean_length": float(torch.cat([t for part in parts for t in part[2]]).mean()),
+           f"{prefix}reward": math.nan}
+    out.update(reward_means(everyone, prefix=prefix))
+    out[f"{prefix}prompts"] = float(len(prompts))
+    return out
+
+
+# ----------------------------------------------------------------------------- sampled
+def evaluate_sampled(
+    backend: Any, scorer: Scorer, prompts: list[Prompt], sampling: SamplingParams, *, n: int, ks: list[int],
+    correct: int, threshold: float, batch_size: int, dist: Dist | None = None,
+    autocast: Callable = nullcontext, prefix: str = "eval/",
+) -> dict[str, float]:
+    """``n`` sampled completions per prompt: ``<prefix>mean@n`` (mean total reward over
+    every sample), ``<prefix>rewards/<name>/mean@n`` per function, ``<prefix>pass@k`` for
+    each of ``ks`` (Chen et al.'s unbiased estimator; a sample is correct when reward
+    function number ``correct`` scores it ``>= threshold``) and ``<prefix>sampled/mean_length``.
+
+    ``sampling.seed`` seeds the draw: each process offsets it by its rank and each batch by
+    its first prompt, so an evaluation is reproducible for a given number of processes."""
+    if not prompts:
+        return {}
+    dist = dist or Dist()
+    totals, tables, hits, lengths = [], [], [], []
+    mine = prompts[dist.rank::dist.world]
+    for start in range(0, len(mine), batch_size):
+        chunk = mine[start:start + batch_size]
+        seeded = replace(sampling, seed=None if sampling.seed is None else sampling.seed + dist.rank * 65_537 + start)
+        scored = sample_and_score(backend, scorer, chunk, n, seeded, autocast)
+        totals.append(scored.scores.total)
+        tables.append(scored.scores.per_function)
+        hit = scored.scores.per_function[:, correct] >= threshold  # NaN (unscorable) compares False
+        hits.append(hit.view(len(chunk), n).sum(dim=1))
+        lengths.append(scored.rollout.completion_mask.sum(dim=1).float().cpu())
+    local = (totals, tables, hits, lengths)
+    parts = dist.gather(local) if dist.active else [local]
+    cat = [torch.cat([t for part in parts for t in part[i]]) for i in range(4)]
+    out = sampled_metrics(prefix, n, ks, [fn.name for fn in scorer.rewards], *cat)
+    out[f"{prefix}prompts"] = float(len(prompts))
+    return out
+
+
+def sampled_metrics(prefix: str, n: int, ks: list[int], names: list[str], total: torch.Tensor,
+                    table: torch.Tensor, correct: torch.Tensor, lengths: torch.Tensor) -> dict[str, float]:
+    """The sampled metrics from ``total (R,)``, ``table (R, F)`` and ``lengths (R,)`` of
+    ``R = prompts * n`` samples and ``correct (prompts,)`` counts of correct samples."""
+    out = {f"{prefix}mean@{n}": mean_at_n(total.tolist())}
+    for j, name in enumerate(names):
+        value = mean_at_n(table[:, j].tolist())
+        if not math.isnan(value):
+            out[f"{prefix}rewards/{name}/mean@{n}"] = value
+    counts = [int(c) for c in correct.tolist()]
+    for k in ks:
+        out[f"{prefix}pass@{k}"] = mean_pass_at_k(n, counts, k)
+    out[f"{prefix}sampled/mean_length"] = float(lengths.mean()) if lengths.numel() else math.nan
+    return out
+
+
+def correct_index(spec, rewards: list) -> int:
+    """Index, among the reward functions, of the one whose score decides correctness:
+    ``eval.correct.reward`` (a reward listed twice: its first entry), else ``accuracy``
+    when listed, else the first one."""
+    wanted = spec.eval.correct.reward
+    names = [fn.name.split("#")[0] for fn in rewards]
+    for candidate in ([wanted] if wanted else ["accuracy"]):
+        if candidate in names:
+            return names.index(candidate)
+    if wanted:
+        raise RunError(f"eval.correct.reward '{wanted}' is not a reward function of this run ({', '.join(names)})")
+    return 0
+
+
+# ----------------------------------------------------------------------------- sets
+@dataclass
+class EvalSet:
+    """One held-out set: its rendered prompts, their prompt column, its metrics' prefix."""
+
+    prefix: str  # "eval/" for the default set, "eval/<name>/" for a named one
+    prompts: list[Prompt]
+    prompt_column: str
+
+
+def evaluate_sets(
+    spec, backend: Any, scorer: Scorer, sets: list[EvalSet], sampling: SamplingParams, *,
+    dist: Dist | None = None, autocast: Callable = nullcontext,
+) -> dict[str, float]:
+    """Every set's metrics: greedy ones (:func:`evaluate`) unless ``eval.greedy`` is off,
+    sampled ones (:func:`evaluate_sampled`) when ``eval.n > 0``. ``sampling``: the
+    rollout's settings, changed here as ``eval`` says.
+
+    The sampled draw is seeded from ``train.seed``, the same at every evaluation, so two
+    evaluations of a run differ by the weights, not by the draw."""
+    e = spec.eval
+    length = e.max_new_tokens or spec.rollout.max_new_tokens
+    greedy = replace(sampling, greedy=True, max_new_tokens=length)
+    sampled = replace(sampling, temperature=e.temperature, top_p=e.top_p, max_new_tokens=length,
+                      seed=spec.train.seed * 1_000_003 + 7_919)
+    out: dict[str, float] = {}
+    for eval_set in sets:
+        if not eval_set.prompts:
+            continue
+        set_scorer = replace(scorer, prompt_column=eval_set.prompt_column)
+        common = dict(batch_size=e.batch_size, dist=dist, autocast=autocast, prefix=eval_set.prefix)
+        if e.greedy:
+            out.update(evaluate(backend, set_scorer, eval_set.prompts, greedy, **common))
+        if e.n:
+            out.update(evaluate_sampled(
+                backend, set_scorer, eval_set.prompts, sampled, n=e.n, ks=e.ks(),
+                correct=correct_index(spec, scorer.rewards), threshold=e.correct.threshold, **common,
+            ))
+    return out
+
+
+def load_eval_sets(spec, tokenizer, max_tokens: int, required: dict[str, str]) -> dict[str, EvalSet]:
+    """The named sets of ``eval.sets``, loaded and rendered; ``required`` maps each column
+    the reward functions need to who needs it."""
+    out: dict[str, EvalSet] = {}
+    for name, section in spec.eval.sets.items():
+        dataset = section.data.build()
+        try:
+            rows = dataset.load(section.split)
+        except RunError:
+            raise
+        except Exception as exc:
+            raise RunError(
+                f"eval.sets.{name}.data: dataset '{section.data.name}' failed to load: {type(exc).__name__}: {exc}"
+            ) from exc
+        if not rows:
+            raise RunError(f"eval.sets.{name}: dataset '{section.data.name}' has no rows in its {section.split} split")
+        needed = {section.data.prompt_column: f"eval.sets.{name}.data.prompt_column", **required}
+        check_columns(rows, needed, f"eval set '{name}'")
+        source = PromptSource(rows, tokenizer, section.data, seed=0, max_tokens=max_tokens, shuffle=False)
+        prompts = [p for p in map(source.render, rows) if p is not None][: section.max_prompts]
+        out[name] = EvalSet(f"eval/{name}/", prompts, section.data.prompt_column)
     return out

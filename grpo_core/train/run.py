@@ -7,7 +7,7 @@ import math
 import random
 import signal
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,7 @@ from grpo_core.tracking import RunLog, flatten
 from grpo_core.train import model as modeling
 from grpo_core.train.data import PromptSource, check_columns
 from grpo_core.train.distributed import Dist, check_layout
-from grpo_core.train.evaluate import evaluate
+from grpo_core.train.evaluate import EvalSet, evaluate_sets, load_eval_sets
 from grpo_core.train.iterative import build_iterative
 from grpo_core.train.kl import KLTerm
 from grpo_core.train.optim import make_optimizer
@@ -57,6 +57,12 @@ class Run:
     nonfinite_streak: int = 0
     last_eval: dict[str, float] = field(default_factory=dict)
     saved_step: int | None = None  # the step of the last checkpoint this process wrote
+    eval_sets: dict[str, Any] = field(default_factory=dict)  # the named sets of eval.sets
+
+    @property
+    def has_eval(self) -> bool:
+        """Some held-out set has prompts: the default one or a named one."""
+        return bool(self.eval_prompts) or any(s.prompts for s in self.eval_sets.values())
 
     @property
     def model(self):
@@ -128,7 +134,8 @@ def _rewards(spec: Spec, splitter: Any) -> list[RewardFn]:
     out = []
     for slot in spec.rewards:
         label = slot.name if names.count(slot.name) == 1 else f"{slot.name}#{len(out)}"
-        out.append(RewardFn.of(label, slot.weight, slot.build(), splitter=cut))
+        out.append(RewardFn.of(label, slot.weight, slot.build(), splitter=cut,
+                               concurrency=slot.concurrency, timeout=slot.call_timeout))
     return out
 
 
@@ -201,6 +208,8 @@ def build_run(loaded: LoadedSpec, dist: Dist | None = None) -> Run:
     prompts = PromptSource(train_rows, tokenizer, spec.data, seed=spec.train.seed, max_tokens=max_prompt)
     eval_source = PromptSource(eval_rows or [{}], tokenizer, spec.data, seed=0, max_tokens=max_prompt, shuffle=False)
     eval_prompts = [p for p in map(eval_source.render, eval_rows) if p is not None][: spec.eval.max_prompts]
+    required = {c: f"reward function '{fn.name}'" for fn in rewards for c in fn.required_columns}
+    eval_sets = load_eval_sets(spec, tokenizer, max_prompt, required)
 
     engine = _engine(spec, model, tokenizer, rewards, splitter, dist)
     reference = engine.kl.reference if engine.kl is not None else None
@@ -209,16 +218,17 @@ def build_run(loaded: LoadedSpec, dist: Dist | None = None) -> Run:
         spec=spec, loaded=loaded, output_dir=output_dir, engine=engine, prompts=prompts,
         eval_prompts=eval_prompts, log=RunLog(trackers, output_dir, enabled=dist.is_main),
         iterative=build_iterative(spec, rewards, reference),
+        eval_sets=eval_sets,
     )
 
 
 def evaluate_run(run: Run) -> dict[str, float]:
-    """Greedy completions of the held-out prompts, scored (see :func:`evaluate`)."""
+    """The held-out sets' metrics: the default set, then every named one (see
+    :func:`evaluate_sets`)."""
     spec, engine = run.spec, run.engine
-    sampling = replace(engine.settings.sampling, greedy=True,
-                       max_new_tokens=spec.eval.max_new_tokens or spec.rollout.max_new_tokens)
-    return evaluate(engine.backend, engine.scorer, run.eval_prompts, sampling,
-                    batch_size=spec.eval.batch_size, dist=engine.dist, autocast=engine.autocast)
+    sets = [EvalSet("eval/", run.eval_prompts, spec.data.prompt_column), *run.eval_sets.values()]
+    return evaluate_sets(spec, engine.backend, engine.scorer, sets, engine.settings.sampling,
+                         dist=engine.dist, autocast=engine.autocast)
 
 
 class StopSignal:
@@ -381,7 +391,7 @@ def train(loaded: LoadedSpec, resume: str | None = None) -> int:
     bar = _progress(run, run.step)
     try:
         with StopSignal() as stop:
-            if spec.eval.at_start and run.eval_prompts and run.step == 0:
+            if spec.eval.at_start and run.has_eval and run.step == 0:
                 run.last_eval = evaluate_run(run)
                 run.log.log_metrics(run.last_eval, run.step)
             # With several processes, a signal seen by any stops all of them at the same step.
@@ -404,7 +414,7 @@ def train(loaded: LoadedSpec, resume: str | None = None) -> int:
                         f"  resume with: {loaded.command('--resume')}", file=sys.stderr,
                     )
                 return stop.exit_code
-        if spec.eval.at_end and run.eval_prompts:
+        if spec.eval.at_end and run.has_eval:
             run.last_eval = evaluate_run(run)
             run.log.log_metrics(run.last_eval, run.step)
         if spec.checkpoint.every:
@@ -426,7 +436,7 @@ def train(loaded: LoadedSpec, resume: str | None = None) -> int:
 def _summary(run: Run, final: Path, last_eval: dict[str, float]) -> None:
     lines = [f"grpo-run: finished {run.step} steps.", f"  model saved to {final}"]
     for key, value in sorted(last_eval.items()):
-        if key.startswith("eval/rewards/") or key == "eval/reward":
+        if key.startswith("eval/") and not key.endswith(("/prompts", "mean_length")):
             lines.append(f"  {key} = {value:.4f}")
     lines.append(f"  metrics: {run.log.metrics_path}")
     for name, tracker in run.log.trackers.items():

@@ -33,7 +33,7 @@ DIST_SPEC = {
     },
     "train": {"steps": 2, "prompts_per_step": 4, "seed": 3},
     "checkpoint": {"every": 1, "keep": 5},
-    "eval": {"at_start": True, "at_end": True},
+    "eval": {"at_start": True, "at_end": True, "n": 2},
 }
 
 
@@ -80,6 +80,10 @@ def test_two_processes_take_the_same_steps_as_one_and_resume_with_either(tmp_pat
             if key in r1:
                 assert r2[key] == pytest.approx(r1[key], rel=1e-3, abs=1e-6), (r1["step"], key)
     assert rows2[0]["eval/prompts"] == 6  # both halves of the held-out set were scored
+    # Sampled evaluation gathers every process's samples (each process seeds its own share,
+    # so the draw, unlike the greedy figures, depends on the number of processes).
+    for row in (rows2[0], rows2[-1]):
+        assert 0 <= row["eval/pass@1"] <= row["eval/pass@2"] <= 1 and row["eval/sampled/mean_length"] > 0
     assert two.stderr.count("grpo-run: finished 2 steps.") == 1  # the summary, from the main process
 
     # A checkpoint written by two processes resumes in one, and the other way round, and
