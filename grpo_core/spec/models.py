@@ -230,7 +230,8 @@ class TrainSection(Section):
     )
     max_grad_norm: float | None = Field(1.0, gt=0, description="Gradient clipping norm; null disables it.")
     mixed_precision: Literal["no", "bf16", "fp16"] = Field(
-        "no", description="Autocast compute dtype; weights and optimizer stay in model.dtype."
+        "no", description="Autocast compute dtype; weights and optimizer stay in model.dtype. fp16 is "
+        "refused (no gradient scaler): use bf16."
     )
     seed: int = Field(0, description="Seed of python, numpy and torch RNGs, data order and sampling.")
     threads: int | None = Field(
@@ -263,6 +264,17 @@ class TrainSection(Section):
         # YAML 1.1 reads a bare `no` as false: `mixed_precision: no` means "no".
         return "no" if v is False else v
 
+    @field_validator("mixed_precision")
+    @classmethod
+    def _no_fp16(cls, v):
+        if v == "fp16":
+            raise ValueError(
+                "fp16 is not supported: float16 gradients need a loss scaler (torch.amp.GradScaler), "
+                "which the engine does not have, so small gradients would underflow to zero; use bf16 "
+                "(the same memory, float32's range, no scaler needed) or no"
+            )
+        return v
+
     @field_validator("adam_betas")
     @classmethod
     def _betas(cls, v):
@@ -277,10 +289,15 @@ class TrackerSlot(Slot):
 
 class CheckpointSection(Section):
     every: int = Field(
-        0, ge=0, description="Write a checkpoint every N steps and at the end; 0: none periodically. "
-        "One is always written when the run is interrupted or stops on non-finite updates."
+        100, ge=0, description="Write a checkpoint every N steps and at the end; 0: not by step count. "
+        "One is always written when the run is interrupted, stops on non-finite updates, or fails "
+        "before a step's update (the last completed step)."
     )
-    keep: int = Field(2, ge=1, description="Keep the last K checkpoints.")
+    every_minutes: float = Field(
+        30.0, ge=0, description="Also write one when this many minutes have passed since the last "
+        "(bounds the work a crash can lose, whatever a step costs); 0: not by time."
+    )
+    keep: int = Field(2, ge=1, description="Keep the last K checkpoints of this run.")
 
 
 class EvalSection(Section):
