@@ -7,6 +7,7 @@ import math
 import random
 import signal
 import sys
+import time
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -67,6 +68,8 @@ class Run:
     nonfinite_streak: int = 0
     last_eval: dict[str, float] = field(default_factory=dict)
     saved_step: int | None = None  # the step of the last checkpoint this process wrote
+    saved_at: float = field(default_factory=time.monotonic)  # when it was written (or the run began)
+    trajectory: str = field(default_factory=ckpt.new_trajectory)  # this line of steps' id
 
     @property
     def device(self) -> torch.device:
@@ -98,6 +101,7 @@ class Run:
     def state_dict(self) -> dict[str, Any]:
         return {
             "step": self.step,
+            "trajectory": self.trajectory,
             "run_id": self.log.run_id,
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
@@ -127,10 +131,12 @@ class Run:
         if self.saved_step != self.step or not folder.is_dir():
             if self.dist.is_main:
                 folder = ckpt.write_checkpoint(
-                    self.checkpoint_dir, self.step, self.model, self.state_dict(), self.spec.checkpoint.keep
+                    self.checkpoint_dir, self.step, self.model, self.state_dict(), self.spec.checkpoint.keep,
+                    self.trajectory,
                 )
             self.dist.barrier()
             self.saved_step = self.step
+            self.saved_at = time.monotonic()
         return folder
 
 
@@ -172,7 +178,7 @@ def build_run(loaded: LoadedSpec, dist: Dist | None = None) -> Run:
     seed_everything(spec.train.seed)
     if spec.train.threads:
         torch.set_num_threads(spec.train.threads)
-    output_dir = Path(spec.train.output_dir or Path("runs") / loaded.name)
+    output_dir = ckpt.run_folder(loaded)
     output_dir.mkdir(parents=True, exist_ok=True)
 
     splitter = spec.algorithm.step_splitter.build()
@@ -269,13 +275,15 @@ def _resume(run: Run, resume: str | None) -> str | None:
     """Restore the run from a checkpoint; return the tracker run id to continue."""
     if resume is None:
         return None
-    found = ckpt.find_resumable(run.checkpoint_dir, resume)
+    found = ckpt.find_resumable(run.checkpoint_dir, resume, map_location=run.device)
     if found is None:
         raise RunError(
             f"--resume: no usable checkpoint in {run.checkpoint_dir}; run without --resume to start afresh"
         )
     ckpt.load_model_weights(run.model, found.folder)
     run.load_state_dict(found.state)
+    run.trajectory = ckpt.trajectory_after_resume(run.checkpoint_dir, found)
+    run.log.rewind(run.step)
     run.backend.sync_weights(run.model)
     if run.dist.is_main:
         print(f"grpo-run: resuming from {found.folder} (step {run.step})", file=sys.stderr)
@@ -299,7 +307,9 @@ def _one_step(run: Run) -> dict[str, float]:
     every = spec.train.log_completions_every
     if every and run.step % every == 0:
         run.log.log_table("completions", samples, run.step)
-    if spec.checkpoint.every and run.step % spec.checkpoint.every == 0:
+    c = spec.checkpoint
+    due = ckpt.due(run.step, c.every, c.every_minutes, run.saved_at)
+    if run.dist.any(due) if c.every_minutes else due:  # clocks differ between processes
         run.save_checkpoint()
     if run.nonfinite_streak >= spec.train.max_nonfinite_updates:
         folder = run.save_checkpoint()
@@ -325,11 +335,15 @@ class _StepStart:
         return cls(run.step, run.scheduler.last_epoch, run.prompts.state_dict(), ckpt.rng_state())
 
 
-def _save_failed_step(run: Run, start: _StepStart, loaded: LoadedSpec) -> None:
-    """A step that failed before its update (a reward function raised, no usable prompt)
-    left the model and optimizer as the previous step did: rewind its data position and
-    RNG states and checkpoint that state, so that no completed step is lost."""
+def _save_failed_step(run: Run, start: _StepStart, loaded: LoadedSpec, exc: BaseException) -> None:
+    """A step that failed before its update (a reward function raised, no usable prompt, out
+    of memory, a full disk, a bug) left the model and optimizer as the previous step did:
+    rewind its data position and RNG states and checkpoint that state, so that no completed
+    step is lost. With several processes only a failure every process shares (a RunError
+    they agree on) is checkpointed: the others may be waiting in a collective."""
     if run.step != start.step or run.scheduler.last_epoch != start.updates or run.step == 0:
+        return
+    if run.dist.active and not isinstance(exc, RunError):
         return
     run.prompts.load_state_dict(start.data)
     ckpt.set_rng_state(start.rng)
@@ -371,8 +385,8 @@ def train(loaded: LoadedSpec, resume: str | None = None) -> int:
                 start = _StepStart.of(run)
                 try:
                     metrics = _one_step(run)
-                except RunError:
-                    _save_failed_step(run, start, loaded)
+                except Exception as exc:
+                    _save_failed_step(run, start, loaded, exc)
                     raise
                 if bar is not None:
                     bar.set_postfix(_postfix(metrics, run.last_eval), refresh=False)
@@ -386,16 +400,18 @@ def train(loaded: LoadedSpec, resume: str | None = None) -> int:
                         f"  resume with: {loaded.command('--resume')}", file=sys.stderr,
                     )
                 return stop.exit_code
-        if spec.eval.at_end and run.eval_prompts:
-            run.last_eval = evaluate(run)
-            run.log.log_metrics(run.last_eval, run.step)
-        if spec.checkpoint.every:
-            run.save_checkpoint()
-        final = _save_final(run)
-        status = "FINISHED"
-        if run.dist.is_main:
-            _summary(run, final, run.last_eval)
-        return 0
+            # Still handled here: a signal during the final evaluation or save lets them
+            # finish (a second one stops at once), then the run exits with its code.
+            if spec.eval.at_end and run.eval_prompts:
+                run.last_eval = evaluate(run)
+                run.log.log_metrics(run.last_eval, run.step)
+            if spec.checkpoint.every or spec.checkpoint.every_minutes:
+                run.save_checkpoint()
+            final = _save_final(run)
+            status = "FINISHED" if stop.signum is None else "KILLED"
+            if run.dist.is_main:
+                _summary(run, final, run.last_eval)
+            return 0 if stop.signum is None else stop.exit_code
     except KeyboardInterrupt:
         status = "KILLED"
         raise
