@@ -73,28 +73,32 @@ def _describe(rank: int, code: int) -> str:
 
 def supervise(procs: list[subprocess.Popen], poll_s: float = 0.1) -> int:
     """Wait for every process; when one fails, stop the others (see the module docstring).
-    Returns the first failure's exit code, or 0."""
-    first: tuple[int, int] | None = None  # (rank, code)
+    Returns the exit code of the root failure (a process killed by a signal this launcher
+    did not send, whose peers then fail on the broken connection; else the first to fail),
+    or 0."""
+    failures: list[tuple[int, int]] = []  # (rank, code) in the order seen
+    ours: set[int] = set()  # ranks this launcher SIGKILLed
     failed_at = terminated_at = None
-    while any(p.poll() is None for p in procs):
-        if first is None:
-            for rank, p in enumerate(procs):
-                if p.returncode not in (None, 0):
-                    first, failed_at = (rank, p.returncode), time.monotonic()
-                    if p.returncode < 0:
-                        print(f"grpo-run: {_describe(rank, p.returncode)}; stopping the others", file=sys.stderr)
-                    break
+    while True:
+        running = [p.poll() is None for p in procs]
+        for rank, p in enumerate(procs):
+            if p.returncode not in (None, 0) and rank not in {r for r, _ in failures}:
+                failures.append((rank, p.returncode))
+                failed_at = failed_at or time.monotonic()
+                if p.returncode < 0 and rank not in ours:
+                    print(f"grpo-run: {_describe(rank, p.returncode)}; stopping the others", file=sys.stderr)
+        if not any(running):
+            break
         now = time.monotonic()
         if failed_at is not None and terminated_at is None and now - failed_at > GRACE_S:
             terminated_at = now
             _send(procs, signal.SIGTERM)
         if terminated_at is not None and now - terminated_at > KILL_AFTER_S:
+            ours.update(r for r, alive in enumerate(running) if alive)
             _send(procs, signal.SIGKILL)
         time.sleep(poll_s)
-    codes = [p.wait() for p in procs]
-    if first is None:
-        first = next(((r, c) for r, c in enumerate(codes) if c), (0, 0))
-    return _exit_code(first[1])
+    killed = [(r, c) for r, c in failures if c < 0 and r not in ours]
+    return _exit_code((killed or failures or [(0, 0)])[0][1])
 
 
 def _send(procs: list[subprocess.Popen], signum: int) -> None:
