@@ -1,7 +1,8 @@
 """``grpo-run``: train from a spec, validate it, list plugins, print the JSON Schema.
 
-Exit codes: 0 success, 1 runtime failure, 2 invalid spec or usage, 130 interrupted
-(SIGINT), 143 terminated (SIGTERM).
+Exit codes: 0 success, 1 runtime failure, 2 invalid spec or usage (or a fresh run in a
+folder holding another run), 130 interrupted (SIGINT), 143 terminated (SIGTERM); under
+``--nproc``, 128 + N when a process was killed by signal N.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Train a causal LM with GRPO from a YAML spec.",
         epilog="Commands: grpo-run SPEC (train), grpo-run validate SPEC, grpo-run plugins, "
         "grpo-run schema. Exit codes: 0 ok, 1 runtime failure, 2 invalid spec or usage, "
-        "130 interrupted.",
+        "130 interrupted, 143 terminated.",
     )
     sub = parser.add_subparsers(dest="command")
 
