@@ -45,7 +45,7 @@ MANIFEST = "manifest.json"
 STATE = "state.pt"
 PREFIX = "step-"
 #: What a previous run leaves in its folder, moved aside by ``--overwrite``.
-RUN_FILES = ("checkpoints", "metrics.jsonl", "final", "spec.resolved.yaml")
+RUN_FILES = ("checkpoints", "metrics.jsonl", "metrics.superseded.jsonl", "final", "spec.resolved.yaml")
 _LEFTOVER = re.compile(rf"\.({PREFIX}\d+)\.(tmp|old)-(\d+)")
 
 
@@ -74,11 +74,12 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    # RNG states are CPU byte tensors, whatever map_location a checkpoint was loaded with.
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+    torch.set_rng_state(state["torch"].cpu())
     if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([t.cpu() for t in state["cuda"]])
 
 
 def params_finite(model) -> bool:
@@ -209,11 +210,15 @@ def _numpy_globals() -> list[Any]:
 def load_state(path: Path, map_location: Any = "cpu") -> dict[str, Any]:
     """``state.pt`` read with ``weights_only=True``: a file that needs anything beyond tensors,
     plain containers, numbers, strings and numpy's RNG state is refused, never executed."""
+    if torch.device(map_location).type == "cpu":  # torch cannot restore onto "cpu:0" (accelerate's CPU device)
+        map_location = "cpu"
     try:
         with torch.serialization.safe_globals(_numpy_globals()):
             return torch.load(path, weights_only=True, map_location=map_location)
     except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[-1][:300]
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        first = next((line for line in lines if "Unsupported" in line), lines[0] if lines else "")
+        first = first.split(". Please use")[0][:300]  # torch's advice to allow-list it: not for a user
         raise RunError(
             f"refusing to load {path}: it holds more than tensors and plain data, which could run code "
             f"when unpickled ({first}). Resume only from checkpoints you wrote yourself; a component's "

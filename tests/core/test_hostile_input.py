@@ -141,7 +141,7 @@ def test_checkpoint_state_loads_onto_the_given_device(tmp_path, write_spec, monk
     state = ckpt.load_state(folder / ckpt.STATE, map_location="meta")
     tensors = [v for s in state["optimizer"]["state"].values() for v in s.values() if torch.is_tensor(v)]
     assert tensors and all(t.device.type == "meta" for t in tensors)
-    cpu = ckpt.load_state(folder / ckpt.STATE, map_location=torch.device("cpu"))
+    cpu = ckpt.load_state(folder / ckpt.STATE, map_location=torch.device("cpu", 0))  # accelerate's CPU device
     assert cpu["rng"]["numpy"][0] == "MT19937" and len(cpu["rng"]["python"][1]) == 625
     assert cpu["trajectory"] and cpu["scheduler"]["last_epoch"] == 2
 
