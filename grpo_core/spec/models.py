@@ -230,8 +230,9 @@ class TrainSection(Section):
     )
     max_grad_norm: float | None = Field(1.0, gt=0, description="Gradient clipping norm; null disables it.")
     mixed_precision: Literal["no", "bf16", "fp16"] = Field(
-        "no", description="Autocast compute dtype; weights and optimizer stay in model.dtype. fp16 is "
-        "refused (no gradient scaler): use bf16."
+        "no", description="Autocast compute dtype; weights and optimizer stay in model.dtype. fp16 "
+        "scales the loss (torch.amp.GradScaler, checkpointed) so small gradients do not underflow; "
+        "bf16 needs no scaler."
     )
     seed: int = Field(0, description="Seed of python, numpy and torch RNGs, data order and sampling.")
     threads: int | None = Field(
@@ -263,17 +264,6 @@ class TrainSection(Section):
     def _yaml_no(cls, v):
         # YAML 1.1 reads a bare `no` as false: `mixed_precision: no` means "no".
         return "no" if v is False else v
-
-    @field_validator("mixed_precision")
-    @classmethod
-    def _no_fp16(cls, v):
-        if v == "fp16":
-            raise ValueError(
-                "fp16 is not supported: float16 gradients need a loss scaler (torch.amp.GradScaler), "
-                "which the engine does not have, so small gradients would underflow to zero; use bf16 "
-                "(the same memory, float32's range, no scaler needed) or no"
-            )
-        return v
 
     @field_validator("adam_betas")
     @classmethod

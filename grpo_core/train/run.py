@@ -70,6 +70,7 @@ class Run:
     saved_step: int | None = None  # the step of the last checkpoint this process wrote
     saved_at: float = field(default_factory=time.monotonic)  # when it was written (or the run began)
     trajectory: str = field(default_factory=ckpt.new_trajectory)  # this line of steps' id
+    scaler: Any = None  # torch.amp.GradScaler under fp16 mixed precision
 
     @property
     def device(self) -> torch.device:
@@ -110,6 +111,7 @@ class Run:
             "nonfinite_streak": self.nonfinite_streak,
             "last_eval": dict(self.last_eval),
             "components": {k: v.state_dict() for k, v in self.stateful().items()},
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -122,6 +124,8 @@ class Run:
         for key, component in self.stateful().items():
             if key in state.get("components", {}):
                 component.load_state_dict(state["components"][key])
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
         ckpt.set_rng_state(state["rng"])
 
     def save_checkpoint(self) -> Path:
@@ -215,6 +219,7 @@ def build_run(loaded: LoadedSpec, dist: Dist | None = None) -> Run:
         rewards=rewards, prompts=prompts, eval_prompts=eval_prompts, optimizer=optimizer,
         scheduler=scheduler, log=RunLog(trackers, output_dir, enabled=dist.is_main), reference=reference,
         splitter=splitter, iterative=build_iterative(spec, rewards, reference), dist=dist,
+        scaler=torch.amp.GradScaler(dist.device.type) if spec.train.mixed_precision == "fp16" else None,
     )
 
 

@@ -217,7 +217,7 @@ def run_step(run, step: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
         run.model, run.optimizer, run.scheduler, batch, objective,
         mu=spec.algorithm.mu, mini_batches=spec.train.mini_batches,
         micro_batch_size=spec.train.micro_batch_size, max_grad_norm=spec.train.max_grad_norm,
-        autocast=run.autocast, dist=run.dist,
+        autocast=run.autocast, dist=run.dist, scaler=run.scaler,
     )
     with timer("sync"):
         run.backend.sync_weights(run.model)

@@ -205,8 +205,14 @@ def update(
     max_grad_norm: float | None,
     autocast: Callable,
     dist: Dist | None = None,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> dict[str, float]:
     """Run the updates of one rollout batch; return averaged metrics and phase times.
+
+    ``scaler`` (fp16 mixed precision) scales each loss before backward so that small float16
+    gradients do not underflow; gradients are unscaled before clipping, and an overflow
+    (inf gradients, finite loss) skips that step and lowers the scale instead of counting
+    as a non-finite update, until the scale falls below 1.
 
     With several processes (``dist``), each holds its own groups of the batch: the
     normalizers, the loss, the importance-ratio sums and the gradients are summed over
@@ -220,6 +226,8 @@ def update(
     times = defaultdict(float)
     losses, grad_norms = [], []
     with_entropy = objective.entropy_coef > 0
+    if scaler is not None:  # its scale is made on first use: a mini-batch with no loss token has none
+        scaler.scale(torch.zeros((), device=params[0].device))
     for _ in range(mu):
         for rows in minibatches(batch.prompt_ids.shape[0], batch.group_size, mini_batches):
             mask = batch.mask[rows]
@@ -262,7 +270,7 @@ def update(
                     per_token = per_token - objective.entropy_coef * entropy
                     metrics["entropy"] = entropy
                 loss = objective.aggregator(per_token, m, stats)
-                loss.backward()
+                (scaler.scale(loss) if scaler is not None else loss).backward()
                 total_loss += float(loss.detach())
                 tally.add(metrics, m)
                 log_ratio = torch.where(m, logp.detach() - old, torch.zeros(()))
@@ -275,20 +283,28 @@ def update(
             if dist.active:
                 dist.sum_grads(params)
                 total_loss, ratio_sum, ratio_tokens = dist.sum_floats([total_loss, ratio_sum, ratio_tokens])
+            if scaler is not None:
+                scaler.unscale_(optimizer)
             norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or math.inf)
             mean_ratio = ratio_sum / ratio_tokens if ratio_tokens else 1.0
-            if not (math.isfinite(total_loss) and math.isfinite(float(norm))):
+            overflow = scaler is not None and math.isfinite(total_loss) and scaler.get_scale() >= 1
+            if overflow and not math.isfinite(float(norm)):
+                counts["scaler_overflows"] += 1
+                optimizer.zero_grad(set_to_none=False)
+            elif not (math.isfinite(total_loss) and math.isfinite(float(norm))):
                 counts["nonfinite_updates"] += 1
                 optimizer.zero_grad(set_to_none=False)
             elif objective.early_stop_imp_ratio is not None and mean_ratio > objective.early_stop_imp_ratio:
                 counts["dropped_minibatches"] += 1
                 optimizer.zero_grad(set_to_none=False)
             else:
-                optimizer.step()
+                scaler.step(optimizer) if scaler is not None else optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=False)
                 counts["updates"] += 1
                 grad_norms.append(float(norm))
+            if scaler is not None:
+                scaler.update()  # lowers the scale after an overflow, raises it after a long run without
             losses.append(total_loss)
             times["optimizer"] += time.perf_counter() - t0
 
@@ -302,5 +318,8 @@ def update(
     result["train/nonfinite_updates"] = counts["nonfinite_updates"]
     result["train/dropped_minibatches"] = counts["dropped_minibatches"]
     result["train/updates"] = counts["updates"]
+    if scaler is not None:
+        result["train/scaler_overflows"] = counts["scaler_overflows"]
+        result["train/loss_scale"] = scaler.get_scale()
     result.update({f"time/{k}": v for k, v in times.items()})
     return result
