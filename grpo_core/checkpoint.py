@@ -8,6 +8,13 @@ It is assembled in a temporary folder and renamed into place, so a crash leaves 
 the complete checkpoint or none; a folder whose manifest is missing or does not match its
 files is reported and skipped on resume. What a killed writer left (its temporary folder)
 is removed by the next write or resume.
+
+Each run's line of steps (its *trajectory*) has an id, written in every manifest: pruning
+keeps the newest of the current trajectory's checkpoints and ``--resume`` picks among those
+of the trajectory written last, so checkpoints another run left in the folder are never
+deleted, nor resumed by mistake. ``state.pt`` is read with ``torch.load(weights_only=True)``:
+tensors, plain containers, numbers and strings (and numpy's RNG state) load, anything else
+(a pickled object that could run code) is refused.
 """
 
 from __future__ import annotations
@@ -16,11 +23,13 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,13 +37,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from grpo_core.errors import RunError
+from grpo_core.errors import RunError, UsageError
 
 log = logging.getLogger("grpo.checkpoint")
 
 MANIFEST = "manifest.json"
 STATE = "state.pt"
 PREFIX = "step-"
+#: What a previous run leaves in its folder, moved aside by ``--overwrite``.
+RUN_FILES = ("checkpoints", "metrics.jsonl", "metrics.superseded.jsonl", "final", "spec.resolved.yaml")
 _LEFTOVER = re.compile(rf"\.({PREFIX}\d+)\.(tmp|old)-(\d+)")
 
 
@@ -63,11 +74,12 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    # RNG states are CPU byte tensors, whatever map_location a checkpoint was loaded with.
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+    torch.set_rng_state(state["torch"].cpu())
     if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([t.cpu() for t in state["cuda"]])
 
 
 def params_finite(model) -> bool:
@@ -103,8 +115,15 @@ def clean_leftovers(root: Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def write_checkpoint(root: Path, step: int, model, state: dict[str, Any], keep: int) -> Path:
-    """Write ``<root>/step-NNNNNN`` atomically and prune to the last ``keep``."""
+def new_trajectory() -> str:
+    """A fresh trajectory id (a run started without ``--resume``, or a branch off an old step)."""
+    return uuid.uuid4().hex[:16]
+
+
+def write_checkpoint(
+    root: Path, step: int, model, state: dict[str, Any], keep: int, trajectory: str | None = None
+) -> Path:
+    """Write ``<root>/step-NNNNNN`` atomically and prune the trajectory's to the last ``keep``."""
     if not params_finite(model):
         raise RunError(f"refusing to checkpoint step {step}: the model has non-finite weights")
     root.mkdir(parents=True, exist_ok=True)
@@ -120,7 +139,8 @@ def write_checkpoint(root: Path, step: int, model, state: dict[str, Any], keep: 
         str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)}
         for p in sorted(tmp.rglob("*")) if p.is_file()
     }
-    (tmp / MANIFEST).write_text(json.dumps({"step": step, "time": time.time(), "files": files}, indent=1))
+    manifest = {"step": step, "time": time.time(), "trajectory": trajectory, "files": files}
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     _fsync_tree(tmp)
     if final.exists():  # the same step written again (e.g. after a resume): replace it
         old = root / f".{final.name}.old-{os.getpid()}"
@@ -129,9 +149,19 @@ def write_checkpoint(root: Path, step: int, model, state: dict[str, Any], keep: 
         shutil.rmtree(old, ignore_errors=True)
     else:
         tmp.rename(final)
-    for stale in list_checkpoints(root)[:-keep]:
+    ours = [p for p in list_checkpoints(root) if _manifest(p).get("trajectory") == trajectory]
+    for stale in ours[:-keep]:
         shutil.rmtree(stale, ignore_errors=True)
     return final
+
+
+def _manifest(folder: Path) -> dict[str, Any]:
+    """The folder's manifest, or ``{}`` when it has none or it cannot be read."""
+    try:
+        data = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def list_checkpoints(root: Path) -> list[Path]:
@@ -168,9 +198,38 @@ class Loaded:
     state: dict[str, Any]
 
 
-def find_resumable(root: Path, explicit: str | None = None) -> Loaded | None:
+def _numpy_globals() -> list[Any]:
+    """What numpy's RNG state (a ``uint32`` array) needs to unpickle."""
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import _reconstruct
+    return [np.ndarray, np.dtype, _reconstruct, type(np.dtype(np.uint32))]
+
+
+def load_state(path: Path, map_location: Any = "cpu") -> dict[str, Any]:
+    """``state.pt`` read with ``weights_only=True``: a file that needs anything beyond tensors,
+    plain containers, numbers, strings and numpy's RNG state is refused, never executed."""
+    if torch.device(map_location).type == "cpu":  # torch cannot restore onto "cpu:0" (accelerate's CPU device)
+        map_location = "cpu"
+    try:
+        with torch.serialization.safe_globals(_numpy_globals()):
+            return torch.load(path, weights_only=True, map_location=map_location)
+    except pickle.UnpicklingError as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        first = next((line for line in lines if "Unsupported" in line), lines[0] if lines else "")
+        first = first.split(". Please use")[0][:300]  # torch's advice to allow-list it: not for a user
+        raise RunError(
+            f"refusing to load {path}: it holds more than tensors and plain data, which could run code "
+            f"when unpickled ({first}). Resume only from checkpoints you wrote yourself; a component's "
+            "state_dict must be tensors, lists, dicts, numbers and strings."
+        ) from None
+
+
+def find_resumable(root: Path, explicit: str | None = None, map_location: Any = "cpu") -> Loaded | None:
     """The checkpoint to resume from: ``explicit`` (a folder) or the newest valid one in
-    ``root``, skipping (with a message) any that is incomplete or corrupt."""
+    ``root`` of the trajectory written last, skipping (with a message) any that is
+    incomplete or corrupt."""
     if explicit not in (None, "latest"):
         folder = Path(explicit)
         problem = verify(folder) if folder.is_dir() else "no such folder"
@@ -179,14 +238,94 @@ def find_resumable(root: Path, explicit: str | None = None) -> Loaded | None:
         candidates = [folder]
     else:
         clean_leftovers(root)
-        candidates = list(reversed(list_checkpoints(root)))
+        candidates = _current_trajectory(list(reversed(list_checkpoints(root))))
     for folder in candidates:
         problem = verify(folder)
         if problem:
             print(f"grpo-run: skipping checkpoint {folder}: {problem}", file=sys.stderr)
             continue
-        return Loaded(folder, torch.load(folder / STATE, weights_only=False))
+        return Loaded(folder, load_state(folder / STATE, map_location))
     return None
+
+
+def _current_trajectory(folders: list[Path]) -> list[Path]:
+    """Of ``folders``, those of the trajectory whose checkpoint was written last (a folder
+    without a readable manifest stays a candidate, to be reported as broken)."""
+    written = [(m.get("time", 0), m.get("trajectory")) for m in map(_manifest, folders) if m]
+    if not written:
+        return folders
+    current = max(written, key=lambda w: w[0])[1]
+    kept = [f for f in folders if not _manifest(f) or _manifest(f).get("trajectory") == current]
+    if len(kept) < len(folders):
+        skipped = len(folders) - len(kept)
+        print(f"grpo-run: ignoring {skipped} checkpoint(s) of another run in the folder", file=sys.stderr)
+    return kept
+
+
+def trajectory_after_resume(root: Path, loaded: Loaded) -> str:
+    """The trajectory a resumed run continues: the checkpoint's own, unless the folder holds a
+    later step of it (a resume from an older checkpoint branches: a new id, so that pruning
+    never deletes the branch's steps in favour of the abandoned ones)."""
+    own = loaded.state.get("trajectory")
+    step = int(loaded.state.get("step", 0))
+    later = [
+        f for f in list_checkpoints(root)
+        if int(f.name[len(PREFIX):]) > step and _manifest(f).get("trajectory") == own
+    ]
+    if own and not later:
+        return str(own)
+    return new_trajectory()
+
+
+def run_folder(loaded) -> Path:
+    """The run folder of a loaded spec: ``train.output_dir``, or ``runs/<spec name>``."""
+    return Path(loaded.spec.train.output_dir or Path("runs") / loaded.name)
+
+
+def previous_run(folder: Path) -> list[str]:
+    """What another run left in ``folder`` (checkpoints, metrics, final model), by name."""
+    held = []
+    if list_checkpoints(folder / "checkpoints"):
+        held.append("checkpoints/")
+    metrics = folder / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size:
+        held.append("metrics.jsonl")
+    if (folder / "final").exists():
+        held.append("final/")
+    return held
+
+
+def claim_run_folder(folder: Path, overwrite: bool, move: bool = True) -> None:
+    """Before a fresh run (no ``--resume``): refuse a folder that holds another run, or with
+    ``overwrite`` move that run's files into ``<folder>/overwritten/<time>/`` (``move`` is
+    False on the processes other than the one that moves them)."""
+    held = previous_run(folder)
+    if not held:
+        return
+    if not overwrite:
+        raise UsageError(
+            f"the run folder {folder} holds another run ({', '.join(held)}). Continue it with --resume, "
+            f"start over with --overwrite (its files are moved to {folder / 'overwritten'}/), or set "
+            "train.output_dir to a new folder"
+        )
+    if not move:
+        return
+    aside = folder / "overwritten" / time.strftime("%Y%m%d-%H%M%S")
+    while aside.exists():
+        aside = aside.with_name(aside.name + "+")
+    aside.mkdir(parents=True)
+    for name in RUN_FILES:
+        if (folder / name).exists():
+            (folder / name).rename(aside / name)
+    print(f"grpo-run: --overwrite: the previous run's files were moved to {aside}", file=sys.stderr)
+
+
+def due(step: int, every: int, every_minutes: float, saved_at: float) -> bool:
+    """Whether a periodic checkpoint is due after ``step``: every ``every`` steps, or when
+    ``every_minutes`` have passed since the last one (``saved_at``, ``time.monotonic()``)."""
+    by_steps = bool(every) and step % every == 0
+    by_time = bool(every_minutes) and time.monotonic() - saved_at >= every_minutes * 60
+    return by_steps or by_time
 
 
 def load_model_weights(model, folder: Path) -> None:

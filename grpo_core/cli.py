@@ -1,8 +1,9 @@
 """``grpo-run``: train from a spec, evaluate a model, validate a spec, list plugins, print
 the JSON Schema.
 
-Exit codes: 0 success, 1 runtime failure, 2 invalid spec or usage, 130 interrupted
-(SIGINT), 143 terminated (SIGTERM).
+Exit codes: 0 success, 1 runtime failure, 2 invalid spec or usage (or a fresh run in a
+folder holding another run), 130 interrupted (SIGINT), 143 terminated (SIGTERM); under
+``--nproc``, 128 + N when a process was killed by signal N.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="grpo-run",
         description="Train a causal LM with GRPO from a YAML spec.",
-        epilog="Exit codes: 0 ok, 1 runtime failure, 2 invalid spec or usage, 130 interrupted. "
-        "Commands: grpo-run SPEC (train), grpo-run eval SPEC, grpo-run validate SPEC, "
-        "grpo-run plugins, grpo-run schema.",
+        epilog="Commands: grpo-run SPEC (train), grpo-run eval SPEC, grpo-run validate SPEC, grpo-run plugins, "
+        "grpo-run schema. Exit codes: 0 ok, 1 runtime failure, 2 invalid spec or usage, "
+        "130 interrupted, 143 terminated.",
     )
     sub = parser.add_subparsers(dest="command")
 
@@ -40,6 +41,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
         help="continue the run from its latest checkpoint, or from the given checkpoint folder",
+    )
+    run.add_argument(
+        "--overwrite", action="store_true",
+        help="start afresh in a run folder that holds another run: its checkpoints, metrics.jsonl and "
+        "final model are moved to <run folder>/overwritten/<time>/ (without it such a folder is refused)",
     )
     run.add_argument(
         "--nproc", type=int, default=1, metavar="N",
@@ -128,71 +134,21 @@ def _cmd_eval(args) -> int:
 
 
 def _cmd_run(args) -> int:
+    from grpo_core.checkpoint import claim_run_folder, run_folder
     from grpo_core.spec import load_spec
     from grpo_core.train.distributed import world_size_from_env
+    from grpo_core.train.launch import die_with_launcher, launch
     from grpo_core.train.run import train
 
+    die_with_launcher()
     loaded = load_spec(args.spec, args.overrides)
     if args.nproc < 1:
         raise UsageError(f"--nproc must be at least 1, got {args.nproc}")
+    if args.resume is None:  # every process checks; only the main one moves files aside
+        claim_run_folder(run_folder(loaded), args.overwrite, move=os.environ.get("RANK", "0") in ("", "0"))
     if args.nproc > 1 and world_size_from_env() == 1:
-        return _launch(args, loaded)
+        return launch(args, loaded)
     return train(loaded, resume=args.resume)
-
-
-def _launch(args, loaded) -> int:
-    """Start ``args.nproc`` copies of this command, one per rank, with the environment
-    torchrun would give them (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` ...), and wait.
-    SIGINT and SIGTERM are passed on, so every process checkpoints and stops at the same
-    step; if one process fails, the others are stopped. Returns the first non-zero exit
-    code (the main process's when it has one), else 0."""
-    import signal
-    import socket
-    import subprocess
-    import time
-
-    from grpo_core.train.distributed import check_layout
-
-    check_layout(loaded.spec, args.nproc)
-    with socket.socket() as sock:  # a free port for the process group's rendezvous
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "grpo_core.cli", "run", args.spec]
-    for override in args.overrides:
-        command += ["--set", override]
-    if args.resume is not None:
-        command += ["--resume", args.resume]
-    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // args.nproc))
-    procs = []
-    for rank in range(args.nproc):
-        env = {
-            **os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(args.nproc),
-            "LOCAL_WORLD_SIZE": str(args.nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": threads,
-        }
-        # Own session: a terminal's Ctrl-C reaches the children once, forwarded by this
-        # process, not twice (a second signal means "stop now, no checkpoint").
-        procs.append(subprocess.Popen(command, env=env, start_new_session=True))
-
-    def forward(signum, frame):
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signum)
-
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        while any(proc.poll() is None for proc in procs):
-            if any(proc.returncode not in (None, 0) for proc in procs):  # one failed: stop the rest
-                time.sleep(5)  # give the others a moment to fail with their own message
-                for proc in procs:
-                    if proc.poll() is None:
-                        proc.terminate()
-            time.sleep(0.1)
-        codes = [proc.wait() for proc in procs]
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    return next((c for c in codes if c), 0)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -48,6 +48,28 @@ class RunLog:
                 if fh.read(1) != b"\n":
                     fh.write(b"\n")
 
+    def rewind(self, step: int) -> None:
+        """On ``--resume`` from ``step``: rows of later steps (logged before a crash, about to be
+        redone) move from ``metrics.jsonl`` to ``metrics.superseded.jsonl``, so that each step
+        has one row in ``metrics.jsonl``; nothing is deleted."""
+        if not self.enabled or not self.metrics_path.is_file():
+            return
+        keep, later = [], []
+        for line in self.metrics_path.read_text(encoding="utf-8").splitlines():
+            try:
+                row_step = json.loads(line)["step"]
+            except (ValueError, KeyError, TypeError):
+                later.append(line)  # a row a crash tore: kept aside too
+                continue
+            (later if row_step > step else keep).append(line)
+        if not later:
+            return
+        with (self.folder / "metrics.superseded.jsonl").open("a", encoding="utf-8") as fh:
+            fh.write("".join(line + "\n" for line in later))
+        tmp = self.metrics_path.with_name(".metrics.jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
+        tmp.replace(self.metrics_path)
+
     def _each(self, method: str, *args: Any) -> list[Any]:
         results = []
         for name, tracker in self.trackers.items():

@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import torch
 from grpo_plugins.weights import policy_weights
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 from torch import Tensor
 
@@ -147,9 +147,20 @@ class VLLMRolloutOptions(Options):
         default_factory=dict,
         description=(
             "More keyword arguments for vllm.LLM (any vLLM engine argument, e.g. "
-            "quantization, trust_remote_code); they override the options above."
+            "quantization); they override the options above. Not trust_remote_code: the engine "
+            "never runs a model's own code (model.trust_remote_code is for transformers)."
         ),
     )
+
+    @field_validator("engine_kwargs")
+    @classmethod
+    def _no_remote_code(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if "trust_remote_code" in value:
+            raise ValueError(
+                "engine_kwargs may not set trust_remote_code: a spec turns remote code on only with "
+                "model.trust_remote_code, and the vLLM engine never runs a model's own code"
+            )
+        return value
 
     @model_validator(mode="after")
     def _needs_vllm(self) -> VLLMRolloutOptions:
@@ -183,6 +194,7 @@ def engine_kwargs(options: VLLMRolloutOptions, model_dir: str, *, replica: int =
         if value is not None:
             kwargs[name] = value
     kwargs.update(options.engine_kwargs)
+    kwargs["trust_remote_code"] = False  # whatever engine_kwargs says (see its validator)
     return kwargs
 
 

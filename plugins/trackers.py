@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 import time
+import uuid
 from typing import Any
 
 from pydantic import Field
@@ -24,6 +25,7 @@ log = logging.getLogger("grpo.tracking")
 _MAX_METRICS_PER_BATCH = 1000
 _MAX_PARAMS_PER_BATCH = 100
 _MAX_PARAM_VALUE = 6000
+_RUN_KEY = "grpo_run_key"
 
 
 class MLflowOptions(Options):
@@ -49,11 +51,17 @@ class MLflowOptions(Options):
 class MLflowTracker:
     """Logs params, metrics, the spec and completion tables to MLflow.
 
-    When the server cannot be reached, metrics are kept in memory and sent, in order,
-    once it answers again (a run that could not be created at start is created then, with
-    its params); training never waits for it beyond one failed call. Rows still unsent are
-    part of the run's checkpoints, so a run that stops while the server is down sends them
-    after ``--resume``.
+    When the server cannot be reached, metrics, params, artifacts and tables are kept in
+    memory and sent, in order, once it answers again (a run that could not be created at
+    start is created then); training never waits for it beyond one failed call. What is
+    still unsent is part of the run's checkpoints, so a run that stops while the server is
+    down sends it after ``--resume`` (artifacts by path: the files in the run folder).
+
+    One MLflow run per trajectory: the run is tagged with a key of its own
+    (``grpo_run_key``), and a creation that failed (a timeout, maybe after the server had
+    created it) is followed by a search for that tag before creating again. After a resume,
+    a step already in the run's history is not logged again (the first values are kept;
+    ``metrics.jsonl`` has the redone ones).
     """
 
     def __init__(self, options: MLflowOptions):
@@ -62,9 +70,12 @@ class MLflowTracker:
         self._client = None
         self._pending: list[tuple[dict[str, float], int, int]] = []
         self._run_name: str | None = None
-        self._unsent: list[tuple[str, Any]] = []  # params and artifacts logged before the run existed
+        self._unsent: list[tuple[str, Any]] = []  # params, artifacts and tables not sent yet
         self._last_failure = 0.0
         self.failures = 0
+        self._key = uuid.uuid4().hex  # tags the run: found again after a creation that timed out
+        self._create_tried = False
+        self._logged: dict[str, set[int]] | None = None  # after a resume: steps in the history, by key
 
     # -- connection
     def _connect(self):
@@ -96,6 +107,7 @@ class MLflowTracker:
         try:
             if resume_id:
                 self.run_id = resume_id  # known even while the server is down: rows wait for it
+                self._logged = {}
                 self._connect().update_run(resume_id, status="RUNNING")
             else:
                 self._create_run()
@@ -104,28 +116,37 @@ class MLflowTracker:
         return self.run_id
 
     def _create_run(self) -> None:
-        """Create the run, then send what was logged before it existed (server down at start)."""
+        """Create the run (or find the one a failed attempt created), then send what was
+        logged before it existed (server down at start)."""
         client = self._connect()
         exp = client.get_experiment_by_name(self.options.experiment)
         exp_id = exp.experiment_id if exp else client.create_experiment(self.options.experiment)
-        run = client.create_run(exp_id, run_name=self._run_name, tags=dict(self.options.tags))
-        self.run_id = run.info.run_id
-        unsent, self._unsent = self._unsent, []
-        for method, arg in unsent:
-            getattr(self, method)(arg)
+        found = None
+        if self._create_tried:  # the last attempt may have reached the server
+            found = client.search_runs([exp_id], filter_string=f"tags.{_RUN_KEY} = '{self._key}'", max_results=1)
+        if found:
+            self.run_id = found[0].info.run_id
+        else:
+            self._create_tried = True
+            tags = {**self.options.tags, _RUN_KEY: self._key}
+            self.run_id = client.create_run(exp_id, run_name=self._run_name, tags=tags).info.run_id
 
     def log_params(self, params: dict[str, Any]) -> None:
-        if self.run_id is None:
-            self._unsent.append(("log_params", dict(params)))
-            return
-        from mlflow.entities import Param
+        self._unsent.append(("params", dict(params)))
+        self.flush()
 
-        items = [Param(k[:250], str(v)[:_MAX_PARAM_VALUE]) for k, v in params.items()]
-        try:
+    def _send(self, kind: str, arg: Any) -> None:
+        client = self._connect()
+        if kind == "params":
+            from mlflow.entities import Param
+
+            items = [Param(k[:250], str(v)[:_MAX_PARAM_VALUE]) for k, v in arg.items()]
             for i in range(0, len(items), _MAX_PARAMS_PER_BATCH):
-                self._connect().log_batch(self.run_id, params=items[i:i + _MAX_PARAMS_PER_BATCH])
-        except Exception as exc:
-            self._failed("log_params", exc)
+                client.log_batch(self.run_id, params=items[i:i + _MAX_PARAMS_PER_BATCH])
+        elif kind == "artifact":
+            client.log_artifact(self.run_id, arg)
+        elif kind == "table":
+            client.log_table(self.run_id, data=arg["data"], artifact_file=arg["file"])
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         self._pending.append((dict(metrics), step, int(time.time() * 1000)))
@@ -135,61 +156,82 @@ class MLflowTracker:
         """Send what is pending (creating the run first if the server was down at start);
         True when nothing is left."""
         if self._run_name is None:  # not started
-            return not self._pending
+            return not (self._pending or self._unsent)
         if self.failures and not force and time.monotonic() - self._last_failure < self.options.retry_every:
             return False
-        from mlflow.entities import Metric
-
         try:
             if self.run_id is None:
                 self._create_run()
-            while self._pending:
-                batch: list[Metric] = []
-                taken = 0
-                for metrics, step, ts in self._pending:
-                    if batch and len(batch) + len(metrics) > _MAX_METRICS_PER_BATCH:
-                        break
-                    batch.extend(Metric(k, float(v), ts, step) for k, v in metrics.items())
-                    taken += 1
-                self._connect().log_batch(self.run_id, metrics=batch)
-                del self._pending[:taken]
+            self._send_metrics()
+            while self._unsent:
+                self._send(*self._unsent[0])
+                del self._unsent[0]
         except Exception as exc:
-            self._failed("log_metrics", exc)
+            self._failed("log", exc)
             return False
         return True
 
-    # -- checkpointed with the run: rows not sent yet survive the process and go after a resume
+    def _send_metrics(self) -> None:
+        from mlflow.entities import Metric
+
+        while self._pending:
+            batch: list[Metric] = []
+            taken = 0
+            for metrics, step, ts in self._pending:
+                if batch and len(batch) + len(metrics) > _MAX_METRICS_PER_BATCH:
+                    break
+                batch.extend(Metric(k, float(v), ts, step) for k, v in metrics.items() if self._new(k, step))
+                taken += 1
+            if batch:
+                self._connect().log_batch(self.run_id, metrics=batch)
+            for metrics, step, _ in self._pending[:taken]:
+                for key in metrics if self._logged is not None else ():
+                    self._logged.setdefault(key, set()).add(step)
+            del self._pending[:taken]
+
+    def _new(self, key: str, step: int) -> bool:
+        """Whether ``key`` at ``step`` is not in the run yet: always, unless this run was
+        resumed (then its history is read once per key, from the server)."""
+        if self._logged is None:
+            return True
+        if key not in self._logged:
+            history = self._connect().get_metric_history(self.run_id, key)
+            self._logged[key] = {m.step for m in history}
+        return step not in self._logged[key]
+
+    # -- checkpointed with the run: what is not sent yet survives the process and goes after a resume
     def state_dict(self) -> dict[str, Any]:
-        return {"pending": [(dict(metrics), step, ts) for metrics, step, ts in self._pending]}
+        return {
+            "pending": [(dict(metrics), step, ts) for metrics, step, ts in self._pending],
+            "unsent": [(kind, arg) for kind, arg in self._unsent],
+            "key": self._key,
+            "create_tried": self._create_tried,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         kept = [(dict(metrics), int(step), int(ts)) for metrics, step, ts in state.get("pending", [])]
         self._pending[:0] = kept  # sent with their original timestamps: a row sent twice is one row
+        self._unsent[:0] = [(str(kind), arg) for kind, arg in state.get("unsent", [])]
+        self._key = str(state.get("key", self._key))
+        self._create_tried = bool(state.get("create_tried", self._create_tried))
 
     def log_artifact(self, path: str) -> None:
-        if self.run_id is None:
-            self._unsent.append(("log_artifact", str(path)))
-            return
-        try:
-            self._connect().log_artifact(self.run_id, str(path))
-        except Exception as exc:
-            self._failed("log_artifact", exc)
+        self._unsent.append(("artifact", str(path)))
+        self.flush()
 
     def log_table(self, name: str, rows: list[dict[str, Any]], step: int) -> None:
-        if self.run_id is None or not rows:
+        if not rows:
             return
         columns = list(rows[0])
         data = {c: [r.get(c) for r in rows] for c in columns}
-        try:
-            self._connect().log_table(self.run_id, data=data, artifact_file=f"{name}/step_{step:06d}.json")
-        except Exception as exc:
-            self._failed("log_table", exc)
+        self._unsent.append(("table", {"data": data, "file": f"{name}/step_{step:06d}.json"}))
+        self.flush()
 
     def finish(self, status: str) -> None:
         if not self.flush(force=True):
-            rows = len(self._pending)
-            log.warning("MLflow unreachable at the end of the run: %d metric rows were not sent "
-                        "(they are in the run folder's metrics.jsonl)", rows)
+            rows, other = len(self._pending), len(self._unsent)
+            log.warning("MLflow unreachable at the end of the run: %d metric rows were not sent (they are "
+                        "in the run folder's metrics.jsonl), nor %d params, artifacts or tables", rows, other)
         if self.run_id is None:
             return
         try:

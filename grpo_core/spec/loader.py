@@ -56,11 +56,94 @@ def _line_map(node: yaml.Node, path: tuple = (), out: dict | None = None) -> dic
     return out
 
 
+#: Bounds on what a spec's YAML may expand to (aliases included): a spec is a few hundred
+#: values a few levels deep; these stop alias bombs, alias cycles and deep nesting fast.
+MAX_DEPTH = 100
+MAX_NODES = 100_000
+
+
+class _HostileYAML(ValueError):
+    """YAML that is well formed but would not be a finite, modest tree of values."""
+
+
+def _event_depth(text: str) -> None:
+    """Refuse nesting deeper than :data:`MAX_DEPTH` from the event stream (PyYAML's composer
+    recurses once per level, so it must not see such a document)."""
+    depth = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise _HostileYAML(
+                    f"nested more than {MAX_DEPTH} levels deep (line {event.start_mark.line + 1})"
+                )
+        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            depth -= 1
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.MappingNode):
+        return [part for pair in node.value for part in pair]
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    return []
+
+
+def _check_graph(root: yaml.Node) -> None:
+    """The composed document with every alias expanded must be a tree of at most
+    :data:`MAX_NODES` nodes and :data:`MAX_DEPTH` levels; an alias inside the node it names
+    (a cycle) is refused. Iterative, each node visited once."""
+    size: dict[int, int] = {}
+    depth: dict[int, int] = {}
+    entered: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, leaving = stack.pop()
+        key = id(node)
+        if leaving:
+            kids = _children(node)
+            size[key] = 1 + sum(size[id(k)] for k in kids)
+            depth[key] = 1 + max((depth[id(k)] for k in kids), default=0)
+            entered.discard(key)
+            line = node.start_mark.line + 1
+            if size[key] > MAX_NODES:
+                raise _HostileYAML(
+                    f"its aliases expand to more than {MAX_NODES:,} values (line {line}): an alias bomb?"
+                )
+            if depth[key] > MAX_DEPTH:
+                raise _HostileYAML(f"its aliases nest more than {MAX_DEPTH} levels deep (line {line})")
+            continue
+        if key in size:
+            continue
+        entered.add(key)
+        stack.append((node, True))
+        for kid in _children(node):
+            if id(kid) in entered:
+                raise _HostileYAML(
+                    f"an alias refers to a node that contains it (line {kid.start_mark.line + 1}): "
+                    "a cycle, which no spec value can be"
+                )
+            if id(kid) not in size:
+                stack.append((kid, False))
+
+
+def safe_yaml(text: str) -> tuple[Any, yaml.Node | None]:
+    """``(data, node)`` from the safe loader, after :func:`_event_depth` and
+    :func:`_check_graph`; raises ``yaml.YAMLError`` or :class:`_HostileYAML`."""
+    _event_depth(text)
+    node = yaml.compose(text, Loader=yaml.SafeLoader)
+    if node is None:
+        return None, None
+    _check_graph(node)
+    return yaml.safe_load(text), node
+
+
 def parse_yaml(text: str, source: str) -> tuple[Any, dict[tuple, int]]:
     """``(data, {path: line})``; YAML is loaded with the safe loader only."""
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
+        data, node = safe_yaml(text)
+    except _HostileYAML as exc:
+        raise SpecError([f"refusing this YAML: {exc}"], source) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
@@ -96,7 +179,9 @@ def apply_override(data: dict, assignment: str) -> tuple:
     key, raw = assignment.split("=", 1)
     path = _parse_key(key.strip())
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = safe_yaml(raw)[0] if raw.strip() else ""
+    except _HostileYAML as exc:
+        raise ValueError(f"--set {key}: refusing the value: {exc}") from None
     except yaml.YAMLError as exc:
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ValueError(

@@ -284,7 +284,9 @@ class TrainSection(Section):
     )
     max_grad_norm: float | None = Field(1.0, gt=0, description="Gradient clipping norm; null disables it.")
     mixed_precision: Literal["no", "bf16", "fp16"] = Field(
-        "no", description="Autocast compute dtype; weights and optimizer stay in model.dtype."
+        "no", description="Autocast compute dtype; weights and optimizer stay in model.dtype. fp16 "
+        "scales the loss (torch.amp.GradScaler, checkpointed) so small gradients do not underflow; "
+        "bf16 needs no scaler."
     )
     seed: int = Field(0, description="Seed of python, numpy and torch RNGs, data order and sampling.")
     threads: int | None = Field(
@@ -331,10 +333,15 @@ class TrackerSlot(Slot):
 
 class CheckpointSection(Section):
     every: int = Field(
-        0, ge=0, description="Write a checkpoint every N steps and at the end; 0: none periodically. "
-        "One is always written when the run is interrupted or stops on non-finite updates."
+        100, ge=0, description="Write a checkpoint every N steps and at the end; 0: not by step count. "
+        "One is always written when the run is interrupted, stops on non-finite updates, or fails "
+        "before a step's update (the last completed step)."
     )
-    keep: int = Field(2, ge=1, description="Keep the last K checkpoints.")
+    every_minutes: float = Field(
+        30.0, ge=0, description="Also write one when this many minutes have passed since the last "
+        "(bounds the work a crash can lose, whatever a step costs); 0: not by time."
+    )
+    keep: int = Field(2, ge=1, description="Keep the last K checkpoints of this run.")
 
 
 class CorrectSection(Section):

@@ -7,6 +7,7 @@ import math
 import random
 import signal
 import sys
+import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -58,6 +59,8 @@ class Run:
     last_eval: dict[str, float] = field(default_factory=dict)
     saved_step: int | None = None  # the step of the last checkpoint this process wrote
     eval_sets: dict[str, Any] = field(default_factory=dict)  # the named sets of eval.sets
+    saved_at: float = field(default_factory=time.monotonic)  # when it was written (or the run began)
+    trajectory: str = field(default_factory=ckpt.new_trajectory)  # this line of steps' id
 
     @property
     def has_eval(self) -> bool:
@@ -92,6 +95,7 @@ class Run:
     def state_dict(self) -> dict[str, Any]:
         return {
             "step": self.step,
+            "trajectory": self.trajectory,
             "run_id": self.log.run_id,
             "optimizer": self.engine.optimizer.state_dict(),
             "scheduler": self.engine.scheduler.state_dict(),
@@ -100,6 +104,7 @@ class Run:
             "nonfinite_streak": self.nonfinite_streak,
             "last_eval": dict(self.last_eval),
             "components": {k: v.state_dict() for k, v in self.stateful().items()},
+            "scaler": self.engine.scaler.state_dict() if self.engine.scaler is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -112,6 +117,8 @@ class Run:
         for key, component in self.stateful().items():
             if key in state.get("components", {}):
                 component.load_state_dict(state["components"][key])
+        if self.engine.scaler is not None and state.get("scaler"):
+            self.engine.scaler.load_state_dict(state["scaler"])
         ckpt.set_rng_state(state["rng"])
 
     def save_checkpoint(self) -> Path:
@@ -121,10 +128,12 @@ class Run:
         if self.saved_step != self.step or not folder.is_dir():
             if self.dist.is_main:
                 folder = ckpt.write_checkpoint(
-                    self.checkpoint_dir, self.step, self.model, self.state_dict(), self.spec.checkpoint.keep
+                    self.checkpoint_dir, self.step, self.model, self.state_dict(), self.spec.checkpoint.keep,
+                    self.trajectory,
                 )
             self.dist.barrier()
             self.saved_step = self.step
+            self.saved_at = time.monotonic()
         return folder
 
 
@@ -183,6 +192,7 @@ def _engine(spec: Spec, model, tokenizer, rewards: list[RewardFn], splitter, dis
         model=model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler, backend=backend,
         scorer=scorer, estimator=estimator, objective=objective, settings=StepSettings.from_spec(spec), kl=kl,
         dist=dist, autocast=partial(modeling.autocast, spec.train.mixed_precision, dist.device),
+        scaler=torch.amp.GradScaler(dist.device.type) if spec.train.mixed_precision == "fp16" else None,
     )
 
 
@@ -193,7 +203,7 @@ def build_run(loaded: LoadedSpec, dist: Dist | None = None) -> Run:
     seed_everything(spec.train.seed)
     if spec.train.threads:
         torch.set_num_threads(spec.train.threads)
-    output_dir = Path(spec.train.output_dir or Path("runs") / loaded.name)
+    output_dir = ckpt.run_folder(loaded)
     output_dir.mkdir(parents=True, exist_ok=True)
 
     splitter = spec.algorithm.step_splitter.build()
@@ -291,13 +301,15 @@ def _resume(run: Run, resume: str | None) -> str | None:
     """Restore the run from a checkpoint; return the tracker run id to continue."""
     if resume is None:
         return None
-    found = ckpt.find_resumable(run.checkpoint_dir, resume)
+    found = ckpt.find_resumable(run.checkpoint_dir, resume, map_location=run.dist.device)
     if found is None:
         raise RunError(
             f"--resume: no usable checkpoint in {run.checkpoint_dir}; run without --resume to start afresh"
         )
     ckpt.load_model_weights(run.model, found.folder)
     run.load_state_dict(found.state)
+    run.trajectory = ckpt.trajectory_after_resume(run.checkpoint_dir, found)
+    run.log.rewind(run.step)
     run.engine.backend.sync_weights(run.model)
     if run.dist.is_main:
         print(f"grpo-run: resuming from {found.folder} (step {run.step})", file=sys.stderr)
@@ -327,7 +339,9 @@ def _step_and_record(run: Run) -> dict[str, float]:
     every = spec.train.log_completions_every
     if every and run.step % every == 0:
         run.log.log_table("completions", result.samples, run.step)
-    if spec.checkpoint.every and run.step % spec.checkpoint.every == 0:
+    c = spec.checkpoint
+    due = ckpt.due(run.step, c.every, c.every_minutes, run.saved_at)
+    if run.dist.any(due) if c.every_minutes else due:  # clocks differ between processes
         run.save_checkpoint()
     if run.nonfinite_streak >= spec.train.max_nonfinite_updates:
         folder = run.save_checkpoint()
@@ -353,11 +367,15 @@ class _StepStart:
         return cls(run.step, run.engine.scheduler.last_epoch, run.prompts.state_dict(), ckpt.rng_state())
 
 
-def _save_failed_step(run: Run, start: _StepStart, loaded: LoadedSpec) -> None:
-    """A step that failed before its update (a reward function raised, no usable prompt)
-    left the model and optimizer as the previous step did: rewind its data position and
-    RNG states and checkpoint that state, so that no completed step is lost."""
+def _save_failed_step(run: Run, start: _StepStart, loaded: LoadedSpec, exc: BaseException) -> None:
+    """A step that failed before its update (a reward function raised, no usable prompt, out
+    of memory, a full disk, a bug) left the model and optimizer as the previous step did:
+    rewind its data position and RNG states and checkpoint that state, so that no completed
+    step is lost. With several processes only a failure every process shares (a RunError
+    they agree on) is checkpointed: the others may be waiting in a collective."""
     if run.step != start.step or run.engine.scheduler.last_epoch != start.updates or run.step == 0:
+        return
+    if run.dist.active and not isinstance(exc, RunError):
         return
     run.prompts.load_state_dict(start.data)
     ckpt.set_rng_state(start.rng)
@@ -399,8 +417,8 @@ def train(loaded: LoadedSpec, resume: str | None = None) -> int:
                 start = _StepStart.of(run)
                 try:
                     metrics = _step_and_record(run)
-                except RunError:
-                    _save_failed_step(run, start, loaded)
+                except Exception as exc:
+                    _save_failed_step(run, start, loaded, exc)
                     raise
                 if bar is not None:
                     bar.set_postfix(_postfix(metrics, run.last_eval), refresh=False)
@@ -414,16 +432,18 @@ def train(loaded: LoadedSpec, resume: str | None = None) -> int:
                         f"  resume with: {loaded.command('--resume')}", file=sys.stderr,
                     )
                 return stop.exit_code
-        if spec.eval.at_end and run.has_eval:
-            run.last_eval = evaluate_run(run)
-            run.log.log_metrics(run.last_eval, run.step)
-        if spec.checkpoint.every:
-            run.save_checkpoint()
-        final = _save_final(run)
-        status = "FINISHED"
-        if run.dist.is_main:
-            _summary(run, final, run.last_eval)
-        return 0
+            # Still handled here: a signal during the final evaluation or save lets them
+            # finish (a second one stops at once), then the run exits with its code.
+            if spec.eval.at_end and run.has_eval:
+                run.last_eval = evaluate_run(run)
+                run.log.log_metrics(run.last_eval, run.step)
+            if spec.checkpoint.every or spec.checkpoint.every_minutes:
+                run.save_checkpoint()
+            final = _save_final(run)
+            status = "FINISHED" if stop.signum is None else "KILLED"
+            if run.dist.is_main:
+                _summary(run, final, run.last_eval)
+            return 0 if stop.signum is None else stop.exit_code
     except KeyboardInterrupt:
         status = "KILLED"
         raise

@@ -96,6 +96,7 @@ class Engine:
     kl: KLTerm | None = None
     dist: Dist = field(default_factory=Dist)
     autocast: Callable = nullcontext  # () -> the mixed-precision context of forward passes
+    scaler: Any = None  # a torch.amp.GradScaler under fp16 mixed precision
 
     @property
     def needs_step_scores(self) -> bool:
@@ -334,7 +335,7 @@ def grpo_step(engine: Engine, source: PromptSource, step: int) -> StepResult:
     upd = update(
         engine.model, engine.optimizer, engine.scheduler, batch, engine.objective,
         mu=s.mu, mini_batches=s.mini_batches, micro_batch_size=s.micro_batch_size,
-        max_grad_norm=s.max_grad_norm, autocast=engine.autocast, dist=engine.dist,
+        max_grad_norm=s.max_grad_norm, autocast=engine.autocast, dist=engine.dist, scaler=engine.scaler,
     )
     with timer("sync"):
         engine.backend.sync_weights(engine.model)

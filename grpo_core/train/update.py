@@ -237,10 +237,11 @@ def micro_batch_loss(
 
 
 def _backward_minibatch(
-    model, batch, rows, objective, micro_batch_size, autocast, dist, tally, counts
+    model, batch, rows, objective, micro_batch_size, autocast, dist, tally, counts, scaler=None
 ) -> _MinibatchSums:
-    """Forward and backward every micro-batch of the mini-batch ``rows`` (gradients accumulate);
-    rows that cannot change the gradient are skipped (see the module doc)."""
+    """Forward and backward every micro-batch of the mini-batch ``rows`` (gradients accumulate,
+    of the loss times the fp16 ``scaler``'s scale when there is one); rows that cannot change
+    the gradient are skipped (see the module doc)."""
     mask = batch.mask[rows]
     n_tokens, n_seqs = dist.sum_floats([float(mask.sum()), float(len(rows))])
     stats = BatchStats(int(n_tokens), int(n_seqs), objective.max_length)
@@ -255,7 +256,7 @@ def _backward_minibatch(
         if not bool(m.any()):  # no loss token: nothing to forward or backward
             continue
         loss, metrics, logp, old = micro_batch_loss(model, batch, micro, objective, stats, autocast)
-        loss.backward()
+        (scaler.scale(loss) if scaler is not None else loss).backward()
         sums.loss += float(loss.detach())
         tally.add(metrics, m)
         sums.ratio_sum += float(masked_fill_zero((logp.detach() - old).exp(), m).sum())
@@ -263,26 +264,35 @@ def _backward_minibatch(
     return sums
 
 
-def _optimizer_decision(params, optimizer, scheduler, objective, sums: _MinibatchSums, max_grad_norm, dist):
-    """Sum gradients over processes, clip, and step the optimizer unless the loss or the
-    gradient is not finite (``"nonfinite"``) or the mean importance ratio exceeds
-    ``early_stop_imp_ratio`` (``"dropped"``); returns ``(outcome, loss, grad_norm)``."""
+def _optimizer_decision(
+    params, optimizer, scheduler, objective, sums: _MinibatchSums, max_grad_norm, dist, scaler=None
+):
+    """Sum gradients over processes, unscale them (fp16 ``scaler``), clip, and step the
+    optimizer unless the loss or the gradient is not finite (``"nonfinite"``; with a scaler
+    and a finite loss, ``"overflow"`` while the scale is at least 1: the step is skipped and
+    the scale lowered) or the mean importance ratio exceeds ``early_stop_imp_ratio``
+    (``"dropped"``); returns ``(outcome, loss, grad_norm)``."""
     _ensure_grads(params)
     loss, ratio_sum, ratio_tokens = sums.loss, sums.ratio_sum, sums.ratio_tokens
     if dist.active:
         dist.sum_grads(params)
         loss, ratio_sum, ratio_tokens = dist.sum_floats([loss, ratio_sum, ratio_tokens])
+    if scaler is not None:
+        scaler.unscale_(optimizer)
     norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm or math.inf))
     mean_ratio = ratio_sum / ratio_tokens if ratio_tokens else 1.0
     if not (math.isfinite(loss) and math.isfinite(norm)):
-        outcome = "nonfinite"
+        overflow = scaler is not None and math.isfinite(loss) and scaler.get_scale() >= 1
+        outcome = "overflow" if overflow else "nonfinite"
     elif objective.early_stop_imp_ratio is not None and mean_ratio > objective.early_stop_imp_ratio:
         outcome = "dropped"
     else:
-        optimizer.step()
+        scaler.step(optimizer) if scaler is not None else optimizer.step()
         scheduler.step()
         outcome = "updated"
     optimizer.zero_grad(set_to_none=False)
+    if scaler is not None:
+        scaler.update()  # lowers the scale after an overflow, raises it after a long run without
     return outcome, loss, norm
 
 
@@ -299,8 +309,14 @@ def update(
     max_grad_norm: float | None,
     autocast: Callable,
     dist: Dist | None = None,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> dict[str, float]:
     """Run the updates of one rollout batch; return averaged metrics and phase times.
+
+    ``scaler`` (fp16 mixed precision) scales each loss before backward so that small float16
+    gradients do not underflow; gradients are unscaled before clipping, and an overflow
+    (inf gradients, finite loss) skips that step and lowers the scale instead of counting
+    as a non-finite update, until the scale falls below 1.
 
     With several processes (``dist``), each holds its own groups of the batch: the
     normalizers, the loss, the importance-ratio sums and the gradients are summed over
@@ -311,14 +327,18 @@ def update(
     params = [p for p in model.parameters() if p.requires_grad]
     tally, counts, times = _Tally(), defaultdict(float), defaultdict(float)
     losses, grad_norms = [], []
+    if scaler is not None:  # its scale is made on first use: a mini-batch with no loss token has none
+        scaler.scale(torch.zeros((), device=params[0].device))
     for _ in range(mu):
         for rows in minibatches(batch.prompt_ids.shape[0], batch.group_size, mini_batches):
             t0 = time.perf_counter()
-            sums = _backward_minibatch(model, batch, rows, objective, micro_batch_size, autocast, dist, tally, counts)
+            sums = _backward_minibatch(
+                model, batch, rows, objective, micro_batch_size, autocast, dist, tally, counts, scaler
+            )
             times["forward_backward"] += time.perf_counter() - t0
             t0 = time.perf_counter()
             outcome, loss, norm = _optimizer_decision(
-                params, optimizer, scheduler, objective, sums, max_grad_norm, dist
+                params, optimizer, scheduler, objective, sums, max_grad_norm, dist, scaler
             )
             counts[_OUTCOME_COUNTS[outcome]] += 1
             if outcome == "updated":
@@ -326,11 +346,18 @@ def update(
             losses.append(loss)
             times["optimizer"] += time.perf_counter() - t0
     tally.merge(dist)
-    return _update_metrics(tally, losses, grad_norms, counts, times)
+    result = _update_metrics(tally, losses, grad_norms, counts, times)
+    if scaler is not None:
+        result["train/scaler_overflows"] = counts["scaler_overflows"]
+        result["train/loss_scale"] = scaler.get_scale()
+    return result
 
 
 #: The metric counting each outcome of :func:`_optimizer_decision`.
-_OUTCOME_COUNTS = {"updated": "updates", "nonfinite": "nonfinite_updates", "dropped": "dropped_minibatches"}
+_OUTCOME_COUNTS = {
+    "updated": "updates", "nonfinite": "nonfinite_updates", "dropped": "dropped_minibatches",
+    "overflow": "scaler_overflows",
+}
 
 
 def _update_metrics(tally: _Tally, losses, grad_norms, counts, times) -> dict[str, float]:

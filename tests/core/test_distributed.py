@@ -260,3 +260,93 @@ def test_dynamic_sampling_on_two_processes_fills_each_share_and_counts_every_gro
         assert r["dynamic_sampling/groups_dropped"] == 4 * rounds - 4
         if r["dynamic_sampling/groups_filled"]:
             assert rounds == 3.0
+
+
+# --------------------------------------------------------------------------- processes that die
+def _children(pid: int) -> dict[int, int]:
+    """``{child pid: its RANK}`` of the live processes whose parent is ``pid``."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if int(fields[1]) == pid and fields[0] != "Z":
+            rank = next((int(e[5:]) for e in env if e.startswith(b"RANK=")), -1)
+            out[int(entry.name)] = rank
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"  # a zombie has exited
+
+
+LONG = {**DIST_SPEC, "train": {"steps": 40, "prompts_per_step": 4, "seed": 3},
+        "checkpoint": {"every": 0}, "eval": {"at_start": False, "at_end": False}}
+
+
+def _started(proc, kit, tmp_path) -> dict[int, int]:
+    proc.wait_for(lambda: kit.last_step(tmp_path / "out" / "metrics.jsonl") >= 1, 150, "step 1")
+    ranks = _children(proc.proc.pid)
+    assert sorted(ranks.values()) == [0, 1], ranks
+    return ranks
+
+
+@pytest.mark.slow
+def test_a_killed_process_stops_the_others_and_the_launcher_fails(tmp_path, write_spec, child, kit):
+    """SIGKILL to rank 1 (what the out-of-memory killer does): the launcher names it, stops
+    rank 0 within a bounded time, and exits 137; no process is left."""
+    import signal
+    import time
+
+    bound = 5 + 30 + 30  # the launcher's grace and SIGKILL delays, plus slack for a busy machine
+    proc = child([write_spec(tmp_path, **LONG), "--nproc", "2"], cwd=tmp_path)
+    ranks = _started(proc, kit, tmp_path)
+    victim = next(pid for pid, rank in ranks.items() if rank == 1)
+    os.kill(victim, signal.SIGKILL)
+    killed_at = time.monotonic()
+    assert proc.wait(bound) == 128 + signal.SIGKILL, proc.output()
+    assert time.monotonic() - killed_at < bound
+    assert "grpo-run: process 1 was killed by SIGKILL (out of memory, or killed by hand)" in proc.output()
+    assert not any(_alive(pid) for pid in ranks)
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_exits_143_with_one_checkpoint(tmp_path, write_spec, child, kit):
+    import signal
+
+    proc = child([write_spec(tmp_path, **LONG), "--nproc", "2"], cwd=tmp_path)
+    _started(proc, kit, tmp_path)
+    proc.signal(signal.SIGTERM)
+    assert proc.wait(120) == 143, proc.output()
+    assert proc.output().count("stopped at step") == 1
+    (folder,) = ckpt.list_checkpoints(tmp_path / "out" / "checkpoints")
+    assert ckpt.verify(folder) is None
+
+
+@pytest.mark.slow
+def test_no_process_outlives_a_killed_launcher(tmp_path, write_spec, child, kit):
+    """SIGKILL to the launcher (it cannot pass anything on): the kernel sends each process
+    SIGTERM (PR_SET_PDEATHSIG), and they stop together with a checkpoint."""
+    import signal
+    import time
+
+    proc = child([write_spec(tmp_path, **LONG), "--nproc", "2"], cwd=tmp_path)
+    ranks = _started(proc, kit, tmp_path)
+    proc.signal(signal.SIGKILL)
+    assert proc.wait(30) == -signal.SIGKILL
+    deadline = time.monotonic() + 120
+    while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(pid) for pid in ranks), proc.output()
+    assert proc.output().count("stopped at step") == 1, proc.output()  # the children share the log
+    (folder,) = ckpt.list_checkpoints(tmp_path / "out" / "checkpoints")
+    assert ckpt.verify(folder) is None

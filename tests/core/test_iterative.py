@@ -367,6 +367,15 @@ def test_iterative_spec_logs_each_iteration_resets_the_reference_and_resumes(
     )
     assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
 
+    # ... and so does resuming mid-iteration (after the first step of iteration 2: the
+    # reference is that iteration's, not the policy at the resumed step)
+    resume = str(tmp_path / "a" / "checkpoints" / "step-000003")
+    assert run_iterative_spec(models, tmp_path / "c", "--set", "tracking=[]", "--resume", resume) == 0
+    final_c = load_file(str(tmp_path / "c" / "final" / "model.safetensors"))
+    assert all(torch.equal(final_a[k], final_c[k]) for k in final_a)
+    c = torch.load(tmp_path / "c" / "checkpoints" / "step-000004" / "state.pt", weights_only=False)
+    assert c["components"]["iterative"]["resets"] == a["components"]["iterative"]["resets"] == 2
+
 
 LEARNABLE = '''
 from grpo_core import hookimpl

@@ -176,9 +176,11 @@ def test_corrupt_and_incomplete_checkpoints_are_skipped(tmp_path, write_spec, ki
     assert f"resuming from {folders[1]} (step 2)" in err
     # Steps 3-5 were redone exactly: the same weights and the same metrics as the first time.
     assert _same_weights(straight_final, kit.load_weights(out / "final")) == []
+    # metrics.jsonl has each step once: the first rows of steps 3-5 were moved aside.
     rows = kit.read_metrics(out / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 3, 4, 5]
-    assert {r["step"]: _stable(r) for r in rows[5:]} == {s: straight_rows[s] for s in (3, 4, 5)}
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in kit.read_metrics(out / "metrics.superseded.jsonl")] == [3, 4, 5]
+    assert {r["step"]: _stable(r) for r in rows[2:]} == {s: straight_rows[s] for s in (3, 4, 5)}
     # The broken folders were rewritten; every checkpoint now verifies; no temporary folder is left.
     assert all(ckpt.verify(f) is None for f in ckpt.list_checkpoints(out / "checkpoints"))
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step-{i:06d}" for i in range(1, 6)]
@@ -238,8 +240,9 @@ def test_a_metrics_row_torn_by_a_crash_does_not_swallow_the_next(tmp_path, write
     assert main([str(spec), "--resume"]) == 0
     assert "resuming from" in capsys.readouterr().err
     text = metrics.read_text().splitlines()
-    assert len(text) == 4 and text[2] == lines[2][: len(lines[2]) // 2]  # the torn row, alone
-    assert [json.loads(line)["step"] for i, line in enumerate(text) if i != 2] == [1, 2, 3]
-    assert json.loads(text[3]) == json.loads(lines[2]) | {
-        k: v for k, v in json.loads(text[3]).items() if k.startswith(VOLATILE)
+    # The torn row, alone on its line, was moved aside with the resume; every row is whole.
+    assert (out / "metrics.superseded.jsonl").read_text().splitlines() == [lines[2][: len(lines[2]) // 2]]
+    assert [json.loads(line)["step"] for line in text] == [1, 2, 3]
+    assert json.loads(text[2]) == json.loads(lines[2]) | {
+        k: v for k, v in json.loads(text[2]).items() if k.startswith(VOLATILE)
     }

@@ -55,8 +55,9 @@ def _wait(condition, timeout: float, what: str) -> None:
 class Server:
     """``mlflow server`` on 127.0.0.1 with a SQLite store, in its own process group."""
 
-    def __init__(self, folder: Path, port: int, db: Path):
+    def __init__(self, folder: Path, port: int, db: Path, serve_artifacts: bool = False):
         self.folder, self.port, self.db = folder, port, db
+        self.serve_artifacts = serve_artifacts  # artifacts uploaded over HTTP, not written by the client
         self.proc: subprocess.Popen | None = None
         self.starts = 0
 
@@ -77,7 +78,7 @@ class Server:
                 "1",
                 "--backend-store-uri",
                 f"sqlite:///{self.db}",
-                "--default-artifact-root",
+                "--artifacts-destination" if self.serve_artifacts else "--default-artifact-root",
                 str(self.folder / "artifacts"),
             ],
             cwd=self.folder,
@@ -116,8 +117,8 @@ class Server:
 def server_factory(tmp_path):
     servers: list[Server] = []
 
-    def make(db: Path) -> Server:
-        server = Server(tmp_path, _free_port(), db)
+    def make(db: Path, serve_artifacts: bool = False) -> Server:
+        server = Server(tmp_path, _free_port(), db, serve_artifacts)
         servers.append(server)
         return server
 
@@ -268,3 +269,141 @@ def test_server_down_for_the_whole_run(tmp_path, write_spec, kit, capsys, caplog
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(math.isfinite(r["loss"]) and "reward" in r and "time/step" in r for r in rows)
     assert (tmp_path / "out" / "final" / "model.safetensors").exists()
+
+
+# --------------------------------------------------------------------------- the tracker alone
+class Proxy:
+    """An HTTP proxy on 127.0.0.1 in front of a real server: ``mode`` "up" forwards, "down"
+    drops every connection unanswered (a server gone), "slow-create" forwards a run creation
+    but answers it only after ``delay`` seconds (the server made the run; the client timed out)."""
+
+    def __init__(self, upstream: int, delay: float = 4.0):
+        import http.client
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        proxy = self
+        self.mode, self.delay, self.seen = "up", delay, []
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _any(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                proxy.seen.append((proxy.mode, self.command, self.path))
+                if proxy.mode == "down":
+                    self.close_connection = True
+                    return
+                conn = http.client.HTTPConnection(HOST, upstream, timeout=60)
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
+                conn.request(self.command, self.path, body=body, headers=headers)
+                reply = conn.getresponse()
+                data = reply.read()
+                if proxy.mode == "slow-create" and self.path.endswith("/runs/create"):
+                    proxy.mode = "up"
+                    time.sleep(proxy.delay)
+                try:
+                    self.send_response(reply.status)
+                    for k, v in reply.getheaders():
+                        if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                            self.send_header(k, v)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except OSError:
+                    pass  # the client gave up
+
+            do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _any
+
+        self.server = ThreadingHTTPServer((HOST, 0), Handler)
+        self.port = self.server.server_address[1]
+        import threading
+
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _tracker(uri: str, **options):
+    from grpo_plugins.trackers import MLflowOptions, MLflowTracker
+
+    return MLflowTracker(MLflowOptions(experiment="t", tracking_uri=uri, retry_every=0, **options))
+
+
+@pytest.mark.slow
+def test_one_run_and_nothing_dropped_through_a_timeout_and_an_outage(
+    tmp_path, _mlflow_template, server_factory, monkeypatch
+):
+    """The run's creation times out after the server made it: the next attempt finds that
+    run instead of making a second. Then the server is unreachable while params, a table,
+    an artifact and metrics are logged: all of them arrive once it answers again."""
+    import shutil
+
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "1")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    shutil.copy(_mlflow_template, tmp_path / "db.sqlite")
+    server = server_factory(tmp_path / "db.sqlite", serve_artifacts=True)
+    server.start()
+    proxy = Proxy(server.port)
+    try:
+        tracker = _tracker(f"http://{HOST}:{proxy.port}")
+        proxy.mode = "slow-create"
+        assert tracker.start("timeout") is None  # timed out: no run id yet
+        tracker.log_metrics({"loss": 1.0}, 1)  # creates (or finds) the run, then sends
+        proxy.mode = "down"
+        spec = tmp_path / "spec.resolved.yaml"
+        spec.write_text("train: {steps: 2}\n")
+        tracker.log_params({"train.steps": 2})
+        tracker.log_table("completions", [{"prompt": "1+1", "completion": "2", "reward": 1.0}], 2)
+        tracker.log_artifact(str(spec))
+        tracker.log_metrics({"loss": 0.5}, 2)
+        assert ("down", "POST", "/api/2.0/mlflow/runs/log-batch") in proxy.seen  # it tried
+        state = tracker.state_dict()  # a checkpoint now holds all of it
+        assert [k for k, _ in state["unsent"]] == ["params", "table", "artifact"] and len(state["pending"]) == 1
+        proxy.mode = "up"
+        tracker.finish("FINISHED")
+    finally:
+        proxy.close()
+    client = MlflowClient(f"http://{HOST}:{server.port}")
+    runs = client.search_runs([client.get_experiment_by_name("t").experiment_id])
+    assert len(runs) == 1, [r.info.run_id for r in runs]
+    (run,) = runs
+    assert run.info.run_id == tracker.run_id and run.info.status == "FINISHED"
+    assert run.data.params == {"train.steps": "2"}
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == [1, 2]
+    names = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"spec.resolved.yaml", "completions"} <= names, names
+    (table,) = client.list_artifacts(run.info.run_id, "completions")
+    assert table.path == "completions/step_000002.json"
+
+
+def test_steps_redone_after_a_crash_are_logged_once(tmp_path, mlflow_db):
+    """Steps 4-5 were sent, then the process died; the run resumes from its step-3
+    checkpoint and redoes them: MLflow keeps one value per step (the first)."""
+    uri = mlflow_db(tmp_path)
+    first = _tracker(uri)
+    run_id = first.start("redo")
+    state = None
+    for step in range(1, 6):
+        first.log_metrics({"loss": 1.0 / step, "reward": float(step)}, step)
+        if step == 3:
+            state = first.state_dict()  # the checkpoint of step 3
+    # killed here: no finish
+    second = _tracker(uri)
+    second.load_state_dict(state)
+    assert second.start("redo", resume_id=run_id) == run_id
+    for step in (4, 5, 6):
+        second.log_metrics({"loss": 2.0 / step, "reward": float(step) + 0.5}, step)
+    second.finish("FINISHED")
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    loss = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "loss"))
+    assert loss == [(1, 1.0), (2, 0.5), (3, 1 / 3), (4, 0.25), (5, 0.2), (6, 2 / 6)]
+    reward = sorted(client.get_metric_history(run_id, "reward"), key=lambda m: m.step)
+    assert [m.step for m in reward] == [1, 2, 3, 4, 5, 6]
+    assert len(client.search_runs([client.get_experiment_by_name("t").experiment_id])) == 1

@@ -171,7 +171,28 @@ def test_engine_kwargs_load_no_weights_and_run_in_process():
         "distributed_executor_backend": "external_launcher",
         "logprobs_mode": "processed_logprobs",
         "model_impl": "auto",
+        "trust_remote_code": False,
     }
+
+
+def test_engine_kwargs_never_turn_trust_remote_code_on():
+    """The README's promise: remote code is off unless model.trust_remote_code turns it on,
+    and a vLLM engine_kwargs cannot turn it on behind the spec's back."""
+    with pytest.raises(ValidationError, match="engine_kwargs may not set trust_remote_code"):
+        VLLMRolloutOptions(engine_kwargs={"trust_remote_code": True})
+    sneaked = _options(engine_kwargs={"trust_remote_code": True, "quantization": "fp8"})  # unvalidated
+    kwargs = engine_kwargs(sneaked, "m")
+    assert kwargs["trust_remote_code"] is False and kwargs["quantization"] == "fp8"
+
+
+def test_cli_refuses_trust_remote_code_in_engine_kwargs(tmp_path):
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        "model: {path: m}\nrollout: {name: vllm, engine_kwargs: {trust_remote_code: true}}\n"
+        "rewards: [{name: accuracy}]\n", encoding="utf-8",
+    )
+    code, _, err = cli("validate", spec)
+    assert code == 2 and "spec.rollout.engine_kwargs" in err and "may not set trust_remote_code" in err, err
 
 
 def test_engine_kwargs_pass_set_limits_and_let_engine_kwargs_override():

@@ -1,0 +1,143 @@
+"""``grpo-run SPEC --nproc N``: N training processes on this machine, one per rank, with the
+environment torchrun would give them (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` ...).
+
+What the launcher guarantees:
+
+- SIGINT and SIGTERM are passed on once to every process (each runs in its own session, so
+  a terminal's Ctrl-C does not reach it twice): all stop at the same step, the main one
+  checkpoints, and the launcher exits 130 or 143.
+- A process that fails (an error, or killed: SIGKILL, the kernel's out-of-memory killer)
+  stops the others: they get :data:`GRACE_S` seconds to fail on their own, then SIGTERM,
+  then SIGKILL after :data:`KILL_AFTER_S` more (one waiting in a collective on the dead
+  process may never see the signal). The launcher's exit code is that of the process that
+  failed first (``128 + signal`` for one killed by a signal), so it is never 0.
+- No process outlives the launcher: on Linux each asks the kernel for SIGTERM when the
+  launcher dies (``prctl(PR_SET_PDEATHSIG)``), even by SIGKILL; elsewhere a thread in each
+  process watches the launcher's pid. On that SIGTERM they checkpoint and stop together.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+#: Seconds the other processes get to stop on their own after one failed.
+GRACE_S = 5.0
+#: Seconds between SIGTERM and SIGKILL for a process that does not stop.
+KILL_AFTER_S = 30.0
+#: Set in each process's environment: the launcher's pid.
+PARENT_ENV = "GRPO_LAUNCHER_PID"
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_launcher() -> None:
+    """In a process started by :func:`launch`: be sent SIGTERM when the launcher dies."""
+    parent = int(os.environ.get(PARENT_ENV, "0") or 0)
+    if not parent:
+        return
+    armed = False
+    if sys.platform.startswith("linux"):
+        try:
+            armed = ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) == 0
+        except (OSError, AttributeError):
+            armed = False
+    if os.getppid() != parent:  # it died before we asked
+        os.kill(os.getpid(), signal.SIGTERM)
+    if not armed:
+        threading.Thread(target=_watch, args=(parent,), daemon=True, name="grpo-launcher-watch").start()
+
+
+def _watch(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _exit_code(code: int) -> int:
+    return 128 - code if code < 0 else code
+
+
+def _describe(rank: int, code: int) -> str:
+    if code < 0:
+        name = signal.Signals(-code).name
+        cause = " (out of memory, or killed by hand)" if -code == signal.SIGKILL else ""
+        return f"process {rank} was killed by {name}{cause}"
+    return f"process {rank} exited with code {code}"
+
+
+def supervise(procs: list[subprocess.Popen], poll_s: float = 0.1) -> int:
+    """Wait for every process; when one fails, stop the others (see the module docstring).
+    Returns the exit code of the root failure (a process killed by a signal this launcher
+    did not send, whose peers then fail on the broken connection; else the first to fail),
+    or 0."""
+    failures: list[tuple[int, int]] = []  # (rank, code) in the order seen
+    ours: set[int] = set()  # ranks this launcher SIGKILLed
+    failed_at = terminated_at = None
+    while True:
+        running = [p.poll() is None for p in procs]
+        for rank, p in enumerate(procs):
+            if p.returncode not in (None, 0) and rank not in {r for r, _ in failures}:
+                failures.append((rank, p.returncode))
+                failed_at = failed_at or time.monotonic()
+                if p.returncode < 0 and rank not in ours:
+                    print(f"grpo-run: {_describe(rank, p.returncode)}; stopping the others", file=sys.stderr)
+        if not any(running):
+            break
+        now = time.monotonic()
+        if failed_at is not None and terminated_at is None and now - failed_at > GRACE_S:
+            terminated_at = now
+            _send(procs, signal.SIGTERM)
+        if terminated_at is not None and now - terminated_at > KILL_AFTER_S:
+            ours.update(r for r, alive in enumerate(running) if alive)
+            _send(procs, signal.SIGKILL)
+        time.sleep(poll_s)
+    killed = [(r, c) for r, c in failures if c < 0 and r not in ours]
+    return _exit_code((killed or failures or [(0, 0)])[0][1])
+
+
+def _send(procs: list[subprocess.Popen], signum: int) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signum)
+
+
+def launch(args, loaded) -> int:
+    """Start ``args.nproc`` copies of ``grpo-run run`` and supervise them."""
+    from grpo_core.train.distributed import check_layout
+
+    check_layout(loaded.spec, args.nproc)
+    with socket.socket() as sock:  # a free port for the process group's rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, "-m", "grpo_core.cli", "run", args.spec]
+    for override in args.overrides:
+        command += ["--set", override]
+    if args.resume is not None:
+        command += ["--resume", args.resume]
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // args.nproc))
+    procs: list[subprocess.Popen] = []
+
+    def forward(signum, frame):
+        _send(procs, signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for rank in range(args.nproc):
+            env = {
+                **os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(args.nproc),
+                "LOCAL_WORLD_SIZE": str(args.nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                "OMP_NUM_THREADS": threads, PARENT_ENV: str(os.getpid()),
+            }
+            # Own session: a terminal's Ctrl-C reaches the children once, forwarded by this
+            # process, not twice (a second signal means "stop now, no checkpoint").
+            procs.append(subprocess.Popen(command, env=env, start_new_session=True))
+        return supervise(procs)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
