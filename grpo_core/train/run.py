@@ -18,6 +18,7 @@ import torch
 from grpo_core import checkpoint as ckpt
 from grpo_core.contracts import SamplingParams
 from grpo_core.errors import RunError
+from grpo_core.export import finish_exports, print_exports
 from grpo_core.spec import LoadedSpec, Spec, dump_spec
 from grpo_core.tracking import RunLog, flatten
 from grpo_core.train import model as modeling
@@ -392,9 +393,11 @@ def train(loaded: LoadedSpec, resume: str | None = None) -> int:
         if spec.checkpoint.every:
             run.save_checkpoint()
         final = _save_final(run)
+        exported = finish_exports(run, final)
         status = "FINISHED"
         if run.dist.is_main:
             _summary(run, final, run.last_eval)
+            print_exports(exported)
         return 0
     except KeyboardInterrupt:
         status = "KILLED"
