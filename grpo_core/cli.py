@@ -1,4 +1,5 @@
-"""``grpo-run``: train from a spec, validate it, list plugins, print the JSON Schema.
+"""``grpo-run``: train from a spec (or dry-run it), validate it, write a starter spec, list
+runs and plugins, print the JSON Schema.
 
 Exit codes: 0 success, 1 runtime failure, 2 invalid spec or usage, 130 interrupted
 (SIGINT), 143 terminated (SIGTERM).
@@ -14,14 +15,15 @@ import traceback
 
 from grpo_core.errors import GrpoError, UsageError
 
-COMMANDS = ("run", "validate", "plugins", "schema")
+COMMANDS = ("run", "validate", "init", "runs", "plugins", "schema")
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="grpo-run",
         description="Train a causal LM with GRPO from a YAML spec.",
-        epilog="Commands: grpo-run SPEC (train), grpo-run validate SPEC, grpo-run plugins, "
+        epilog="Commands: grpo-run SPEC (train; --dry-run: one rollout, no training), grpo-run validate SPEC, "
+        "grpo-run init [--task math|tools|custom] [SPEC], grpo-run runs [FOLDER ...], grpo-run plugins, "
         "grpo-run schema. Exit codes: 0 ok, 1 runtime failure, 2 invalid spec or usage, "
         "130 interrupted.",
     )
@@ -45,6 +47,20 @@ def _parser() -> argparse.ArgumentParser:
         help="train in N data-parallel processes on this machine (one per GPU, or N on the CPU); "
         "for several machines use accelerate launch or torchrun with -m grpo_core.cli run SPEC",
     )
+    run.add_argument(
+        "--dry-run", action="store_true",
+        help="validate, build the model and data, sample and score one step's completions and print "
+        "them with their rewards; no training, no checkpoint, no tracker run",
+    )
+    init = sub.add_parser("init", help="write a commented starter spec (and the files it names)")
+    init.add_argument("spec", nargs="?", default="spec.yaml", help="where to write it (default: spec.yaml)")
+    init.add_argument("--task", choices=("math", "tools", "custom"), default="math",
+                      help="math: GSM8K on Qwen2.5; tools: tool calls rewarded by a local plugin; "
+                      "custom: your data and reward function (default: math)")
+    init.add_argument("--force", action="store_true", help="overwrite existing files")
+    runs = sub.add_parser("runs", help="list run folders: last step, status, held-out score")
+    runs.add_argument("folders", nargs="*", default=["runs"],
+                      help="run folders, or folders holding them (default: runs)")
     validate = sub.add_parser("validate", help="validate a spec and print it with every default filled in")
     spec_args(validate)
     plugins = sub.add_parser("plugins", help="list plugins and the components they register")
@@ -65,6 +81,30 @@ def _cmd_validate(args) -> int:
 
     loaded = load_spec(args.spec, args.overrides)
     sys.stdout.write(dump_spec(loaded.spec))
+    return 0
+
+
+def _cmd_init(args) -> int:
+    from pathlib import Path
+
+    from grpo_core.starter import write_starter
+
+    written = write_starter(args.task, Path(args.spec), force=args.force)
+    print("wrote " + ", ".join(map(str, written)))
+    print(f"next: grpo-run validate {args.spec}   then: grpo-run {args.spec} --dry-run")
+    return 0
+
+
+def _cmd_runs(args) -> int:
+    from pathlib import Path
+
+    from grpo_core.runs import find_runs, print_runs
+
+    infos = find_runs([Path(f) for f in args.folders])
+    if not infos:
+        print(f"no run folders in {', '.join(args.folders)}", file=sys.stderr)
+        return 0
+    print_runs(infos)
     return 0
 
 
@@ -107,6 +147,12 @@ def _cmd_run(args) -> int:
     loaded = load_spec(args.spec, args.overrides)
     if args.nproc < 1:
         raise UsageError(f"--nproc must be at least 1, got {args.nproc}")
+    if args.dry_run:
+        if args.nproc > 1 or args.resume is not None:
+            raise UsageError("--dry-run runs one process from scratch: drop --nproc and --resume")
+        from grpo_core.dryrun import dry_run
+
+        return dry_run(loaded)
     if args.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1") or 1) == 1:
         return _launch(args, loaded)
     return train(loaded, resume=args.resume)
@@ -177,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    handler = {"run": _cmd_run, "validate": _cmd_validate, "plugins": _cmd_plugins, "schema": _cmd_schema}
+    handler = {"run": _cmd_run, "validate": _cmd_validate, "init": _cmd_init, "runs": _cmd_runs,
+               "plugins": _cmd_plugins, "schema": _cmd_schema}
     try:
         return handler[args.command](args)
     except GrpoError as exc:
