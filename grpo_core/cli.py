@@ -22,9 +22,10 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="grpo-run",
         description="Train a causal LM with GRPO from a YAML spec.",
-        epilog="Commands: grpo-run SPEC (train; --dry-run: one rollout, no training), grpo-run validate SPEC, "
-        "grpo-run init [--task math|tools|custom] [SPEC], grpo-run runs [FOLDER ...], grpo-run plugins, "
-        "grpo-run schema. Exit codes: 0 ok, 1 runtime failure, 2 invalid spec or usage, "
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Commands: grpo-run SPEC (train; --dry-run: one rollout, no training), grpo-run validate SPEC,\n"
+        "grpo-run init [--task math|tools|custom] [SPEC], grpo-run runs [FOLDER ...], grpo-run plugins,\n"
+        "grpo-run schema.\nExit codes: 0 ok, 1 runtime failure, 2 invalid spec or usage, "
         "130 interrupted.",
     )
     sub = parser.add_subparsers(dest="command")
@@ -52,6 +53,8 @@ def _parser() -> argparse.ArgumentParser:
         help="validate, build the model and data, sample and score one step's completions and print "
         "them with their rewards; no training, no checkpoint, no tracker run",
     )
+    validate = sub.add_parser("validate", help="validate a spec and print it with every default filled in")
+    spec_args(validate)
     init = sub.add_parser("init", help="write a commented starter spec (and the files it names)")
     init.add_argument("spec", nargs="?", default="spec.yaml", help="where to write it (default: spec.yaml)")
     init.add_argument("--task", choices=("math", "tools", "custom"), default="math",
@@ -61,8 +64,6 @@ def _parser() -> argparse.ArgumentParser:
     runs = sub.add_parser("runs", help="list run folders: last step, status, held-out score")
     runs.add_argument("folders", nargs="*", default=["runs"],
                       help="run folders, or folders holding them (default: runs)")
-    validate = sub.add_parser("validate", help="validate a spec and print it with every default filled in")
-    spec_args(validate)
     plugins = sub.add_parser("plugins", help="list plugins and the components they register")
     plugins.add_argument("--json", action="store_true", help="print JSON")
     sub.add_parser("schema", help="print the JSON Schema of a spec, with every installed plugin's options")

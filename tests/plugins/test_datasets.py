@@ -285,10 +285,10 @@ def test_hf_loads_a_saved_dataset_dict(saved_dict):
 
 def test_hf_relative_saved_dir_resolves_but_hub_ids_do_not(saved_dict):
     context = {"base_dir": saved_dict.parent}
-    local = HFOptions.model_validate({"name": saved_dict.name}, context=context)
-    assert local.name == str(saved_dict)
-    hub = HFOptions.model_validate({"name": "openai/gsm8k"}, context=context)
-    assert hub.name == "openai/gsm8k"
+    local = HFOptions.model_validate({"path": saved_dict.name}, context=context)
+    assert local.path == str(saved_dict)
+    hub = HFOptions.model_validate({"path": "openai/gsm8k"}, context=context)
+    assert hub.path == "openai/gsm8k"
 
 
 def test_hf_missing_split_lists_the_available_ones(saved_dict):
