@@ -45,7 +45,7 @@ class TextGenerator(PythonModel):
             self.model = transformers.AutoModelForCausalLM.from_pretrained(folder)
         self.model.eval()
 
-    def predict(self, context, model_input: Any, params: dict[str, Any] | None = None) -> list[str]:
+    def predict(self, context, model_input, params=None):  # no type hints: MLflow would validate by them
         import torch
 
         params = {**DEFAULT_PARAMS, **(params or {})}
