@@ -21,7 +21,7 @@ MARKERS = ("metrics.jsonl", "spec.resolved.yaml", "checkpoints", "final")
 @dataclass
 class RunInfo:
     path: Path
-    status: str  # finished, stopped (resumable), running?, started
+    status: str  # finished; stopped (a checkpoint: --resume continues it); incomplete
     last_step: int | None
     total_steps: int | None
     heldout: float | None  # the last eval/reward logged
@@ -63,7 +63,7 @@ def _status(folder: Path) -> str:
     if (final / "config.json").is_file() or (final / "adapter_config.json").is_file():
         return "finished"
     if any((folder / "checkpoints").glob(f"{PREFIX}*")):
-        return "stopped (resumable)"
+        return "stopped"
     return "incomplete"
 
 

@@ -64,7 +64,7 @@ TOOLS = """\
 model:
   path: Qwen/Qwen2.5-0.5B-Instruct      # its chat template renders the `tools` below
 data:
-  name: file
+  name: file                            # JSONL, CSV or Parquet; every column reaches the rewards
   train: {data}
   prompt_column: prompt                 # chat messages
   chat_template_kwargs:                 # passed to apply_chat_template: the tools the model may call
@@ -86,21 +86,21 @@ data:
             properties: {{amount: {{type: number}}, from: {{type: string}}, to: {{type: string}}}}
             required: [amount, from, to]
 rollout:
-  group_size: 8
-  max_new_tokens: 96
+  group_size: 8                         # G completions per prompt
+  max_new_tokens: 96                    # a tool call is short
 rewards:
   - name: tool_call                     # defined in {plugin}
 plugins:
-  - {plugin}
+  - {plugin}                            # local plugin files, relative to this spec
 train:
   steps: 100
-  prompts_per_step: 4
+  prompts_per_step: 4                   # B = 4 x 8 = 32 completions per step
   lr: 1.0e-6
-eval:
+eval:                                   # no held-out split in this starter: add data.eval to measure
   at_start: false
   at_end: false
 tracking:
-  - name: mlflow
+  - name: mlflow                        # or wandb / tensorboard (optional extras)
 """
 
 TOOLS_DATA = [
@@ -154,17 +154,20 @@ data:
   train: {data}
   prompt_column: prompt
 rollout:
-  group_size: 8
+  group_size: 8                         # G completions per prompt: the group GRPO normalizes within
   max_new_tokens: 64
 rewards:
   - name: my_reward                     # defined in {plugin}; list more, each with a weight
 plugins:
-  - {plugin}
+  - {plugin}                            # local plugin files, relative to this spec
+algorithm:
+  advantage: {{name: grpo}}               # (r - mean) / std within each group (DeepSeekMath)
+  kl: {{name: low_var_kl, beta: 0.0}}     # beta > 0 adds a KL penalty to the initial model
 train:
   steps: 50
-  prompts_per_step: 4
+  prompts_per_step: 4                   # B = 4 x 8 = 32 completions per step
   lr: 1.0e-5
-eval:
+eval:                                   # no held-out split in this starter: add data.eval to measure
   at_start: false
   at_end: false
 tracking:
