@@ -220,8 +220,35 @@ def finish_exports(run, final: Path) -> dict[str, Any]:
     return done
 
 
-def print_exports(done: dict[str, Any]) -> None:
-    """The end-of-run lines for what :func:`finish_exports` wrote."""
+def heldout_table(metrics_path: Path) -> list[list[str]]:
+    """Rows ``[metric, first, last]`` of the held-out scores in ``metrics.jsonl``: the first
+    evaluation (before training, with ``eval.at_start``) and the last one."""
+    evals = []
+    if Path(metrics_path).is_file():
+        for line in Path(metrics_path).read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if "eval/reward" in row:
+                evals.append(row)
+    if not evals:
+        return []
+    first, last = evals[0], evals[-1]
+    keys = [k for k in last if k == "eval/reward" or k.startswith("eval/rewards/")]
+    shown = lambda row, k: f"{row[k]:.4f}" if k in row else "-"  # noqa: E731
+    return [[k, f"{shown(first, k)} (step {first['step']})", f"{shown(last, k)} (step {last['step']})"]
+            for k in keys]
+
+
+def print_exports(done: dict[str, Any], metrics_path: Path | None = None) -> None:
+    """The end-of-run summary table (held-out scores, first and last evaluation) and the
+    files :func:`finish_exports` wrote."""
+    from grpo_core.textout import print_table
+
+    rows = heldout_table(metrics_path) if metrics_path is not None else []
+    if rows:
+        print_table(["held-out", "first", "last"], rows, stream=sys.stderr)
     labels = {"merged": "merged model", "card": "model card", "environment": "environment", "hub": "pushed to the Hub"}
     lines = []
     for key, value in done.items():

@@ -397,7 +397,7 @@ def train(loaded: LoadedSpec, resume: str | None = None) -> int:
         status = "FINISHED"
         if run.dist.is_main:
             _summary(run, final, run.last_eval)
-            print_exports(exported)
+            print_exports(exported, run.log.metrics_path)
         return 0
     except KeyboardInterrupt:
         status = "KILLED"

@@ -196,6 +196,31 @@ def test_dry_run_refuses_resume_and_nproc(tmp_path, write_spec):
     assert code == 2 and "--dry-run runs one process from scratch" in err
 
 
+# --------------------------------------------------------------------------- terminal tables
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_tables_use_rich_on_a_terminal_and_plain_text_elsewhere(monkeypatch):
+    from grpo_core.textout import print_table
+
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    rows = [["eval/reward", "0.2500"], ["eval/rewards/accuracy", "0.5000"]]
+    plain = io.StringIO()
+    print_table(["metric", "value"], rows, stream=plain)
+    assert plain.getvalue().splitlines() == [
+        "metric                 value", "---------------------  ------",
+        "eval/reward            0.2500", "eval/rewards/accuracy  0.5000"]
+    tty = _Terminal()
+    print_table(["metric", "value"], rows, stream=tty)
+    assert "│" in tty.getvalue() and "0.5000" in tty.getvalue()  # drawn by rich
+    monkeypatch.setenv("NO_COLOR", "1")
+    again = _Terminal()
+    print_table(["metric", "value"], rows, stream=again)
+    assert again.getvalue() == plain.getvalue()
+
+
 # --------------------------------------------------------------------------- trackers together
 TRACKERS_PLUGIN = '''
 import json

@@ -55,6 +55,10 @@ def test_lora_run_exports_merged_model_card_environment_and_mlflow_model(
     assert "push_to_hub to someone/tiny-grpo failed" in log
     assert f"hf upload someone/tiny-grpo {merged} --revision v1" in log
     assert upload_plan(final) == (merged, [])
+    # The end-of-run summary table, plain text in a log file.
+    assert "\x1b[" not in log
+    assert any(line.startswith("eval/rewards/accuracy") and line.rstrip().endswith("(step 2)")
+               for line in log.splitlines())
 
     # final/merged: a plain transformers model (no adapter files) equal to base + adapter.
     from peft import PeftModel
