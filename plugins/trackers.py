@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 import time
+import warnings
 from typing import Any
 
 from pydantic import Field
@@ -235,7 +236,9 @@ def _log_pyfunc(uri: str, run_id: str, folder: str, registered: str | None) -> s
     previous = mlflow.get_tracking_uri()
     mlflow.set_tracking_uri(uri)
     try:
-        with mlflow.start_run(run_id=run_id):
+        with mlflow.start_run(run_id=run_id), warnings.catch_warnings():
+            # MLflow advises type hints on predict; the explicit signature above serves instead.
+            warnings.filterwarnings("ignore", message=".*type hint", category=UserWarning)
             info = mlflow.pyfunc.log_model(
                 name="model", python_model=mlflow_model.__file__, artifacts={"model": str(folder)},
                 signature=signature, pip_requirements=requirements, registered_model_name=registered,

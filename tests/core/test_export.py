@@ -56,9 +56,9 @@ def test_lora_run_exports_merged_model_card_environment_and_mlflow_model(
     assert f"hf upload someone/tiny-grpo {merged} --revision v1" in log
     assert upload_plan(final) == (merged, [])
     # The end-of-run summary table, plain text in a log file.
-    assert "\x1b[" not in log
-    assert any(line.startswith("eval/rewards/accuracy") and line.rstrip().endswith("(step 2)")
-               for line in log.splitlines())
+    table = [line for line in log.splitlines() if line.startswith(("held-out ", "eval/reward"))]
+    assert table[0].split() == ["held-out", "first", "last"] and all("\x1b" not in line for line in table)
+    assert any(line.startswith("eval/rewards/accuracy") and line.endswith("(step 2)") for line in table)
 
     # final/merged: a plain transformers model (no adapter files) equal to base + adapter.
     from peft import PeftModel
