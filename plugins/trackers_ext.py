@@ -191,8 +191,9 @@ class TensorBoardOptions(Options):
 
     log_dir: SpecPath = Field(
         Path("tensorboard"),
-        description="Folder of the event files (relative to the spec file); each run writes "
-        "<log_dir>/<run name>. View with: tensorboard --logdir <log_dir>.",
+        description="Folder of the event files: a path given in the spec is relative to the spec "
+        "file; the default is tensorboard/ in the working directory (as MLflow's and W&B's stores). "
+        "Each run writes <log_dir>/<run name>. View with: tensorboard --logdir <log_dir>.",
     )
     flush_secs: int = Field(30, ge=1, description="Seconds between flushes of the event file to disk.")
 
