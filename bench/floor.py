@@ -58,12 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
+    from grpo_plugins.rollout_hf import HFRollout, HFRolloutOptions
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from vs_trl import prepare_model, task_rows
 
     from grpo_core.contracts import SamplingParams
     from grpo_core.train.logprobs import completion_logprobs
-    from grpo_plugins.rollout_hf import HFRollout, HFRolloutOptions
-    from vs_trl import prepare_model, task_rows
 
     folder = prepare_model(Path(args.model_dir))
     tokenizer = AutoTokenizer.from_pretrained(folder)

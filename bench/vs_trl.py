@@ -60,7 +60,7 @@ def prepare_model(folder: Path) -> Path:
 
 
 def task_rows(eval_size: int):
-    from grpo_core.plugins import load_plugins
+    from grpo_core.plugin_manager import load_plugins
 
     registry = load_plugins(external=False).registry
     dataset = registry.get("dataset", "arithmetic").build(
@@ -70,7 +70,7 @@ def task_rows(eval_size: int):
 
 
 def accuracy_reward():
-    from grpo_core.plugins import load_plugins
+    from grpo_core.plugin_manager import load_plugins
 
     comp = load_plugins(external=False).registry.get("reward_function", "accuracy")
     return comp.build(comp.options())
@@ -79,9 +79,9 @@ def accuracy_reward():
 def greedy_accuracy(model, tokenizer, rows, max_new_tokens: int, batch: int = 25) -> float:
     """Held-out greedy accuracy, with the same code for both tools."""
     import torch
+    from grpo_plugins.rollout_hf import HFRollout
 
     from grpo_core.contracts import SamplingParams
-    from grpo_plugins.rollout_hf import HFRollout
 
     backend = HFRollout()
     backend.setup(model, tokenizer)
@@ -105,7 +105,7 @@ def grpo_worker(conn, args: dict) -> None:
     torch.set_num_threads(args["threads"])
     from grpo_core.spec import load_spec
     from grpo_core.train.run import build_run
-    from grpo_core.train.step import run_step
+    from grpo_core.train.step import grpo_step
 
     mixed, _, beta = CONFIGS[args["config"]]
     overrides = [
@@ -123,7 +123,7 @@ def grpo_worker(conn, args: dict) -> None:
     conn.send({"accuracy_before": before})
     step = 0
     while conn.recv() == "step":
-        metrics, _ = run_step(run, step)
+        metrics = grpo_step(run.engine, run.prompts, step).metrics
         step += 1
         phases = {p: metrics.get(f"time/{p}", 0.0) for p in PHASES if p != "other"}
         phases["other"] = metrics["time/step"] - sum(phases.values())

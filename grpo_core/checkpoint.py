@@ -211,4 +211,6 @@ def load_model_weights(model, folder: Path) -> None:
     loaded = {params[k].data_ptr() for k in state if k in params}
     missing = [m for m in missing if m in params and params[m].data_ptr() not in loaded]
     if missing or unexpected:
-        raise RunError(f"checkpoint {folder} does not fit the model (missing {missing[:5]}, unexpected {unexpected[:5]})")
+        raise RunError(
+            f"checkpoint {folder} does not fit the model (missing {missing[:5]}, unexpected {unexpected[:5]})"
+        )

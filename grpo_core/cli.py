@@ -110,8 +110,8 @@ def _cmd_runs(args) -> int:
 
 
 def _cmd_plugins(args) -> int:
-    from grpo_core.hookspecs import KIND_LABELS
-    from grpo_core.plugins import load_plugins
+    from grpo_core.hookspecs import KINDS
+    from grpo_core.plugin_manager import load_plugins
 
     plugins = load_plugins()
     if args.json:
@@ -126,7 +126,7 @@ def _cmd_plugins(args) -> int:
         dist = f"{info.distribution} {info.version or ''}".strip() if info.distribution else info.location
         print(f"{info.name}  ({info.source}: {dist})")
         for kind, names in info.components.items():
-            print(f"  {KIND_LABELS[kind]}: {', '.join(names)}")
+            print(f"  {KINDS[kind].label}: {', '.join(names)}")
         hooks = [h.name for h in plugins.manager.get_hookcallers(plugins.manager.get_plugin(key)) or []]
         if not info.components and hooks:
             print(f"  hooks: {', '.join(hooks)} (registered nothing)")
@@ -134,7 +134,7 @@ def _cmd_plugins(args) -> int:
 
 
 def _cmd_schema(args) -> int:
-    from grpo_core.plugins import load_plugins
+    from grpo_core.plugin_manager import load_plugins
     from grpo_core.spec.schema import spec_schema
 
     print(json.dumps(spec_schema(load_plugins().registry), indent=2))
@@ -143,6 +143,7 @@ def _cmd_schema(args) -> int:
 
 def _cmd_run(args) -> int:
     from grpo_core.spec import load_spec
+    from grpo_core.train.distributed import world_size_from_env
     from grpo_core.train.run import train
 
     loaded = load_spec(args.spec, args.overrides)
@@ -154,7 +155,7 @@ def _cmd_run(args) -> int:
         from grpo_core.dryrun import dry_run
 
         return dry_run(loaded)
-    if args.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1") or 1) == 1:
+    if args.nproc > 1 and world_size_from_env() == 1:
         return _launch(args, loaded)
     return train(loaded, resume=args.resume)
 

@@ -12,8 +12,9 @@ Rows are ordered prompt-major: rows ``p*G .. p*G+G-1`` are the group of prompt `
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -68,10 +69,13 @@ class AdvantageInputs:
 class AdvantageEstimator(Protocol):
     """``estimator(inputs) -> advantages float (B, T)``, zero where ``inputs.mask`` is False.
 
-    Set the class attribute ``needs_step_scores = True`` for an estimator that reads
-    ``inputs.step_scores``/``step_ends``/``step_mask``: the engine then cuts completions
-    into steps and fills them (an outcome reward's score counts on the last step).
+    Attributes:
+        needs_step_scores: True for an estimator that reads ``inputs.step_scores``/
+            ``step_ends``/``step_mask``: the engine then cuts completions into steps and
+            fills them (an outcome reward's score counts on the last step). Default False.
     """
+
+    needs_step_scores: bool = False
 
     def __call__(self, inputs: AdvantageInputs) -> Tensor: ...
 
@@ -125,10 +129,13 @@ class PolicyLossOutput:
 class PolicyLoss(Protocol):
     """``loss(inputs) -> PolicyLossOutput``.
 
-    Set the class attribute ``zero_advantage_is_zero_loss = True`` when rows whose
-    advantage is 0 contribute exactly 0 loss and gradient: the engine then skips their
-    forward and backward when nothing else (KL, entropy) needs them.
+    Attributes:
+        zero_advantage_is_zero_loss: True when rows whose advantage is 0 contribute
+            exactly 0 loss and gradient: the engine then skips their forward and backward
+            when nothing else (KL, entropy) needs them. Default False.
     """
+
+    zero_advantage_is_zero_loss: bool = False
 
     def __call__(self, inputs: PolicyLossInputs) -> PolicyLossOutput: ...
 
@@ -291,20 +298,28 @@ class RolloutBackend(Protocol):
 
 
 # --------------------------------------------------------------------------- rewards
-RewardFunction = Callable[..., list]
-"""TRL's signature: ``reward(prompts, completions, **columns) -> list[float | None]``.
+@runtime_checkable
+class RewardFunction(Protocol):
+    """TRL's signature: ``reward(prompts, completions, **columns) -> list[float | None]``.
 
-``prompts`` and ``completions`` have ``B`` entries each (a prompt repeated ``G`` times):
-strings, or lists of chat messages when the dataset's prompts are conversational.
-Every other dataset column arrives as a keyword argument, also repeated per completion,
-with ``completion_ids`` (list of token id lists). ``None`` marks an unscorable completion.
-A process reward returns, per completion, a list of per-step scores instead of a float.
+    ``prompts`` and ``completions`` have ``B`` entries each (a prompt repeated ``G`` times):
+    strings, or lists of chat messages when the dataset's prompts are conversational.
+    Every other dataset column arrives as a keyword argument, also repeated per completion,
+    with ``completion_ids`` (list of token id lists). ``None`` marks an unscorable completion.
 
-Process rewards name a ``steps`` parameter: the engine then passes ``steps``, one list of
-step texts per completion (cut by the spec's step splitter), and expects one score (or
-None) per step back for each completion. A completion whose text has no step gets one
-empty step ``""``, so it is still scored.
-"""
+    A process reward names a ``steps`` parameter: the engine then passes ``steps``, one list
+    of step texts per completion (cut by the spec's step splitter), and expects one score
+    (or None) per step back for each completion. A completion whose text has no step gets
+    one empty step ``""``, so it is still scored.
+
+    Attributes:
+        required_columns: dataset columns the function reads; the engine checks every row
+            has them before the first step and names the missing one. Default ``()``.
+    """
+
+    required_columns: Sequence[str] = ()
+
+    def __call__(self, prompts: list, completions: list, **columns: Any) -> list: ...
 
 
 @runtime_checkable

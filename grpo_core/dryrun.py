@@ -29,16 +29,14 @@ def dry_run(loaded: LoadedSpec, stream: TextIO | None = None, width: int = 70) -
     them and print a table per prompt plus a summary; no update, no checkpoint, no
     tracker run. Returns 0."""
     from grpo_core.train.run import build_run
-    from grpo_core.train.step import score_rollout
+    from grpo_core.train.step import Timer, rollout_round
 
     stream = stream or sys.stdout
     run = build_run(loaded)
-    spec = run.spec
-    group = spec.rollout.group_size
-    prompts = run.prompts.next(spec.train.prompts_per_step)
-    with run.autocast(), torch.inference_mode():
-        rollout = run.backend.generate([p.ids for p in prompts], group, run.sampling())
-    scores, _ = score_rollout(run, prompts, rollout)
+    group = run.spec.rollout.group_size
+    with torch.inference_mode():  # the training step's own first stage: draw, generate, score
+        scored = rollout_round(run.engine, run.prompts, run.step, Timer())
+    prompts, rollout, scores = scored.prompts, scored.rollout, scored.scores
     names = scores.names
     for p, prompt in enumerate(prompts):
         rows = []

@@ -182,7 +182,9 @@ def push_to_hub(final: Path, options) -> str | None:
             commit_message=options.commit_message, ignore_patterns=ignore or None,
         )
     except Exception as exc:
-        by_hand = f"hf upload {options.repo_id} {folder}" + (f" --revision {options.revision}" if options.revision else "")
+        by_hand = f"hf upload {options.repo_id} {folder}"
+        if options.revision:
+            by_hand += f" --revision {options.revision}"
         print(f"grpo-run: push_to_hub to {options.repo_id} failed ({type(exc).__name__}: {exc}); "
               f"the model is in {folder}; upload it with: {by_hand}", file=sys.stderr)
         return None

@@ -8,13 +8,16 @@ How ``impl`` is used is the same for every kind:
 - registered **with** one, ``impl`` is a factory: the engine validates the spec slot's
   keys with the options model and calls ``impl(options)`` once per run to build it.
 
-The component's own contract (arguments, tensor shapes) is in :mod:`grpo_core.contracts`.
+The component's own contract (arguments, tensor shapes, optional flags) is in
+:mod:`grpo_core.contracts`; every built component is checked against it
+(:func:`grpo_core.registry.conform`).
 Hooks gain arguments over time; they never lose or rename one (added since 0.1 unless
 stated otherwise).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import pluggy
@@ -28,126 +31,121 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
 @hookspec
-def register_advantage_estimators(register: "Registrar") -> None:
+def register_advantage_estimators(register: Registrar) -> None:
     """Register advantage estimators; called once when the registry is built.
 
-    A component is a :class:`~grpo_core.contracts.AdvantageEstimator`: it takes
-    :class:`~grpo_core.contracts.AdvantageInputs` (scores ``(B,)`` or step scores
-    ``(B, K)``, group ids ``(B,)``, mask ``(B, T)``) and returns advantages ``(B, T)``,
-    exactly zero on padding. Selected by ``algorithm.advantage.name``.
+    Each component follows :class:`~grpo_core.contracts.AdvantageEstimator`. Selected by
+    ``algorithm.advantage.name``.
     """
 
 
 @hookspec
-def register_kl_penalties(register: "Registrar") -> None:
+def register_kl_penalties(register: Registrar) -> None:
     """Register KL penalty estimators; called once when the registry is built.
 
-    A component is a :class:`~grpo_core.contracts.KLPenalty`:
-    ``kl(logp (B, T), ref_logp (B, T), mask (B, T)) -> (B, T)``, zero on padding.
-    Selected by ``algorithm.kl.name``.
+    Each component follows :class:`~grpo_core.contracts.KLPenalty`. Selected by
+    ``algorithm.kl.name``.
     """
 
 
 @hookspec
-def register_policy_losses(register: "Registrar") -> None:
+def register_policy_losses(register: Registrar) -> None:
     """Register policy losses; called once when the registry is built.
 
-    A component is a :class:`~grpo_core.contracts.PolicyLoss`: it takes
-    :class:`~grpo_core.contracts.PolicyLossInputs` (new and old log-probs, advantages and
-    mask, all ``(B, T)``) and returns the per-token loss ``(B, T)`` to minimise plus
-    metrics. Selected by ``algorithm.policy_loss.name``.
+    Each component follows :class:`~grpo_core.contracts.PolicyLoss`. Selected by
+    ``algorithm.policy_loss.name``.
     """
 
 
 @hookspec
-def register_loss_aggregators(register: "Registrar") -> None:
+def register_loss_aggregators(register: Registrar) -> None:
     """Register loss aggregators; called once when the registry is built.
 
-    A component is a :class:`~grpo_core.contracts.LossAggregator`:
-    ``aggregate(loss (b, T), mask (b, T), stats: BatchStats) -> scalar``, where ``stats``
-    holds the normalizers of the whole optimizer mini-batch. Selected by
+    Each component follows :class:`~grpo_core.contracts.LossAggregator`. Selected by
     ``algorithm.aggregation.name``.
     """
 
 
 @hookspec
-def register_rollout_backends(register: "Registrar") -> None:
+def register_rollout_backends(register: Registrar) -> None:
     """Register rollout backends; called once when the registry is built.
 
-    A component is a :class:`~grpo_core.contracts.RolloutBackend` with ``setup``,
-    ``generate`` (token ids of ``P`` prompts, group size ``G``, sampling settings ->
-    :class:`~grpo_core.contracts.RolloutBatch` of ``B = P * G`` rows) and
-    ``sync_weights``. Selected by ``rollout.name``.
+    Each component follows :class:`~grpo_core.contracts.RolloutBackend`. Selected by
+    ``rollout.name``.
     """
 
 
 @hookspec
-def register_reward_functions(register: "Registrar") -> None:
+def register_reward_functions(register: Registrar) -> None:
     """Register reward functions; called once when the registry is built.
 
-    A component has TRL's signature ``reward(prompts, completions, **columns) ->
-    list[float | None]`` (see :data:`~grpo_core.contracts.RewardFunction`), so a reward
-    function written for TRL registers unchanged. A process reward names a ``steps``
-    parameter and returns one list of per-step scores per completion. A reward function
-    with ``fit``/``evaluate``/``state_dict``/``load_state_dict``
-    (:class:`~grpo_core.contracts.TrainableReward`) can be the reward model that
-    iterative GRPO trains. Selected by ``rewards[i].name``.
+    Each component follows :class:`~grpo_core.contracts.RewardFunction` (TRL's signature,
+    so a TRL reward function registers unchanged). Selected by ``rewards[i].name``.
+
+    A reward function that also follows :class:`~grpo_core.contracts.TrainableReward` can be
+    the reward model that iterative GRPO trains.
     """
 
 
 @hookspec
-def register_datasets(register: "Registrar") -> None:
+def register_datasets(register: Registrar) -> None:
     """Register datasets (tasks); called once when the registry is built.
 
-    A component is a :class:`~grpo_core.contracts.Dataset`: ``load(split)`` returns rows
-    (dicts with a prompt column and any other columns). Selected by ``data.name``.
+    Each component follows :class:`~grpo_core.contracts.Dataset`. Selected by
+    ``data.name``.
     """
 
 
 @hookspec
-def register_step_splitters(register: "Registrar") -> None:
-    """Register step splitters for process supervision; called once when the registry is
-    built.
+def register_step_splitters(register: Registrar) -> None:
+    """Register step splitters for process supervision; called once when the registry is built.
 
-    A component is a :class:`~grpo_core.contracts.StepSplitter`: ``split(text) ->
-    [(start, end), ...]``, the character spans of the steps of one completion's text, in
-    order. The engine gives the steps' texts to reward functions that take ``steps`` and
-    maps each step's end to a completion token index for the advantage estimator.
-    Selected by ``algorithm.step_splitter.name``.
+    Each component follows :class:`~grpo_core.contracts.StepSplitter`. Selected by
+    ``algorithm.step_splitter.name``.
     """
 
 
 @hookspec
-def register_trackers(register: "Registrar") -> None:
+def register_trackers(register: Registrar) -> None:
     """Register experiment trackers; called once when the registry is built.
 
-    A component is a :class:`~grpo_core.contracts.Tracker`. Selected by
+    Each component follows :class:`~grpo_core.contracts.Tracker`. Selected by
     ``tracking[i].name``.
     """
 
 
-#: The component kinds, in the order the registry lists them: ``kind -> hook name``.
-KINDS: dict[str, str] = {
-    "advantage_estimator": "register_advantage_estimators",
-    "kl_penalty": "register_kl_penalties",
-    "policy_loss": "register_policy_losses",
-    "loss_aggregator": "register_loss_aggregators",
-    "rollout_backend": "register_rollout_backends",
-    "reward_function": "register_reward_functions",
-    "dataset": "register_datasets",
-    "step_splitter": "register_step_splitters",
-    "tracker": "register_trackers",
-}
+@dataclass(frozen=True)
+class Kind:
+    """One component kind: its hook, the words messages use for it, and its contract.
 
-#: Words used in messages, per kind.
-KIND_LABELS: dict[str, str] = {
-    "advantage_estimator": "advantage estimator",
-    "kl_penalty": "KL penalty",
-    "policy_loss": "policy loss",
-    "loss_aggregator": "loss aggregator",
-    "rollout_backend": "rollout backend",
-    "reward_function": "reward function",
-    "dataset": "dataset",
-    "step_splitter": "step splitter",
-    "tracker": "tracker",
+    Attributes:
+        hook: the ``register_<kind>s`` hook that registers components of this kind.
+        label: the kind in words, as error messages and ``grpo-run plugins`` say it.
+        contract: the name of its Protocol in :mod:`grpo_core.contracts`; every built
+            component is checked against it (see :func:`grpo_core.registry.conform`).
+    """
+
+    hook: str
+    label: str
+    contract: str
+
+    @property
+    def protocol(self) -> type:
+        """The contract's class (imported on first use: contracts import torch)."""
+        from grpo_core import contracts
+
+        return getattr(contracts, self.contract)
+
+
+#: The component kinds, in the order the registry lists them.
+KINDS: dict[str, Kind] = {
+    "advantage_estimator": Kind("register_advantage_estimators", "advantage estimator", "AdvantageEstimator"),
+    "kl_penalty": Kind("register_kl_penalties", "KL penalty", "KLPenalty"),
+    "policy_loss": Kind("register_policy_losses", "policy loss", "PolicyLoss"),
+    "loss_aggregator": Kind("register_loss_aggregators", "loss aggregator", "LossAggregator"),
+    "rollout_backend": Kind("register_rollout_backends", "rollout backend", "RolloutBackend"),
+    "reward_function": Kind("register_reward_functions", "reward function", "RewardFunction"),
+    "dataset": Kind("register_datasets", "dataset", "Dataset"),
+    "step_splitter": Kind("register_step_splitters", "step splitter", "StepSplitter"),
+    "tracker": Kind("register_trackers", "tracker", "Tracker"),
 }

@@ -15,7 +15,6 @@ works offline with any causal LM.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import mlflow
 from mlflow.pyfunc import PythonModel

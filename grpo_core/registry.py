@@ -1,15 +1,17 @@
-"""The registry: which plugin provides which component, by kind and name."""
+"""The registry: which plugin provides which component, by kind and name, and the check
+of every built component against its kind's contract (:func:`conform`)."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
 
 from grpo_core.errors import PluginError, did_you_mean
-from grpo_core.hookspecs import KIND_LABELS, KINDS
+from grpo_core.hookspecs import KINDS
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 
@@ -35,21 +37,100 @@ class Component:
     description: str
 
     def build(self, options: BaseModel | None = None) -> Any:
-        """The ready component: ``impl`` itself, or ``impl(options)`` for a factory."""
+        """The ready component: ``impl`` itself, or ``impl(options)`` for a factory,
+        checked against its kind's contract by :func:`conform`."""
         if self.options is None:
-            return self.impl
-        if options is None:
-            options = self.options()
-        return self.impl(options)
+            built = self.impl
+        else:
+            built = self.impl(options if options is not None else self.options())
+        return conform(self.kind, built, f"{KINDS[self.kind].label} '{self.name}' (plugin '{self.plugin}')")
+
+
+def contract_members(protocol: type) -> tuple[list[str], dict[str, Any]]:
+    """The methods a component of ``protocol`` must have (``__call__`` for a callable
+    contract), and the optional flags it declares, with their defaults."""
+    namespace = vars(protocol)
+    methods = [
+        name for name, value in namespace.items()
+        if callable(value) and (name == "__call__" or not name.startswith("_"))
+    ]
+    flags = {name: namespace[name] for name in namespace.get("__annotations__", {}) if name in namespace}
+    return methods, flags
+
+
+def _check_flag(where: str, flag: str, value: Any, default: Any) -> None:
+    if isinstance(default, bool) and not isinstance(value, bool):
+        raise PluginError(f"{where}: {flag} must be True or False, got {value!r}")
+    if isinstance(default, tuple) and (
+        isinstance(value, str) or not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value)
+    ):
+        raise PluginError(f"{where}: {flag} must be a list of column names, got {value!r}")
+
+
+class _WithFlags:
+    """A component that takes no attributes (a bound method, a builtin), seen through a
+    proxy that carries its contract's default flags; everything else is the component's."""
+
+    def __init__(self, component: Any, flags: dict[str, Any]):
+        self.__wrapped__ = component  # inspect.signature() follows it
+        self.__dict__.update(flags)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.__wrapped__(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__wrapped__, name)
+
+
+def conform(kind: str, component: Any, where: str) -> Any:
+    """``component`` checked against the contract of ``kind``, with every optional flag
+    the contract declares present: the component's own value, else the default.
+
+    The engine can therefore read a flag as a plain attribute of any built component
+    (``estimator.needs_step_scores``). A component missing a required method, or with
+    a flag of the wrong type, is a :class:`PluginError` (exit 2) naming ``where``
+    (the component and its plugin) and the missing member.
+    """
+    entry = KINDS[kind]
+    methods, flags = contract_members(entry.protocol)
+    missing = [m for m in methods if not callable(component if m == "__call__" else getattr(component, m, None))]
+    if missing:
+        needs = "to be callable" if methods == ["__call__"] else ", ".join(methods)
+        article = "an" if entry.label[0] in "aeiou" else "a"
+        raise PluginError(
+            f"{where} does not follow the {entry.contract} contract: missing {', '.join(missing)}; "
+            f"{article} {entry.label} needs {needs} (see grpo_core.contracts.{entry.contract})"
+        )
+    absent = {flag: default for flag, default in flags.items() if not hasattr(component, flag)}
+    for flag, default in flags.items():
+        if flag not in absent:
+            _check_flag(where, flag, getattr(component, flag), default)
+    try:
+        for flag, default in absent.items():
+            setattr(component, flag, default)
+    except (AttributeError, TypeError):
+        return _WithFlags(component, absent)
+    return component
 
 
 class Registrar:
-    """Handed to every ``register_<kind>s`` hook; records what one plugin registers."""
+    """Handed to every ``register_<kind>s`` hook; records what each plugin registers.
 
-    def __init__(self, registry: Registry, kind: str, plugin: str):
-        self._registry = registry
+    Args:
+        kind: the kind this hook registers.
+        plugin: called at each ``add``, it names the plugin whose hook implementation is
+            running (the plugin manager finds it on the call stack).
+    """
+
+    def __init__(self, kind: str, plugin: Callable[[], str]):
         self.kind = kind
-        self.plugin = plugin
+        self._plugin = plugin
+        self.added: list[Component] = []
+
+    @property
+    def plugin(self) -> str:
+        """The plugin registering now."""
+        return self._plugin()
 
     def add(
         self,
@@ -68,30 +149,29 @@ class Registrar:
             description: one line for ``grpo-run plugins``; defaults to the first line of
                 the impl's docstring.
         """
-        label = KIND_LABELS[self.kind]
+        plugin = self.plugin
+        label = KINDS[self.kind].label
         if not isinstance(name, str) or not _NAME.match(name):
             raise PluginError(
-                f"plugin '{self.plugin}' registered a {label} with an invalid name {name!r}: "
+                f"plugin '{plugin}' registered a {label} with an invalid name {name!r}: "
                 "names use letters, digits and _ . + - and start with a letter or digit"
             )
         if options is not None:
             if not (isinstance(options, type) and issubclass(options, BaseModel)):
                 raise PluginError(
-                    f"plugin '{self.plugin}' registered {label} '{name}' with options={options!r}: "
+                    f"plugin '{plugin}' registered {label} '{name}' with options={options!r}: "
                     "options must be a pydantic BaseModel subclass (or None)"
                 )
             if options.model_config.get("extra") != "forbid":
                 raise PluginError(
-                    f"plugin '{self.plugin}' registered {label} '{name}' with options model "
+                    f"plugin '{plugin}' registered {label} '{name}' with options model "
                     f"{options.__name__} that accepts unknown keys: set "
                     "model_config = ConfigDict(extra='forbid') (or subclass grpo_core.options.Options)"
                 )
         if description is None:
             doc = (getattr(impl, "__doc__", None) or "").strip()
             description = doc.splitlines()[0] if doc else ""
-        self._registry._add(
-            Component(self.kind, name, impl, options, self.plugin, description)
-        )
+        self.added.append(Component(self.kind, name, impl, options, plugin, description))
 
 
 class Registry:
@@ -100,11 +180,12 @@ class Registry:
     def __init__(self) -> None:
         self._components: dict[str, dict[str, Component]] = {kind: {} for kind in KINDS}
 
-    def _add(self, component: Component) -> None:
+    def add(self, component: Component) -> None:
+        """Add ``component``; a name taken in its kind is a :class:`PluginError` naming both plugins."""
         table = self._components[component.kind]
         existing = table.get(component.name)
         if existing is not None:
-            label = KIND_LABELS[component.kind]
+            label = KINDS[component.kind].label
             raise PluginError(
                 f"{label} '{component.name}' is registered twice: by plugin "
                 f"'{existing.plugin}' and by plugin '{component.plugin}'; "
@@ -133,4 +214,4 @@ class Registry:
         names = self.names(kind)
         available = ", ".join(names) if names else "(none registered)"
         hint = did_you_mean(name, names) if isinstance(name, str) else ""
-        return f"unknown {KIND_LABELS[kind]} {name!r}{hint}; available: {available}"
+        return f"unknown {KINDS[kind].label} {name!r}{hint}; available: {available}"

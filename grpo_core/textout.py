@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Sequence, TextIO
+from collections.abc import Sequence
+from typing import Any, TextIO
 
 
 def _use_rich(stream: TextIO) -> bool:

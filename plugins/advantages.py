@@ -21,6 +21,7 @@ from torch import Tensor
 
 from grpo_core import hookimpl
 from grpo_core.contracts import AdvantageInputs, masked_fill_zero
+from grpo_core.groups import check_scores, group_index, group_is_constant, group_sum, per_token, safe_divide
 from grpo_core.options import Options
 
 __all__ = [
@@ -35,12 +36,7 @@ __all__ = [
     "masked_whiten",
 ]
 
-_EPS_DOC = (
-    "Added to the standard deviation before dividing; must be >= 0. Default 1e-6 (verl's "
-    "default): exactly constant groups already get 0 without it, so eps only tames groups "
-    "whose rewards differ by float noise, and at 1e-6 it changes the advantages of a group "
-    "with reward spread s by a relative 1e-6/s, invisible for the usual 0/1 rewards."
-)
+_EPS_DOC = "Added to the standard deviation before dividing, >= 0 (verl's default 1e-6)."
 
 
 # --------------------------------------------------------------------------- options
@@ -49,22 +45,18 @@ class GRPOOptions(Options):
 
     scale_by_std: bool = Field(
         True,
-        description="Divide the centred rewards by their standard deviation (GRPO). False "
-        "gives Dr. GRPO's r_i - mean(r) (https://arxiv.org/abs/2503.20783), which does not "
-        "up-weight prompts whose rewards barely vary. Default True: the seeds' GRPO formula.",
+        description="Divide the centred rewards by their std, as DeepSeekMath's GRPO (default). False is "
+        "Dr. GRPO's r_i - mean(r) (https://arxiv.org/abs/2503.20783).",
     )
     std: Literal["population", "unbiased"] = Field(
         "population",
-        description="'population' divides the squared deviations by n (the seeds' formula, "
-        "default); 'unbiased' divides by n - 1 (Bessel's correction, what TRL and verl use "
-        "via torch.std). n counts the scorable rewards the std is taken over.",
+        description="'population' divides by n (DeepSeekMath's formula, default); 'unbiased' by n - 1, "
+        "as TRL and verl (torch.std).",
     )
     std_scope: Literal["group", "batch"] = Field(
         "group",
-        description="'group' (default, the seeds' formula) takes the std over each prompt's "
-        "scorable rewards; 'batch' takes one std over all scorable rewards of the batch "
-        "(around the batch mean) while the mean stays per group, as TRL's "
-        "scale_rewards='batch'.",
+        description="'group' takes the std over each prompt's rewards (DeepSeekMath, default); 'batch' "
+        "one std over the whole batch, the mean staying per group (TRL's scale_rewards='batch').",
     )
     eps: float = Field(1e-6, ge=0.0, allow_inf_nan=False, description=_EPS_DOC)
 
@@ -74,8 +66,8 @@ class ProcessOptions(Options):
 
     scale_by_std: bool = Field(
         True,
-        description="Divide the centred step scores by the group's step-score std (the "
-        "seeds' formula, default). False keeps r - mean(R) only.",
+        description="Divide the centred step scores by the group's step-score std (DeepSeekMath's "
+        "process supervision, default). False keeps r - mean(R) only.",
     )
     eps: float = Field(1e-6, ge=0.0, allow_inf_nan=False, description=_EPS_DOC)
 
@@ -87,67 +79,9 @@ class ReinforcePlusPlusOptions(Options):
         1e-8,
         gt=0.0,
         allow_inf_nan=False,
-        description="Added to the token variance inside the square root when whitening; "
-        "must be > 0 (it keeps a batch of identical advantages finite). Default 1e-8: the "
-        "constant of verl's masked_whiten, so results match verl's "
-        "reinforce_plus_plus_baseline.",
+        description="Added to the token variance before the square root when whitening, > 0 (verl's "
+        "masked_whiten constant 1e-8).",
     )
-
-
-# --------------------------------------------------------------------------- helpers
-def _group_index(group_ids: Tensor, rows: int) -> tuple[Tensor, int]:
-    """``inverse long (B,)`` mapping each row to a dense group index ``0..n-1``, and ``n``."""
-    if group_ids.dim() != 1 or group_ids.shape[0] != rows:
-        raise ValueError(
-            f"group_ids must have shape (B,) = ({rows},); got {tuple(group_ids.shape)}"
-        )
-    unique, inverse = torch.unique(group_ids, return_inverse=True)
-    return inverse, unique.numel()
-
-
-def _check_scores(scores: Tensor, mask: Tensor) -> Tensor:
-    """``scores`` as a float tensor after checking shapes and that no score is infinite."""
-    if mask.dim() != 2 or scores.dim() != 1 or scores.shape[0] != mask.shape[0]:
-        raise ValueError(
-            f"scores must be (B,) and mask (B, T) with the same B; got scores "
-            f"{tuple(scores.shape)} and mask {tuple(mask.shape)}"
-        )
-    if not scores.is_floating_point():
-        scores = scores.to(torch.get_default_dtype())
-    if torch.isinf(scores).any():
-        rows = torch.nonzero(torch.isinf(scores)).flatten().tolist()
-        raise ValueError(
-            f"scores must be finite, or NaN for an unscorable completion; rows {rows} are infinite"
-        )
-    return scores
-
-
-def _segment_sum(values: Tensor, inverse: Tensor, n: int) -> Tensor:
-    """Sum of ``values (B,)`` per group: ``(n,)``."""
-    return values.new_zeros(n).index_add(0, inverse, values)
-
-
-def _segment_constant(values: Tensor, valid: Tensor, inverse: Tensor, n: int) -> Tensor:
-    """``bool (n,)``: the group's valid values are all exactly equal (or fewer than two)."""
-    inf = torch.tensor(math.inf, dtype=values.dtype, device=values.device)
-    hi = values.new_full((n,), -math.inf).scatter_reduce(
-        0, inverse, torch.where(valid, values, -inf), reduce="amax"
-    )
-    lo = values.new_full((n,), math.inf).scatter_reduce(
-        0, inverse, torch.where(valid, values, inf), reduce="amin"
-    )
-    return hi <= lo
-
-
-def _safe_divide(numerator: Tensor, denominator: Tensor) -> Tensor:
-    """``numerator / denominator`` where the denominator is > 0, else 0."""
-    ok = denominator > 0
-    return torch.where(ok, numerator / torch.where(ok, denominator, 1.0), 0.0)
-
-
-def _to_tokens(per_row: Tensor, mask: Tensor) -> Tensor:
-    """Broadcast ``(B,)`` to ``(B, T)``, zero where ``mask`` is False."""
-    return masked_fill_zero(per_row[:, None].expand(mask.shape), mask)
 
 
 # --------------------------------------------------------------------------- grpo
@@ -166,13 +100,13 @@ def grpo_sequence_advantages(
             f"std must be 'population' or 'unbiased' and std_scope 'group' or 'batch'; "
             f"got std={std!r}, std_scope={std_scope!r}"
         )
-    inverse, n = _group_index(group_ids, scores.shape[0])
+    inverse, n = group_index(group_ids, scores.shape[0])
     valid = ~torch.isnan(scores)
     r = torch.where(valid, scores, 0.0)
-    count = _segment_sum(valid.to(r.dtype), inverse, n)
-    mean = _segment_sum(r, inverse, n) / count.clamp(min=1)
+    count = group_sum(valid.to(r.dtype), inverse, n)
+    mean = group_sum(r, inverse, n) / count.clamp(min=1)
     centered = torch.where(valid, r - mean[inverse], 0.0)
-    degenerate = _segment_constant(r, valid, inverse, n)[inverse]
+    degenerate = group_is_constant(r, valid, inverse, n)[inverse]
     if scale_by_std:
         ddof = 1.0 if std == "unbiased" else 0.0
         if std_scope == "batch":
@@ -180,8 +114,8 @@ def grpo_sequence_advantages(
             deviation = torch.where(valid, r - r.sum() / total.clamp(min=1), 0.0)
             var = (deviation**2).sum() / (total - ddof).clamp(min=1)
         else:
-            var = (_segment_sum(centered**2, inverse, n) / (count - ddof).clamp(min=1))[inverse]
-        centered = _safe_divide(centered, var.sqrt() + eps)
+            var = (group_sum(centered**2, inverse, n) / (count - ddof).clamp(min=1))[inverse]
+        centered = safe_divide(centered, var.sqrt() + eps)
     return torch.where(degenerate | ~valid, 0.0, centered)
 
 
@@ -215,11 +149,11 @@ def grpo_outcome_advantages(
         ``float (B, T)``; exactly 0 on padding, for unscorable rows, and for every row of a
         group whose scorable rewards are all exactly equal (or that has fewer than two).
     """
-    scores = _check_scores(scores, mask)
+    scores = check_scores(scores, mask)
     per_row = grpo_sequence_advantages(
         scores, group_ids, scale_by_std=scale_by_std, std=std, std_scope=std_scope, eps=eps
     )
-    return _to_tokens(per_row, mask)
+    return per_token(per_row, mask)
 
 
 class GRPOAdvantage:
@@ -257,7 +191,7 @@ def dapo_token_scale_advantages(
     """
     advantages = grpo_outcome_advantages(scores, group_ids, mask, **grpo_options)
     lengths = mask.sum(dim=1).to(advantages.dtype)
-    scale = _safe_divide(lengths * mask.shape[0], lengths.sum().expand_as(lengths))
+    scale = safe_divide(lengths * mask.shape[0], lengths.sum().expand_as(lengths))
     return advantages * scale[:, None]
 
 
@@ -289,15 +223,15 @@ def rloo_advantages(scores: Tensor, group_ids: Tensor, mask: Tensor) -> Tensor:
         ``float (B, T)``; 0 on padding, on unscorable rows, in groups with fewer than two
         scorable completions and in groups whose scorable rewards are all exactly equal.
     """
-    scores = _check_scores(scores, mask)
-    inverse, n = _group_index(group_ids, scores.shape[0])
+    scores = check_scores(scores, mask)
+    inverse, n = group_index(group_ids, scores.shape[0])
     valid = ~torch.isnan(scores)
     r = torch.where(valid, scores, 0.0)
-    count = _segment_sum(valid.to(r.dtype), inverse, n)[inverse]
-    total = _segment_sum(r, inverse, n)[inverse]
+    count = group_sum(valid.to(r.dtype), inverse, n)[inverse]
+    total = group_sum(r, inverse, n)[inverse]
     advantage = (count * r - total) / (count - 1).clamp(min=1)
-    degenerate = _segment_constant(r, valid, inverse, n)[inverse]
-    return _to_tokens(torch.where(degenerate | ~valid, 0.0, advantage), mask)
+    degenerate = group_is_constant(r, valid, inverse, n)[inverse]
+    return per_token(torch.where(degenerate | ~valid, 0.0, advantage), mask)
 
 
 def rloo(inputs: AdvantageInputs) -> Tensor:
@@ -351,10 +285,10 @@ def reinforce_plus_plus_advantages(
     Returns:
         ``float (B, T)``, zero on padding and on unscorable rows.
     """
-    scores = _check_scores(scores, mask)
+    scores = check_scores(scores, mask)
     baseline_adv = grpo_sequence_advantages(scores, group_ids, scale_by_std=False)
     scorable = mask & ~torch.isnan(scores)[:, None]
-    return masked_whiten(_to_tokens(baseline_adv, scorable), scorable, eps)
+    return masked_whiten(per_token(baseline_adv, scorable), scorable, eps)
 
 
 class ReinforcePlusPlusAdvantage:
@@ -434,21 +368,21 @@ def process_advantages(
         ``float (B, T)``; zero on padding, for rows without steps, and in groups whose
         step scores are all exactly equal (or that have a single step).
     """
-    inverse, n = _group_index(group_ids, mask.shape[0])
+    inverse, n = group_index(group_ids, mask.shape[0])
     if step_scores.shape[1] == 0:
         return torch.zeros(mask.shape, dtype=step_scores.dtype, device=mask.device)
     exists = step_mask & ~torch.isnan(step_scores)
     r = torch.where(exists, step_scores, 0.0)
-    count = _segment_sum(exists.sum(dim=1).to(r.dtype), inverse, n)
-    mean = _segment_sum(r.sum(dim=1), inverse, n) / count.clamp(min=1)
+    count = group_sum(exists.sum(dim=1).to(r.dtype), inverse, n)
+    mean = group_sum(r.sum(dim=1), inverse, n) / count.clamp(min=1)
     centered = torch.where(exists, r - mean[inverse][:, None], 0.0)
     row_hi = torch.where(exists, r, -math.inf).amax(dim=1)
     row_lo = torch.where(exists, r, math.inf).amin(dim=1)
     hi = r.new_full((n,), -math.inf).scatter_reduce(0, inverse, row_hi, reduce="amax")
     lo = r.new_full((n,), math.inf).scatter_reduce(0, inverse, row_lo, reduce="amin")
     if scale_by_std:
-        var = _segment_sum((centered**2).sum(dim=1), inverse, n) / count.clamp(min=1)
-        centered = _safe_divide(centered, (var.sqrt() + eps)[inverse][:, None])
+        var = group_sum((centered**2).sum(dim=1), inverse, n) / count.clamp(min=1)
+        centered = safe_divide(centered, (var.sqrt() + eps)[inverse][:, None])
     normalized = torch.where(exists & (hi > lo)[inverse][:, None], centered, 0.0)
     at_ends = normalized.new_zeros(mask.shape).scatter_add(
         1, torch.where(exists, step_ends, 0), normalized

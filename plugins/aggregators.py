@@ -57,8 +57,8 @@ def token_mean(loss: Tensor, mask: Tensor, stats: BatchStats) -> Tensor:
 
 
 def seq_mean_token_mean(loss: Tensor, mask: Tensor, stats: BatchStats) -> Tensor:
-    """``sum_i (1/|o_i| sum_t loss_it) / S`` with ``S = stats.num_sequences``: the seeds'
-    ``1/G sum_i 1/|o_i| sum_t`` (GRPO, https://arxiv.org/abs/2402.03300). Rows without
+    """``sum_i (1/|o_i| sum_t loss_it) / S`` with ``S = stats.num_sequences``: GRPO's
+    ``1/G sum_i 1/|o_i| sum_t`` (DeepSeekMath, https://arxiv.org/abs/2402.03300). Rows without
     tokens contribute 0.
 
     Args:
@@ -98,10 +98,8 @@ class SeqMeanTokenSumNormOptions(Options):
 
     norm_length: int | None = Field(
         None,
-        description="The constant L the summed loss of each sequence is divided by; a "
-        "positive integer, or null (default) for the rollout's max_new_tokens, Dr. GRPO's "
-        "choice (any constant removes the length bias; this one keeps the loss scale of "
-        "token-mean when completions use the whole budget).",
+        description="The constant L each sequence's summed loss is divided by, a positive integer, or "
+        "null (default) for the rollout's max_new_tokens, Dr. GRPO's choice.",
     )
 
     @field_validator("norm_length")
@@ -133,7 +131,7 @@ def register_loss_aggregators(register):
     register.add(
         "seq-mean-token-mean",
         seq_mean_token_mean,
-        description="mean over sequences of each sequence's token mean (the seeds' GRPO)",
+        description="mean over sequences of each sequence's token mean (DeepSeekMath's GRPO)",
     )
     register.add(
         "seq-mean-token-sum",

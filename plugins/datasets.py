@@ -31,6 +31,7 @@ __all__ = [
     "FileDataset",
     "HFOptions",
     "HFDataset",
+    "check_utf8",
 ]
 
 SPLITS = ("train", "eval")
@@ -72,10 +73,8 @@ class ArithmeticOptions(Options):
     )
     instruction: str = Field(
         DEFAULT_INSTRUCTION,
-        description="Prompt template; '{question}' is replaced by the problem (e.g. "
-        "'34 + 57') and is its only placeholder (write '{{' and '}}' for literal braces). "
-        "The default asks for the bare number, so that small instruct models end their "
-        "answer with it.",
+        description="Prompt template whose only placeholder '{question}' becomes the problem ('34 + 57'); "
+        "write '{{' and '}}' for literal braces.",
     )
     chat: bool = Field(
         True,
@@ -266,7 +265,7 @@ class FileOptions(Options):
         return self
 
 
-def _check_utf8(path: Path, chunk: int = 1 << 20) -> None:
+def check_utf8(path: Path, chunk: int = 1 << 20) -> None:
     """A RunError naming the file and the first undecodable byte, if it is not UTF-8."""
     decoder = codecs.getincrementaldecoder("utf-8")()
     offset, lines = 0, 1
@@ -304,7 +303,7 @@ def _read_file(path: Path, fmt: str) -> list[dict[str, Any]]:
     if path.stat().st_size == 0:
         raise RunError(f"dataset file {path_str} is empty: it has no rows (0 bytes)")
     if builder in ("json", "csv"):
-        _check_utf8(path)
+        check_utf8(path)
     empty = RunError(f"dataset file {path_str} is empty: it has no rows")
     try:
         with tempfile.TemporaryDirectory(prefix="grpo-data-") as cache:

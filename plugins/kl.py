@@ -15,7 +15,7 @@ the estimate itself. A clamp that is active stops the gradient through that toke
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from pydantic import Field, field_validator
@@ -51,9 +51,8 @@ class KLOptions(Options):
 
     log_ratio_clamp: float | None = Field(
         None,
-        description="Clamp log(pi/pi_ref) to [-c, c] before the estimator; a positive "
-        "number or null (default) for no clamp. These estimators are polynomial in the "
-        "log-ratio and cannot overflow, so none is needed by default.",
+        description="Clamp log(pi/pi_ref) to [-c, c] before the estimator; a positive number, or null "
+        "(default: these estimators cannot overflow).",
     )
     output_clamp: float | None = Field(
         None,
@@ -72,16 +71,13 @@ class LowVarKLOptions(KLOptions):
 
     log_ratio_clamp: float | None = Field(
         20.0,
-        description="Clamp log(pi_ref/pi) to [-c, c] before exp; a positive number or null "
-        "for no clamp. Default 20 (verl's): exp(20) ~ 5e8 stays finite in float32 and "
-        "bfloat16 while exp of an unclamped log-ratio overflows to inf for log-ratios "
-        "above ~88 in float32.",
+        description="Clamp log(pi_ref/pi) to [-c, c] before exp, so it cannot overflow; a positive "
+        "number or null. Default 20, as verl.",
     )
     output_clamp: float | None = Field(
         10.0,
-        description="Clamp the per-token k3 estimate to [-c, c]; a positive number or null "
-        "for no clamp. Default 10 (verl's): one token whose policy drifted far from the "
-        "reference cannot dominate the loss.",
+        description="Clamp the per-token k3 estimate to [-c, c], so one token cannot dominate the "
+        "loss; a positive number or null. Default 10, as verl.",
     )
 
 
@@ -106,7 +102,7 @@ def k2_kl(log_ratio: Tensor) -> Tensor:
 def k3_kl(log_ratio: Tensor) -> Tensor:
     """k3: ``exp(ref - logp) - (ref - logp) - 1`` with ``ref - logp = -log_ratio``.
 
-    The seeds' estimator (DeepSeekMath, https://arxiv.org/abs/2402.03300): unbiased for
+    DeepSeekMath's estimator (https://arxiv.org/abs/2402.03300): unbiased for
     KL(pi || pi_ref) under samples from pi, non-negative (``e^x >= 1 + x``), low variance.
     ``log_ratio = logp - ref_logp``, any shape.
     """
@@ -168,7 +164,7 @@ class _ClampedKL:
 
 
 class LowVarKL(_ClampedKL):
-    """k3 estimator exp(ref - logp) - (ref - logp) - 1: unbiased, non-negative (the seeds' KL)."""
+    """k3 estimator exp(ref - logp) - (ref - logp) - 1: unbiased, non-negative (DeepSeekMath's KL)."""
 
     estimator = staticmethod(k3_kl)
 

@@ -39,9 +39,8 @@ class _RatioClipOptions(Options):
     eps_high: float | None
     log_ratio_clamp: float | None = Field(
         20.0,
-        description="Clamp log(pi/pi_old) to [-c, c] before exp; a positive number or null "
-        "for no clamp. Default 20 (verl's): exp(20) ~ 5e8 is finite in every float type, and "
-        "a token that far off-policy carries no useful gradient (a clamped token gets none).",
+        description="Clamp log(pi/pi_old) to [-c, c] before exp, so it cannot overflow (a clamped token "
+        "gets no gradient); a positive number or null. Default 20, as verl.",
     )
 
     @field_validator("eps_low")
@@ -85,20 +84,18 @@ class ClipOptions(_RatioClipOptions):
 
     eps_low: float = Field(
         0.2,
-        description="Lower clip: the ratio is clipped at 1 - eps_low; in (0, 1). Default 0.2, "
-        "PPO's and the seeds' epsilon.",
+        description="Lower clip: the ratio is clipped at 1 - eps_low; in (0, 1). Default 0.2, the "
+        "epsilon of PPO and DeepSeekMath's GRPO.",
     )
     eps_high: float | None = Field(
         None,
-        description="Upper clip: the ratio is clipped at 1 + eps_high; a positive number, or "
-        "null (default) for eps_high = eps_low, the symmetric clip of the seeds. DAPO's "
-        "clip-higher uses 0.28 with eps_low 0.2 (https://arxiv.org/abs/2503.14476).",
+        description="Upper clip at 1 + eps_high, or null (default) for eps_low, GRPO's symmetric clip. "
+        "DAPO's clip-higher uses 0.28 (https://arxiv.org/abs/2503.14476).",
     )
     dual_clip: float | None = Field(
         None,
-        description="Dual clip constant c > 1, or null (default) for none: for A < 0 the "
-        "loss is capped at -c*A, so a token whose ratio exploded cannot dominate "
-        "(Ye et al., https://arxiv.org/abs/1912.09729; verl's clip_ratio_c, usually 3).",
+        description="Dual clip c > 1, or null (default): for A < 0 the loss is capped at -c*A "
+        "(Ye et al., https://arxiv.org/abs/1912.09729; verl's clip_ratio_c).",
     )
 
     @field_validator("dual_clip")
@@ -118,9 +115,8 @@ class GSPOOptions(_RatioClipOptions):
 
     eps_low: float = Field(
         3e-4,
-        description="Lower clip of the sequence ratio, at 1 - eps_low; in (0, 1). Default "
-        "3e-4, the GSPO paper's: the sequence ratio is a geometric mean, so it moves far "
-        "less than token ratios and needs a much tighter range.",
+        description="Lower clip of the sequence ratio, at 1 - eps_low; in (0, 1). Default 3e-4, the GSPO "
+        "paper's (a geometric-mean ratio needs a tight range).",
     )
     eps_high: float | None = Field(
         4e-4,
@@ -207,7 +203,7 @@ def ppo_clip_loss(
 
 
 class ClipPolicyLoss:
-    """PPO clipped surrogate with asymmetric eps and optional dual clip (the seeds' GRPO loss)."""
+    """PPO clipped surrogate with asymmetric eps and optional dual clip (DeepSeekMath's GRPO loss)."""
 
     zero_advantage_is_zero_loss = True
 

@@ -14,13 +14,13 @@ import re
 import threading
 from typing import Any, Literal
 
+from grpo_plugins.rewards import completion_text, resolve_device
 from pydantic import Field, model_validator
 
 from grpo_core import hookimpl
 from grpo_core.errors import RunError
 from grpo_core.options import Options
 from grpo_core.spec import SpecPath
-from grpo_plugins.rewards import _resolve_device, completion_text
 
 __all__ = [
     "parse_step",
@@ -84,15 +84,21 @@ def _left_to_right(question: str) -> list[tuple[int, str, int, int]] | None:
 
 
 class ArithmeticStepsOptions(Options):
-    """Options of the ``arithmetic-steps`` process reward."""
+    """Options of the ``arithmetic-steps`` process reward.
+
+    ``wrong`` matters only beside other rewards: step scores are normalized per group, so
+    an affine change of all of them leaves the process advantages unchanged. With
+    ``order: left-to-right``, step ``j`` must be the ``j``-th operation of the problem
+    evaluated left to right (the previous result, or the first term, then the next
+    operator and term): a right step that skips the rest does not pass for a solution,
+    steps past the last operation are wrong, and so is the last step of a completion
+    that stops early (otherwise stopping after one right step pays more than going on).
+    """
 
     correct: float = Field(1.0, description="Score of a right step `a op b = c`.")
     wrong: float = Field(
         0.0,
-        description="Score of a wrong step `a op b = c`: 0 (default) or e.g. -1. "
-        "With the process estimator alone the choice does not matter (step scores are "
-        "normalized per group, and an affine change of all of them leaves the advantages "
-        "unchanged); it does when other rewards are added, e.g. accuracy on the last step.",
+        description="Score of a wrong step `a op b = c`: 0 (default) or e.g. -1; lower than correct.",
     )
     unparsed: float | None = Field(
         0.0,
@@ -101,22 +107,14 @@ class ArithmeticStepsOptions(Options):
     )
     question_column: str | None = Field(
         "question",
-        description="Dataset column holding the problem ('47 - 92 + 93', as the arithmetic "
-        "tasks give). When set, a step is right only if its arithmetic is and each operand "
-        "is a number of the problem or the result of an earlier right step, so steps copied "
-        "from elsewhere (the prompt's example) are wrong. null: check the arithmetic alone.",
+        description="Dataset column holding the problem ('47 - 92 + 93'): a step is right only if its "
+        "operands come from the problem or earlier right steps. null checks the arithmetic alone.",
     )
 
     order: Literal["left-to-right", "any"] = Field(
         "left-to-right",
-        description="With question_column: left-to-right (default) makes step j right only if it "
-        "is the j-th operation of the problem evaluated left to right (the previous step's "
-        "result, or the first term, then the next operator and term) with the right result, "
-        "so one right step that skips the rest of the problem does not pass for a solution, "
-        "steps past the last operation are wrong, and the last step of a completion that "
-        "stops before the last operation is wrong (it ended the solution early: without "
-        "this, stopping after one right step pays more than trying the next one); any "
-        "accepts any right step whose operands are numbers of the problem or earlier results.",
+        description="With question_column: left-to-right (default) wants step j to be the problem's "
+        "j-th operation, evaluated left to right; any accepts any right step on the problem's numbers.",
     )
 
     @model_validator(mode="after")
@@ -220,10 +218,8 @@ class ProcessRewardModelOptions(Options):
     )
     step_separator: str | None = Field(
         None,
-        description="For step-tag PRMs (Math-Shepherd's ' ки\\n', Qwen's '<extra_0>'): the input is "
-        "the prompt then every step followed by this string, and a step is scored at the "
-        "separator's last token. Unset: the completion as generated, a step scored at its "
-        "last token.",
+        description="For step-tag PRMs (Math-Shepherd's ' ки\\n', Qwen's '<extra_0>'): appended to every "
+        "step, each scored at its last token. Unset: the completion as generated, scored at step ends.",
     )
     batch_size: int = Field(8, ge=1, description="Completions per forward pass.")
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
@@ -282,20 +278,23 @@ class ProcessRewardModel:
             )
         except (OSError, ValueError) as exc:
             raise RunError(
-                f"reward function 'process_reward_model' could not load a token-classification model from {path!r}: {exc}"
+                "reward function 'process_reward_model' could not load a token-classification model "
+                f"from {path!r}: {exc}"
             ) from exc
         if not tokenizer.is_fast:
             raise RunError(
-                f"reward function 'process_reward_model': the tokenizer in {path!r} is not a fast tokenizer; character offsets are needed"
+                f"reward function 'process_reward_model': the tokenizer in {path!r} is not a fast "
+                "tokenizer; character offsets are needed"
             )
         if o.positive_label >= max(2, model.config.num_labels):
             raise RunError(
-                f"reward function 'process_reward_model': positive_label {o.positive_label} but the model has {model.config.num_labels} labels"
+                f"reward function 'process_reward_model': positive_label {o.positive_label} but the "
+                f"model has {model.config.num_labels} labels"
             )
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         tokenizer.padding_side, tokenizer.truncation_side = "right", "left"
-        self._device = torch.device(_resolve_device(o.device))
+        self._device = torch.device(resolve_device(o.device))
         self._model, self._tokenizer = model.to(self._device).eval(), tokenizer
 
     def layout(self, prompt: Any, completion: Any, steps: list[str]) -> tuple[str, list[int], bool]:

@@ -34,6 +34,7 @@ __all__ = [
     "OverlongReward",
     "RewardModelOptions",
     "RewardModelReward",
+    "resolve_device",
 ]
 
 logger = logging.getLogger(__name__)
@@ -390,7 +391,7 @@ class RewardModelReward:
             model.config.pad_token_id = tokenizer.pad_token_id
         tokenizer.padding_side = "right"
         tokenizer.truncation_side = "left"
-        self._device = torch.device(_resolve_device(opts.device))
+        self._device = torch.device(resolve_device(opts.device))
         self._model = model.to(self._device).eval()
         self._tokenizer = tokenizer
 
@@ -440,7 +441,8 @@ class RewardModelReward:
         return scores
 
 
-def _resolve_device(device: str) -> str:
+def resolve_device(device: str) -> str:
+    """``device``, or for ``"auto"`` this process's GPU (``LOCAL_RANK``) when there is one, else the CPU."""
     if device != "auto":
         return device
     import os

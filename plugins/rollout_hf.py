@@ -1,32 +1,9 @@
-"""Rollout backend ``hf``: transformers ``generate`` with the training model itself.
+"""Rollout backend ``hf``: transformers ``generate`` with the training model itself (or a
+copy of it in ``options.dtype``).
 
-All ``P`` prompts times ``G`` completions are generated in one batched ``generate`` call (or
-in groups of ``prompts_per_generate`` prompts), left padded, with the KV cache, under
-``torch.inference_mode()`` and with the model in eval mode (its previous per-module train /
-eval flags are restored afterwards).
-
-Prompt prefill is shared (``share_prompt_prefill``, on by default): the ``P`` prompts minus
-their last token are run once through the decoder into a ``DynamicCache``, the cache is
-repeated ``G`` times per prompt (``Cache.batch_repeat_interleave``), and ``generate``
-continues from it, feeding only each prompt's last token. No prompt is prefilled ``G``
-times. Sharing is skipped when ``G == 1``, when prompts are one token long, or when the
-model's generation config asks for a specific ``cache_implementation``.
-
-Sampling follows :class:`~grpo_core.contracts.SamplingParams` only: every sampling knob
-that a model's ``generation_config.json`` commonly sets (temperature, top-k/p, repetition
-penalty, ...) is overridden, so a checkpoint's defaults never change what GRPO samples.
-``top_k = 0`` means no top-k. With ``seed`` set, the global RNG is forked, seeded, and
-restored afterwards (``torch.random.fork_rng``): the rollout is reproducible and the
-caller's RNG stream is untouched. Each ``generate`` call of ``prompts_per_generate`` prompts
-starting at prompt ``i`` is seeded with ``seed + i``, so with ``prompts_per_generate: 1``
-a prompt's completions do not depend on which other prompts share the call (the engine
-offsets ``seed`` by a process's first prompt, so a multi-process run samples what a
-single process would). Without a seed the global RNG is used.
-
-Stopping: a row ends at its first EOS token (any of the model's / tokenizer's EOS ids) or
-at the token that completes a stop string (transformers' ``StopStringCriteria``, which
-matches on token sequences, the prompt's tail included). ``sampling_logp`` is not returned
-(None): this backend samples from the very weights the trainer evaluates.
+Generation, seeding and stopping: :meth:`HFRollout.generate`; prompt prefill shared by the
+``G`` completions of a prompt: :meth:`HFRollout._prefill`; sampling follows
+:class:`~grpo_core.contracts.SamplingParams` only (:func:`_generation_config`).
 """
 
 from __future__ import annotations
@@ -68,8 +45,7 @@ class HFRolloutOptions(Options):
         None,
         description=(
             "Generate with a copy of the policy in this dtype, refreshed after every optimizer "
-            "step (e.g. bfloat16 on CPUs with AVX-512 BF16 or on GPUs: half the memory traffic "
-            "per decoded token). null generates with the training model itself, no copy."
+            "step (bfloat16 halves memory traffic). null generates with the training model itself."
         ),
     )
     prompts_per_generate: int | None = Field(
@@ -199,8 +175,16 @@ class HFRollout:
     ) -> RolloutBatch:
         """``G = group_size`` completions for each of the ``P`` prompts (token id lists).
 
-        Returns a :class:`RolloutBatch` of ``B = P * G`` rows, prompt-major; see the module
-        docstring for stopping, seeding and prefill sharing.
+        One batched, left-padded ``generate`` call (or one per ``prompts_per_generate``
+        prompts) with the KV cache, under ``torch.inference_mode()`` and eval mode (each
+        module's train flag restored after). With ``sampling.seed``, the call starting at
+        prompt ``i`` runs on forked RNGs seeded with ``seed + i`` (the convention of
+        :class:`~grpo_core.contracts.SamplingParams`); the caller's RNG is untouched. A row
+        ends at its first EOS id or at the token completing a stop string (transformers'
+        ``StopStringCriteria``, matching tokens, the prompt's tail included).
+
+        Returns a :class:`RolloutBatch` of ``B = P * G`` rows, prompt-major, without
+        ``sampling_logp``: this backend samples from the very weights the trainer evaluates.
         """
         if self.model is None:
             raise RuntimeError("hf rollout: setup(model, tokenizer) must be called before generate")
@@ -246,7 +230,10 @@ class HFRollout:
 
     def _prefill(self, ids: Tensor, mask: Tensor, group_size: int) -> Any:
         """Encode prompts ``(p, L)`` minus their last token once; return the cache with every
-        row repeated ``G`` times (``p*G`` rows, ``L-1`` positions)."""
+        row repeated ``G`` times (``p*G`` rows, ``L-1`` positions), from which ``generate``
+        continues feeding only each prompt's last token. Skipped (:meth:`_can_share`) when
+        ``G == 1``, for one-token prompts, or when the model's generation config asks for
+        a specific ``cache_implementation``."""
         from transformers import DynamicCache
 
         config = self.model.config

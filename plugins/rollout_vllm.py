@@ -1,48 +1,10 @@
-"""Rollout backend ``vllm``: a vLLM engine colocated with training on the same GPU.
+"""Rollout backend ``vllm``: a vLLM engine (0.10.2 and later, the V1 engine) colocated with
+training on the same GPU.
 
-Targets vLLM 0.10.2 and later (the V1 engine; TRL's supported range starts there). vLLM is
-imported lazily, inside the functions that need it: this module imports, registers and
-validates specs without it, and a spec that selects ``vllm`` on a machine without it fails
-at validation with the install command.
-
-Setup. The policy's config (``architectures`` set) and tokenizer are written to a temporary
-folder and ``vllm.LLM`` is built from it with ``load_format="dummy"`` (no weights read from
-disk, whatever the policy was loaded from: a folder, the Hub, a GGUF file), then
-:meth:`VLLMRollout.sync_weights` pushes the policy's weights. The engine runs in this
-process (``distributed_executor_backend="external_launcher"``): on one process the launcher
-variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...) are set for a world of one; in a
-``torchrun`` / ``accelerate launch`` run each process gets its own engine on its own GPU,
-and ``tensor_parallel_size`` > 1 splits one engine over groups of consecutive processes,
-each group generating the prompts of all its members (gathered, then split back).
-
-Generation: one ``llm.generate`` call for the ``P`` prompts, each a ``TokensPrompt`` with
-``SamplingParams(n=G, ...)`` (vLLM shares the prompt's prefill among its ``G`` samples
-through the prefix cache). Sampling follows :class:`~grpo_core.contracts.SamplingParams`
-only (:func:`sampling_kwargs`): ``top_k = 0`` becomes vLLM's ``-1``, ``greedy`` becomes
-temperature 0, penalties are neutral, stop strings are kept in the text, and the model's
-EOS ids (generation config and tokenizer, as ``hf``) are stop tokens. With ``seed`` set,
-prompt ``i`` of the call is seeded from ``seed + i`` (the engine's convention, see
-:class:`~grpo_core.contracts.SamplingParams`), mixed by :func:`request_seed` because vLLM
-seeds the ``G`` samples of a request with ``seed + k``; without a seed the engine's RNG
-(option ``seed``) is used.
-
-``sampling_logp`` is vLLM's log-prob of each sampled token (``logprobs=0``), with
-``logprobs_mode: processed_logprobs``: the distribution actually sampled from, after the
-temperature and top-k/top-p, so it equals the trainer's log-probs (temperature only) when
-``top_k = 0`` and ``top_p = 1``, up to the two engines' numerics. The engine may use it for
-truncated importance sampling. ``bench/vllm_check.py`` measures the agreement.
-
-Weight sync pushes the policy's state dict into the engine's model (``load_weights``),
-reached as ``llm.llm_engine.model_executor.driver_worker.worker.model_runner.model`` when
-the engine core is in this process (what the setup above makes), else through
-``llm.collective_rpc`` with a function run on each worker. Under LoRA (peft) the adapter is
-merged into the base weights of the pushed copy, ``W + scaling * B @ A`` per layer
-(:func:`grpo_plugins.weights.merge_lora`), and peft's name prefixes are stripped so the names are the base
-model's; the training model is not modified. The prefix cache is reset after each sync.
-
-Sleep mode (``enable_sleep_mode``): after each ``generate`` the engine sleeps (level 1:
-weights offloaded to CPU memory, KV cache freed) so training gets the GPU memory back; the
-weights wake before a sync and the KV cache before the next ``generate``.
+vLLM is imported lazily: this module imports, registers and validates specs without it.
+Building the engine: :meth:`VLLMRollout.setup`; sampling and seeding: :func:`sampling_kwargs`,
+:func:`request_seed`; outputs and ``sampling_logp``: :func:`outputs_to_batch`; weight sync
+(LoRA merged): :meth:`VLLMRollout.sync_weights`; sleep mode: ``enable_sleep_mode``.
 """
 
 from __future__ import annotations
@@ -229,7 +191,9 @@ def engine_kwargs(options: VLLMRolloutOptions, model_dir: str, *, replica: int =
 OPTIONAL_ENGINE_ARGS = ("logprobs_mode", "model_impl")
 
 
-def drop_unknown(kwargs: dict[str, Any], known: Iterable[str], keep: Iterable[str] = ()) -> tuple[dict[str, Any], list[str]]:
+def drop_unknown(
+    kwargs: dict[str, Any], known: Iterable[str], keep: Iterable[str] = ()
+) -> tuple[dict[str, Any], list[str]]:
     """``kwargs`` without the :data:`OPTIONAL_ENGINE_ARGS` that are not in ``known`` (the
     installed vLLM's engine arguments), except those in ``keep``; and the dropped names."""
     known, keep = set(known), set(keep)
@@ -433,7 +397,15 @@ class VLLMRollout:
 
     # ----------------------------------------------------------------- contract
     def setup(self, model: Any, tokenizer: Any) -> None:
-        """Build the engine from the policy's config and tokenizer, then push its weights."""
+        """Build the engine from the policy's config and tokenizer, then push its weights.
+
+        The config (``architectures`` set) and tokenizer go to a temporary folder and the
+        engine loads them with ``load_format="dummy"``: no weights are read from disk,
+        whatever the policy was loaded from. The engine runs in this process
+        (``external_launcher``): one engine per process and GPU, and
+        ``tensor_parallel_size`` > 1 splits one engine over consecutive processes, each
+        group generating the prompts of all its members (:meth:`_gather`).
+        """
         if not vllm_installed():
             raise RuntimeError(MISSING_VLLM)
         if not torch.cuda.is_available():
@@ -472,8 +444,10 @@ class VLLMRollout:
         self._sleep()
 
     def sync_weights(self, model: Any) -> None:
-        """Push the policy's weights (LoRA merged, peft names stripped) into the engine and
-        reset its prefix cache; the training model is untouched."""
+        """Push the policy's weights (LoRA merged by :func:`grpo_plugins.weights.merge_lora`,
+        peft names stripped) into the engine's model with ``load_weights``, directly when
+        the engine core is in this process, else through ``llm.collective_rpc``; then reset
+        its prefix cache. The training model is untouched."""
         if self.llm is None:
             raise RuntimeError("vllm rollout: setup(model, tokenizer) must be called before sync_weights")
         self._wake("weights")
@@ -491,8 +465,13 @@ class VLLMRollout:
     ) -> RolloutBatch:
         """``G = group_size`` completions for each of the ``P`` prompts (token id lists).
 
-        Returns a :class:`RolloutBatch` of ``B = P * G`` rows, prompt-major, with
-        ``sampling_logp``; see the module docstring for seeding and stopping.
+        One ``llm.generate`` call, each prompt a ``TokensPrompt`` with ``n = G`` samples
+        (vLLM's prefix cache shares its prefill). With ``sampling.seed``, prompt ``i`` is
+        seeded from ``request_seed(seed + i)``, the convention of
+        :class:`~grpo_core.contracts.SamplingParams`. Returns a :class:`RolloutBatch` of
+        ``B = P * G`` rows, prompt-major; ``sampling_logp`` is vLLM's processed log-prob
+        (after temperature and top-k/p), the trainer's own when ``top_k = 0`` and
+        ``top_p = 1`` up to numerics (``bench/vllm_check.py`` measures the agreement).
         """
         if self.llm is None:
             raise RuntimeError("vllm rollout: setup(model, tokenizer) must be called before generate")

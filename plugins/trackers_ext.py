@@ -25,7 +25,7 @@ from pydantic_core import PydanticCustomError
 
 from grpo_core import hookimpl
 from grpo_core.options import Options
-from grpo_core.spec.slots import SpecPath
+from grpo_core.spec import SpecPath
 
 log = logging.getLogger("grpo.tracking")
 
@@ -99,7 +99,7 @@ class WandbOptions(Options):
     notes: str | None = Field(None, description="Notes (a description) set on the W&B run.")
 
     @model_validator(mode="after")
-    def _installed(self) -> "WandbOptions":
+    def _installed(self) -> WandbOptions:
         _needs("wandb", "wandb", "wandb")
         return self
 
@@ -198,7 +198,7 @@ class TensorBoardOptions(Options):
     flush_secs: int = Field(30, ge=1, description="Seconds between flushes of the event file to disk.")
 
     @model_validator(mode="after")
-    def _installed(self) -> "TensorBoardOptions":
+    def _installed(self) -> TensorBoardOptions:
         _needs("tensorboard", "tensorboard", "tensorboard")
         return self
 

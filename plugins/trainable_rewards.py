@@ -20,13 +20,13 @@ import random
 from pathlib import Path
 from typing import Any
 
+from grpo_plugins.rewards import RewardModelOptions, RewardModelReward, resolve_device
 from pydantic import Field, model_validator
 
 from grpo_core import hookimpl
 from grpo_core.contracts import RewardExample
 from grpo_core.errors import RunError
 from grpo_core.spec import SpecPath
-from grpo_plugins.rewards import RewardModelOptions, RewardModelReward, _resolve_device
 
 __all__ = ["TrainableRewardModelOptions", "TrainableRewardModel", "replay_count"]
 
@@ -70,9 +70,8 @@ class TrainableRewardModelOptions(RewardModelOptions):
     seed: int = Field(0, description="Seed of the replay draws and the training order.")
     balance_classes: bool = Field(
         False,
-        description="Weight the loss so that right (label > 0.5) and wrong samples count "
-        "equally in each update: a verifier's labels are often skewed (a weak policy is "
-        "mostly wrong), and an unweighted model then learns to say 'wrong' to everything.",
+        description="Weight the loss so right (label > 0.5) and wrong samples count equally, so skewed "
+        "labels (a weak policy is mostly wrong) do not teach 'always wrong'.",
     )
 
     @model_validator(mode="after")
@@ -157,7 +156,7 @@ class TrainableRewardModel(RewardModelReward):
         if model.config.pad_token_id is None:
             model.config.pad_token_id = tokenizer.pad_token_id
         tokenizer.padding_side, tokenizer.truncation_side = "right", "left"
-        self._device = torch.device(_resolve_device(o.device))
+        self._device = torch.device(resolve_device(o.device))
         self._model, self._tokenizer = model.to(self._device).eval(), tokenizer
 
     def _ready(self):

@@ -1,6 +1,6 @@
 """Suite-wide setup: installed (third-party) plugins are kept out of every test.
 
-``GRPO_LOAD_PLUGINS=""`` makes ``grpo_core.plugins.load_plugins`` load no entry point, so
+``GRPO_LOAD_PLUGINS=""`` makes ``grpo_core.plugin_manager.load_plugins`` load no entry point, so
 the suite sees the built-ins plus what a test registers itself, whatever happens to be
 installed in the interpreter (the example plugin, while ``tests/core/test_example_plugin.py``
 has it installed, included). It is set at import, before any test module or fixture runs,

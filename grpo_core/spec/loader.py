@@ -5,19 +5,18 @@ from __future__ import annotations
 
 import re
 import shlex
-import types
-import typing
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
 from grpo_core.errors import GrpoError, SpecError, did_you_mean
-from grpo_core.plugins import Plugins, load_plugins
+from grpo_core.plugin_manager import Plugins, load_plugins
 from grpo_core.spec.models import Spec
-from grpo_core.spec.slots import Slot, format_path, resolve_slot, resolve_slots
+from grpo_core.spec.slots import field_types, format_path, resolve_slot, resolve_slots, slot_locations
 
 
 @dataclass
@@ -135,19 +134,6 @@ def apply_override(data: dict, assignment: str) -> tuple:
 
 
 # --------------------------------------------------------------------------- errors
-def _unwrap(annotation: Any) -> list[Any]:
-    """The concrete types inside Optional / Union / list / Annotated."""
-    origin = typing.get_origin(annotation)
-    if origin is typing.Annotated:
-        return _unwrap(typing.get_args(annotation)[0])
-    if origin in (typing.Union, types.UnionType, list, tuple):
-        out = []
-        for arg in typing.get_args(annotation):
-            out.extend(_unwrap(arg))
-        return out
-    return [annotation]
-
-
 def _model_at(model: type[BaseModel], loc: Iterable) -> type[BaseModel] | None:
     current: Any = model
     for part in loc:
@@ -158,7 +144,7 @@ def _model_at(model: type[BaseModel], loc: Iterable) -> type[BaseModel] | None:
         field = current.model_fields.get(part)
         if field is None:
             return None
-        models = [t for t in _unwrap(field.annotation) if isinstance(t, type) and issubclass(t, BaseModel)]
+        models = [t for t in field_types(field.annotation) if isinstance(t, type) and issubclass(t, BaseModel)]
         current = models[0] if models else None
     return current if isinstance(current, type) and issubclass(current, BaseModel) else None
 
@@ -187,24 +173,11 @@ def _pydantic_problems(exc: ValidationError) -> list[tuple[tuple, str]]:
     return problems
 
 
-def _slot_locations(model: type[BaseModel], prefix: tuple = ()) -> list[tuple[tuple, type[Slot], bool]]:
-    """Static ``(path, slot class, is_list)`` of every slot field in the spec model."""
-    found = []
-    for name, field in model.model_fields.items():
-        is_list = typing.get_origin(field.annotation) is list
-        for t in _unwrap(field.annotation):
-            if isinstance(t, type) and issubclass(t, Slot):
-                found.append((prefix + (name,), t, is_list))
-            elif isinstance(t, type) and issubclass(t, BaseModel):
-                found.extend(_slot_locations(t, prefix + (name,)))
-    return found
-
-
 def _raw_slot_problems(data: dict, plugins: Plugins, context: dict) -> list[tuple[tuple, str]]:
     """Phase two on the raw data, used when phase one failed, so that a wrong plugin
     name is reported together with every other problem."""
     problems: list[tuple[tuple, str]] = []
-    for path, cls, is_list in _slot_locations(Spec):
+    for path, cls, is_list in slot_locations(Spec):
         node: Any = data
         for part in path:
             node = node.get(part) if isinstance(node, dict) else None

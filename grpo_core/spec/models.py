@@ -133,6 +133,37 @@ class AdvantageSlot(Slot):
     name: str = Field("grpo", description="Advantage estimator: grpo, process, dapo-token-scale, rloo, reinforce++.")
 
 
+class RefSyncSection(Section):
+    """Every ``every`` steps, ``ref <- alpha * policy + (1 - alpha) * ref`` (TR-DPO,
+    https://arxiv.org/abs/2404.09656; TRL's ``ref_model_sync_steps`` / ``ref_model_mixup_alpha``)."""
+
+    every: int = Field(ge=1, description="Steps between two syncs.")
+    alpha: float = Field(0.6, gt=0, le=1, description="Weight of the policy in the mix; 1 copies it.")
+
+
+class AdaptiveKLSection(Section):
+    """After each step, ``beta *= 1 + clip(kl / target - 1, -0.2, 0.2) * B / horizon``, with
+    ``kl`` the step's mean over completions of the per-token mean KL and ``B`` its rows
+    (Ziegler et al. 2019, https://arxiv.org/abs/1909.08593)."""
+
+    target: float = Field(gt=0, description="The KL (per token) to steer toward.")
+    horizon: int = Field(10_000, ge=1, description="Rows over which beta moves by at most 20%.")
+
+
+class DynamicSamplingSection(Section):
+    """DAPO's dynamic sampling (https://arxiv.org/abs/2503.14476): groups whose ``metric`` is
+    the same for all ``G`` completions carry no gradient; they are dropped and more prompts
+    are sampled until ``train.prompts_per_step`` groups with a spread are collected."""
+
+    metric: str = Field(
+        "reward", description="reward (the weighted total) or the name of one reward function."
+    )
+    max_rounds: int = Field(
+        4, ge=1, description="Rollout rounds per step at most; when they run out the batch is "
+        "filled with the first zero-spread groups (logged as dynamic_sampling/filled_groups).",
+    )
+
+
 class KLSlot(Slot):
     kind = "kl_penalty"
     name: str = Field("low_var_kl", description="KL estimator: low_var_kl (k3), kl (k1), abs, mse (k2).")
@@ -143,6 +174,14 @@ class KLSlot(Slot):
         "loss",
         description="loss: add beta*KL_t to the per-token loss (GRPO). reward: subtract "
         "beta*sum_t KL_t from each completion's reward before advantages (PPO).",
+    )
+    ref_sync: RefSyncSection | None = Field(
+        None, description="Move the reference toward the policy every few steps (TR-DPO, TRL's sync_ref_model); "
+        "unset: the reference stays the initial policy.",
+    )
+    adaptive: AdaptiveKLSection | None = Field(
+        None, description="Adapt beta toward a target KL (Ziegler et al. 2019; verl's kl_ctrl: adaptive); "
+        "unset: beta is fixed.",
     )
 
 
@@ -210,6 +249,9 @@ class AlgorithmSection(Section):
     early_stop_imp_ratio: float | None = Field(
         None, gt=1, description="Drop (skip the update of) a mini-batch whose mean importance ratio "
         "exceeds this; dropped mini-batches are counted and logged."
+    )
+    dynamic_sampling: DynamicSamplingSection | None = Field(
+        None, description="Drop zero-spread groups and sample more prompts (DAPO); unset: off."
     )
     rollout_correction: RolloutCorrectionSection = Field(
         default_factory=RolloutCorrectionSection,
@@ -294,7 +336,9 @@ class CheckpointSection(Section):
 
 
 class EvalSection(Section):
-    every: int = Field(0, ge=0, description="Evaluate every N steps (and before and after training when > 0 or at_end).")
+    every: int = Field(
+        0, ge=0, description="Evaluate every N steps (and before and after training when > 0 or at_end)."
+    )
     at_start: bool = Field(True, description="Evaluate before the first step.")
     at_end: bool = Field(True, description="Evaluate after the last step.")
     max_prompts: int | None = Field(None, ge=1, description="Evaluate on at most this many held-out prompts.")
@@ -394,7 +438,8 @@ class Spec(Section):
     train: TrainSection = Field(default_factory=TrainSection, description="Optimisation and the loop.")
     tracking: list[TrackerSlot] = Field(
         default_factory=lambda: [TrackerSlot(name="mlflow")],
-        description="Experiment trackers (mlflow by default, as MLflow defaults: MLFLOW_TRACKING_URI or a local store).",
+        description="Experiment trackers (mlflow by default, as MLflow defaults: MLFLOW_TRACKING_URI or a "
+        "local store).",
     )
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection, description="Checkpoints.")
     eval: EvalSection = Field(default_factory=EvalSection, description="Held-out evaluation.")
@@ -423,6 +468,28 @@ class Spec(Section):
                 "export.merged folds a LoRA adapter into its base model, but model.lora is not set "
                 "(final/ already holds the full weights): set model.lora or drop export.merged"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _dynamic_sampling_metric(self):
+        ds = self.algorithm.dynamic_sampling
+        names = [slot.name for slot in self.rewards]
+        if ds is not None and ds.metric != "reward" and ds.metric not in names:
+            raise ValueError(
+                f"algorithm.dynamic_sampling.metric '{ds.metric}' must be 'reward' or the name of a "
+                f"reward function ({', '.join(names)})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _reference_sync_needs_a_copy(self):
+        kl = self.algorithm.kl
+        if kl.ref_sync is not None and (kl.beta == 0 or self.model.lora is not None):
+            why = "algorithm.kl.beta is 0 (no reference)" if kl.beta == 0 else (
+                "under model.lora the reference is the base model with the adapter disabled")
+            raise ValueError(f"algorithm.kl.ref_sync needs a reference copy to move, but {why}")
+        if kl.adaptive is not None and kl.beta == 0:
+            raise ValueError("algorithm.kl.adaptive needs a starting algorithm.kl.beta above 0")
         return self
 
     @model_validator(mode="after")

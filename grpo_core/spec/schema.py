@@ -10,8 +10,8 @@ import copy
 from typing import Any
 
 from grpo_core.registry import Registry
-from grpo_core.spec.loader import _slot_locations
 from grpo_core.spec.models import Spec
+from grpo_core.spec.slots import slot_locations
 
 
 def _rewrite_refs(node: Any, renames: dict[str, str]) -> Any:
@@ -55,7 +55,7 @@ def spec_schema(registry: Registry) -> dict:
     """The JSON Schema of a spec whose components come from ``registry``."""
     schema = Spec.model_json_schema()
     defs = schema.setdefault("$defs", {})
-    slot_classes = {cls for _, cls, _ in _slot_locations(Spec)}
+    slot_classes = {cls for _, cls, _ in slot_locations(Spec)}
     for cls in slot_classes:
         base = cls.model_json_schema()
         variants = [_variant(base, c, defs) for c in registry.components(cls.kind)]

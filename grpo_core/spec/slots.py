@@ -9,8 +9,11 @@ path, and the validated options stay attached to the slot all the way into the l
 
 from __future__ import annotations
 
+import types
+import typing
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Iterator
+from typing import Annotated, Any, ClassVar
 
 from pydantic import (
     AfterValidator,
@@ -24,7 +27,7 @@ from pydantic import (
 )
 
 from grpo_core.errors import did_you_mean
-from grpo_core.hookspecs import KIND_LABELS
+from grpo_core.hookspecs import KINDS
 from grpo_core.registry import Component, Registry
 
 
@@ -92,6 +95,32 @@ def iter_slots(model: BaseModel, path: tuple = ()) -> Iterator[tuple[tuple, Slot
                 yield from iter_slots(item, where)
 
 
+def field_types(annotation: Any) -> list[Any]:
+    """The concrete types inside Optional / Union / list / Annotated."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return field_types(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType, list, tuple):
+        out = []
+        for arg in typing.get_args(annotation):
+            out.extend(field_types(arg))
+        return out
+    return [annotation]
+
+
+def slot_locations(model: type[BaseModel], prefix: tuple = ()) -> list[tuple[tuple, type[Slot], bool]]:
+    """Static ``(path, slot class, is_list)`` of every slot field in the spec model."""
+    found = []
+    for name, field in model.model_fields.items():
+        is_list = typing.get_origin(field.annotation) is list
+        for t in field_types(field.annotation):
+            if isinstance(t, type) and issubclass(t, Slot):
+                found.append((prefix + (name,), t, is_list))
+            elif isinstance(t, type) and issubclass(t, BaseModel):
+                found.extend(slot_locations(t, prefix + (name,)))
+    return found
+
+
 def format_path(path: tuple) -> str:
     return ".".join(str(p) for p in path) if path else "(top level)"
 
@@ -106,7 +135,7 @@ def _option_problems(
         loc = path + tuple(err["loc"])
         if err["type"] == "extra_forbidden" and len(err["loc"]) == 1:
             key = str(err["loc"][0])
-            label = KIND_LABELS[slot.kind]
+            label = KINDS[slot.kind].label
             message = (
                 f"unknown key '{key}' for {label} '{slot.name}'{did_you_mean(key, valid)}; "
                 f"valid keys: {', '.join(valid)}"
@@ -125,7 +154,7 @@ def resolve_slot(
     if component is None:
         return [(path + ("name",), registry.unknown_message(slot.kind, slot.name))]
     extra = dict(slot.model_extra or {})
-    label = KIND_LABELS[slot.kind]
+    label = KINDS[slot.kind].label
     if component.options is None:
         if extra:
             keys = ", ".join(sorted(extra))

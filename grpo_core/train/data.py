@@ -45,7 +45,9 @@ class PromptSource:
     ``self.skipped`` (reason -> count).
     """
 
-    def __init__(self, rows: list[dict], tokenizer, slot: DataSlot, *, seed: int, max_tokens: int, shuffle: bool | None = None):
+    def __init__(
+        self, rows: list[dict], tokenizer, slot: DataSlot, *, seed: int, max_tokens: int, shuffle: bool | None = None
+    ):
         if not rows:
             raise RunError(f"data: dataset '{slot.name}' has no rows to train on")
         self.rows = rows

@@ -1,39 +1,17 @@
 """Data-parallel runs: one process per device, each holding the whole model.
 
-A run started by ``accelerate launch`` or ``torchrun`` (or ``grpo-run --nproc N``, which
-starts ``torchrun`` for one machine) finds ``WORLD_SIZE > 1`` in its environment; accelerate's
-:class:`~accelerate.PartialState` then sets up the process group (gloo on CPU, NCCL on GPUs)
-and the device of each process. What the engine does with ``N`` processes:
-
-- Every process draws the same ``P`` prompts of a step (same seed, same data order) and keeps
-  a contiguous ``P / N`` of them: a group never spans processes. Its rollout is seeded with
-  the step's seed plus the index of its first prompt, so a backend that seeds each prompt
-  (``hf`` with ``prompts_per_generate``) samples the same completions whatever ``N`` is.
-- Rewards are computed where the group lives. The advantage inputs (rewards, masks, step
-  scores) of all processes are gathered and every process runs the estimator on the whole
-  batch, keeping its own rows: batch-scoped statistics (``std_scope: batch``,
-  ``reinforce++`` whitening) are those of the global batch.
-- The aggregators' normalizers (tokens, sequences of the mini-batch) are summed over
-  processes, so each process's loss is its share of the global loss; gradients are then
-  summed over processes (one all-reduce of the flattened gradients per optimizer step, what
-  DDP does, done here by hand because the engine runs the decoder and the output layer as
-  separate calls to share prompt keys and values and to project completion tokens only,
-  which DDP's wrapped ``forward`` would not see). The non-finite check and the clipping
-  norm use the reduced values, so all processes take the same decision.
-- Only the main process logs (trackers and ``metrics.jsonl``) and writes checkpoints and
-  the final model; the others wait at a barrier. Metrics are combined over processes:
-  means by default, maxima for ``*max*`` and ``time/*`` keys, minima for ``*min*`` keys,
-  sums for counts (:data:`SUMMED`).
-
-FSDP and DeepSpeed configs are refused with a message: both shard parameters behind the
-model's own ``forward``, which the engine does not call (see above).
+:class:`Dist` is the process group as the engine uses it (sharding of a step's groups,
+sums of normalizers and gradients, gathers, combined metrics); the README's "Several
+processes" section says what ``N`` processes do together and why gradients are summed
+by hand rather than through DDP's ``forward``.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -42,8 +20,34 @@ from grpo_core.errors import RunError
 
 T = TypeVar("T")
 
-#: Metrics summed over processes (counts and throughputs); see :meth:`Dist.combine_metrics`.
-SUMMED = frozenset({"reward/failed", "perf/tokens_per_second"})
+#: How :meth:`Dist.combine_metrics` combines a metric over processes, by exact name.
+#: A name not listed is a maximum if it ends in ``/max``, a minimum if it ends in ``/min``,
+#: a maximum if it starts with ``time/`` (the slowest process sets the pace), else a mean.
+REDUCTIONS: dict[str, str] = {
+    "reward/failed": "sum",
+    "perf/tokens_per_second": "sum",
+    "completions/max_length": "max",
+    "completions/min_length": "min",
+    "advantage/abs_max": "max",
+    # dynamic sampling: each process counts its own groups
+    "dynamic_sampling/groups_kept": "sum",
+    "dynamic_sampling/groups_filled": "sum",
+    "dynamic_sampling/groups_dropped": "sum",
+    "dynamic_sampling/prompts_consumed": "sum",
+}
+
+_REDUCE = {"sum": sum, "max": max, "min": min, "mean": lambda values: sum(values) / len(values)}
+
+
+def reduction(name: str) -> str:
+    """The reduction of metric ``name`` over processes: ``sum``, ``max``, ``min`` or ``mean``."""
+    if name in REDUCTIONS:
+        return REDUCTIONS[name]
+    if name.endswith("/max") or name.startswith("time/"):
+        return "max"
+    if name.endswith("/min"):
+        return "min"
+    return "mean"
 
 
 def world_size_from_env() -> int:
@@ -59,7 +63,7 @@ class Dist:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     @classmethod
-    def from_env(cls, device: str = "auto") -> "Dist":
+    def from_env(cls, device: str = "auto") -> Dist:
         """Join the process group set up by the launcher, if any, and pick the device:
         ``auto`` is this process's GPU when CUDA is available, else the CPU."""
         for engine in ("FSDP", "DEEPSPEED"):  # what accelerate launch sets from its config file
@@ -127,14 +131,6 @@ class Dist:
         self._dist().all_gather_object(out, obj)
         return out
 
-    def broadcast(self, obj: T) -> T:
-        """The main process's ``obj`` on every process."""
-        if not self.active:
-            return obj
-        box = [obj]
-        self._dist().broadcast_object_list(box, src=0)
-        return box[0]
-
     def sum_grads(self, params: Sequence[Tensor]) -> None:
         """Sum ``.grad`` over processes, in place, with one flat all-reduce per dtype."""
         if not self.active:
@@ -157,23 +153,12 @@ class Dist:
         return self.device if self.device.type == "cuda" else torch.device("cpu")
 
     def combine_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
-        """One metrics dict from every process's: see the module docstring."""
+        """One metrics dict from every process's, each metric reduced as :func:`reduction` says."""
         if not self.active:
             return metrics
         every = self.gather(metrics)
         keys = sorted({k for m in every for k in m})
-        out: dict[str, float] = {}
-        for key in keys:
-            values = [float(m[key]) for m in every if key in m]
-            if key in SUMMED:
-                out[key] = sum(values)
-            elif "max" in key or key.startswith("time/"):
-                out[key] = max(values)
-            elif "min" in key:
-                out[key] = min(values)
-            else:
-                out[key] = sum(values) / len(values)
-        return out
+        return {key: float(_REDUCE[reduction(key)]([float(m[key]) for m in every if key in m])) for key in keys}
 
 
 def check_layout(spec, world: int) -> None:

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 from typing import Any
 
 from grpo_core.contracts import RewardExample, TrainableReward
 from grpo_core.errors import RunError
 from grpo_core.spec.models import IterativeSection
-from grpo_core.train.scoring import RewardFn, score
-from grpo_core.train.step import as_completions, columns_of
+from grpo_core.train.rollout import Scorer, as_completions, sample_and_score
+from grpo_core.train.scoring import RewardFn
 
 #: Offset of the iteration stage's sampling seeds from the training steps' seeds.
 _SEED_OFFSET = 7_919_000_003
@@ -46,13 +47,14 @@ class IterativeStage:
         s = self.section
         return step % s.steps_per_iteration == 0 and step // s.steps_per_iteration == self.iteration < s.iterations
 
-    def begin(self, run) -> dict[str, float]:
-        """Start the next iteration: reset the reference, update the reward model."""
+    def begin(self, engine, source) -> dict[str, float]:
+        """Start the next iteration: reset the reference to the policy ``engine.model``,
+        update the reward model on fresh samples of prompts drawn from ``source``."""
         t0 = time.perf_counter()
         if self.reference is not None:
-            self.reference.reset_to(run.model)
+            self.reference.reset_to(engine.model)
             self.resets += 1
-        train, heldout = self._collect(run)
+        train, heldout = self._collect(engine, source)
         rm: TrainableReward = self.reward.fn
         metrics = {f"rm/heldout_{k}_before": v for k, v in rm.evaluate(heldout).items()}
         metrics.update({f"rm/{k}": v for k, v in rm.fit(train).items()})
@@ -67,20 +69,18 @@ class IterativeStage:
         })
         return metrics
 
-    def _collect(self, run) -> tuple[list[RewardExample], list[RewardExample]]:
+    def _collect(self, engine, source) -> tuple[list[RewardExample], list[RewardExample]]:
         """Fresh completions of the latest policy on training prompts, labelled by the
         verifier (unscorable ones dropped): the training part and the held-out part."""
-        s, spec = self.section, run.spec
-        g = s.group_size or spec.rollout.group_size
-        prompts = run.prompts.next(s.prompts + s.heldout_prompts)
-        seed = spec.train.seed * 1_000_003 + _SEED_OFFSET * (self.iteration + 1)
-        with run.autocast():
-            rollout = run.backend.generate([p.ids for p in prompts], g, run.sampling(seed=seed))
-        row_prompts, completions = as_completions(prompts, rollout)
-        columns = columns_of(prompts, g, spec.data.prompt_column)
-        ids = [r[m].tolist() for r, m in zip(rollout.completion_ids, rollout.completion_mask)]
-        labels = score([self.verifier], row_prompts, completions, columns, ids, spec.train.reward_errors).total
-        examples = [RewardExample(p, c, float(y)) for p, c, y in zip(row_prompts, completions, labels.tolist())]
+        s, settings = self.section, engine.settings
+        g = s.group_size or settings.group_size
+        prompts = source.next(s.prompts + s.heldout_prompts)
+        sampling = replace(settings.sampling, seed=settings.seed * 1_000_003 + _SEED_OFFSET * (self.iteration + 1))
+        verifier = Scorer([self.verifier], engine.scorer.prompt_column, engine.scorer.on_error)
+        scored = sample_and_score(engine.backend, verifier, prompts, g, sampling, engine.autocast)
+        row_prompts, completions = as_completions(prompts, scored.rollout)
+        labels = scored.scores.total.tolist()
+        examples = [RewardExample(p, c, float(y)) for p, c, y in zip(row_prompts, completions, labels)]
         cut = s.prompts * g
         keep = [not math.isnan(e.label) for e in examples]
         train = [e for e, k in zip(examples[:cut], keep[:cut]) if k]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import logging
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -115,33 +115,6 @@ def load_policy(section: ModelSection, base_dir: Path, tokenizer):
         )
     model.train()
     return model
-
-
-class Reference:
-    """Log-probs under the reference policy: the base weights with the adapter disabled
-    under LoRA (no second copy), else a frozen copy of the initial policy."""
-
-    def __init__(self, policy):
-        self.uses_adapter = hasattr(policy, "disable_adapter")
-        self.model = None
-        if not self.uses_adapter:
-            self.model = copy.deepcopy(policy).eval()
-            self.model.requires_grad_(False)
-        self.policy = policy
-
-    @contextmanager
-    def active(self):
-        """Yields the model to run for reference log-probs."""
-        if self.uses_adapter:
-            with self.policy.disable_adapter():
-                yield self.policy
-        else:
-            yield self.model
-
-    def reset_to(self, policy) -> None:
-        """Make the reference equal to the current policy (iterative GRPO)."""
-        if self.model is not None:
-            self.model.load_state_dict(policy.state_dict())
 
 
 def autocast(mixed_precision: str, device: torch.device):

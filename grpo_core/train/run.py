@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 from grpo_core import checkpoint as ckpt
-from grpo_core.contracts import SamplingParams
 from grpo_core.errors import RunError
 from grpo_core.export import finish_exports, print_exports
 from grpo_core.spec import LoadedSpec, Spec, dump_spec
@@ -26,10 +25,12 @@ from grpo_core.train.data import PromptSource, check_columns
 from grpo_core.train.distributed import Dist, check_layout
 from grpo_core.train.evaluate import evaluate
 from grpo_core.train.iterative import build_iterative
+from grpo_core.train.kl import KLTerm
 from grpo_core.train.optim import make_optimizer
+from grpo_core.train.reasoning_steps import split_steps
+from grpo_core.train.rollout import Scorer
 from grpo_core.train.scoring import RewardFn
-from grpo_core.train.step import run_step
-from grpo_core.train.steps import split_steps
+from grpo_core.train.step import Engine, StepSettings, grpo_step
 from grpo_core.train.update import Objective
 
 log = logging.getLogger("grpo.run")
@@ -43,46 +44,32 @@ def seed_everything(seed: int) -> None:
 
 @dataclass
 class Run:
-    """Everything one run needs, built once from the spec."""
+    """A run: the engine a step uses, the data, and the loop's own state."""
 
     spec: Spec
     loaded: LoadedSpec
     output_dir: Path
-    tokenizer: Any
-    model: Any
-    backend: Any
-    estimator: Any
-    kl: Any
-    objective: Objective
-    rewards: list[RewardFn]
+    engine: Engine
     prompts: PromptSource
     eval_prompts: list
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
     log: RunLog
-    reference: Any = None
-    splitter: Any = None  # the step splitter (process supervision)
     iterative: Any = None  # the iteration stage of iterative GRPO, or None
-    dist: Dist = field(default_factory=Dist)
     step: int = 0
     nonfinite_streak: int = 0
     last_eval: dict[str, float] = field(default_factory=dict)
     saved_step: int | None = None  # the step of the last checkpoint this process wrote
 
     @property
-    def device(self) -> torch.device:
-        return self.dist.device
+    def model(self):
+        return self.engine.model
 
-    def autocast(self):
-        return modeling.autocast(self.spec.train.mixed_precision, self.device)
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
 
-    def sampling(self, **changes: Any) -> SamplingParams:
-        r = self.spec.rollout
-        base = SamplingParams(
-            max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-            top_k=r.top_k, stop=tuple(r.stop),
-        )
-        return replace(base, **changes)
+    @property
+    def dist(self) -> Dist:
+        return self.engine.dist
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -90,9 +77,10 @@ class Run:
 
     def stateful(self) -> dict[str, Any]:
         """Components that carry state across steps (``state_dict``/``load_state_dict``)."""
-        named = {"rollout": self.backend, "advantage": self.estimator}
-        named.update({f"rewards.{fn.name}": fn.fn for fn in self.rewards})
+        named = {"rollout": self.engine.backend, "advantage": self.engine.estimator}
+        named.update({f"rewards.{fn.name}": fn.fn for fn in self.engine.scorer.rewards})
         named.update({f"tracking.{name}": tracker for name, tracker in self.log.trackers.items()})
+        named["kl"] = self.engine.kl
         named["iterative"] = self.iterative
         return {k: v for k, v in named.items() if hasattr(v, "state_dict") and hasattr(v, "load_state_dict")}
 
@@ -100,8 +88,8 @@ class Run:
         return {
             "step": self.step,
             "run_id": self.log.run_id,
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
+            "optimizer": self.engine.optimizer.state_dict(),
+            "scheduler": self.engine.scheduler.state_dict(),
             "rng": ckpt.rng_state(),
             "data": self.prompts.state_dict(),
             "nonfinite_streak": self.nonfinite_streak,
@@ -111,8 +99,8 @@ class Run:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        self.engine.optimizer.load_state_dict(state["optimizer"])
+        self.engine.scheduler.load_state_dict(state["scheduler"])
         self.prompts.load_state_dict(state["data"])
         self.nonfinite_streak = int(state.get("nonfinite_streak", 0))
         self.last_eval = dict(state.get("last_eval", {}))
@@ -166,6 +154,32 @@ def _check_data(spec: Spec, rewards: list[RewardFn], train_rows, eval_rows) -> N
     check_columns(eval_rows, needed, "held-out")
 
 
+def _engine(spec: Spec, model, tokenizer, rewards: list[RewardFn], splitter, dist: Dist) -> Engine:
+    algo = spec.algorithm
+    kl = KLTerm.from_spec(algo.kl, model)
+    objective = Objective(
+        policy_loss=algo.policy_loss.build(), aggregator=algo.aggregation.build(),
+        kl=kl if kl is not None and kl.in_loss else None,
+        entropy_coef=algo.entropy_coef, early_stop_imp_ratio=algo.early_stop_imp_ratio,
+        temperature=spec.rollout.temperature, max_length=spec.rollout.max_new_tokens,
+        correction=algo.rollout_correction,
+    )
+    optimizer, scheduler = make_optimizer(model, spec.train, spec.train.steps * algo.mu * spec.train.mini_batches)
+    backend = spec.rollout.build()
+    backend.setup(model, tokenizer)
+    estimator = algo.advantage.build()
+    scorer = Scorer(
+        rewards, spec.data.prompt_column, spec.train.reward_errors,
+        split=partial(split_steps, splitter, algo.step_splitter.name),
+        with_steps=estimator.needs_step_scores,
+    )
+    return Engine(
+        model=model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler, backend=backend,
+        scorer=scorer, estimator=estimator, objective=objective, settings=StepSettings.from_spec(spec), kl=kl,
+        dist=dist, autocast=partial(modeling.autocast, spec.train.mixed_precision, dist.device),
+    )
+
+
 def build_run(loaded: LoadedSpec, dist: Dist | None = None) -> Run:
     spec = loaded.spec
     dist = dist or Dist.from_env(spec.train.device)
@@ -189,28 +203,23 @@ def build_run(loaded: LoadedSpec, dist: Dist | None = None) -> Run:
     eval_source = PromptSource(eval_rows or [{}], tokenizer, spec.data, seed=0, max_tokens=max_prompt, shuffle=False)
     eval_prompts = [p for p in map(eval_source.render, eval_rows) if p is not None][: spec.eval.max_prompts]
 
-    backend = spec.rollout.build()
-    backend.setup(model, tokenizer)
-    algo = spec.algorithm
-    kl = algo.kl.build() if algo.kl.beta > 0 else None
-    reference = modeling.Reference(model) if algo.kl.beta > 0 else None
-    objective = Objective(
-        policy_loss=algo.policy_loss.build(), aggregator=algo.aggregation.build(),
-        kl=kl if algo.kl.placement == "loss" else None, beta=algo.kl.beta,
-        entropy_coef=algo.entropy_coef, early_stop_imp_ratio=algo.early_stop_imp_ratio,
-        temperature=spec.rollout.temperature, max_length=spec.rollout.max_new_tokens,
-        correction=algo.rollout_correction,
-    )
-    total_updates = spec.train.steps * algo.mu * spec.train.mini_batches
-    optimizer, scheduler = make_optimizer(model, spec.train, total_updates)
+    engine = _engine(spec, model, tokenizer, rewards, splitter, dist)
+    reference = engine.kl.reference if engine.kl is not None else None
     trackers = {slot.name: slot.build() for slot in spec.tracking}
     return Run(
-        spec=spec, loaded=loaded, output_dir=output_dir, tokenizer=tokenizer, model=model,
-        backend=backend, estimator=algo.advantage.build(), kl=kl, objective=objective,
-        rewards=rewards, prompts=prompts, eval_prompts=eval_prompts, optimizer=optimizer,
-        scheduler=scheduler, log=RunLog(trackers, output_dir, enabled=dist.is_main), reference=reference,
-        splitter=splitter, iterative=build_iterative(spec, rewards, reference), dist=dist,
+        spec=spec, loaded=loaded, output_dir=output_dir, engine=engine, prompts=prompts,
+        eval_prompts=eval_prompts, log=RunLog(trackers, output_dir, enabled=dist.is_main),
+        iterative=build_iterative(spec, rewards, reference),
     )
+
+
+def evaluate_run(run: Run) -> dict[str, float]:
+    """Greedy completions of the held-out prompts, scored (see :func:`evaluate`)."""
+    spec, engine = run.spec, run.engine
+    sampling = replace(engine.settings.sampling, greedy=True,
+                       max_new_tokens=spec.eval.max_new_tokens or spec.rollout.max_new_tokens)
+    return evaluate(engine.backend, engine.scorer, run.eval_prompts, sampling,
+                    batch_size=spec.eval.batch_size, dist=engine.dist, autocast=engine.autocast)
 
 
 class StopSignal:
@@ -257,12 +266,15 @@ def _progress(run: Run, start: int):
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=run.spec.train.steps, initial=start, desc="grpo", unit="step", file=sys.stderr, dynamic_ncols=True)
+    return tqdm(
+        total=run.spec.train.steps, initial=start, desc="grpo", unit="step", file=sys.stderr, dynamic_ncols=True
+    )
 
 
 def _postfix(metrics: dict[str, float], last_eval: dict[str, float]) -> dict[str, str]:
     shown = {"reward": metrics.get("reward"), "kl": metrics.get("kl"), "len": metrics.get("completions/mean_length")}
-    shown.update({k.replace("eval/rewards/", "eval_"): v for k, v in last_eval.items() if k.startswith("eval/rewards/")})
+    evals = {k: v for k, v in last_eval.items() if k.startswith("eval/rewards/")}
+    shown.update({k.replace("eval/rewards/", "eval_"): v for k, v in evals.items()})
     return {k: f"{v:.3g}" for k, v in shown.items() if v is not None and math.isfinite(v)}
 
 
@@ -277,29 +289,35 @@ def _resume(run: Run, resume: str | None) -> str | None:
         )
     ckpt.load_model_weights(run.model, found.folder)
     run.load_state_dict(found.state)
-    run.backend.sync_weights(run.model)
+    run.engine.backend.sync_weights(run.model)
     if run.dist.is_main:
         print(f"grpo-run: resuming from {found.folder} (step {run.step})", file=sys.stderr)
     return found.state.get("run_id")
 
 
-def _one_step(run: Run) -> dict[str, float]:
+def _step_and_record(run: Run) -> dict[str, float]:
+    """One training step plus the loop's bookkeeping: the iteration start of iterative
+    GRPO, held-out evaluation, logging, checkpoints, the non-finite stop."""
     spec = run.spec
-    begun = run.iterative.begin(run) if run.iterative is not None and run.iterative.due(run.step) else {}
-    metrics, samples = run_step(run, run.step)
-    metrics = run.dist.combine_metrics(metrics)
+    due = run.iterative is not None and run.iterative.due(run.step)
+    begun = run.iterative.begin(run.engine, run.prompts) if due else {}
+    result = grpo_step(run.engine, run.prompts, run.step)
+    metrics = run.dist.combine_metrics(result.metrics)
+    if run.engine.kl is not None:  # adaptive beta and reference sync see the global step
+        rows = spec.train.prompts_per_step * spec.rollout.group_size
+        metrics.update(run.engine.kl.after_step(run.step + 1, run.model, metrics.get("kl"), rows))
     metrics.update(begun)
     run.step += 1
     run.nonfinite_streak = run.nonfinite_streak + 1 if metrics["train/nonfinite_updates"] else 0
     metrics["train/nonfinite_streak"] = run.nonfinite_streak
     metrics["data/skipped_prompts"] = float(sum(run.prompts.skipped.values()))
     if spec.eval.every and run.step % spec.eval.every == 0 and run.step < spec.train.steps:
-        run.last_eval = evaluate(run)
+        run.last_eval = evaluate_run(run)
         metrics.update(run.last_eval)
     run.log.log_metrics(metrics, run.step)
     every = spec.train.log_completions_every
     if every and run.step % every == 0:
-        run.log.log_table("completions", samples, run.step)
+        run.log.log_table("completions", result.samples, run.step)
     if spec.checkpoint.every and run.step % spec.checkpoint.every == 0:
         run.save_checkpoint()
     if run.nonfinite_streak >= spec.train.max_nonfinite_updates:
@@ -322,15 +340,15 @@ class _StepStart:
     rng: dict[str, Any]
 
     @classmethod
-    def of(cls, run: Run) -> "_StepStart":
-        return cls(run.step, run.scheduler.last_epoch, run.prompts.state_dict(), ckpt.rng_state())
+    def of(cls, run: Run) -> _StepStart:
+        return cls(run.step, run.engine.scheduler.last_epoch, run.prompts.state_dict(), ckpt.rng_state())
 
 
 def _save_failed_step(run: Run, start: _StepStart, loaded: LoadedSpec) -> None:
     """A step that failed before its update (a reward function raised, no usable prompt)
     left the model and optimizer as the previous step did: rewind its data position and
     RNG states and checkpoint that state, so that no completed step is lost."""
-    if run.step != start.step or run.scheduler.last_epoch != start.updates or run.step == 0:
+    if run.step != start.step or run.engine.scheduler.last_epoch != start.updates or run.step == 0:
         return
     run.prompts.load_state_dict(start.data)
     ckpt.set_rng_state(start.rng)
@@ -365,13 +383,13 @@ def train(loaded: LoadedSpec, resume: str | None = None) -> int:
     try:
         with StopSignal() as stop:
             if spec.eval.at_start and run.eval_prompts and run.step == 0:
-                run.last_eval = evaluate(run)
+                run.last_eval = evaluate_run(run)
                 run.log.log_metrics(run.last_eval, run.step)
             # With several processes, a signal seen by any stops all of them at the same step.
             while run.step < spec.train.steps and not run.dist.any(stop.signum is not None):
                 start = _StepStart.of(run)
                 try:
-                    metrics = _one_step(run)
+                    metrics = _step_and_record(run)
                 except RunError:
                     _save_failed_step(run, start, loaded)
                     raise
@@ -388,7 +406,7 @@ def train(loaded: LoadedSpec, resume: str | None = None) -> int:
                     )
                 return stop.exit_code
         if spec.eval.at_end and run.eval_prompts:
-            run.last_eval = evaluate(run)
+            run.last_eval = evaluate_run(run)
             run.log.log_metrics(run.last_eval, run.step)
         if spec.checkpoint.every:
             run.save_checkpoint()

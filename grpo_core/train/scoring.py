@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
+from grpo_core.contracts import masked_fill_zero
 from grpo_core.errors import RunError
+from grpo_core.registry import conform
 
 
 @dataclass
@@ -34,7 +37,8 @@ class RewardFn:
     @classmethod
     def of(
         cls, name: str, weight: float, fn: Callable[..., list], splitter: Callable[[list], Any] | None = None
-    ) -> "RewardFn":
+    ) -> RewardFn:
+        fn = conform("reward_function", fn, f"reward function '{name}'")  # declared flags present
         try:
             sig = inspect.signature(fn)
         except (TypeError, ValueError):
@@ -54,7 +58,7 @@ class RewardFn:
 
     @property
     def required_columns(self) -> list[str]:
-        return list(getattr(self.fn, "required_columns", []) or [])
+        return list(self.fn.required_columns)
 
 
 @dataclass
@@ -146,7 +150,7 @@ def _is_per_step(value: Any) -> bool:
 def _weighted(table: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Weighted sum over the last dim (functions) of the scored entries; NaN where none is."""
     scored = ~torch.isnan(table)
-    total = torch.where(scored, table * weights, torch.zeros(())).sum(dim=-1)
+    total = masked_fill_zero(table * weights, scored).sum(dim=-1)
     return torch.where(scored.any(dim=-1), total, torch.full((), math.nan))
 
 

@@ -1,23 +1,34 @@
-"""One GRPO step as a composition of small stages: rollout, score, log-probs,
-advantages, update, sync. Each stage calls plugins only through their contracts."""
+"""One GRPO training step as a composition of stages with explicit inputs and outputs:
+collect (rollout, score), prepare (log-probs, KL in the reward, advantages), update,
+sync. Each stage calls plugins only through their contracts."""
 
 from __future__ import annotations
 
 import math
 import time
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from grpo_core.contracts import AdvantageInputs, RolloutBatch, SamplingParams
 from grpo_core.errors import RunError
-from grpo_core.train.data import Prompt
-from grpo_core.train.distributed import pad_cat
-from grpo_core.train.scoring import Scores, score
-from grpo_core.train.steps import StepLayout, split_steps, step_tensors
-from grpo_core.train.update import TrainBatch, batch_logprobs, update
+from grpo_core.train.data import Prompt, PromptSource
+from grpo_core.train.distributed import Dist, pad_cat
+from grpo_core.train.kl import KLTerm
+from grpo_core.train.reasoning_steps import step_tensors
+from grpo_core.train.rollout import (
+    Scored,
+    Scorer,
+    concat_scored,
+    reward_means,
+    score_rollout,
+    select_groups,
+    zero_spread_groups,
+)
+from grpo_core.train.update import Objective, TrainBatch, batch_logprobs, update
 
 
 @dataclass
@@ -33,71 +44,189 @@ class Timer:
             self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - t0
 
 
-def as_completions(prompts: list[Prompt], rollout: RolloutBatch) -> tuple[list, list]:
-    """Prompts and completions per row in TRL's convention: strings, or chat messages
-    (completion ``[{"role": "assistant", "content": text}]``) for conversational data."""
-    g = rollout.group_size
-    row_prompts = [p.prompt for p in prompts for _ in range(g)]
-    if prompts and isinstance(prompts[0].prompt, list):
-        completions = [[{"role": "assistant", "content": text}] for text in rollout.completions]
-    else:
-        completions = list(rollout.completions)
-    return row_prompts, completions
+@dataclass(frozen=True)
+class StepSettings:
+    """The spec values a step reads (``train``, ``rollout``, ``algorithm``)."""
+
+    group_size: int
+    prompts_per_step: int
+    seed: int
+    mu: int
+    mini_batches: int
+    micro_batch_size: int | None
+    max_grad_norm: float | None
+    mask_truncated: bool
+    sampling: SamplingParams
+    dynamic: Any = None  # a DynamicSamplingSection (DAPO's dynamic sampling), or None
+
+    @classmethod
+    def from_spec(cls, spec) -> StepSettings:
+        r, t = spec.rollout, spec.train
+        sampling = SamplingParams(
+            max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+            stop=tuple(r.stop),
+        )
+        return cls(
+            group_size=r.group_size, prompts_per_step=t.prompts_per_step, seed=t.seed, mu=spec.algorithm.mu,
+            mini_batches=t.mini_batches, micro_batch_size=t.micro_batch_size, max_grad_norm=t.max_grad_norm,
+            mask_truncated=r.mask_truncated_completions, sampling=sampling,
+            dynamic=spec.algorithm.dynamic_sampling,
+        )
+
+    def step_seed(self, step: int, first_prompt: int, round_: int = 0) -> int:
+        """The rollout seed of ``step`` (its rollout round ``round_``, under dynamic sampling)
+        for the process whose groups start at ``first_prompt``. Steps are 65537 apart and
+        rounds ``prompts_per_step`` apart, so no two (step, round, prompt) share a seed."""
+        return self.seed * 1_000_003 + step * 65_537 + round_ * self.prompts_per_step + first_prompt
 
 
-def columns_of(prompts: list[Prompt], group_size: int, exclude: str) -> dict[str, list]:
-    """Every dataset column but the prompt, repeated per completion."""
-    if not prompts:
-        return {}
-    keys = [k for k in prompts[0].row if k != exclude]
-    return {k: [p.row.get(k) for p in prompts for _ in range(group_size)] for k in keys}
+@dataclass
+class Engine:
+    """The built components a training step uses: its explicit inputs."""
+
+    model: Any
+    tokenizer: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    backend: Any
+    scorer: Scorer
+    estimator: Any
+    objective: Objective
+    settings: StepSettings
+    kl: KLTerm | None = None
+    dist: Dist = field(default_factory=Dist)
+    autocast: Callable = nullcontext  # () -> the mixed-precision context of forward passes
+
+    @property
+    def needs_step_scores(self) -> bool:
+        """The advantage estimator reads per-step scores (process supervision)."""
+        return self.estimator.needs_step_scores
 
 
-def needs_step_scores(run) -> bool:
-    """The advantage estimator reads per-step scores (process supervision)."""
-    return bool(getattr(run.estimator, "needs_step_scores", False))
+@dataclass
+class StepResult:
+    metrics: dict[str, float]
+    samples: list[dict[str, Any]]  # a few rows for the completions table
 
 
-def score_rollout(run, prompts: list[Prompt], rollout: RolloutBatch) -> tuple[Scores, StepLayout | None]:
-    """Scores of the rollout, and its steps when a reward function or the estimator needs them."""
-    row_prompts, completions = as_completions(prompts, rollout)
-    columns = columns_of(prompts, rollout.group_size, run.spec.data.prompt_column)
-    ids = [row[m].tolist() for row, m in zip(rollout.completion_ids, rollout.completion_mask)]
-    layout = None
-    if needs_step_scores(run) or any(fn.takes_steps for fn in run.rewards):
-        layout = split_steps(run.splitter, run.spec.algorithm.step_splitter.name, rollout.completions)
-    steps = layout.texts if layout is not None else None
-    return score(run.rewards, row_prompts, completions, columns, ids, run.spec.train.reward_errors, steps), layout
+# ----------------------------------------------------------------------------- collect
+def _score_everywhere(engine: Engine, prompts: list[Prompt], rollout: RolloutBatch) -> Scored:
+    """Score this process's rollout; with several processes a reward failure on any one
+    stops all of them, with the first failing process's message."""
+    failure, scored = None, None
+    try:
+        scored = score_rollout(engine.scorer, prompts, rollout)
+    except RunError as exc:
+        failure = exc
+    if engine.dist.active:
+        failures = [f for f in engine.dist.gather(None if failure is None else str(failure)) if f]
+        if failures and failure is None:
+            failure = RunError(failures[0])
+    if failure is not None:
+        raise failure
+    return scored
 
 
-def _advantage_inputs(run, rollout: RolloutBatch, scores: Scores, layout: StepLayout | None,
-                      rewards: torch.Tensor, seq_kl: torch.Tensor | None, mask: torch.Tensor) -> AdvantageInputs:
-    """What the estimator sees: sequence rewards, and per-step scores with the token index
-    of each step's end when it needs them (a KL-in-reward penalty counts on the last step)."""
-    g = rollout.group_size
-    group_ids = torch.arange(rollout.prompt_ids.shape[0], device=mask.device).repeat_interleave(g)
+def rollout_round(engine: Engine, source: PromptSource, step: int, timer: Timer, round_: int = 0) -> Scored:
+    """Draw ``prompts_per_step`` prompts, keep this process's groups, generate ``G``
+    completions of each and score them."""
+    s = engine.settings
+    prompts = source.next(s.prompts_per_step)
+    first, stop = engine.dist.shard_bounds(len(prompts))
+    prompts = prompts[first:stop]  # this process's groups (all of them with one process)
+    sampling = replace(s.sampling, seed=s.step_seed(step, first, round_))
+    with timer("generate"), engine.autocast():
+        rollout = engine.backend.generate([p.ids for p in prompts], s.group_size, sampling)
+    with timer("score"):
+        return _score_everywhere(engine, prompts, rollout)
+
+
+def _spread_metric(scored: Scored, metric: str) -> torch.Tensor:
+    """``(B,)``: the values whose spread within a group decides whether it is kept."""
+    scores = scored.scores
+    if metric == "reward":
+        return scores.total
+    column = next(j for j, n in enumerate(scores.names) if n == metric or n.startswith(f"{metric}#"))
+    return scores.per_function[:, column]
+
+
+def collect(engine: Engine, source: PromptSource, step: int, timer: Timer) -> tuple[Scored, dict[str, float]]:
+    """The step's scored groups. Under dynamic sampling (DAPO), rounds of prompts are rolled
+    out until each process holds its share of ``prompts_per_step`` groups whose metric has a
+    spread, or ``max_rounds`` ran out; then the first zero-spread groups fill the rest."""
+    ds = engine.settings.dynamic
+    if ds is None:
+        return rollout_round(engine, source, step, timer), {}
+    kept: list[Scored] = []
+    spare: list[Scored] = []  # zero-spread groups, in order: the fill when rounds run out
+    n_kept = n_spare = n_seen = rounds = 0
+    while True:
+        scored = rollout_round(engine, source, step, timer, rounds)
+        rounds, need = rounds + 1, len(scored.prompts)
+        n_seen += need
+        flat = zero_spread_groups(_spread_metric(scored, ds.metric), scored.rollout.group_size).tolist()
+        spread = [i for i, flat_i in enumerate(flat) if not flat_i][: need - n_kept]
+        kept.append(select_groups(scored, spread))
+        n_kept += len(spread)
+        if n_spare < need:
+            zero = [i for i, flat_i in enumerate(flat) if flat_i][: need - n_spare]
+            spare.append(select_groups(scored, zero))
+            n_spare += len(zero)
+        if rounds >= ds.max_rounds or not engine.dist.any(n_kept < need):
+            break
+    filled = need - n_kept
+    parts = [p for p in kept if p.prompts]
+    if filled:
+        parts.append(select_groups(concat_scored([p for p in spare if p.prompts]), list(range(filled))))
+    metrics = {
+        "dynamic_sampling/rounds": float(rounds), "dynamic_sampling/groups_kept": float(n_kept),
+        "dynamic_sampling/groups_filled": float(filled), "dynamic_sampling/groups_dropped": float(n_seen - need),
+        "dynamic_sampling/prompts_consumed": float(n_seen),
+    }
+    return concat_scored(parts), metrics
+
+
+# ----------------------------------------------------------------------------- prepare
+def train_batch(rollout: RolloutBatch, mask_truncated: bool) -> TrainBatch:
+    """The rollout as a :class:`TrainBatch`; the loss mask drops truncated completions
+    when ``mask_truncated`` (``rollout.mask_truncated_completions``)."""
+    mask = rollout.completion_mask.bool()
+    if mask_truncated:
+        mask = mask & ~rollout.truncated.bool()[:, None]
+    batch = TrainBatch(rollout.prompt_ids, rollout.prompt_mask.bool(), rollout.completion_ids, mask,
+                       torch.zeros(mask.shape, device=mask.device))
+    if rollout.sampling_logp is not None:
+        batch.sampling_logp = rollout.sampling_logp.to(mask.device, torch.float32)
+    return batch
+
+
+def advantage_inputs(scored: Scored, rewards: torch.Tensor, penalty: torch.Tensor | None, mask: torch.Tensor,
+                     *, with_steps: bool = False, tokenizer: Any = None) -> AdvantageInputs:
+    """What the estimator sees: sequence rewards ``(B,)``, and with ``with_steps`` per-step
+    scores with the token index of each step's end (found with ``tokenizer``); a KL-in-reward
+    ``penalty (B,)`` counts on the last step."""
+    rollout = scored.rollout
+    group_ids = torch.arange(rollout.prompt_ids.shape[0], device=mask.device).repeat_interleave(rollout.group_size)
     inputs = AdvantageInputs(rewards, group_ids, mask)
-    if needs_step_scores(run):
-        ends, step_mask = step_tensors(layout, run.tokenizer, rollout.completion_ids,
+    if with_steps:
+        ends, step_mask = step_tensors(scored.layout, tokenizer, rollout.completion_ids,
                                        rollout.completion_mask, rollout.completions)
-        step_scores = scores.step_scores.to(mask.device, copy=True)
-        if seq_kl is not None:
+        step_scores = scored.scores.step_scores.to(mask.device, copy=True)
+        if penalty is not None:
             last = step_mask.sum(dim=1).clamp(min=1) - 1
             rows = torch.arange(step_scores.shape[0], device=mask.device)
-            step_scores[rows, last] = step_scores[rows, last] - seq_kl
+            step_scores[rows, last] = step_scores[rows, last] - penalty
         inputs.step_scores, inputs.step_ends, inputs.step_mask = step_scores, ends, step_mask
     return inputs
 
 
-def global_advantages(run, inputs: AdvantageInputs) -> torch.Tensor:
+def global_advantages(estimator: Any, dist: Dist, inputs: AdvantageInputs) -> torch.Tensor:
     """The estimator's advantages ``(b, T)`` for this process's rows. With several
     processes, the inputs of all are gathered (groups renumbered, ``T`` and ``K`` padded)
     and the estimator runs on the global batch, so batch-scoped statistics match a
     single-process run; each process keeps its own rows and width."""
-    dist = run.dist
     if not dist.active:
-        return run.estimator(inputs).float()
-    local = inputs
+        return estimator(inputs).float()
     parts = dist.gather(AdvantageInputs(*(None if t is None else t.cpu() for t in (
         inputs.scores, inputs.group_ids, inputs.mask, inputs.step_scores, inputs.step_ends, inputs.step_mask))))
     offsets = [0]
@@ -112,29 +241,41 @@ def global_advantages(run, inputs: AdvantageInputs) -> torch.Tensor:
         pad_cat([p.step_ends for p in parts], 0) if steps else None,
         pad_cat([p.step_mask for p in parts], False) if steps else None,
     )
-    adv = run.estimator(full).float()
+    adv = estimator(full).float()
     start = sum(p.scores.shape[0] for p in parts[: dist.rank])
-    rows, width = local.mask.shape
-    return adv[start: start + rows, :width].to(local.mask.device)
+    rows, width = inputs.mask.shape
+    return adv[start: start + rows, :width].to(inputs.mask.device)
 
 
-def _step_metrics(scores: Scores, layout: StepLayout | None) -> dict[str, float]:
-    if layout is None:
-        return {}
-    out = {"steps/per_completion": sum(layout.counts) / max(1, len(layout.counts))}
-    if scores.step_scores is not None:
-        valid = scores.step_scores[~torch.isnan(scores.step_scores)]
-        if valid.numel():
-            out["steps/score_mean"] = float(valid.mean())
-    return out
+def prepare(engine: Engine, scored: Scored, timer: Timer) -> tuple[TrainBatch, dict[str, float]]:
+    """The batch to update on: old and reference log-probs where needed, the KL penalty
+    when it is in the reward, and the advantages."""
+    s, kl = engine.settings, engine.kl
+    batch = train_batch(scored.rollout, s.mask_truncated)
+    micro = s.micro_batch_size or batch.mask.shape[0]
+    temperature = engine.objective.temperature
+    rewards, penalty, metrics = scored.scores.total.to(batch.mask.device), None, {}
+    with timer("logprobs"):
+        if s.mu > 1 or (kl is not None and kl.in_reward):
+            batch.old_logp = batch_logprobs(engine.model, batch, micro, temperature, engine.autocast)
+        if kl is not None:
+            with kl.reference.active() as ref_model:
+                batch.ref_logp = batch_logprobs(ref_model, batch, micro, temperature, engine.autocast)
+    if kl is not None and kl.in_reward:
+        rewards, penalty, metrics["kl"] = kl.penalize(rewards, batch.old_logp, batch.ref_logp, batch.mask)
+    with timer("advantage"):
+        inputs = advantage_inputs(scored, rewards, penalty, batch.mask,
+                                  with_steps=engine.needs_step_scores, tokenizer=engine.tokenizer)
+        batch.advantages = global_advantages(engine.estimator, engine.dist, inputs)
+    return batch, metrics
 
 
-def _reward_metrics(scores: Scores, group_size: int) -> dict[str, float]:
-    out: dict[str, float] = {}
+# ----------------------------------------------------------------------------- metrics
+def reward_metrics(scored: Scored) -> dict[str, float]:
+    scores, out = scored.scores, reward_means(scored.scores, suffix="/mean")
     total = scores.total
     valid = ~torch.isnan(total)
     if valid.any():
-        out["reward"] = float(total[valid].mean())
         out["reward_std"] = float(total[valid].std(unbiased=False))
     out["reward/unscorable_frac"] = float((~valid).float().mean())
     out["reward/failed"] = float(scores.failed)
@@ -142,103 +283,66 @@ def _reward_metrics(scores: Scores, group_size: int) -> dict[str, float]:
         col = scores.per_function[:, j]
         ok = ~torch.isnan(col)
         if ok.any():
-            out[f"rewards/{name}/mean"] = float(col[ok].mean())
             out[f"rewards/{name}/std"] = float(col[ok].std(unbiased=False))
-    groups = total.view(-1, group_size)
-    spread = torch.nan_to_num(groups, nan=math.inf)
-    zero_std = (spread == spread[:, :1]).all(dim=1)
-    out["frac_reward_zero_std"] = float(zero_std.float().mean())
+    out["frac_reward_zero_std"] = float(zero_spread_groups(total, scored.rollout.group_size).float().mean())
+    if scored.layout is not None:
+        out["steps/per_completion"] = sum(scored.layout.counts) / max(1, len(scored.layout.counts))
+        if scores.step_scores is not None:
+            found = scores.step_scores[~torch.isnan(scores.step_scores)]
+            if found.numel():
+                out["steps/score_mean"] = float(found.mean())
     return out
 
 
-def _length_metrics(rollout: RolloutBatch) -> dict[str, float]:
+def rollout_metrics(rollout: RolloutBatch, generate_seconds: float) -> dict[str, float]:
     lengths = rollout.completion_mask.sum(dim=1).float()
     return {
         "completions/mean_length": float(lengths.mean()),
         "completions/max_length": float(lengths.max()),
         "completions/min_length": float(lengths.min()),
         "completions/clipped_ratio": float(rollout.truncated.float().mean()),
+        "perf/tokens_per_second": float(lengths.sum()) / max(generate_seconds, 1e-9),
     }
 
 
-def run_step(run, step: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
-    """One step; returns its metrics and a few sample rows for the completions table."""
-    spec, timer = run.spec, Timer()
-    t_start = time.perf_counter()
-    g = spec.rollout.group_size
-    prompts = run.prompts.next(spec.train.prompts_per_step)
-    first, stop = run.dist.shard_bounds(len(prompts))
-    prompts = prompts[first:stop]  # this process's groups (all of them with one process)
-    # Each step's seeds are 65537 apart, so no two (step, prompt) pairs share one.
-    sampling = run.sampling(seed=spec.train.seed * 1_000_003 + step * 65_537 + first)
-    with timer("generate"), run.autocast():
-        rollout = run.backend.generate([p.ids for p in prompts], g, sampling)
-    with timer("score"):
-        failure = None
-        try:
-            scores, layout = score_rollout(run, prompts, rollout)
-        except RunError as exc:
-            failure = exc
-        if run.dist.active:  # every process stops together, with the first process's message
-            failures = [f for f in run.dist.gather(None if failure is None else str(failure)) if f]
-            if failures and failure is None:
-                failure = RunError(failures[0])
-        if failure is not None:
-            raise failure
+def advantage_metrics(batch: TrainBatch) -> dict[str, float]:
+    adv = batch.advantages[batch.mask]
+    if not adv.numel():
+        return {"advantage/mean": 0.0, "advantage/std": 0.0, "advantage/abs_max": 0.0}
+    return {"advantage/mean": float(adv.mean()), "advantage/std": float(adv.std(unbiased=False)),
+            "advantage/abs_max": float(adv.abs().max())}
 
-    mask = rollout.completion_mask.bool()
-    if spec.rollout.mask_truncated_completions:
-        mask = mask & ~rollout.truncated.bool()[:, None]
-    batch = TrainBatch(rollout.prompt_ids, rollout.prompt_mask.bool(), rollout.completion_ids, mask,
-                       torch.zeros(mask.shape, device=mask.device))
-    if rollout.sampling_logp is not None:
-        batch.sampling_logp = rollout.sampling_logp.to(mask.device, torch.float32)
-    kl_cfg = spec.algorithm.kl
-    micro = spec.train.micro_batch_size or mask.shape[0]
-    rewards, seq_kl = scores.total.to(mask.device), None
-    metrics: dict[str, float] = {}
-    with timer("logprobs"):
-        if spec.algorithm.mu > 1 or (kl_cfg.beta > 0 and kl_cfg.placement == "reward"):
-            batch.old_logp = batch_logprobs(run.model, batch, micro, spec.rollout.temperature, run.autocast)
-        if kl_cfg.beta > 0:
-            with run.reference.active() as ref_model:
-                batch.ref_logp = batch_logprobs(ref_model, batch, micro, spec.rollout.temperature, run.autocast)
-    if kl_cfg.beta > 0 and kl_cfg.placement == "reward":
-        kl = run.kl(batch.old_logp, batch.ref_logp, mask)
-        seq_kl = kl_cfg.beta * kl.sum(dim=1)
-        rewards = rewards - seq_kl
-        metrics["kl"] = float(kl.sum() / mask.sum().clamp(min=1))
-    with timer("advantage"):
-        inputs = _advantage_inputs(run, rollout, scores, layout, rewards, seq_kl, mask)
-        batch.advantages = global_advantages(run, inputs)
 
-    objective = run.objective
+def samples(scored: Scored, batch: TrainBatch) -> list[dict[str, Any]]:
+    """Every ``G/2``-th row: prompt, completion, reward and mean advantage."""
+    g, total, mask = scored.rollout.group_size, scored.scores.total, batch.mask
+    return [
+        {"prompt": scored.prompts[i // g].text, "completion": scored.rollout.completions[i],
+         "reward": None if math.isnan(float(total[i])) else float(total[i]),
+         "advantage": float(batch.advantages[i][mask[i]].mean()) if mask[i].any() else 0.0}
+        for i in range(0, len(scored.rollout.completions), max(1, g // 2))
+    ]
+
+
+# ----------------------------------------------------------------------------- the step
+def grpo_step(engine: Engine, source: PromptSource, step: int) -> StepResult:
+    """One step: collect, prepare, update, sync the backend's weights; its metrics."""
+    timer, t_start, s = Timer(), time.perf_counter(), engine.settings
+    scored, sampled = collect(engine, source, step, timer)
+    batch, metrics = prepare(engine, scored, timer)
+    metrics.update(sampled)
     upd = update(
-        run.model, run.optimizer, run.scheduler, batch, objective,
-        mu=spec.algorithm.mu, mini_batches=spec.train.mini_batches,
-        micro_batch_size=spec.train.micro_batch_size, max_grad_norm=spec.train.max_grad_norm,
-        autocast=run.autocast, dist=run.dist,
+        engine.model, engine.optimizer, engine.scheduler, batch, engine.objective,
+        mu=s.mu, mini_batches=s.mini_batches, micro_batch_size=s.micro_batch_size,
+        max_grad_norm=s.max_grad_norm, autocast=engine.autocast, dist=engine.dist,
     )
     with timer("sync"):
-        run.backend.sync_weights(run.model)
-
-    adv = batch.advantages[mask]
-    metrics.update(_reward_metrics(scores, g))
-    metrics.update(_step_metrics(scores, layout))
-    metrics.update(_length_metrics(rollout))
+        engine.backend.sync_weights(engine.model)
+    metrics.update(reward_metrics(scored))
+    metrics.update(rollout_metrics(scored.rollout, timer.phases["generate"]))
     metrics.update(upd)
     metrics.update({f"time/{k}": v for k, v in timer.phases.items()})
-    metrics["advantage/mean"] = float(adv.mean()) if adv.numel() else 0.0
-    metrics["advantage/std"] = float(adv.std(unbiased=False)) if adv.numel() else 0.0
-    metrics["advantage/abs_max"] = float(adv.abs().max()) if adv.numel() else 0.0
-    metrics["learning_rate"] = run.scheduler.get_last_lr()[0]
-    elapsed = time.perf_counter() - t_start
-    metrics["time/step"] = elapsed
-    metrics["perf/tokens_per_second"] = float(rollout.completion_mask.sum()) / max(timer.phases["generate"], 1e-9)
-    samples = [
-        {"prompt": prompts[i // g].text, "completion": rollout.completions[i],
-         "reward": None if math.isnan(float(scores.total[i])) else float(scores.total[i]),
-         "advantage": float(batch.advantages[i][mask[i]].mean()) if mask[i].any() else 0.0}
-        for i in range(0, len(rollout.completions), max(1, g // 2))
-    ]
-    return metrics, samples
+    metrics.update(advantage_metrics(batch))
+    metrics["learning_rate"] = engine.scheduler.get_last_lr()[0]
+    metrics["time/step"] = time.perf_counter() - t_start
+    return StepResult(metrics, samples(scored, batch))

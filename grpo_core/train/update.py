@@ -13,13 +13,15 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from grpo_core.contracts import BatchStats, PolicyLossInputs
+from grpo_core.contracts import BatchStats, PolicyLossInputs, masked_fill_zero
 from grpo_core.train.distributed import Dist
 from grpo_core.train.logprobs import completion_logprobs
 
@@ -53,8 +55,7 @@ class Objective:
 
     policy_loss: Any
     aggregator: Any
-    kl: Any | None  # None unless beta > 0 and placement == "loss"
-    beta: float
+    kl: Any | None  # a KLTerm when the KL is in the loss, else None
     entropy_coef: float
     early_stop_imp_ratio: float | None
     temperature: float
@@ -64,7 +65,7 @@ class Objective:
     @property
     def skips_zero_advantage_rows(self) -> bool:
         return (
-            bool(getattr(self.policy_loss, "zero_advantage_is_zero_loss", False))
+            self.policy_loss.zero_advantage_is_zero_loss
             and self.kl is None
             and self.entropy_coef == 0
         )
@@ -84,7 +85,7 @@ def rollout_correction(
     (``|trainer - sampler|``) and its ``/max``, ``rollout_correction/k3`` (the k3 estimate
     of KL(sampler || trainer), ``exp(d) - d - 1`` with ``d = trainer - sampler``).
     """
-    diff = torch.where(mask, trainer_logp.detach() - sampler_logp, torch.zeros((), device=mask.device))
+    diff = masked_fill_zero(trainer_logp.detach() - sampler_logp, mask)
     if level == "sequence":
         log_ratio = diff.sum(dim=1, keepdim=True).expand_as(diff)
     elif level == "token":
@@ -96,17 +97,16 @@ def rollout_correction(
     if mode == "truncate":
         weight = ratio.clamp(max=cap)
     elif mode == "mask":
-        weight = torch.where(capped, torch.zeros((), device=mask.device), ratio)
+        weight = masked_fill_zero(ratio, ~capped)
     else:
         raise ValueError(f"rollout correction mode must be 'truncate' or 'mask', got {mode!r}")
-    zero = torch.zeros((), device=mask.device)
-    weight = torch.where(mask, weight, zero)
+    weight = masked_fill_zero(weight, mask)
     metrics = {
         "rollout_correction/weight": weight,
-        "rollout_correction/capped": torch.where(mask, capped.float(), zero),
+        "rollout_correction/capped": masked_fill_zero(capped.float(), mask),
         "rollout_correction/logp_diff": diff.abs(),
         "rollout_correction/logp_diff/max": diff.abs(),
-        "rollout_correction/k3": torch.where(mask, torch.expm1(diff) - diff, zero),
+        "rollout_correction/k3": masked_fill_zero(torch.expm1(diff) - diff, mask),
     }
     return weight, metrics
 
@@ -157,7 +157,7 @@ class _Tally:
                 masked = torch.where(mask, value, torch.full((), -math.inf))
                 self.maxes[name] = max(self.maxes.get(name, -math.inf), float(masked.max()))
             else:
-                self.sums[name] += float(torch.where(mask, value, torch.zeros(())).sum())
+                self.sums[name] += float(masked_fill_zero(value, mask).sum())
 
     def merge(self, dist: Dist) -> None:
         """Fold in every other process's tally (token-weighted sums stay exact)."""
@@ -192,6 +192,100 @@ def _ensure_grads(params: list[Tensor]) -> None:
             p.grad = torch.zeros_like(p)
 
 
+@dataclass
+class _MinibatchSums:
+    """What the micro-batches of one mini-batch add up (summed over processes before use)."""
+
+    loss: float = 0.0
+    ratio_sum: float = 0.0
+    ratio_tokens: int = 0
+
+
+def micro_batch_loss(
+    model, batch: TrainBatch, rows: Tensor, objective: Objective, stats: BatchStats, autocast: Callable = nullcontext
+):
+    """The aggregated loss of ``rows`` (a scalar to backpropagate), its per-token metrics
+    ``(b, T)`` and the log-probs it used: ``(loss, metrics, logp, old_logp)``.
+
+    Per token: the policy loss, times the rollout-correction weight when the backend gave
+    sampler log-probs, plus ``beta * KL`` when the KL is in the loss, minus the entropy
+    bonus; aggregated with the mini-batch's normalizers ``stats``."""
+    m = batch.mask[rows]
+    with_entropy = objective.entropy_coef > 0
+    with autocast():
+        logp, entropy = forward_logprobs(
+            model, batch, rows, with_entropy=with_entropy, temperature=objective.temperature
+        )
+    logp = logp.float()
+    old = batch.old_logp[rows] if batch.old_logp is not None else logp.detach()
+    out = objective.policy_loss(PolicyLossInputs(logp, old, batch.advantages[rows], m))
+    per_token, metrics = out.loss, dict(out.metrics)
+    correction = objective.correction
+    if batch.sampling_logp is not None and correction is not None and correction.level != "off":
+        weight, extra = rollout_correction(
+            old, batch.sampling_logp[rows], m, level=correction.level, mode=correction.mode, cap=correction.cap
+        )
+        per_token = per_token * weight
+        metrics.update(extra)
+    if objective.kl is not None:
+        penalty, metrics["kl"] = objective.kl.loss_term(logp, batch.ref_logp[rows], m)
+        per_token = per_token + penalty
+    if with_entropy:
+        per_token = per_token - objective.entropy_coef * entropy
+        metrics["entropy"] = entropy
+    return objective.aggregator(per_token, m, stats), metrics, logp, old
+
+
+def _backward_minibatch(
+    model, batch, rows, objective, micro_batch_size, autocast, dist, tally, counts
+) -> _MinibatchSums:
+    """Forward and backward every micro-batch of the mini-batch ``rows`` (gradients accumulate);
+    rows that cannot change the gradient are skipped (see the module doc)."""
+    mask = batch.mask[rows]
+    n_tokens, n_seqs = dist.sum_floats([float(mask.sum()), float(len(rows))])
+    stats = BatchStats(int(n_tokens), int(n_seqs), objective.max_length)
+    active = rows
+    if objective.skips_zero_advantage_rows:
+        active = rows[(batch.advantages[rows] != 0).any(dim=1)]
+    counts["rows"] += len(rows)
+    counts["rows_skipped"] += len(rows) - len(active)
+    sums = _MinibatchSums()
+    for micro in active.split(micro_batch_size or max(len(active), 1)) if len(active) else ():
+        m = batch.mask[micro]
+        if not bool(m.any()):  # no loss token: nothing to forward or backward
+            continue
+        loss, metrics, logp, old = micro_batch_loss(model, batch, micro, objective, stats, autocast)
+        loss.backward()
+        sums.loss += float(loss.detach())
+        tally.add(metrics, m)
+        sums.ratio_sum += float(masked_fill_zero((logp.detach() - old).exp(), m).sum())
+        sums.ratio_tokens += int(m.sum())
+    return sums
+
+
+def _optimizer_decision(params, optimizer, scheduler, objective, sums: _MinibatchSums, max_grad_norm, dist):
+    """Sum gradients over processes, clip, and step the optimizer unless the loss or the
+    gradient is not finite (``"nonfinite"``) or the mean importance ratio exceeds
+    ``early_stop_imp_ratio`` (``"dropped"``); returns ``(outcome, loss, grad_norm)``."""
+    _ensure_grads(params)
+    loss, ratio_sum, ratio_tokens = sums.loss, sums.ratio_sum, sums.ratio_tokens
+    if dist.active:
+        dist.sum_grads(params)
+        loss, ratio_sum, ratio_tokens = dist.sum_floats([loss, ratio_sum, ratio_tokens])
+    norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm or math.inf))
+    mean_ratio = ratio_sum / ratio_tokens if ratio_tokens else 1.0
+    if not (math.isfinite(loss) and math.isfinite(norm)):
+        outcome = "nonfinite"
+    elif objective.early_stop_imp_ratio is not None and mean_ratio > objective.early_stop_imp_ratio:
+        outcome = "dropped"
+    else:
+        optimizer.step()
+        scheduler.step()
+        outcome = "updated"
+    optimizer.zero_grad(set_to_none=False)
+    return outcome, loss, norm
+
+
 def update(
     model,
     optimizer: torch.optim.Optimizer,
@@ -215,84 +309,31 @@ def update(
     """
     dist = dist or Dist()
     params = [p for p in model.parameters() if p.requires_grad]
-    tally = _Tally()
-    counts = defaultdict(float)
-    times = defaultdict(float)
+    tally, counts, times = _Tally(), defaultdict(float), defaultdict(float)
     losses, grad_norms = [], []
-    with_entropy = objective.entropy_coef > 0
     for _ in range(mu):
         for rows in minibatches(batch.prompt_ids.shape[0], batch.group_size, mini_batches):
-            mask = batch.mask[rows]
-            n_tokens, n_seqs = dist.sum_floats([float(mask.sum()), float(len(rows))])
-            stats = BatchStats(int(n_tokens), int(n_seqs), objective.max_length)
-            active = rows
-            if objective.skips_zero_advantage_rows:
-                active = rows[(batch.advantages[rows] != 0).any(dim=1)]
-            counts["rows"] += len(rows)
-            counts["rows_skipped"] += len(rows) - len(active)
             t0 = time.perf_counter()
-            total_loss, ratio_sum, ratio_tokens = 0.0, 0.0, 0
-            size = micro_batch_size or max(len(active), 1)
-            for micro in active.split(size) if len(active) else ():
-                m = batch.mask[micro]
-                if not bool(m.any()):  # no loss token: nothing to forward or backward
-                    continue
-                with autocast():
-                    logp, entropy = forward_logprobs(
-                        model, batch, micro, with_entropy=with_entropy, temperature=objective.temperature
-                    )
-                logp = logp.float()
-                old = batch.old_logp[micro] if batch.old_logp is not None else logp.detach()
-                out = objective.policy_loss(PolicyLossInputs(logp, old, batch.advantages[micro], m))
-                per_token = out.loss
-                metrics = dict(out.metrics)
-                correction = objective.correction
-                if batch.sampling_logp is not None and correction is not None and correction.level != "off":
-                    weight, extra = rollout_correction(
-                        old, batch.sampling_logp[micro], m,
-                        level=correction.level, mode=correction.mode, cap=correction.cap,
-                    )
-                    per_token = per_token * weight
-                    metrics.update(extra)
-                if objective.kl is not None:
-                    kl = objective.kl(logp, batch.ref_logp[micro], m)
-                    per_token = per_token + objective.beta * kl
-                    metrics["kl"] = kl
-                if with_entropy:
-                    per_token = per_token - objective.entropy_coef * entropy
-                    metrics["entropy"] = entropy
-                loss = objective.aggregator(per_token, m, stats)
-                loss.backward()
-                total_loss += float(loss.detach())
-                tally.add(metrics, m)
-                log_ratio = torch.where(m, logp.detach() - old, torch.zeros(()))
-                ratio_sum += float(torch.where(m, log_ratio.exp(), torch.zeros(())).sum())
-                ratio_tokens += int(m.sum())
+            sums = _backward_minibatch(model, batch, rows, objective, micro_batch_size, autocast, dist, tally, counts)
             times["forward_backward"] += time.perf_counter() - t0
-
             t0 = time.perf_counter()
-            _ensure_grads(params)
-            if dist.active:
-                dist.sum_grads(params)
-                total_loss, ratio_sum, ratio_tokens = dist.sum_floats([total_loss, ratio_sum, ratio_tokens])
-            norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or math.inf)
-            mean_ratio = ratio_sum / ratio_tokens if ratio_tokens else 1.0
-            if not (math.isfinite(total_loss) and math.isfinite(float(norm))):
-                counts["nonfinite_updates"] += 1
-                optimizer.zero_grad(set_to_none=False)
-            elif objective.early_stop_imp_ratio is not None and mean_ratio > objective.early_stop_imp_ratio:
-                counts["dropped_minibatches"] += 1
-                optimizer.zero_grad(set_to_none=False)
-            else:
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=False)
-                counts["updates"] += 1
-                grad_norms.append(float(norm))
-            losses.append(total_loss)
+            outcome, loss, norm = _optimizer_decision(
+                params, optimizer, scheduler, objective, sums, max_grad_norm, dist
+            )
+            counts[_OUTCOME_COUNTS[outcome]] += 1
+            if outcome == "updated":
+                grad_norms.append(norm)
+            losses.append(loss)
             times["optimizer"] += time.perf_counter() - t0
-
     tally.merge(dist)
+    return _update_metrics(tally, losses, grad_norms, counts, times)
+
+
+#: The metric counting each outcome of :func:`_optimizer_decision`.
+_OUTCOME_COUNTS = {"updated": "updates", "nonfinite": "nonfinite_updates", "dropped": "dropped_minibatches"}
+
+
+def _update_metrics(tally: _Tally, losses, grad_norms, counts, times) -> dict[str, float]:
     own = ("kl", "entropy", "rollout_correction")  # logged under their own names
     result = {f"policy/{k}" if not k.startswith(own) else k: v for k, v in tally.result().items()}
     result["loss"] = sum(losses) / len(losses)

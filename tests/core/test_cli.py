@@ -23,11 +23,10 @@ import yaml
 
 from grpo_core.cli import main
 from grpo_core.errors import RunError
-from grpo_core.hookspecs import KIND_LABELS, KINDS
-from grpo_core.plugins import DEFAULT_PLUGINS, load_plugins
+from grpo_core.hookspecs import KINDS
+from grpo_core.plugin_manager import DEFAULT_PLUGINS, load_plugins
 from grpo_core.spec import Spec, dump_spec, load_spec
-from grpo_core.spec.loader import _slot_locations
-from grpo_core.spec.slots import iter_slots
+from grpo_core.spec.slots import iter_slots, slot_locations
 
 MINIMAL = "model: {path: some/model}\nrewards: [{name: accuracy}]\n"
 
@@ -215,6 +214,7 @@ def test_plugins_lists_every_plugin_with_version_distribution_and_components():
     code, out, err = cli("plugins")
     assert (code, err) == (0, "")
     blocks: dict[str, list[str]] = {}
+    current = ""
     for line in out.splitlines():
         if line.startswith("  "):
             blocks[current].append(line.strip())
@@ -224,7 +224,7 @@ def test_plugins_lists_every_plugin_with_version_distribution_and_components():
             blocks[current] = []
     assert list(blocks) == list(DEFAULT_PLUGINS)
     for name, info in plugins.info.items():
-        expected = [f"{KIND_LABELS[kind]}: {', '.join(names)}" for kind, names in info.components.items()]
+        expected = [f"{KINDS[kind].label}: {', '.join(names)}" for kind, names in info.components.items()]
         assert [line for line in blocks[name] if not line.startswith("hooks:")] == expected
     listed = {n for lines in blocks.values() for line in lines for n in line.split(": ", 1)[1].split(", ")}
     for kind in KINDS:
@@ -241,7 +241,8 @@ def test_plugins_json():
     assert [p["name"] for p in payload] == list(DEFAULT_PLUGINS)
     for entry in payload:
         assert set(entry) == {"name", "source", "distribution", "version", "location", "components"}
-        assert (entry["source"], entry["distribution"], entry["version"]) == ("builtin", "grpo-core", grpo_core.__version__)
+        expected = ("builtin", "grpo-core", grpo_core.__version__)
+        assert (entry["source"], entry["distribution"], entry["version"]) == expected
         assert entry["components"] == plugins.info[entry["name"]].components
     by_kind = {}
     for entry in payload:
@@ -268,7 +269,7 @@ def validator(schema):
 def test_schema_is_valid_json_schema_with_every_plugins_options(schema, validator):
     assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
     registry = load_plugins(external=False).registry
-    for _, slot_cls, _ in _slot_locations(Spec):
+    for _, slot_cls, _ in slot_locations(Spec):
         variants = schema["$defs"][slot_cls.__name__]["anyOf"]
         assert [v["properties"]["name"]["const"] for v in variants] == registry.names(slot_cls.kind)
         for variant in variants:

@@ -14,7 +14,7 @@ import yaml
 
 from grpo_core import checkpoint as ckpt
 from grpo_core.errors import RunError
-from grpo_core.train.distributed import Dist, pad_cat
+from grpo_core.train.distributed import Dist, pad_cat, reduction
 
 from .conftest import CHILD_ENV, load_weights, read_metrics
 
@@ -186,7 +186,25 @@ def test_combine_metrics_rules():
                    "reward/failed": 3.0, "perf/tokens_per_second": 40.0}
 
 
-@pytest.mark.parametrize(("variable", "name"), [("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed")])
+def test_metric_reductions_are_declared_not_guessed_from_substrings():
+    """A user reward called ``max_len`` (or ``min_steps``) is a mean like any reward; only
+    declared names, ``/max``, ``/min`` suffixes and ``time/`` are reduced otherwise."""
+    class Two(Dist):
+        def gather(self, obj):
+            return [obj, {"rewards/max_len/mean": 3.0, "rewards/min_steps/mean": 3.0,
+                          "rollout_correction/logp_diff/max": 0.5, "policy/ratio/min": 0.25}]
+
+    out = Two(rank=0, world=2).combine_metrics({"rewards/max_len/mean": 1.0, "rewards/min_steps/mean": 1.0,
+                                                "rollout_correction/logp_diff/max": 2.0, "policy/ratio/min": 0.75})
+    assert out == {"rewards/max_len/mean": 2.0, "rewards/min_steps/mean": 2.0,
+                   "rollout_correction/logp_diff/max": 2.0, "policy/ratio/min": 0.25}
+    assert [reduction(k) for k in ("advantage/abs_max", "time/generate", "loss", "frac_max_like")] == [
+        "max", "max", "mean", "mean"]
+
+
+@pytest.mark.parametrize(
+    ("variable", "name"), [("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed")]
+)
 def test_fsdp_and_deepspeed_configs_are_refused(monkeypatch, variable, name):
     """accelerate launch passes its config's engine to the processes in these variables."""
     monkeypatch.setenv(variable, "true")
@@ -218,3 +236,23 @@ def test_sigint_to_the_launcher_stops_every_process_with_one_checkpoint(tmp_path
     assert done.returncode == 0, done.stderr
     assert f"(step {stopped})" in done.stderr
     assert [r["step"] for r in read_metrics(tmp_path / "out" / "metrics.jsonl")][-1] == stopped + 1
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_on_two_processes_fills_each_share_and_counts_every_group(tmp_path, write_spec):
+    """Each process keeps its share (P/2) of groups with a spread; the rounds stop for both
+    at once; the logged counts are summed over processes."""
+    algorithm = {**DIST_SPEC["algorithm"], "dynamic_sampling": {"max_rounds": 3}}
+    spec = write_spec(tmp_path, **{**DIST_SPEC, "eval": {"at_start": False, "at_end": False}, "algorithm": algorithm})
+    two = _grpo_run([spec, "--nproc", "2", "--set", "train.output_dir=two"], tmp_path)
+    assert two.returncode == 0, two.stderr
+    rows = read_metrics(tmp_path / "two" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        rounds = r["dynamic_sampling/rounds"]
+        assert rounds in (1.0, 2.0, 3.0)
+        assert r["dynamic_sampling/groups_kept"] + r["dynamic_sampling/groups_filled"] == 4
+        assert r["dynamic_sampling/prompts_consumed"] == 4 * rounds
+        assert r["dynamic_sampling/groups_dropped"] == 4 * rounds - 4
+        if r["dynamic_sampling/groups_filled"]:
+            assert rounds == 3.0

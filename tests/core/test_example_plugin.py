@@ -36,7 +36,7 @@ from grpo_core.checkpoint import pid_alive
 from grpo_core.cli import main
 from grpo_core.contracts import AdvantageInputs
 from grpo_core.errors import SpecError
-from grpo_core.plugins import load_plugins
+from grpo_core.plugin_manager import load_plugins
 from grpo_core.spec import load_spec
 
 pytestmark = pytest.mark.xdist_group(name="site-packages")

@@ -122,7 +122,8 @@ BASE = {"model": {"path": "Qwen/Qwen2.5-0.5B-Instruct"}, "rewards": [{"name": "a
     "export, message",
     [
         ({"merged": True}, "spec: export.merged folds a LoRA adapter into its base model, but model.lora is not set"),
-        ({"push_to_hub": {"repo_id": "not a repo!"}}, "spec.export.push_to_hub.repo_id (line 1): not a valid Hub repository id"),
+        ({"push_to_hub": {"repo_id": "not a repo!"}},
+         "spec.export.push_to_hub.repo_id (line 1): not a valid Hub repository id"),
         ({"push_to_hub": {}}, "spec.export.push_to_hub.repo_id (line 1): required but missing"),
         ({"push_to_hub": {"repo_id": "a/b", "privat": True}},
          "unknown key 'privat'; did you mean 'private'?; valid keys: repo_id, private, revision, commit_message"),

@@ -11,21 +11,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from grpo_core.cli import main
-from grpo_core.contracts import RewardExample, TrainableReward
-from grpo_core.errors import RunError, SpecError
-from grpo_core.plugins import load_plugins
-from grpo_core.spec import load_spec
-from grpo_core.testing import save_tiny_model
 from grpo_plugins.trainable_rewards import (
     TrainableRewardModel,
     TrainableRewardModelOptions,
     class_weights,
     replay_count,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from grpo_core.cli import main
+from grpo_core.contracts import RewardExample, TrainableReward
+from grpo_core.errors import RunError, SpecError
+from grpo_core.plugin_manager import load_plugins
+from grpo_core.spec import load_spec
+from grpo_core.testing import save_tiny_model
 
 torch.set_num_threads(1)
 SPECS = Path(__file__).resolve().parents[2] / "specs"

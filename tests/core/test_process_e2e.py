@@ -1,25 +1,25 @@
 """Process supervision in the engine: per-step scores from reward functions, step ends on
-the generated tokens, the seeds' process advantage end to end, and specs/process.yaml on a
+the generated tokens, DeepSeekMath's process advantage end to end, and specs/process.yaml on a
 tiny model with its metrics read back from MLflow."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
+from grpo_plugins.advantages import GRPOAdvantage, GRPOOptions, ProcessAdvantage, ProcessOptions
+from grpo_plugins.step_splitters import SeparatorSplitter
 
 from grpo_core.cli import main
 from grpo_core.contracts import RolloutBatch
 from grpo_core.errors import RunError
 from grpo_core.testing import build_tokenizer, save_tiny_model
+from grpo_core.train.reasoning_steps import split_steps
+from grpo_core.train.rollout import Scored
 from grpo_core.train.scoring import RewardFn, score
-from grpo_core.train.step import _advantage_inputs
-from grpo_core.train.steps import split_steps
-from grpo_plugins.advantages import GRPOAdvantage, GRPOOptions, ProcessAdvantage, ProcessOptions
-from grpo_plugins.step_splitters import SeparatorSplitter
+from grpo_core.train.step import advantage_inputs
 
 torch.set_num_threads(1)
 SPECS = Path(__file__).resolve().parents[2] / "specs"
@@ -148,7 +148,7 @@ def seed_formula(
     return torch.tensor(out)
 
 
-def test_the_engine_gives_the_process_estimator_the_seeds_formula_on_real_tokens():
+def test_the_engine_gives_the_process_estimator_deepseekmaths_formula_on_real_tokens():
     tokenizer = build_tokenizer()
     groups = [["1 + 2 = 3\n3 + 4 = 7\n", "12 + 3 = 15", "3\n\n33\nno"], ["x", "3 3\n3", "4\n3\n"]]
     rollout = rollout_of(tokenizer, groups)
@@ -161,10 +161,11 @@ def test_the_engine_gives_the_process_estimator_the_seeds_formula_on_real_tokens
         [[1]] * 6,
         steps=layout.texts,
     )
-    run = SimpleNamespace(estimator=ProcessAdvantage(ProcessOptions(eps=0.0)), tokenizer=tokenizer)
+    estimator = ProcessAdvantage(ProcessOptions(eps=0.0))
     mask = rollout.completion_mask
-    inputs = _advantage_inputs(run, rollout, scores, layout, scores.total, None, mask)
-    got = run.estimator(inputs)
+    inputs = advantage_inputs(Scored([], rollout, scores, layout), scores.total, None, mask,
+                              with_steps=estimator.needs_step_scores, tokenizer=tokenizer)
+    got = estimator(inputs)
 
     # the step ends by hand, from the byte-level tokens: the newline token ends a step,
     # the last token (EOS) the last step
@@ -195,11 +196,10 @@ def test_outcome_rewards_alone_under_the_process_estimator_are_grpo():
         [[1]] * 6,
         steps=layout.texts,
     )
-    run = SimpleNamespace(estimator=ProcessAdvantage(ProcessOptions()), tokenizer=tokenizer)
-    inputs = _advantage_inputs(
-        run, rollout, scores, layout, scores.total, None, rollout.completion_mask
-    )
-    torch.testing.assert_close(run.estimator(inputs), GRPOAdvantage(GRPOOptions())(inputs))
+    estimator = ProcessAdvantage(ProcessOptions())
+    inputs = advantage_inputs(Scored([], rollout, scores, layout), scores.total, None, rollout.completion_mask,
+                              with_steps=estimator.needs_step_scores, tokenizer=tokenizer)
+    torch.testing.assert_close(estimator(inputs), GRPOAdvantage(GRPOOptions())(inputs))
 
 
 def test_kl_in_the_reward_counts_on_the_last_step():
@@ -214,11 +214,9 @@ def test_kl_in_the_reward_counts_on_the_last_step():
         [[1]] * 2,
         steps=layout.texts,
     )
-    run = SimpleNamespace(estimator=ProcessAdvantage(ProcessOptions()), tokenizer=tokenizer)
     seq_kl = torch.tensor([0.25, 0.5])
-    inputs = _advantage_inputs(
-        run, rollout, scores, layout, scores.total - seq_kl, seq_kl, rollout.completion_mask
-    )
+    inputs = advantage_inputs(Scored([], rollout, scores, layout), scores.total - seq_kl, seq_kl,
+                              rollout.completion_mask, with_steps=True, tokenizer=tokenizer)
     expected = torch.tensor([[1.0, 0.75], [0.5, math.nan]])  # row 1 has one step
     torch.testing.assert_close(inputs.step_scores, expected, equal_nan=True)
     assert scores.step_scores[0, 1] == 1.0  # the scores themselves are left alone

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from grpo_core import hookimpl, hookspecs
 from grpo_core.errors import PluginError
 from grpo_core.options import Options
-from grpo_core.plugins import load_plugins
+from grpo_core.plugin_manager import load_plugins
 from grpo_core.registry import Component, Registry
 
 
@@ -31,8 +31,13 @@ class ToyOptions(Options):
 
 
 class ToyFactory:
+    """A toy advantage estimator built from its options."""
+
     def __init__(self, options: ToyOptions):
         self.options = options
+
+    def __call__(self, inputs):
+        return inputs.mask.float() * self.options.alpha
 
 
 def plugin(name: str, hook: str = "register_reward_functions", **adds):
@@ -53,12 +58,13 @@ def test_one_hook_per_kind_named_register_kinds():
         for name, fn in inspect.getmembers(hookspecs, inspect.isfunction)
         if getattr(fn, "grpo_spec", None) is not None
     }
-    assert specs == set(hookspecs.KINDS.values())
+    assert specs == {kind.hook for kind in hookspecs.KINDS.values()}
     assert set(hookspecs.KINDS) >= {  # the design's eight kinds (more may come)
         "advantage_estimator", "kl_penalty", "policy_loss", "loss_aggregator",
         "rollout_backend", "reward_function", "dataset", "tracker",
     }
-    for kind, hook in hookspecs.KINDS.items():
+    for kind, entry in hookspecs.KINDS.items():
+        hook = entry.hook
         # register_<kind>s, with English plurals (penalty -> penalties, loss -> losses)
         if kind.endswith("y"):
             plural = kind[:-1] + "ies"
@@ -70,7 +76,7 @@ def test_one_hook_per_kind_named_register_kinds():
         fn = getattr(hookspecs, hook)
         assert list(inspect.signature(fn).parameters) == ["register"]
         assert fn.__doc__ and "called once" in fn.__doc__
-        assert kind in hookspecs.KIND_LABELS
+        assert entry.label and callable(entry.protocol)  # one table: hook, words, contract
 
 
 # --------------------------------------------------------------------------- add

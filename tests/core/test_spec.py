@@ -9,22 +9,19 @@ from __future__ import annotations
 
 import textwrap
 import typing
-from pathlib import Path
 from typing import Literal
 
 import pytest
-import yaml
 from pydantic import BaseModel, Field
 
 from grpo_core import hookimpl
 from grpo_core.errors import SpecError
-from grpo_core.hookspecs import KIND_LABELS, KINDS
+from grpo_core.hookspecs import KINDS
 from grpo_core.options import Options
-from grpo_core.plugins import load_plugins
+from grpo_core.plugin_manager import load_plugins
 from grpo_core.spec import Slot, Spec, SpecPath, dump_spec, load_spec
-from grpo_core.spec.loader import _unwrap
 from grpo_core.spec.models import RewardSlot
-from grpo_core.spec.slots import iter_slots
+from grpo_core.spec.slots import field_types, iter_slots
 
 MINIMAL = """\
 model:
@@ -45,6 +42,9 @@ class ToyAdvantage:
 
     def __init__(self, options: ToyOptions):
         self.options = options
+
+    def __call__(self, inputs):
+        return inputs.mask.float() * self.options.alpha
 
 
 def bare_advantage(inputs):
@@ -146,13 +146,13 @@ def test_engine_fields_of_a_slot_stay_on_the_slot(load):
 def test_paths_resolve_against_the_spec_folder(tmp_path, load, monkeypatch):
     monkeypatch.chdir(tmp_path.parent)
     spec = load(
-        f"""\
-        model: {{path: m}}
-        rewards: [{{name: accuracy}}]
-        train: {{output_dir: runs/one}}
+        """\
+        model: {path: m}
+        rewards: [{name: accuracy}]
+        train: {output_dir: runs/one}
         algorithm:
-          advantage: {{name: toy, table: data/t.csv}}
-        checkpoint: {{}}
+          advantage: {name: toy, table: data/t.csv}
+        checkpoint: {}
         """
     ).spec
     assert spec.train.output_dir == tmp_path / "runs" / "one"
@@ -261,7 +261,7 @@ def test_unknown_plugin_name_lists_that_kind_and_the_closest(problems, plugins, 
     typo = names[0][:-1] + "X" + names[0][-1]  # one letter inserted before the last one
     found = problems(MINIMAL + section.format(name=typo) + "\n")
     assert found == [
-        f"spec.{path} (line 5): unknown {KIND_LABELS[kind]} '{typo}'; did you mean '{names[0]}'?; "
+        f"spec.{path} (line 5): unknown {KINDS[kind].label} '{typo}'; did you mean '{names[0]}'?; "
         f"available: {', '.join(names)}"
     ]
 
@@ -382,7 +382,8 @@ def test_every_problem_is_reported_at_once_with_path_and_line(problems):
     assert by_path["spec.model.dtype"].startswith("spec.model.dtype (line 3): ")
     assert by_path["spec.rewards.1.weight"].startswith("spec.rewards.1.weight (line 7): ")
     assert by_path["spec.train.steps"].startswith("spec.train.steps (line 9): ")
-    assert by_path["spec.train.stepz"].startswith("spec.train.stepz (line 10): unknown key 'stepz'; did you mean 'steps'?")
+    expected = "spec.train.stepz (line 10): unknown key 'stepz'; did you mean 'steps'?"
+    assert by_path["spec.train.stepz"].startswith(expected)
     # unknown names are found even though the models failed: both phases report at once
     assert by_path["spec.rewards.0.name"].startswith(
         "spec.rewards.0.name (line 5): unknown reward function 'acuracy'; did you mean 'accuracy'?"
@@ -478,7 +479,7 @@ def _models(model: type[BaseModel], seen: set) -> None:
         return
     seen.add(model)
     for field in model.model_fields.values():
-        for t in _unwrap(field.annotation):
+        for t in field_types(field.annotation):
             if isinstance(t, type) and issubclass(t, BaseModel):
                 _models(t, seen)
 

@@ -22,9 +22,9 @@ from pydantic import Field
 from grpo_core import hookimpl
 from grpo_core.cli import main
 from grpo_core.options import Options
-from grpo_core.plugins import load_plugins
+from grpo_core.plugin_manager import load_plugins
 from grpo_core.spec import SpecPath, dump_spec, load_spec
-from grpo_core.spec.models import AdvantageSlot, EvalSection, PolicyLossSlot, Spec
+from grpo_core.spec.models import AdvantageSlot, EvalSection, Spec
 
 FUZZ = settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=False
@@ -117,7 +117,11 @@ def valid_specs(draw) -> dict:
 
     spec["algorithm"] = {
         "advantage": slot("advantage_estimator"),
-        "kl": {**slot("kl_penalty"), "beta": draw(st.floats(0, 10)), "placement": draw(st.sampled_from(["loss", "reward"]))},
+        "kl": {
+            **slot("kl_penalty"),
+            "beta": draw(st.floats(0, 10)),
+            "placement": draw(st.sampled_from(["loss", "reward"])),
+        },
         "policy_loss": slot("policy_loss"),
         "aggregation": slot("loss_aggregator"),
         "mu": draw(st.integers(1, 8)),
@@ -194,7 +198,9 @@ BASE = {
     "eval": {"every": 1},
     "checkpoint": {"every": 1},
 }
-not_scalar = st.lists(st.integers(), min_size=1, max_size=3) | st.dictionaries(name_like, st.integers(), min_size=1, max_size=2)
+not_scalar = st.lists(st.integers(), min_size=1, max_size=3) | st.dictionaries(
+    name_like, st.integers(), min_size=1, max_size=2
+)
 identifier = st.from_regex(r"\A[a-z][a-z0-9_]{0,12}\Z")
 
 

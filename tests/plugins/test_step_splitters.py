@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from grpo_plugins.step_splitters import RegexOptions, SeparatorSplitter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from grpo_core.errors import RunError
-from grpo_core.plugins import load_plugins
+from grpo_core.plugin_manager import load_plugins
 from grpo_core.testing import build_tokenizer
-from grpo_core.train.steps import split_steps, step_tensors, step_token_ends
-from grpo_plugins.step_splitters import RegexOptions, SeparatorSplitter
+from grpo_core.train.reasoning_steps import split_steps, step_tensors, step_token_ends
 
 torch.set_num_threads(1)
 
@@ -76,7 +76,7 @@ def test_regex_option_errors_say_what_is_valid():
 def test_newline_spans_are_ordered_and_match_str_split(lines):
     text = "\n".join(lines)
     spans = SeparatorSplitter(r"\n")(text)
-    assert [text[s:e] for s, e in spans] == [l.strip() for l in text.split("\n") if l.strip()]
+    assert [text[s:e] for s, e in spans] == [line.strip() for line in text.split("\n") if line.strip()]
     assert all(s < e for s, e in spans)
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
 

@@ -10,9 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-
-from grpo_core.errors import SpecError
-from grpo_core.spec import load_spec
 from grpo_plugins.trackers_ext import (
     TensorBoardOptions,
     TensorBoardTracker,
@@ -20,6 +17,9 @@ from grpo_plugins.trackers_ext import (
     WandbTracker,
     markdown_table,
 )
+
+from grpo_core.errors import SpecError
+from grpo_core.spec import load_spec
 
 ROWS = [
     {"prompt": "What is 2 + 3?", "completion": "5 | five\nyes", "reward": 1.0},
@@ -192,7 +192,7 @@ def test_a_tracker_without_its_package_fails_validation_naming_the_install(packa
 def test_importing_the_plugins_imports_neither_package():
     import subprocess
 
-    code = ("import sys; from grpo_core.plugins import load_plugins; load_plugins(); "
+    code = ("import sys; from grpo_core.plugin_manager import load_plugins; load_plugins(); "
             "print(sorted(m for m in ('wandb', 'tensorboard') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -23,7 +25,7 @@ from grpo_core import hookimpl
 from grpo_core.cli import main
 from grpo_core.errors import PluginError, SpecError
 from grpo_core.hookspecs import KINDS
-from grpo_core.plugins import DEFAULT_PLUGINS, load_plugins
+from grpo_core.plugin_manager import DEFAULT_PLUGINS, load_plugins
 from grpo_core.spec import load_spec
 
 PLUGIN_SOURCE = '''
@@ -120,7 +122,7 @@ def test_each_load_is_a_fresh_manager():
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_inline_plugin_registers_every_kind(kind):
-    hook = KINDS[kind]
+    hook = KINDS[kind].hook
     component = object()
     Inline = type("Inline", (), {hook: hookimpl(lambda self, register: register.add("mine", component))})
     plugins = load_plugins(external=False, objects=[Inline()])
@@ -152,7 +154,7 @@ def test_misspelled_hook_fails_loudly_with_the_closest_hook():
     message = str(info.value)
     assert "plugin 'Typo' implements an unknown hook 'register_advantage_estimator'" in message
     assert "did you mean 'register_advantage_estimators'?" in message
-    assert "known hooks: " + ", ".join(KINDS.values()) in message
+    assert "known hooks: " + ", ".join(k.hook for k in KINDS.values()) in message
 
 
 def test_hook_with_an_argument_the_spec_lacks_is_refused():
@@ -289,7 +291,9 @@ def test_spec_plugin_files_are_relative_to_the_spec(tmp_path, monkeypatch):
 
 def test_spec_plugin_file_listed_twice_loads_once(tmp_path):
     write(tmp_path / "shout.py", _reward_plugin("shout"))
-    spec = write(tmp_path / "spec.yaml", "model: {path: m}\nrewards: [{name: shout}]\nplugins: [shout.py, ./shout.py]\n")
+    spec = write(
+        tmp_path / "spec.yaml", "model: {path: m}\nrewards: [{name: shout}]\nplugins: [shout.py, ./shout.py]\n"
+    )
     loaded = load_spec(spec)
     assert loaded.plugins.registry.names("reward_function").count("shout") == 1
 
@@ -370,15 +374,99 @@ def test_contributing_has_a_runnable_plugin_per_hook(tmp_path):
     text = CONTRIBUTING.read_text(encoding="utf-8")
     sections = re.findall(r"^### `(register_\w+)\(register\)`\n(.*?)(?=^##)", text, re.S | re.M)
     hooks = [hook for hook, _ in sections]
-    assert set(hooks) >= DESIGN_HOOKS and set(hooks) == set(KINDS.values())  # every hook, none invented
+    assert set(hooks) >= DESIGN_HOOKS and set(hooks) == {k.hook for k in KINDS.values()}  # every hook, none invented
     files = []
     for hook, body in sections:
         (code,) = re.findall(r"```python\n(.*?)```", body, re.S)
         files.append(write(tmp_path / f"{hook}.py", code))
     plugins = load_plugins(files, external=False)
-    kind_of = {hook: kind for kind, hook in KINDS.items()}
+    kind_of = {entry.hook: kind for kind, entry in KINDS.items()}
     for (hook, _), path in zip(sections, files):
         components = plugins.info[str(path.resolve())].components
         assert list(components) == [kind_of[hook]], hook
     for script in re.findall(r"python (bench/\S+\.py)", text):
         assert (CONTRIBUTING.parent / script).is_file(), script
+
+
+@pytest.mark.parametrize(("doc", "heading"), [("README.md", "## A plugin in ten lines"),
+                                              ("CONTRIBUTING.md", "## Your first plugin: a reward function")])
+def test_the_first_plugin_of_the_docs_runs(tmp_path, doc, heading):
+    import re
+
+    text = (CONTRIBUTING.parent / doc).read_text(encoding="utf-8")
+    section = text[text.index(heading):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    lines = [line for line in code.splitlines() if line.strip() and not line.startswith("#")]
+    assert len(lines) <= 10 or doc != "README.md", lines  # the README promises ten lines
+    path = write(tmp_path / "my_rewards.py", code)
+    reward = load_plugins([path], external=False).registry.get("reward_function", "short_answer").build()
+    assert reward(["p", "p"], ["42", "x" * 30]) == [1.0, 0.0]
+    assert reward.required_columns == ()  # the contract's default, filled at build
+
+
+# --------------------------------------------------------------------------- pluggy semantics
+def test_hooks_are_called_through_pluggy_so_tryfirst_and_wrappers_take_effect():
+    calls: list[str] = []
+
+    class Early:  # loaded first, but pluggy calls tryfirst implementations first
+        @hookimpl(tryfirst=True)
+        def register_trackers(self, register):
+            calls.append("early")
+            register.add("early", object())
+
+    class Late:
+        @hookimpl
+        def register_trackers(self, register):
+            calls.append("late")
+            register.add("late", object())
+
+    class Around:
+        @hookimpl(wrapper=True)
+        def register_trackers(self, register):
+            calls.append("before")
+            register.add("around", object())
+            result = yield
+            calls.append("after")
+            return result
+
+    plugins = load_plugins(external=False, objects=[Early(), Late(), Around()])
+    assert calls[0] == "before" and calls[-1] == "after"  # the wrapper ran around the others
+    assert calls.index("early") < calls.index("late")  # tryfirst honoured (LIFO would put 'late' first)
+    registry = plugins.registry
+    # the registry lists in plugin load order, whatever order pluggy called them in
+    assert registry.names("tracker")[-3:] == ["early", "late", "around"]
+    assert [registry.get("tracker", n).plugin for n in ("early", "late", "around")] == ["Early", "Late", "Around"]
+
+
+def test_a_helper_called_by_a_hook_credits_the_calling_plugin(tmp_path):
+    helper = write(tmp_path / "helper.py", "def add_all(register, names):\n"
+                   "    for name in names:\n        register.add(name, lambda p, c, **k: [0.0] * len(c))\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        one = write(tmp_path / "one.py", "from grpo_core import hookimpl\nimport helper\n"
+                    "@hookimpl\ndef register_reward_functions(register):\n    helper.add_all(register, ['r1'])\n")
+        two = write(tmp_path / "two.py", "from grpo_core import hookimpl\nimport helper\n"
+                    "@hookimpl\ndef register_reward_functions(register):\n    helper.add_all(register, ['r2'])\n")
+        registry = load_plugins([one, two], external=False).registry
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("helper", None)
+    assert helper.exists()
+    assert registry.get("reward_function", "r1").plugin == str(one.resolve())
+    assert registry.get("reward_function", "r2").plugin == str(two.resolve())
+
+
+def test_local_plugin_module_names_are_the_same_in_every_process(tmp_path):
+    plugin = write(tmp_path / "mine.py", "X = 1\n")
+    code = (
+        "import sys; from grpo_core.plugin_manager import load_plugin_file; "
+        "print(load_plugin_file(sys.argv[1]).__name__)"
+    )
+    names = {
+        subprocess.run([sys.executable, "-c", code, str(plugin)], capture_output=True, text=True, check=True,
+                       env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip()
+        for seed in ("1", "2", "3")
+    }
+    assert len(names) == 1, names
+    (name,) = names
+    assert name.startswith("grpo_local_plugins.mine_") and len(name.rsplit("_", 1)[1]) == 8

@@ -12,16 +12,19 @@ Environment switches for installed (external) plugins:
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.metadata
 import importlib.util
+import inspect
 import os
 import re
 import sys
+import traceback
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
+from types import FrameType, ModuleType
 
 import pluggy
 
@@ -127,11 +130,13 @@ def _resolve_file(path: Path) -> Path:
 
 
 def load_plugin_file(path: Path) -> ModuleType:
-    """Import a local plugin file under a private module name."""
+    """Import a local plugin file under a module name that depends only on its resolved
+    path (``grpo_local_plugins.<stem>_<8 hex digits of its SHA-256>``), the same in
+    every process."""
     path = _resolve_file(path)
     if not path.is_file():
         raise PluginError(f"plugin file {path} does not exist")
-    modname = f"grpo_local_plugins.{path.stem}_{abs(hash(str(path))) & 0xFFFFFFFF:08x}"
+    modname = f"grpo_local_plugins.{path.stem}_{hashlib.sha256(str(path).encode()).hexdigest()[:8]}"
     spec = importlib.util.spec_from_file_location(modname, path)
     if spec is None or spec.loader is None:
         raise PluginError(f"plugin file {path} cannot be imported (is it a .py file?)")
@@ -162,7 +167,7 @@ def _check_pending(pm: pluggy.PluginManager) -> None:
     try:
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
-        known = list(hookspecs.KINDS.values())
+        known = [entry.hook for entry in hookspecs.KINDS.values()]
         plugin = pm.get_name(exc.plugin) or repr(exc.plugin)
         match = re.search(r"unknown hook '([^']+)'", str(exc))
         hook = match.group(1) if match else "?"
@@ -172,29 +177,68 @@ def _check_pending(pm: pluggy.PluginManager) -> None:
         ) from exc
 
 
+class _Running:
+    """Which plugin's implementation of one hook is running, read off the call stack.
+
+    The hook is called once for all plugins (so pluggy's ``tryfirst``/``trylast`` order
+    and ``wrapper`` implementations take effect) with one registrar; each ``add`` is
+    credited to the innermost frame that runs one of the hook's implementations.
+    """
+
+    def __init__(self, impls: list[pluggy.HookImpl]):
+        self._by_code: dict[int, list[pluggy.HookImpl]] = {}  # by id: equal code may come from two files
+        for impl in impls:
+            function = inspect.unwrap(getattr(impl.function, "__func__", impl.function))
+            self._by_code.setdefault(id(getattr(function, "__code__", None)), []).append(impl)
+
+    def plugin_of(self, frames: Iterable[FrameType]) -> str | None:
+        """The plugin of the first frame in ``frames`` that runs an implementation."""
+        for frame in frames:
+            impls = self._by_code.get(id(frame.f_code))
+            if impls:  # one function shared by several plugins: its instance or module tells
+                owner = frame.f_locals.get("self")
+                mine = [i for i in impls if i.plugin is owner or getattr(i.plugin, "__dict__", None) is frame.f_globals]
+                return (mine or impls)[0].plugin_name
+        return None
+
+    def now(self) -> str:
+        """The plugin whose implementation called the registrar."""
+        frames = []
+        frame = inspect.currentframe()
+        while frame is not None:
+            frames.append(frame)
+            frame = frame.f_back
+        return self.plugin_of(frames) or "?"
+
+    def failed(self, exc: BaseException) -> str:
+        """The plugin whose implementation raised ``exc`` (innermost first)."""
+        frames = [frame for frame, _ in traceback.walk_tb(exc.__traceback__)]
+        return self.plugin_of(reversed(frames)) or "?"
+
+
 def _fill_registry(pm: pluggy.PluginManager, info: dict[str, PluginInfo]) -> Registry:
+    """Call every ``register_<kind>s`` hook once, then add what was registered to one
+    registry in plugin load order (built-ins, entry points, files, objects), whatever
+    order pluggy called the implementations in: listings and duplicate-name errors do
+    not depend on ``tryfirst``."""
     registry = Registry()
-    for kind, hookname in hookspecs.KINDS.items():
-        caller = getattr(pm.hook, hookname)
-        # get_hookimpls() is in registration order (pluggy *calls* them in reverse):
-        # built-ins first, then entry points, files and objects, as load_plugins adds them.
-        for impl in caller.get_hookimpls():
-            registrar = Registrar(registry, kind, impl.plugin_name)
-            kwargs = {"register": registrar}
-            try:
-                impl.function(**{k: v for k, v in kwargs.items() if k in impl.argnames})
-            except PluginError:
-                raise
-            except Exception as exc:
-                raise PluginError(
-                    f"plugin '{impl.plugin_name}' failed in {hookname}: "
-                    f"{type(exc).__name__}: {exc}"
-                ) from exc
-    for kind in hookspecs.KINDS:
-        for component in registry.components(kind):
-            plugin = info.get(component.plugin)
-            if plugin is not None:
-                plugin.components.setdefault(kind, []).append(component.name)
+    load_order = {name: index for index, (name, _) in enumerate(pm.list_name_plugin())}
+    for kind, entry in hookspecs.KINDS.items():
+        caller = getattr(pm.hook, entry.hook)
+        running = _Running(caller.get_hookimpls())
+        registrar = Registrar(kind, running.now)
+        try:
+            caller(register=registrar)
+        except PluginError:
+            raise
+        except Exception as exc:
+            raise PluginError(
+                f"plugin '{running.failed(exc)}' failed in {entry.hook}: {type(exc).__name__}: {exc}"
+            ) from exc
+        for component in sorted(registrar.added, key=lambda c: load_order.get(c.plugin, len(load_order))):
+            registry.add(component)
+            if component.plugin in info:
+                info[component.plugin].components.setdefault(kind, []).append(component.name)
     return registry
 
 

@@ -14,8 +14,8 @@ Which token a step ends at: step ``j`` ends at the token just before the one hol
 first character of step ``j+1``, so the delimiter after a step (its newline) belongs to it
 (and a token that straddles the delimiter and the next step's text belongs to the next
 step); the last step ends at the completion's last token, so a trailing newline and the
-EOS token belong to it and every completion token gets an advantage (the seeds'
-``A_t = sum_{index_j >= t} rhat_j``). Counting the step's start this way also handles
+EOS token belong to it and every completion token gets an advantage (DeepSeekMath's process
+supervision, ``A_t = sum_{index_j >= t} rhat_j``). Counting the step's start this way also handles
 decoders that add characters between tokens (WordPiece joins tokens with spaces).
 
 Shape vocabulary: ``B`` rows, ``T`` completion tokens, ``K`` steps per completion (padded).
@@ -24,8 +24,9 @@ Shape vocabulary: ``B`` rows, ``T`` completion tokens, ``K`` steps per completio
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor

@@ -1,0 +1,166 @@
+"""Rollout then score: the one path from prompts to scored completions, used by the
+training step, the held-out evaluation and the iteration start of iterative GRPO."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from grpo_core.contracts import RolloutBatch, SamplingParams
+from grpo_core.train.data import Prompt
+from grpo_core.train.reasoning_steps import StepLayout
+from grpo_core.train.scoring import RewardFn, Scores, score
+
+
+def as_completions(prompts: list[Prompt], rollout: RolloutBatch) -> tuple[list, list]:
+    """Prompts and completions per row in TRL's convention: strings, or chat messages
+    (completion ``[{"role": "assistant", "content": text}]``) for conversational data."""
+    g = rollout.group_size
+    row_prompts = [p.prompt for p in prompts for _ in range(g)]
+    if prompts and isinstance(prompts[0].prompt, list):
+        completions = [[{"role": "assistant", "content": text}] for text in rollout.completions]
+    else:
+        completions = list(rollout.completions)
+    return row_prompts, completions
+
+
+def columns_of(prompts: list[Prompt], group_size: int, exclude: str) -> dict[str, list]:
+    """Every dataset column but the prompt, repeated per completion."""
+    if not prompts:
+        return {}
+    keys = [k for k in prompts[0].row if k != exclude]
+    return {k: [p.row.get(k) for p in prompts for _ in range(group_size)] for k in keys}
+
+
+@dataclass
+class Scorer:
+    """The reward functions and how to call them.
+
+    ``split``: completions -> :class:`StepLayout` (the spec's step splitter), used when a
+    reward function takes ``steps`` or ``with_steps`` asks for the layout (process
+    supervision). ``on_error``: ``train.reward_errors``."""
+
+    rewards: list[RewardFn]
+    prompt_column: str
+    on_error: str = "raise"
+    split: Callable[[list], StepLayout] | None = None
+    with_steps: bool = False
+
+
+@dataclass
+class Scored:
+    """``P`` prompts, their rollout (``B = P*G`` rows), its scores and, when cut, its steps."""
+
+    prompts: list[Prompt]
+    rollout: RolloutBatch
+    scores: Scores
+    layout: StepLayout | None = None
+
+
+def score_rollout(scorer: Scorer, prompts: list[Prompt], rollout: RolloutBatch) -> Scored:
+    """Score ``rollout`` (generated for ``prompts``) with every reward function."""
+    row_prompts, completions = as_completions(prompts, rollout)
+    columns = columns_of(prompts, rollout.group_size, scorer.prompt_column)
+    ids = [row[m].tolist() for row, m in zip(rollout.completion_ids, rollout.completion_mask)]
+    layout = None
+    if scorer.split is not None and (scorer.with_steps or any(fn.takes_steps for fn in scorer.rewards)):
+        layout = scorer.split(rollout.completions)
+    steps = layout.texts if layout is not None else None
+    scores = score(scorer.rewards, row_prompts, completions, columns, ids, scorer.on_error, steps)
+    return Scored(prompts, rollout, scores, layout)
+
+
+def sample_and_score(
+    backend: Any, scorer: Scorer, prompts: list[Prompt], group_size: int, sampling: SamplingParams,
+    autocast: Callable = nullcontext,
+) -> Scored:
+    """Generate ``group_size`` completions of each prompt, then score them."""
+    with autocast():
+        rollout = backend.generate([p.ids for p in prompts], group_size, sampling)
+    return score_rollout(scorer, prompts, rollout)
+
+
+def reward_means(scores: Scores, prefix: str = "", suffix: str = "") -> dict[str, float]:
+    """``{prefix}reward`` and ``{prefix}rewards/<name>{suffix}``: means over the rows each
+    function scored (rows it scored None are left out)."""
+    out: dict[str, float] = {}
+    valid = ~torch.isnan(scores.total)
+    if valid.any():
+        out[f"{prefix}reward"] = float(scores.total[valid].mean())
+    for j, name in enumerate(scores.names):
+        col = scores.per_function[:, j]
+        ok = ~torch.isnan(col)
+        if ok.any():
+            out[f"{prefix}rewards/{name}{suffix}"] = float(col[ok].mean())
+    return out
+
+
+def zero_spread_groups(total: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``bool (P,)``: groups whose ``G`` rewards are all equal (NaN equal to NaN), which carry
+    no gradient under group-relative advantages."""
+    groups = torch.nan_to_num(total.view(-1, group_size), nan=math.inf)
+    return (groups == groups[:, :1]).all(dim=1)
+
+
+def _pad_right(t: torch.Tensor, width: int, value) -> torch.Tensor:
+    if t.shape[1] == width:
+        return t
+    pad = torch.full((t.shape[0], width - t.shape[1], *t.shape[2:]), value, dtype=t.dtype, device=t.device)
+    return torch.cat([t, pad], dim=1)
+
+
+def _pad_left(t: torch.Tensor, width: int, value) -> torch.Tensor:
+    if t.shape[1] == width:
+        return t
+    pad = torch.full((t.shape[0], width - t.shape[1]), value, dtype=t.dtype, device=t.device)
+    return torch.cat([pad, t], dim=1)
+
+
+def select_groups(scored: Scored, groups: list[int]) -> Scored:
+    """The prompts ``groups`` (indices) of ``scored``, with their ``G`` rows each."""
+    g = scored.rollout.group_size
+    rows = [i * g + j for i in groups for j in range(g)]
+    r, s, lay = scored.rollout, scored.scores, scored.layout
+    idx, pidx = torch.tensor(rows, dtype=torch.long), torch.tensor(groups, dtype=torch.long)
+    rollout = RolloutBatch(
+        r.prompt_ids[pidx], r.prompt_mask[pidx], r.completion_ids[idx], r.completion_mask[idx], r.truncated[idx],
+        [r.completions[i] for i in rows], None if r.sampling_logp is None else r.sampling_logp[idx],
+    )
+    scores = Scores(s.total[idx], s.per_function[idx], s.names, s.failed,
+                    None if s.step_scores is None else s.step_scores[idx])
+    layout = None if lay is None else StepLayout([lay.spans[i] for i in rows], [lay.texts[i] for i in rows])
+    return Scored([scored.prompts[i] for i in groups], rollout, scores, layout)
+
+
+def concat_scored(parts: list[Scored]) -> Scored:
+    """Several scored rollouts as one: prompts left-padded, completions right-padded (padding
+    outside the masks is 0), step scores padded with NaN."""
+    if len(parts) == 1:
+        return parts[0]
+    rs = [p.rollout for p in parts]
+    width_p, width_c = max(r.prompt_ids.shape[1] for r in rs), max(r.completion_ids.shape[1] for r in rs)
+    rollout = RolloutBatch(
+        torch.cat([_pad_left(r.prompt_ids, width_p, 0) for r in rs]),
+        torch.cat([_pad_left(r.prompt_mask, width_p, False) for r in rs]),
+        torch.cat([_pad_right(r.completion_ids, width_c, 0) for r in rs]),
+        torch.cat([_pad_right(r.completion_mask, width_c, False) for r in rs]),
+        torch.cat([r.truncated for r in rs]),
+        [c for r in rs for c in r.completions],
+        None if rs[0].sampling_logp is None else torch.cat([_pad_right(r.sampling_logp, width_c, 0.0) for r in rs]),
+    )
+    ss = [p.scores for p in parts]
+    step_scores = None
+    if ss[0].step_scores is not None:
+        k = max(s.step_scores.shape[1] for s in ss)
+        step_scores = torch.cat([_pad_right(s.step_scores, k, math.nan) for s in ss])
+    scores = Scores(torch.cat([s.total for s in ss]), torch.cat([s.per_function for s in ss]), ss[0].names,
+                    sum(s.failed for s in ss), step_scores)
+    layout = None
+    if parts[0].layout is not None:
+        layout = StepLayout([x for p in parts for x in p.layout.spans], [x for p in parts for x in p.layout.texts])
+    return Scored([q for p in parts for q in p.prompts], rollout, scores, layout)
