@@ -113,7 +113,7 @@ def _scores_table(last_eval: dict[str, float]) -> list[str]:
 
 
 def model_card(spec: Spec, base_dir: Path, *, name: str, steps: int, last_eval: dict[str, float],
-               adapter: bool) -> str:
+               adapter: bool, merged: bool = False) -> str:
     """A Hugging Face model card (README.md) saying how the model was trained."""
     from huggingface_hub import ModelCardData
 
@@ -132,7 +132,9 @@ def model_card(spec: Spec, base_dir: Path, *, name: str, steps: int, last_eval: 
         "---", data.to_yaml(), "---", "", f"# {name}", "",
         f"`{shown_base}` fine-tuned with GRPO (Group Relative Policy Optimization; Shao et al., "
         "*DeepSeekMath*, 2024, arXiv:2402.03300) with grpo-core "
-        + ("as a LoRA adapter." if adapter else "(all weights)."), "",
+        + ("as a LoRA adapter." if adapter else
+           "as a LoRA adapter, here merged into the base weights (no peft needed)." if merged else
+           "(all weights)."), "",
         "## Training", "",
         f"- Base model: `{shown_base}`",
         f"- Steps: {steps} of {spec.train.steps}, {spec.train.prompts_per_step} prompts per step, "
@@ -206,7 +208,7 @@ def finish_exports(run, final: Path) -> dict[str, Any]:
         card = dict(name=run.loaded.name, steps=run.step, last_eval=run.last_eval)
         done["card"] = write_model_card(final, model_card(spec, run.loaded.base_dir, adapter=adapter, **card))
         if "merged" in done:
-            write_model_card(done["merged"], model_card(spec, run.loaded.base_dir, adapter=False, **card))
+            write_model_card(done["merged"], model_card(spec, run.loaded.base_dir, adapter=False, merged=True, **card))
     model_folder = done.get("merged", final)
     for name, tracker in run.log.trackers.items():
         if callable(getattr(tracker, "log_model", None)):

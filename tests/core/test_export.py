@@ -86,6 +86,7 @@ def test_lora_run_exports_merged_model_card_environment_and_mlflow_model(
     assert (out / "spec.resolved.yaml").read_text(encoding="utf-8").rstrip() in card
     merged_card = (merged / "README.md").read_text(encoding="utf-8")
     assert yaml.safe_load(merged_card.split("---")[1])["library_name"] == "transformers"
+    assert "merged into the base weights (no peft needed)" in merged_card and "as a LoRA adapter." in card
 
     env = json.loads((out / "environment.json").read_text(encoding="utf-8"))
     assert env["packages"]["torch"] == torch.__version__ and env["packages"]["mlflow"]
