@@ -1,5 +1,5 @@
-"""``grpo-run``: train from a spec, evaluate a model, validate a spec, list plugins, print
-the JSON Schema.
+"""``grpo-run``: train from a spec (or dry-run it), evaluate a model, validate a spec, write a
+starter spec, list runs and plugins, print the JSON Schema.
 
 Exit codes: 0 success, 1 runtime failure, 2 invalid spec or usage (or a fresh run in a
 folder holding another run), 130 interrupted (SIGINT), 143 terminated (SIGTERM); under
@@ -16,16 +16,18 @@ import traceback
 
 from grpo_core.errors import GrpoError, UsageError
 
-COMMANDS = ("run", "eval", "validate", "plugins", "schema")
+COMMANDS = ("run", "eval", "validate", "init", "runs", "plugins", "schema")
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="grpo-run",
         description="Train a causal LM with GRPO from a YAML spec.",
-        epilog="Commands: grpo-run SPEC (train), grpo-run eval SPEC, grpo-run validate SPEC, grpo-run plugins, "
-        "grpo-run schema. Exit codes: 0 ok, 1 runtime failure, 2 invalid spec or usage, "
-        "130 interrupted, 143 terminated.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Exit codes: 0 ok, 1 runtime failure, 2 invalid spec or usage, 130 interrupted, 143 terminated.\n"
+        "Commands: grpo-run SPEC (train; --dry-run: one rollout, no training), grpo-run eval SPEC,\n"
+        "grpo-run validate SPEC, grpo-run init [--task math|tools|custom] [SPEC], grpo-run runs [FOLDER ...],\n"
+        "grpo-run plugins, grpo-run schema.",
     )
     sub = parser.add_subparsers(dest="command")
 
@@ -62,8 +64,22 @@ def _parser() -> argparse.ArgumentParser:
         help="a model saved by grpo-run (runs/<name>/final, or a checkpoint folder); default: the spec's model",
     )
     evaluate.add_argument("--json", action="store_true", help="print the metrics as JSON instead of a table")
+    run.add_argument(
+        "--dry-run", action="store_true",
+        help="validate, build the model and data, sample and score one step's completions and print "
+        "them with their rewards; no training, no checkpoint, no tracker run",
+    )
     validate = sub.add_parser("validate", help="validate a spec and print it with every default filled in")
     spec_args(validate)
+    init = sub.add_parser("init", help="write a commented starter spec (and the files it names)")
+    init.add_argument("spec", nargs="?", default="spec.yaml", help="where to write it (default: spec.yaml)")
+    init.add_argument("--task", choices=("math", "tools", "custom"), default="math",
+                      help="math: GSM8K on Qwen2.5; tools: tool calls rewarded by a local plugin; "
+                      "custom: your data and reward function (default: math)")
+    init.add_argument("--force", action="store_true", help="overwrite existing files")
+    runs = sub.add_parser("runs", help="list run folders: last step, status, held-out score")
+    runs.add_argument("folders", nargs="*", default=["runs"],
+                      help="run folders, or folders holding them (default: runs)")
     plugins = sub.add_parser("plugins", help="list plugins and the components they register")
     plugins.add_argument("--json", action="store_true", help="print JSON")
     sub.add_parser("schema", help="print the JSON Schema of a spec, with every installed plugin's options")
@@ -82,6 +98,30 @@ def _cmd_validate(args) -> int:
 
     loaded = load_spec(args.spec, args.overrides)
     sys.stdout.write(dump_spec(loaded.spec))
+    return 0
+
+
+def _cmd_init(args) -> int:
+    from pathlib import Path
+
+    from grpo_core.starter import write_starter
+
+    written = write_starter(args.task, Path(args.spec), force=args.force)
+    print("wrote " + ", ".join(map(str, written)))
+    print(f"next: grpo-run validate {args.spec}   then: grpo-run {args.spec} --dry-run")
+    return 0
+
+
+def _cmd_runs(args) -> int:
+    from pathlib import Path
+
+    from grpo_core.runs import find_runs, print_runs
+
+    infos = find_runs([Path(f) for f in args.folders])
+    if not infos:
+        print(f"no run folders in {', '.join(args.folders)}", file=sys.stderr)
+        return 0
+    print_runs(infos)
     return 0
 
 
@@ -144,6 +184,12 @@ def _cmd_run(args) -> int:
     loaded = load_spec(args.spec, args.overrides)
     if args.nproc < 1:
         raise UsageError(f"--nproc must be at least 1, got {args.nproc}")
+    if args.dry_run:
+        if args.nproc > 1 or args.resume is not None:
+            raise UsageError("--dry-run runs one process from scratch: drop --nproc and --resume")
+        from grpo_core.dryrun import dry_run
+
+        return dry_run(loaded)
     if args.resume is None:  # every process checks; only the main one moves files aside
         claim_run_folder(run_folder(loaded), args.overwrite, move=os.environ.get("RANK", "0") in ("", "0"))
     if args.nproc > 1 and world_size_from_env() == 1:
@@ -162,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     handler = {
-        "run": _cmd_run, "eval": _cmd_eval, "validate": _cmd_validate, "plugins": _cmd_plugins, "schema": _cmd_schema,
+        "run": _cmd_run, "eval": _cmd_eval, "validate": _cmd_validate, "init": _cmd_init, "runs": _cmd_runs,
+        "plugins": _cmd_plugins, "schema": _cmd_schema,
     }
     try:
         return handler[args.command](args)

@@ -340,9 +340,10 @@ class FileDataset:
 
 # --------------------------------------------------------------------------- hub
 class HFOptions(Options):
-    """Options of the ``hf`` dataset."""
+    """Options of the ``hf`` dataset (``path`` as in ``datasets.load_dataset(path, name)``;
+    the spec's ``data.name`` is the plugin's name, ``hf``)."""
 
-    name: str = Field(
+    path: str = Field(
         min_length=1,
         description="Hub dataset id (e.g. 'openai/gsm8k'), or a local directory written by "
         "Dataset.save_to_disk / DatasetDict.save_to_disk (the offline way).",
@@ -358,7 +359,7 @@ class HFOptions(Options):
         None, description="Hub git revision (branch, tag or commit); unset: the default branch."
     )
 
-    @field_validator("name")
+    @field_validator("path")
     @classmethod
     def _local_copy(cls, value: str, info: ValidationInfo) -> str:
         """A relative path to a saved dataset resolves against the spec's folder; a Hub
@@ -409,7 +410,7 @@ class HFDataset:
     def _from_disk(self, split: str) -> list[dict[str, Any]]:
         import datasets
 
-        name = self.options.name
+        name = self.options.path
         try:
             saved = datasets.load_from_disk(name, keep_in_memory=True)
         except Exception as exc:
@@ -434,10 +435,10 @@ class HFDataset:
         import datasets
 
         o = self.options
-        where = f"'{o.name}'" + (f" (config '{o.config}')" if o.config else "")
+        where = f"'{o.path}'" + (f" (config '{o.config}')" if o.config else "")
         try:
             ds = datasets.load_dataset(
-                o.name, o.config, split=split, revision=o.revision, keep_in_memory=True
+                o.path, o.config, split=split, revision=o.revision, keep_in_memory=True
             )
         except Exception as exc:
             detail = f"{type(exc).__name__}: {exc}"
@@ -455,7 +456,7 @@ class HFDataset:
         name = self.options.train_split if split == "train" else self.options.eval_split
         if name is None:
             return []
-        if _is_saved(Path(self.options.name)):
+        if _is_saved(Path(self.options.path)):
             return self._from_disk(name)
         return self._from_hub(name)
 

@@ -14,15 +14,15 @@ from __future__ import annotations
 import logging
 import re
 import threading
+from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from grpo_core import hookimpl
 from grpo_core.contracts import completion_text
 from grpo_core.errors import RunError
 from grpo_core.options import Options
-from grpo_core.spec import SpecPath
 
 __all__ = [
     "completion_text",
@@ -282,10 +282,15 @@ class OverlongReward:
 class RewardModelOptions(Options):
     """Options of the ``reward_model`` reward."""
 
-    path: SpecPath = Field(
-        description="Local directory of a transformers sequence-classification model and "
-        "its tokenizer (save_pretrained format; relative to the spec's folder); nothing is "
-        "downloaded.",
+    path: str = Field(
+        min_length=1,
+        description="A transformers sequence-classification model and its tokenizer: a local "
+        "directory (save_pretrained format; relative to the spec's folder) or a Hugging Face Hub "
+        "id, resolved as transformers does (the local HF cache first; HF_HUB_OFFLINE=1 never "
+        "downloads).",
+    )
+    revision: str | None = Field(
+        None, description="Hub revision (branch, tag or commit) of a Hub id; unset: the default branch."
     )
     batch_size: int = Field(
         8, ge=1, description="Completions scored per forward pass; an integer >= 1."
@@ -311,6 +316,28 @@ class RewardModelOptions(Options):
         False,
         description="Run modelling code shipped with the checkpoint; off unless you trust it.",
     )
+
+    @field_validator("path")
+    @classmethod
+    def _local_or_hub(cls, value: str, info: ValidationInfo) -> str:
+        """A folder relative to the spec file resolves against it; a Hub id (which looks
+        like a relative path too) is left alone."""
+        return local_or_hub_id(value, (info.context or {}).get("base_dir"))
+
+
+def local_or_hub_id(value: str, base_dir: Any) -> str:
+    """``value`` as an absolute folder when it names an existing one (relative ones against
+    ``base_dir``), else unchanged: a Hub id, or a path that does not exist."""
+    path = Path(value).expanduser()
+    if path.is_absolute():
+        return str(path)
+    if base_dir is not None and (Path(base_dir) / path).exists():
+        return str(Path(base_dir) / path)
+    return value
+
+
+def _is_path_like(value: str) -> bool:
+    return value.startswith((".", "/", "~")) or Path(value).is_absolute() or Path(value).exists()
 
 
 class RewardModelReward:
@@ -341,20 +368,22 @@ class RewardModelReward:
         opts = self.options
         path = str(opts.path)
         dtype = "auto" if opts.dtype == "auto" else getattr(torch, opts.dtype)
+        local = _is_path_like(path)
+        # A folder is read as it is; a Hub id goes through transformers' resolution
+        # (the HF cache, then the Hub unless HF_HUB_OFFLINE=1).
+        where = {"local_files_only": True} if local else {"revision": opts.revision}
         try:
-            tokenizer = AutoTokenizer.from_pretrained(
-                path, local_files_only=True, trust_remote_code=opts.trust_remote_code
-            )
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=opts.trust_remote_code, **where)
             model = AutoModelForSequenceClassification.from_pretrained(
-                path,
-                local_files_only=True,
-                trust_remote_code=opts.trust_remote_code,
-                dtype=dtype,
+                path, trust_remote_code=opts.trust_remote_code, dtype=dtype, **where
             )
         except (OSError, ValueError) as exc:
+            hint = "" if local else (
+                " (a Hub id: it must be in the local HF cache, or the Hub reachable with HF_HUB_OFFLINE unset)"
+            )
             raise RunError(
                 f"reward function 'reward_model' could not load a sequence-classification "
-                f"model from {path!r}: {exc}"
+                f"model from {path!r}{hint}: {exc}"
             ) from exc
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token

@@ -12,6 +12,7 @@ import os
 import sys
 import time
 import uuid
+import warnings
 from typing import Any
 
 from pydantic import Field
@@ -45,6 +46,15 @@ class MLflowOptions(Options):
     request_retries: int = Field(
         0, ge=0, description="MLflow's own retries of a failed HTTP request (MLFLOW_HTTP_REQUEST_MAX_RETRIES). "
         "0 by default: this tracker keeps what failed and sends it later, so training never waits on retries."
+    )
+    log_model: bool = Field(
+        False, description="At the end of the run, log the final model (the merged one when export.merged) "
+        "as the MLflow model 'model' of the run (a pyfunc: prompts in, completions out), which can be "
+        "registered and served. Off by default: it copies the weights into the artifact store."
+    )
+    registered_model_name: str | None = Field(
+        None, min_length=1, description="Also register the logged model under this name in the model "
+        "registry (needs log_model and a store with a registry, e.g. sqlite or a server)."
     )
 
 
@@ -227,6 +237,17 @@ class MLflowTracker:
         self._unsent.append(("table", {"data": data, "file": f"{name}/step_{step:06d}.json"}))
         self.flush()
 
+    def log_model(self, folder: str) -> str | None:
+        """Log ``folder`` (the final model) as this run's MLflow model; its URI, or None
+        when ``log_model`` is off or MLflow failed (warned)."""
+        if not self.options.log_model or self.run_id is None:
+            return None
+        try:
+            return _log_pyfunc(self.tracking_uri, self.run_id, folder, self.options.registered_model_name)
+        except Exception as exc:
+            self._failed("log_model", exc)
+            return None
+
     def finish(self, status: str) -> None:
         if not self.flush(force=True):
             rows, other = len(self._pending), len(self._unsent)
@@ -238,6 +259,35 @@ class MLflowTracker:
             self._connect().set_terminated(self.run_id, status=status)
         except Exception as exc:
             self._failed("finish", exc)
+
+
+def _log_pyfunc(uri: str, run_id: str, folder: str, registered: str | None) -> str:
+    """``grpo_core/mlflow_model.py`` logged as a models-from-code pyfunc with ``folder`` as
+    its ``model`` artifact, into run ``run_id``; returns the model URI."""
+    import importlib.metadata as metadata
+    from pathlib import Path
+
+    import mlflow
+    from mlflow.models import infer_signature
+
+    from grpo_core import mlflow_model
+
+    needed = ["torch", "transformers"] + (["peft"] if (Path(folder) / "adapter_config.json").is_file() else [])
+    requirements = [f"{name}=={metadata.version(name)}" for name in needed]
+    signature = infer_signature(["a prompt"], ["a completion"], params=mlflow_model.DEFAULT_PARAMS)
+    previous = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    try:
+        with mlflow.start_run(run_id=run_id), warnings.catch_warnings():
+            # MLflow advises type hints on predict; the explicit signature above serves instead.
+            warnings.filterwarnings("ignore", message=".*type hint", category=UserWarning)
+            info = mlflow.pyfunc.log_model(
+                name="model", python_model=mlflow_model.__file__, artifacts={"model": str(folder)},
+                signature=signature, pip_requirements=requirements, registered_model_name=registered,
+            )
+    finally:
+        mlflow.set_tracking_uri(previous)
+    return info.model_uri
 
 
 class ConsoleOptions(Options):

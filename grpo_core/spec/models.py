@@ -6,7 +6,7 @@ Every field has a description: ``grpo-run schema`` and the docs are made from th
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -89,6 +89,16 @@ class DataSlot(Slot):
         "below the model's context."
     )
     shuffle: bool = Field(True, description="Shuffle the training rows (seeded by train.seed) every epoch.")
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra keyword arguments of the tokenizer's apply_chat_template, which its "
+        "template reads as variables, e.g. {enable_thinking: false} for Qwen3.",
+    )
+    as_user_message: bool = Field(
+        False,
+        description="Send a plain-string prompt as one user message (after system_prompt), so that "
+        "the chat template applies; for datasets whose prompt column is text, e.g. GSM8K's question.",
+    )
 
 
 # --------------------------------------------------------------------------- rollout
@@ -466,6 +476,47 @@ class IterativeSection(Section):
     )
 
 
+# --------------------------------------------------------------------------- export
+class PushToHubSection(Section):
+    """Upload the final model to the Hugging Face Hub at the end of the run (huggingface_hub;
+    log in first with `hf auth login` or set HF_TOKEN)."""
+
+    repo_id: str = Field(description="Hub repository, 'user/name' or 'org/name' (created when missing).")
+    private: bool = Field(True, description="Create the repository private (the Hub's own default is public).")
+    revision: str | None = Field(
+        None, min_length=1, description="Branch to push to (created when missing); default: main."
+    )
+    commit_message: str = Field("Upload a model trained with grpo-core (GRPO)", min_length=1,
+                                description="Commit message of the upload.")
+
+    @field_validator("repo_id")
+    @classmethod
+    def _repo_id(cls, value: str) -> str:
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        try:
+            validate_repo_id(value)
+        except HFValidationError as exc:
+            raise ValueError(f"not a valid Hub repository id ('user/name'): {exc}") from None
+        return value
+
+
+class ExportSection(Section):
+    """What the run writes next to the final model in <output_dir>/final."""
+
+    merged: bool = Field(
+        False, description="With model.lora: also write final/merged, the adapter folded into the base "
+        "weights, a plain transformers model that loads without peft."
+    )
+    model_card: bool = Field(
+        True, description="Write final/README.md, a Hugging Face model card: base model, spec, steps, "
+        "held-out scores."
+    )
+    push_to_hub: PushToHubSection | None = Field(
+        None, description="Upload final/merged (when written) or final/ to the Hub; unset: no upload."
+    )
+
+
 class Spec(Section):
     """A grpo-core run."""
 
@@ -482,6 +533,7 @@ class Spec(Section):
     )
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection, description="Checkpoints.")
     eval: EvalSection = Field(default_factory=EvalSection, description="Held-out evaluation.")
+    export: ExportSection = Field(default_factory=ExportSection, description="Final model exports.")
     plugins: list[SpecPath] = Field(
         default_factory=list, description="Local plugin .py files, relative to the spec file."
     )
@@ -506,6 +558,15 @@ class Spec(Section):
         if wanted is not None and wanted not in names:
             raise ValueError(
                 f"eval.correct.reward '{wanted}' must name an entry of rewards ({', '.join(names)})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _merge_needs_lora(self):
+        if self.export.merged and self.model.lora is None:
+            raise ValueError(
+                "export.merged folds a LoRA adapter into its base model, but model.lora is not set "
+                "(final/ already holds the full weights): set model.lora or drop export.merged"
             )
         return self
 

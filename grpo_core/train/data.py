@@ -69,6 +69,8 @@ class PromptSource:
     def render(self, row: dict) -> Prompt | None:
         """The prompt of ``row``, or None (counted) when it cannot be used."""
         prompt = row[self.slot.prompt_column]
+        if isinstance(prompt, str) and self.slot.as_user_message:
+            prompt = [{"role": "user", "content": prompt}]
         if isinstance(prompt, list):
             messages = list(prompt)
             if self.slot.system_prompt and not (messages and messages[0].get("role") == "system"):
@@ -76,7 +78,9 @@ class PromptSource:
             if not any(str(m.get("content", "")).strip() for m in messages if m.get("role") != "system"):
                 return self._skip("empty prompt")
             if self.slot.chat_template and getattr(self.tokenizer, "chat_template", None):
-                text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                text = self.tokenizer.apply_chat_template(
+                    messages, tokenize=False, add_generation_prompt=True, **self.slot.chat_template_kwargs
+                )
             else:
                 text = "\n".join(str(m.get("content", "")) for m in messages)
             prompt = messages

@@ -18,6 +18,7 @@ import torch
 
 from grpo_core import checkpoint as ckpt
 from grpo_core.errors import RunError
+from grpo_core.export import finish_exports, print_exports
 from grpo_core.spec import LoadedSpec, Spec, dump_spec
 from grpo_core.tracking import RunLog, flatten
 from grpo_core.train import model as modeling
@@ -440,9 +441,11 @@ def train(loaded: LoadedSpec, resume: str | None = None) -> int:
             if spec.checkpoint.every or spec.checkpoint.every_minutes:
                 run.save_checkpoint()
             final = _save_final(run)
+            exported = finish_exports(run, final)
             status = "FINISHED" if stop.signum is None else "KILLED"
             if run.dist.is_main:
                 _summary(run, final, run.last_eval)
+                print_exports(exported, run.log.metrics_path)
             return 0 if stop.signum is None else stop.exit_code
     except KeyboardInterrupt:
         status = "KILLED"

@@ -276,23 +276,23 @@ def saved_dict(tmp_path):
 
 
 def test_hf_loads_a_saved_dataset_dict(saved_dict):
-    dataset = HFDataset(HFOptions(name=str(saved_dict), eval_split="test"))
+    dataset = HFDataset(HFOptions(path=str(saved_dict), eval_split="test"))
     assert dataset.load("train") == ROWS
     assert dataset.load("eval") == ROWS[:1]
     assert type(dataset.load("train")[0]) is dict
-    assert HFDataset(HFOptions(name=str(saved_dict))).load("eval") == []
+    assert HFDataset(HFOptions(path=str(saved_dict))).load("eval") == []
 
 
 def test_hf_relative_saved_dir_resolves_but_hub_ids_do_not(saved_dict):
     context = {"base_dir": saved_dict.parent}
-    local = HFOptions.model_validate({"name": saved_dict.name}, context=context)
-    assert local.name == str(saved_dict)
-    hub = HFOptions.model_validate({"name": "openai/gsm8k"}, context=context)
-    assert hub.name == "openai/gsm8k"
+    local = HFOptions.model_validate({"path": saved_dict.name}, context=context)
+    assert local.path == str(saved_dict)
+    hub = HFOptions.model_validate({"path": "openai/gsm8k"}, context=context)
+    assert hub.path == "openai/gsm8k"
 
 
 def test_hf_missing_split_lists_the_available_ones(saved_dict):
-    dataset = HFDataset(HFOptions(name=str(saved_dict), eval_split="validation"))
+    dataset = HFDataset(HFOptions(path=str(saved_dict), eval_split="validation"))
     with pytest.raises(RunError, match="has no split 'validation'; available: train, test"):
         dataset.load("eval")
 
@@ -302,9 +302,9 @@ def test_hf_loads_a_saved_single_dataset(tmp_path):
 
     path = tmp_path / "single"
     datasets.Dataset.from_list(ROWS).save_to_disk(str(path))
-    assert HFDataset(HFOptions(name=str(path))).load("train") == ROWS
+    assert HFDataset(HFOptions(path=str(path))).load("train") == ROWS
     with pytest.raises(RunError, match="single saved Dataset.*unset eval_split"):
-        HFDataset(HFOptions(name=str(path), eval_split="test")).load("eval")
+        HFDataset(HFOptions(path=str(path), eval_split="test")).load("eval")
 
 
 def test_hf_hub_names_go_to_load_dataset(monkeypatch):
@@ -317,7 +317,7 @@ def test_hf_hub_names_go_to_load_dataset(monkeypatch):
         return datasets.Dataset.from_list(ROWS)
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load)
-    options = HFOptions(name="openai/gsm8k", config="main", eval_split="test", revision="v1")
+    options = HFOptions(path="openai/gsm8k", config="main", eval_split="test", revision="v1")
     assert HFDataset(options).load("eval") == ROWS
     assert calls == [("openai/gsm8k", "main", "test", "v1")]
 
@@ -330,7 +330,7 @@ def test_hf_network_error_names_the_dataset_and_the_way_out(monkeypatch):
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(RunError) as info:
-        HFDataset(HFOptions(name="openai/gsm8k", config="main")).load("train")
+        HFDataset(HFOptions(path="openai/gsm8k", config="main")).load("train")
     message = str(info.value)
     assert "'openai/gsm8k' (config 'main') split 'train'" in message
     assert "needs the network, or a local copy" in message and "save_to_disk" in message
@@ -345,7 +345,7 @@ def test_hf_other_errors_name_the_dataset_without_a_network_hint(monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", bad_split)
     expected = r"'org/data' split 'train': ValueError: Unknown split"
     with pytest.raises(RunError, match=expected) as info:
-        HFDataset(HFOptions(name="org/data")).load("train")
+        HFDataset(HFOptions(path="org/data")).load("train")
     assert "network" not in str(info.value)
 
 
@@ -353,7 +353,7 @@ def test_hf_other_errors_name_the_dataset_without_a_network_hint(monkeypatch):
 REGISTERED = {
     "arithmetic": (ArithmeticOptions, {}),
     "file": (FileOptions, {"train": "/data/train.jsonl"}),
-    "hf": (HFOptions, {"name": "openai/gsm8k"}),
+    "hf": (HFOptions, {"path": "openai/gsm8k"}),
 }
 
 
