@@ -19,27 +19,17 @@ from grpo_core.errors import GrpoError, UsageError
 COMMANDS = ("run", "eval", "validate", "init", "runs", "plugins", "schema")
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="grpo-run",
-        description="Train a causal LM with GRPO from a YAML spec.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Exit codes: 0 ok, 1 runtime failure, 2 invalid spec or usage, 130 interrupted, 143 terminated.\n"
-        "Commands: grpo-run SPEC (train; --dry-run: one rollout, no training), grpo-run eval SPEC,\n"
-        "grpo-run validate SPEC, grpo-run init [--task math|tools|custom] [SPEC], grpo-run runs [FOLDER ...],\n"
-        "grpo-run plugins, grpo-run schema.",
+def _spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("spec", help="path to the YAML spec")
+    p.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
+        help="override a field, e.g. --set train.lr=1e-5 (value parsed as YAML); repeatable",
     )
-    sub = parser.add_subparsers(dest="command")
 
-    def spec_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("spec", help="path to the YAML spec")
-        p.add_argument(
-            "--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
-            help="override a field, e.g. --set train.lr=1e-5 (value parsed as YAML); repeatable",
-        )
 
+def _add_run(sub) -> None:
     run = sub.add_parser("run", help="train (the default command)")
-    spec_args(run)
+    _spec_args(run)
     run.add_argument(
         "--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
         help="continue the run from its latest checkpoint, or from the given checkpoint folder",
@@ -54,23 +44,26 @@ def _parser() -> argparse.ArgumentParser:
         help="train in N data-parallel processes on this machine (one per GPU, or N on the CPU); "
         "for several machines use accelerate launch or torchrun with -m grpo_core.cli run SPEC",
     )
-    evaluate = sub.add_parser(
-        "eval", help="evaluate a saved model (or the spec's base model) on the spec's held-out sets, "
-        "without training; prints a table"
-    )
-    spec_args(evaluate)
-    evaluate.add_argument(
-        "--model", default=None, metavar="FOLDER",
-        help="a model saved by grpo-run (runs/<name>/final, or a checkpoint folder); default: the spec's model",
-    )
-    evaluate.add_argument("--json", action="store_true", help="print the metrics as JSON instead of a table")
     run.add_argument(
         "--dry-run", action="store_true",
         help="validate, build the model and data, sample and score one step's completions and print "
         "them with their rewards; no training, no checkpoint, no tracker run",
     )
+
+
+def _add_others(sub) -> None:
+    evaluate = sub.add_parser(
+        "eval", help="evaluate a saved model (or the spec's base model) on the spec's held-out sets, "
+        "without training; prints a table"
+    )
+    _spec_args(evaluate)
+    evaluate.add_argument(
+        "--model", default=None, metavar="FOLDER",
+        help="a model saved by grpo-run (runs/<name>/final, or a checkpoint folder); default: the spec's model",
+    )
+    evaluate.add_argument("--json", action="store_true", help="print the metrics as JSON instead of a table")
     validate = sub.add_parser("validate", help="validate a spec and print it with every default filled in")
-    spec_args(validate)
+    _spec_args(validate)
     init = sub.add_parser("init", help="write a commented starter spec (and the files it names)")
     init.add_argument("spec", nargs="?", default="spec.yaml", help="where to write it (default: spec.yaml)")
     init.add_argument("--task", choices=("math", "tools", "custom"), default="math",
@@ -83,6 +76,21 @@ def _parser() -> argparse.ArgumentParser:
     plugins = sub.add_parser("plugins", help="list plugins and the components they register")
     plugins.add_argument("--json", action="store_true", help="print JSON")
     sub.add_parser("schema", help="print the JSON Schema of a spec, with every installed plugin's options")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="grpo-run",
+        description="Train a causal LM with GRPO from a YAML spec.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Exit codes: 0 ok, 1 runtime failure, 2 invalid spec or usage, 130 interrupted, 143 terminated.\n"
+        "Commands: grpo-run SPEC (train; --dry-run: one rollout, no training), grpo-run eval SPEC,\n"
+        "grpo-run validate SPEC, grpo-run init [--task math|tools|custom] [SPEC], grpo-run runs [FOLDER ...],\n"
+        "grpo-run plugins, grpo-run schema.",
+    )
+    sub = parser.add_subparsers(dest="command")
+    _add_run(sub)
+    _add_others(sub)
     return parser
 
 

@@ -47,6 +47,12 @@ def _resolve_path(value: Path, info: ValidationInfo) -> Path:
 SpecPath = Annotated[Path, AfterValidator(_resolve_path)]
 
 
+class Section(BaseModel):
+    """A part of the spec the engine owns: unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
 class Slot(BaseModel):
     """A component chosen by ``name``; keys other than the engine's fields are the
     plugin's options."""

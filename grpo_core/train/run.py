@@ -397,15 +397,7 @@ def train(loaded: LoadedSpec, resume: str | None = None) -> int:
     """Train as the spec says; return the process exit code."""
     run = build_run(loaded)
     spec = run.spec
-    resume_id = _resume(run, resume)
-    run.log.start(loaded.name, resume_id)
-    if resume_id is None and run.dist.is_main:
-        run.log.log_params(flatten(spec.model_dump(mode="json")))
-        resolved = run.output_dir / "spec.resolved.yaml"
-        resolved.write_text(dump_spec(spec), encoding="utf-8")
-        run.log.log_artifact(resolved)
-        if loaded.path is not None:
-            run.log.log_artifact(loaded.path)
+    _start_logging(run, loaded, _resume(run, resume))
     status = "FAILED"
     bar = _progress(run, run.step)
     try:
@@ -433,20 +425,8 @@ def train(loaded: LoadedSpec, resume: str | None = None) -> int:
                         f"  resume with: {loaded.command('--resume')}", file=sys.stderr,
                     )
                 return stop.exit_code
-            # Still handled here: a signal during the final evaluation or save lets them
-            # finish (a second one stops at once), then the run exits with its code.
-            if spec.eval.at_end and run.has_eval:
-                run.last_eval = evaluate_run(run)
-                run.log.log_metrics(run.last_eval, run.step)
-            if spec.checkpoint.every or spec.checkpoint.every_minutes:
-                run.save_checkpoint()
-            final = _save_final(run)
-            exported = finish_exports(run, final)
-            status = "FINISHED" if stop.signum is None else "KILLED"
-            if run.dist.is_main:
-                _summary(run, final, run.last_eval)
-                print_exports(exported, run.log.metrics_path)
-            return 0 if stop.signum is None else stop.exit_code
+            status, code = _finish(run, stop)
+            return code
     except KeyboardInterrupt:
         status = "KILLED"
         raise
@@ -454,6 +434,37 @@ def train(loaded: LoadedSpec, resume: str | None = None) -> int:
         if bar is not None:
             bar.close()
         run.log.finish(status)
+
+
+def _start_logging(run: Run, loaded: LoadedSpec, resume_id: str | None) -> None:
+    """Open the tracker run (the checkpoint's when resuming); a new run logs the resolved
+    spec as params and artifacts."""
+    run.log.start(loaded.name, resume_id)
+    if resume_id is None and run.dist.is_main:
+        run.log.log_params(flatten(run.spec.model_dump(mode="json")))
+        resolved = run.output_dir / "spec.resolved.yaml"
+        resolved.write_text(dump_spec(run.spec), encoding="utf-8")
+        run.log.log_artifact(resolved)
+        if loaded.path is not None:
+            run.log.log_artifact(loaded.path)
+
+
+def _finish(run: Run, stop: StopSignal) -> tuple[str, int]:
+    """The final evaluation, checkpoint, save and exports; the tracker status and exit code.
+    Called under the signal handler: a signal here lets them finish (a second one stops at
+    once), then the run exits with the signal's code."""
+    spec = run.spec
+    if spec.eval.at_end and run.has_eval:
+        run.last_eval = evaluate_run(run)
+        run.log.log_metrics(run.last_eval, run.step)
+    if spec.checkpoint.every or spec.checkpoint.every_minutes:
+        run.save_checkpoint()
+    final = _save_final(run)
+    exported = finish_exports(run, final)
+    if run.dist.is_main:
+        _summary(run, final, run.last_eval)
+        print_exports(exported, run.log.metrics_path)
+    return ("FINISHED", 0) if stop.signum is None else ("KILLED", stop.exit_code)
 
 
 def _summary(run: Run, final: Path, last_eval: dict[str, float]) -> None:

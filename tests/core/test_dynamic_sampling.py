@@ -17,7 +17,7 @@ from grpo_core.cli import main
 from grpo_core.contracts import RolloutBatch, SamplingParams
 from grpo_core.errors import SpecError
 from grpo_core.spec import load_spec
-from grpo_core.spec.models import DynamicSamplingSection
+from grpo_core.spec.algorithm import DynamicSamplingSection
 from grpo_core.testing import build_model, build_tokenizer
 from grpo_core.train.data import Prompt
 from grpo_core.train.kl import KLTerm, Reference, adapted_beta

@@ -24,7 +24,8 @@ from grpo_core.cli import main
 from grpo_core.options import Options
 from grpo_core.plugin_manager import load_plugins
 from grpo_core.spec import SpecPath, dump_spec, load_spec
-from grpo_core.spec.models import AdvantageSlot, EvalSection, Spec
+from grpo_core.spec.algorithm import AdvantageSlot
+from grpo_core.spec.models import EvalSection, Spec
 
 FUZZ = settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=False

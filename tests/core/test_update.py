@@ -232,7 +232,7 @@ def test_rollout_correction_scales_the_policy_gradient(registry, base_model):
     is 2: the gradient is twice the uncorrected one (mu = 1, so the clip is inactive)."""
     import math
 
-    from grpo_core.spec.models import RolloutCorrectionSection
+    from grpo_core.spec.algorithm import RolloutCorrectionSection
     from grpo_core.train.update import batch_logprobs
 
     batch = make_batch(zero_groups=())

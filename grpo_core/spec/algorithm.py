@@ -1,0 +1,142 @@
+"""The ``algorithm`` section of a spec: the objective's plugin slots (advantage estimator,
+KL penalty, policy loss, aggregator, step splitter) and the engine's own algorithm options."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from grpo_core.spec.slots import Section, Slot
+
+
+class AdvantageSlot(Slot):
+    kind = "advantage_estimator"
+    name: str = Field("grpo", description="Advantage estimator: grpo, process, dapo-token-scale, rloo, reinforce++.")
+
+
+class RefSyncSection(Section):
+    """Every ``every`` steps, ``ref <- alpha * policy + (1 - alpha) * ref`` (TR-DPO,
+    https://arxiv.org/abs/2404.09656; TRL's ``ref_model_sync_steps`` / ``ref_model_mixup_alpha``)."""
+
+    every: int = Field(ge=1, description="Steps between two syncs.")
+    alpha: float = Field(0.6, gt=0, le=1, description="Weight of the policy in the mix; 1 copies it.")
+
+
+class AdaptiveKLSection(Section):
+    """After each step, ``beta *= 1 + clip(kl / target - 1, -0.2, 0.2) * B / horizon``, with
+    ``kl`` the step's mean over completions of the per-token mean KL and ``B`` its rows
+    (Ziegler et al. 2019, https://arxiv.org/abs/1909.08593)."""
+
+    target: float = Field(gt=0, description="The KL (per token) to steer toward.")
+    horizon: int = Field(10_000, ge=1, description="Rows over which beta moves by at most 20%.")
+
+
+class DynamicSamplingSection(Section):
+    """DAPO's dynamic sampling (https://arxiv.org/abs/2503.14476): groups whose ``metric`` is
+    the same for all ``G`` completions carry no gradient; they are dropped and more prompts
+    are sampled until ``train.prompts_per_step`` groups with a spread are collected."""
+
+    metric: str = Field(
+        "reward", description="reward (the weighted total) or the name of one reward function."
+    )
+    max_rounds: int = Field(
+        4, ge=1, description="Rollout rounds per step at most; when they run out the batch is "
+        "filled with the first zero-spread groups (logged as dynamic_sampling/filled_groups).",
+    )
+
+
+class KLSlot(Slot):
+    kind = "kl_penalty"
+    name: str = Field("low_var_kl", description="KL estimator: low_var_kl (k3), kl (k1), abs, mse (k2).")
+    beta: float = Field(
+        0.0, ge=0, description="KL coefficient. 0 loads no reference model and computes no KL."
+    )
+    placement: Literal["loss", "reward"] = Field(
+        "loss",
+        description="loss: add beta*KL_t to the per-token loss (GRPO). reward: subtract "
+        "beta*sum_t KL_t from each completion's reward before advantages (PPO).",
+    )
+    ref_sync: RefSyncSection | None = Field(
+        None, description="Move the reference toward the policy every few steps (TR-DPO, TRL's sync_ref_model); "
+        "unset: the reference stays the initial policy.",
+    )
+    adaptive: AdaptiveKLSection | None = Field(
+        None, description="Adapt beta toward a target KL (Ziegler et al. 2019; verl's kl_ctrl: adaptive); "
+        "unset: beta is fixed.",
+    )
+
+
+class PolicyLossSlot(Slot):
+    kind = "policy_loss"
+    name: str = Field("clip", description="Policy loss: clip (PPO clipped surrogate), gspo.")
+
+
+class AggregationSlot(Slot):
+    kind = "loss_aggregator"
+    name: str = Field(
+        "seq-mean-token-mean",
+        description="How per-token losses become one scalar: seq-mean-token-mean (the GRPO "
+        "objective's 1/G sum_i 1/|o_i| sum_t), token-mean (DAPO), seq-mean-token-sum, "
+        "seq-mean-token-sum-norm (Dr. GRPO), token-sum.",
+    )
+
+
+class StepSplitterSlot(Slot):
+    kind = "step_splitter"
+    name: str = Field(
+        "newline",
+        description="How completions are cut into steps for process supervision (rewards that "
+        "take `steps`, the process estimator): newline, blank-line, regex.",
+    )
+
+
+class RolloutCorrectionSection(Section):
+    """Truncated importance sampling for the gap between the sampler's and the trainer's
+    log-probs (a vLLM backend samples with other kernels, and often another precision).
+
+    With ``r = exp(logp_train_old - logp_sampler)`` per token (``level: token``) or per
+    completion (``level: sequence``, the product over its tokens), each completion token's
+    policy loss is multiplied by ``w = min(r, cap)`` (``mode: truncate``, TIS) or by
+    ``w = r`` where ``r <= cap`` and 0 elsewhere (``mode: mask``); ``w`` carries no gradient.
+    The KL term is not weighted. Applies only when the backend returns ``sampling_logp``
+    (``vllm`` does, ``hf`` samples from the trained weights and does not).
+    """
+
+    level: Literal["off", "token", "sequence"] = Field(
+        "token", description="off, token (one ratio per token) or sequence (one per completion)."
+    )
+    mode: Literal["truncate", "mask"] = Field(
+        "truncate", description="truncate: w = min(r, cap); mask: w = r where r <= cap, else 0."
+    )
+    cap: float = Field(2.0, gt=1, description="The cap C on the sampler-to-trainer ratio.")
+
+
+class AlgorithmSection(Section):
+    """The objective: every choice is a plugin picked by name."""
+
+    advantage: AdvantageSlot = Field(default_factory=AdvantageSlot, description="Advantage estimator.")
+    kl: KLSlot = Field(default_factory=KLSlot, description="KL penalty to the reference model.")
+    policy_loss: PolicyLossSlot = Field(default_factory=PolicyLossSlot, description="Policy loss.")
+    aggregation: AggregationSlot = Field(default_factory=AggregationSlot, description="Loss aggregator.")
+    step_splitter: StepSplitterSlot = Field(
+        default_factory=StepSplitterSlot,
+        description="Step splitter, used only when a reward function takes `steps` or the "
+        "advantage estimator needs step scores.",
+    )
+    mu: int = Field(1, ge=1, description="Policy updates per rollout batch (GRPO's mu). 1 needs no old-policy forward.")
+    entropy_coef: float = Field(
+        0.0, ge=0, description="Entropy bonus coefficient; entropy is computed only when it is > 0."
+    )
+    early_stop_imp_ratio: float | None = Field(
+        None, gt=1, description="Drop (skip the update of) a mini-batch whose mean importance ratio "
+        "exceeds this; dropped mini-batches are counted and logged."
+    )
+    dynamic_sampling: DynamicSamplingSection | None = Field(
+        None, description="Drop zero-spread groups and sample more prompts (DAPO); unset: off."
+    )
+    rollout_correction: RolloutCorrectionSection = Field(
+        default_factory=RolloutCorrectionSection,
+        description="Truncated importance sampling against sampler/trainer log-prob mismatch "
+        "(backends that return sampling log-probs, e.g. vllm).",
+    )
