@@ -374,7 +374,7 @@ class Dataset(Protocol):
     """Rows of a task: each a dict with the prompt column plus any other columns.
 
     ``load(split)`` returns the rows of ``"train"`` or ``"eval"`` (an empty list when the
-    task has no held-out split). ``base_dir`` resolves relative paths in the options.
+    task has no held-out split). Relative paths in its options are resolved by the spec.
     """
 
     def load(self, split: str) -> list[dict[str, Any]]: ...

@@ -21,7 +21,7 @@ from grpo_core.train.distributed import Dist
 from grpo_core.train.evaluate import EvalSet, evaluate_sets, load_eval_sets
 from grpo_core.train.reasoning_steps import split_steps
 from grpo_core.train.rollout import Scorer
-from grpo_core.train.run import _rewards, seed_everything
+from grpo_core.train.run import build_rewards, seed_everything
 from grpo_core.train.step import StepSettings
 
 
@@ -88,7 +88,7 @@ def build_eval_run(loaded: LoadedSpec, model_dir: str | None = None) -> EvalRun:
     if spec.train.threads:
         torch.set_num_threads(spec.train.threads)
     splitter = spec.algorithm.step_splitter.build()
-    rewards = _rewards(spec, splitter)
+    rewards = build_rewards(spec, splitter)
     try:
         rows = spec.data.build().load("eval")
     except RunError:

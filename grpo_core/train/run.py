@@ -138,7 +138,8 @@ class Run:
         return folder
 
 
-def _rewards(spec: Spec, splitter: Any) -> list[RewardFn]:
+def build_rewards(spec: Spec, splitter: Any) -> list[RewardFn]:
+    """The spec's reward functions, labelled ``name`` (``name#i`` when a name is listed twice)."""
     names = [slot.name for slot in spec.rewards]
     cut = partial(split_steps, splitter, spec.algorithm.step_splitter.name)
     out = []
@@ -208,7 +209,7 @@ def build_run(loaded: LoadedSpec, dist: Dist | None = None) -> Run:
     output_dir.mkdir(parents=True, exist_ok=True)
 
     splitter = spec.algorithm.step_splitter.build()
-    rewards = _rewards(spec, splitter)
+    rewards = build_rewards(spec, splitter)
     train_rows, eval_rows = _load_rows(spec)
     _check_data(spec, rewards, train_rows, eval_rows)
 
