@@ -126,6 +126,19 @@ def register_trackers(register: "Registrar") -> None:
     """
 
 
+@hookspec
+def register_environments(register: "Registrar") -> None:
+    """Register environments for multi-turn rollouts; called once when the registry is
+    built (since 0.2).
+
+    A component is a :class:`~grpo_core.contracts.Environment`: ``reset(row)`` opens an
+    episode for a dataset row, ``step(state, text)`` answers each model turn with an
+    :class:`~grpo_core.contracts.Observation` (messages such as a tool result, done, an
+    optional reward); ``tools`` lists the JSON schemas the chat template shows the model.
+    Selected by ``rollout.environment.name``.
+    """
+
+
 #: The component kinds, in the order the registry lists them: ``kind -> hook name``.
 KINDS: dict[str, str] = {
     "advantage_estimator": "register_advantage_estimators",
@@ -137,6 +150,7 @@ KINDS: dict[str, str] = {
     "dataset": "register_datasets",
     "step_splitter": "register_step_splitters",
     "tracker": "register_trackers",
+    "environment": "register_environments",
 }
 
 #: Words used in messages, per kind.
@@ -150,4 +164,5 @@ KIND_LABELS: dict[str, str] = {
     "dataset": "dataset",
     "step_splitter": "step splitter",
     "tracker": "tracker",
+    "environment": "environment",
 }

@@ -45,6 +45,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "grpo_plugins.datasets",
     "grpo_plugins.step_splitters",
     "grpo_plugins.trackers",
+    "grpo_plugins.environments",
 )
 
 
