@@ -45,6 +45,7 @@ from pydantic import Field
 
 from grpo_core import hookimpl
 from grpo_core.contracts import Observation
+from grpo_core.errors import PluginError
 from grpo_core.options import Options
 from grpo_plugins.calculator import calculator
 
@@ -181,8 +182,14 @@ def tools_environment(*functions: Callable[..., Any]) -> Callable[[ToolsOptions]
     The built-in tools listed in the options are added unless ``tools: []``."""
     from transformers.utils import get_json_schema
 
-    for fn in functions:
-        get_json_schema(fn)  # fail at registration, naming the function, when it has no schema
+    for fn in functions:  # fail at registration, naming the function, when it has no schema
+        try:
+            get_json_schema(fn)
+        except Exception as exc:
+            raise PluginError(
+                f"tool {getattr(fn, '__name__', fn)!r} has no JSON schema ({type(exc).__name__}: {exc}); a tool "
+                "needs a type hint on every argument and a docstring describing each under 'Args:'"
+            ) from exc
 
     def build(options: ToolsOptions) -> ToolsEnvironment:
         return ToolsEnvironment(list(functions), options)
