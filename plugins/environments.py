@@ -55,6 +55,7 @@ __all__ = ["ToolsOptions", "ToolsEnvironment", "tools_environment", "parse_tool_
 BUILTIN_TOOLS: dict[str, Callable[..., Any]] = {"calculator": calculator}
 
 _CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+_JSON = json.JSONDecoder()
 TOOL_CALL_FORMAT = '<tool_call>{"name": "<tool>", "arguments": {...}}</tool_call>'
 
 
@@ -78,12 +79,13 @@ class ToolsOptions(Options):
 
 def parse_tool_calls(text: str) -> list[tuple[str, dict] | str]:
     """The tool calls in ``text``: ``(name, arguments)`` per well-formed call, an error
-    message (a string) per malformed one; an unterminated last call counts too."""
+    message (a string) per malformed one. A call is the first JSON object after
+    ``<tool_call>``; an unterminated last call counts too (a turn cut at its token limit)."""
     calls: list[tuple[str, dict] | str] = []
     for match in _CALL.finditer(text):
         body = match.group(1).strip()
-        try:
-            call = json.loads(body)
+        try:  # the first JSON value; text after it (a small model's chatter) is ignored
+            call, _ = _JSON.raw_decode(body)
         except ValueError as exc:
             calls.append(f"malformed tool call ({exc.msg}); write {TOOL_CALL_FORMAT}")
             continue

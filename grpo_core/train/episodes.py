@@ -8,9 +8,11 @@ continue each episode from its own tokens with ``group_size=1``), so any rollout
 environment's observation is rendered with the model's chat template and its tokens are
 appended with mask False: they are context for later turns, never trained, never counted
 in a normalizer. An episode ends when the environment says so, after
-``max_turns`` model turns, when a model turn hits ``rollout.max_new_tokens`` without
-ending (truncated), or when ``max_total_tokens`` (model plus environment tokens after the
-prompt) would be exceeded (truncated).
+``max_turns`` model turns, or when ``max_total_tokens`` (model plus environment tokens
+after the prompt) would be exceeded. A model turn that hits ``rollout.max_new_tokens``
+without ending is still given to the environment (it may hold a complete tool call). An
+episode counts as truncated (``rollout.mask_truncated_completions``,
+``completions/clipped_ratio``) when the budget ended it or its last turn was cut.
 
 Tool prompts: when the tokenizer's chat template renders ``tools`` (Qwen, Llama 3,
 Hermes-style templates) the environment's JSON schemas are passed to it. When it ignores
@@ -172,16 +174,17 @@ class EpisodeRunner:
         text = self.tokenizer.decode(new, skip_special_tokens=True) if cut else batch.completions[row]
         e.messages.append({"role": "assistant", "content": text})
         e.turns += 1
-        if cut or bool(batch.truncated[row]):
+        if cut:  # the episode's token budget ran out inside this turn
             e.done = e.truncated = True
             return
-        obs = self.environment.step(e.state, text)
+        obs = self.environment.step(e.state, text)  # a turn cut at max_new_tokens is answered too
         e.tool_calls += int(obs.tool_calls)
         e.tool_errors += int(obs.tool_errors)
         if obs.reward is not None:
             e.reward = float(obs.reward)
         if obs.done or e.turns >= self.max_turns:
             e.done = True
+            e.truncated = bool(batch.truncated[row])  # the last turn did not end by itself
             return
         ids = self.renderer.observation_ids(list(obs.messages), bool(new) and new[-1] in self.eos_ids)
         if len(e.ids) + len(ids) >= self.max_total_tokens:  # no room left for another model token

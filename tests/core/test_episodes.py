@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import time
 from contextlib import nullcontext
+from dataclasses import replace
 
 import pytest
 import torch
@@ -137,6 +138,20 @@ def test_the_token_budget_stops_an_episode_and_marks_it_truncated(tok):
     assert out.completion_ids.shape[1] <= budget
     assert bool(out.truncated[0])
     assert int(out.episodes.turns[0]) < 10
+
+
+def test_a_turn_cut_at_its_token_limit_is_still_answered(tok):
+    call = CALL.format(name="calculator", args='{"expression": "2 * 21"}') + " and then some chatter"
+    limit = len(tok(call, add_special_tokens=False)["input_ids"]) - 3  # the call fits, the chatter does not
+    backend = Scripted(tok, [call, "42" + tok.eos_token])
+    env = tools_environment()(ToolsOptions())
+    out = runner(tok, env).run(backend, [prompt_of(tok)], 1, replace(SAMPLING, max_new_tokens=limit))
+    assert out.episodes.turns.tolist() == [2] and out.episodes.tool_calls.tolist() == [1]
+    assert out.episodes.messages[0][1] == {"role": "tool", "content": "42"}
+    assert not bool(out.truncated[0])  # the last turn ended by itself
+    cut = runner(tok, env, max_turns=1).run(Scripted(tok, [call]), [prompt_of(tok)], 1,
+                                            replace(SAMPLING, max_new_tokens=limit))
+    assert bool(cut.truncated[0])  # its only turn was cut
 
 
 def slow(seconds: float) -> str:

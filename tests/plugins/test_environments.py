@@ -31,6 +31,7 @@ def add(a: int, b: int) -> int:
         ('<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call>', [("add", {"a": 1})]),
         ('x <tool_call> {"name": "f"} </tool_call> y <tool_call>{"name": "g", "arguments": {}}',
          [("f", {}), ("g", {})]),  # an unterminated last call counts (the turn stopped mid-way)
+        ('<tool_call>{"name": "add", "arguments": {"a": 1}}\n\nThis can be shown', [("add", {"a": 1})]),
     ],
 )
 def test_parse_tool_calls(text, expected):
