@@ -98,3 +98,19 @@ def test_a_third_party_environment_from_a_local_plugin_file_runs_from_a_spec(tmp
         assert r["env/env_tokens"] > 0  # "go on" sat between the turns, as context
         assert r["env/tool_calls"] == 0.0
         assert r["rewards/env_reward/mean"] >= 1.0  # its reward reached the reward function
+
+
+def test_the_readme_tool_example_registers_an_environment(tmp_path):
+    import re
+
+    from grpo_core.plugins import load_plugins
+
+    readme = (SPECS.parent / "README.md").read_text(encoding="utf-8")
+    (code,) = re.findall(r"```python\n(# my_tools\.py.*?)```", readme, re.S)
+    path = tmp_path / "my_tools.py"
+    path.write_text(code)
+    component = load_plugins([path], external=False).registry.get("environment", "words")
+    env = component.build(component.options(tools=[]))
+    assert [t["function"]["name"] for t in env.tools] == ["word_count"]
+    obs = env.step(env.reset({}), '<tool_call>{"name": "word_count", "arguments": {"text": "a b c"}}</tool_call>')
+    assert obs.messages == [{"role": "tool", "content": "3"}]
