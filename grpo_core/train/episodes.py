@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from grpo_core.contracts import Environment, Episodes, RolloutBatch, SamplingParams
+from grpo_core.contracts import Environment, Episodes, RolloutBatch, SamplingParams, left_pad
 from grpo_core.errors import RunError
 
 TOOL_PROMPT = (
@@ -157,12 +157,10 @@ class EpisodeRunner:
                 batch = backend.generate([e.prompt_ids + e.ids for e in live], 1, params)
             with_logp = with_logp and batch.sampling_logp is not None
             for row, episode in enumerate(live):
-                self._turn(episode, batch, row, params.max_new_tokens)
-        for episode in episodes:
-            episode.done = True
+                self._turn(episode, batch, row)
         return self._assemble(prompts, episodes, backend, with_logp)
 
-    def _turn(self, e: _Episode, batch: RolloutBatch, row: int, turn_limit: int) -> None:
+    def _turn(self, e: _Episode, batch: RolloutBatch, row: int) -> None:
         """Append one model turn (row ``row`` of ``batch``) and the environment's answer."""
         n = int(batch.completion_mask[row].sum())
         new = batch.completion_ids[row, :n].tolist()
@@ -194,8 +192,6 @@ class EpisodeRunner:
         e.messages.extend(obs.messages)
 
     def _assemble(self, prompts: list, episodes: list[_Episode], backend: Any, with_logp: bool) -> RolloutBatch:
-        from grpo_core.contracts import left_pad
-
         width = max(1, max(len(e.ids) for e in episodes))
         rows = len(episodes)
         ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
