@@ -49,7 +49,8 @@ from grpo_core.errors import PluginError
 from grpo_core.options import Options
 from grpo_plugins.calculator import calculator
 
-__all__ = ["ToolsOptions", "ToolsEnvironment", "tools_environment", "parse_tool_calls", "env_reward", "BUILTIN_TOOLS"]
+__all__ = ["ToolsOptions", "ToolsEnvironment", "tools_environment", "parse_tool_calls", "env_reward", "tool_success",
+           "BUILTIN_TOOLS"]
 
 #: Tools the built-in ``tools`` environment can offer by name.
 BUILTIN_TOOLS: dict[str, Callable[..., Any]] = {"calculator": calculator}
@@ -210,10 +211,21 @@ def env_reward(prompts: list, completions: list, env_reward: list | None = None,
     return [None if r is None else float(r) for r in env_reward]
 
 
+def tool_success(prompts: list, completions: list, **columns: Any) -> list:
+    """1.0 when the episode holds a tool result that is not an error (a ``tool`` message
+    not starting with ``error:``), else 0.0: a shaping reward for learning to call tools."""
+    def ok(message: Any) -> bool:
+        return (isinstance(message, dict) and message.get("role") == "tool"
+                and not str(message.get("content", "")).startswith("error:"))
+
+    return [1.0 if isinstance(c, list) and any(ok(m) for m in c) else 0.0 for c in completions]
+
+
 @hookimpl
 def register_reward_functions(register) -> None:
-    """Register ``env_reward``: the environment's reward as a reward function."""
+    """Register ``env_reward`` (the environment's reward) and ``tool_success``."""
     register.add("env_reward", env_reward)
+    register.add("tool_success", tool_success)
 
 
 @hookimpl

@@ -50,6 +50,7 @@ def test_the_tools_spec_validates_without_loading_a_model():
     assert env.name == "tools" and env.component.plugin == "grpo_plugins.environments"
     assert env.options.tools == ["calculator"] and env.max_turns == 3 and env.max_total_tokens == 160
     assert spec.data.options.operations == ("*",) and spec.data.options.min_value == 100
+    assert [r.name for r in spec.rewards] == ["accuracy", "tool_success"]
     assert spec.train.threads is not None
 
 

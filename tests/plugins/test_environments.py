@@ -10,7 +10,7 @@ from grpo_core.errors import PluginError, RunError
 from grpo_core.plugins import load_plugins
 from grpo_core.testing import build_tokenizer
 from grpo_core.train.episodes import TOOL_PROMPT, template_renders_tools, with_tools
-from grpo_plugins.environments import ToolsOptions, env_reward, parse_tool_calls, tools_environment
+from grpo_plugins.environments import ToolsOptions, env_reward, parse_tool_calls, tool_success, tools_environment
 
 
 def add(a: int, b: int) -> int:
@@ -93,6 +93,17 @@ def test_env_reward_returns_the_environment_reward_and_needs_an_environment():
     assert env_reward(["p"] * 3, ["c"] * 3, env_reward=[1, None, 0.5]) == [1.0, None, 0.5]
     with pytest.raises(RunError, match="needs rollout.environment"):
         env_reward(["p"], ["c"], answer=["1"])
+
+
+def test_tool_success_pays_for_a_tool_result_that_is_not_an_error():
+    call = {"role": "assistant", "content": "<tool_call>...</tool_call>"}
+    episodes = [
+        [call, {"role": "tool", "content": "408"}, {"role": "assistant", "content": "408"}],
+        [call, {"role": "tool", "content": "error: malformed tool call"}, {"role": "assistant", "content": "1"}],
+        [{"role": "assistant", "content": "408"}],
+        "a plain string completion",
+    ]
+    assert tool_success(["p"] * 4, episodes) == [1.0, 0.0, 0.0, 0.0]
 
 
 def test_a_template_without_tool_support_gets_the_plain_text_convention():
