@@ -114,6 +114,16 @@ def register_trackers(register: Registrar) -> None:
     """
 
 
+@hookspec
+def register_environments(register: Registrar) -> None:
+    """Register environments for multi-turn rollouts (tools, simulated users); called once
+    when the registry is built.
+
+    Each component follows :class:`~grpo_core.contracts.Environment`. Selected by
+    ``rollout.environment.name``.
+    """
+
+
 @dataclass(frozen=True)
 class Kind:
     """One component kind: its hook, the words messages use for it, and its contract.
@@ -148,4 +158,5 @@ KINDS: dict[str, Kind] = {
     "dataset": Kind("register_datasets", "dataset", "Dataset"),
     "step_splitter": Kind("register_step_splitters", "step splitter", "StepSplitter"),
     "tracker": Kind("register_trackers", "tracker", "Tracker"),
+    "environment": Kind("register_environments", "environment", "Environment"),
 }

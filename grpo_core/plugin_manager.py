@@ -50,6 +50,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "grpo_plugins.step_splitters",
     "grpo_plugins.trackers",
     "grpo_plugins.trackers_ext",
+    "grpo_plugins.environments",
 )
 
 

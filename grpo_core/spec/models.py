@@ -99,6 +99,20 @@ class DataSlot(Slot):
 
 
 # --------------------------------------------------------------------------- rollout
+class EnvironmentSlot(Slot):
+    """Multi-turn episodes: an environment plugin answers every model turn (a tool result,
+    a user message) until it ends the episode or a limit is hit. The episode is trained as
+    one sequence whose loss mask covers only the model's tokens."""
+
+    kind = "environment"
+    name: str = Field(description="Environment plugin: tools (function calling) or an installed one.")
+    max_turns: int = Field(4, ge=1, description="Model turns per episode at most (rollout.max_new_tokens bounds each).")
+    max_total_tokens: int = Field(
+        512, ge=1, description="Tokens after the prompt per episode at most, model and environment tokens "
+        "together; an episode that reaches it ends (counted as truncated).",
+    )
+
+
 class RolloutSlot(Slot):
     """How completions are sampled: the backend plugin and the sampling settings."""
 
@@ -112,6 +126,9 @@ class RolloutSlot(Slot):
     stop: list[str] = Field(default_factory=list, description="Strings that end a completion (kept in it).")
     mask_truncated_completions: bool = Field(
         False, description="Leave completions that hit max_new_tokens out of the loss (as TRL's option)."
+    )
+    environment: EnvironmentSlot | None = Field(
+        None, description="Multi-turn rollouts with tools or another environment; unset: one turn per completion."
     )
 
 

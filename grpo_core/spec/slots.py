@@ -100,7 +100,7 @@ def iter_slots(model: BaseModel, path: tuple = ()) -> Iterator[tuple[tuple, Slot
             where = path + ((field_name,) if index is None else (field_name, index))
             if isinstance(item, Slot):
                 yield where, item
-            elif isinstance(item, BaseModel):
+            if isinstance(item, BaseModel):  # a slot may hold slots too (rollout.environment)
                 yield from iter_slots(item, where)
 
 

@@ -10,6 +10,7 @@ import numpy as np
 
 from grpo_core.errors import RunError
 from grpo_core.spec.models import DataSlot
+from grpo_core.train.episodes import with_tools
 
 
 @dataclass
@@ -46,7 +47,8 @@ class PromptSource:
     """
 
     def __init__(
-        self, rows: list[dict], tokenizer, slot: DataSlot, *, seed: int, max_tokens: int, shuffle: bool | None = None
+        self, rows: list[dict], tokenizer, slot: DataSlot, *, seed: int, max_tokens: int,
+        shuffle: bool | None = None, tools: list[dict] | None = None,
     ):
         if not rows:
             raise RunError(f"data: dataset '{slot.name}' has no rows to train on")
@@ -59,6 +61,7 @@ class PromptSource:
         self.epoch = 0
         self.position = 0
         self.skipped: dict[str, int] = {}
+        self.tools = list(tools or [])  # JSON schemas shown to the model (rollout.environment's tools)
         self._order = self._make_order()
 
     def _make_order(self) -> np.ndarray:
@@ -78,14 +81,20 @@ class PromptSource:
             if not any(str(m.get("content", "")).strip() for m in messages if m.get("role") != "system"):
                 return self._skip("empty prompt")
             if self.slot.chat_template and getattr(self.tokenizer, "chat_template", None):
+                messages, extra = with_tools(self.tokenizer, messages, self.tools)
                 text = self.tokenizer.apply_chat_template(
-                    messages, tokenize=False, add_generation_prompt=True, **self.slot.chat_template_kwargs
+                    messages, tokenize=False, add_generation_prompt=True, **self.slot.chat_template_kwargs, **extra
                 )
             else:
                 text = "\n".join(str(m.get("content", "")) for m in messages)
             prompt = messages
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         elif isinstance(prompt, str):
+            if self.tools:
+                raise RunError(
+                    "rollout.environment offers tools, which the chat template shows to the model: the "
+                    f"prompts (column '{self.slot.prompt_column}') must be chat messages, not strings"
+                )
             if not prompt.strip():
                 return self._skip("empty prompt")
             text = prompt

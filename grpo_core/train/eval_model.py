@@ -21,7 +21,7 @@ from grpo_core.train.distributed import Dist
 from grpo_core.train.evaluate import EvalSet, evaluate_sets, load_eval_sets
 from grpo_core.train.reasoning_steps import split_steps
 from grpo_core.train.rollout import Scorer
-from grpo_core.train.run import build_rewards, seed_everything
+from grpo_core.train.run import build_episodes, build_rewards, seed_everything
 from grpo_core.train.step import StepSettings
 
 
@@ -35,11 +35,12 @@ class EvalRun:
     sets: list[EvalSet]
     dist: Dist = field(default_factory=Dist)
     autocast: Callable = nullcontext
+    episodes: Any = None  # the multi-turn runner of rollout.environment, or None
 
     def evaluate(self) -> dict[str, float]:
         sampling = StepSettings.from_spec(self.spec).sampling
         return evaluate_sets(self.spec, self.backend, self.scorer, self.sets, sampling,
-                             dist=self.dist, autocast=self.autocast)
+                             dist=self.dist, autocast=self.autocast, episodes=self.episodes)
 
 
 def saved_model_folder(path: str) -> Path:
@@ -104,21 +105,25 @@ def build_eval_run(loaded: LoadedSpec, model_dir: str | None = None) -> EvalRun:
     else:
         tokenizer, model = _load_saved(spec, loaded.base_dir, folder)
     model = model.to(dist.device).eval()
+    scorer = Scorer(rewards, spec.data.prompt_column, spec.train.reward_errors,
+                    split=partial(split_steps, splitter, spec.algorithm.step_splitter.name))
+    episodes = build_episodes(spec, model, tokenizer, scorer)
+    tools = episodes.tools if episodes is not None else None
+    env = spec.rollout.environment
     context = getattr(model.config, "max_position_embeddings", None) or 10**9
-    max_prompt = spec.data.max_prompt_tokens or max(1, context - spec.rollout.max_new_tokens)
-    source = PromptSource(rows or [{}], tokenizer, spec.data, seed=0, max_tokens=max_prompt, shuffle=False)
+    longest = spec.rollout.max_new_tokens if env is None else env.max_total_tokens
+    max_prompt = spec.data.max_prompt_tokens or max(1, context - longest)
+    source = PromptSource(rows or [{}], tokenizer, spec.data, seed=0, max_tokens=max_prompt, shuffle=False, tools=tools)
     eval_prompts = [p for p in map(source.render, rows) if p is not None][: spec.eval.max_prompts]
-    eval_sets = load_eval_sets(spec, tokenizer, max_prompt, required)
+    eval_sets = load_eval_sets(spec, tokenizer, max_prompt, required, tools)
     if not eval_prompts and not any(s.prompts for s in eval_sets.values()):
         raise UsageError(f"{loaded.name}: the spec has no held-out prompts to evaluate on; give data a "
                          "held-out split (e.g. eval_size, or eval: FILE) or name sets in eval.sets")
     backend = spec.rollout.build()
     backend.setup(model, tokenizer)
-    scorer = Scorer(rewards, spec.data.prompt_column, spec.train.reward_errors,
-                    split=partial(split_steps, splitter, spec.algorithm.step_splitter.name))
     sets = [EvalSet("eval/", eval_prompts, spec.data.prompt_column), *eval_sets.values()]
     autocast = partial(modeling.autocast, spec.train.mixed_precision, dist.device)
-    return EvalRun(spec, backend, scorer, sets, dist, autocast)
+    return EvalRun(spec, backend, scorer, sets, dist, autocast, episodes)
 
 
 def evaluate_model(loaded: LoadedSpec, model_dir: str | None = None) -> dict[str, float]:

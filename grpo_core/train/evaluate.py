@@ -13,10 +13,11 @@ from typing import Any
 
 import torch
 
-from grpo_core.contracts import SamplingParams
+from grpo_core.contracts import Episodes, SamplingParams
 from grpo_core.errors import RunError
 from grpo_core.train.data import Prompt, PromptSource, check_columns
 from grpo_core.train.distributed import Dist
+from grpo_core.train.episodes import episode_metrics
 from grpo_core.train.passk import mean_at_n, mean_pass_at_k
 from grpo_core.train.rollout import Scorer, reward_means, sample_and_score
 from grpo_core.train.scoring import Scores
@@ -25,19 +26,26 @@ from grpo_core.train.scoring import Scores
 def evaluate(
     backend: Any, scorer: Scorer, prompts: list[Prompt], sampling: SamplingParams, *,
     batch_size: int, dist: Dist | None = None, autocast: Callable = nullcontext, prefix: str = "eval/",
+    episodes: Any = None,
 ) -> dict[str, float]:
     """``eval/reward`` and ``eval/rewards/<name>`` (mean over held-out prompts; for an
     accuracy reward that is the greedy accuracy), plus mean completion length.
 
     With several processes each evaluates every N-th prompt and the scores are gathered,
-    so the figures are those of all held-out prompts."""
+    so the figures are those of all held-out prompts. With multi-turn ``episodes`` the
+    ``eval/env/...`` metrics of :func:`~grpo_core.train.episodes.episode_metrics` are
+    added (those of this process's prompts)."""
     if not prompts:
         return {}
     dist = dist or Dist()
     totals, per_fn, lengths, names = [], [], [], [fn.name for fn in scorer.rewards]
+    records, masks = [], []
     mine = prompts[dist.rank::dist.world]
     for start in range(0, len(mine), batch_size):
-        scored = sample_and_score(backend, scorer, mine[start:start + batch_size], 1, sampling, autocast)
+        scored = sample_and_score(backend, scorer, mine[start:start + batch_size], 1, sampling, autocast, episodes)
+        if scored.rollout.episodes is not None:
+            records.append(scored.rollout.episodes)
+            masks.append(scored.rollout.completion_mask.cpu())
         totals.append(scored.scores.total)
         per_fn.append(scored.scores.per_function)
         lengths.append(scored.rollout.completion_mask.sum(dim=1).float().cpu())
@@ -51,6 +59,10 @@ def evaluate(
            f"{prefix}reward": math.nan}
     out.update(reward_means(everyone, prefix=prefix))
     out[f"{prefix}prompts"] = float(len(prompts))
+    if records:
+        width = max(m.shape[1] for m in masks)
+        mask = torch.cat([torch.nn.functional.pad(m, (0, width - m.shape[1])) for m in masks])
+        out.update(episode_metrics(Episodes.concat(records), mask, prefix=prefix))
     return out
 
 
@@ -58,7 +70,7 @@ def evaluate(
 def evaluate_sampled(
     backend: Any, scorer: Scorer, prompts: list[Prompt], sampling: SamplingParams, *, n: int, ks: list[int],
     correct: int, threshold: float, batch_size: int, dist: Dist | None = None,
-    autocast: Callable = nullcontext, prefix: str = "eval/",
+    autocast: Callable = nullcontext, prefix: str = "eval/", episodes: Any = None,
 ) -> dict[str, float]:
     """``n`` sampled completions per prompt: ``<prefix>mean@n`` (mean total reward over
     every sample), ``<prefix>rewards/<name>/mean@n`` per function, ``<prefix>pass@k`` for
@@ -75,7 +87,7 @@ def evaluate_sampled(
     for start in range(0, len(mine), batch_size):
         chunk = mine[start:start + batch_size]
         seeded = replace(sampling, seed=None if sampling.seed is None else sampling.seed + dist.rank * 65_537 + start)
-        scored = sample_and_score(backend, scorer, chunk, n, seeded, autocast)
+        scored = sample_and_score(backend, scorer, chunk, n, seeded, autocast, episodes)
         totals.append(scored.scores.total)
         tables.append(scored.scores.per_function)
         hit = scored.scores.per_function[:, correct] >= threshold  # NaN (unscorable) compares False
@@ -131,7 +143,7 @@ class EvalSet:
 
 def evaluate_sets(
     spec, backend: Any, scorer: Scorer, sets: list[EvalSet], sampling: SamplingParams, *,
-    dist: Dist | None = None, autocast: Callable = nullcontext,
+    dist: Dist | None = None, autocast: Callable = nullcontext, episodes: Any = None,
 ) -> dict[str, float]:
     """Every set's metrics: greedy ones (:func:`evaluate`) unless ``eval.greedy`` is off,
     sampled ones (:func:`evaluate_sampled`) when ``eval.n > 0``. ``sampling``: the
@@ -149,7 +161,7 @@ def evaluate_sets(
         if not eval_set.prompts:
             continue
         set_scorer = replace(scorer, prompt_column=eval_set.prompt_column)
-        common = dict(batch_size=e.batch_size, dist=dist, autocast=autocast, prefix=eval_set.prefix)
+        common = dict(batch_size=e.batch_size, dist=dist, autocast=autocast, prefix=eval_set.prefix, episodes=episodes)
         if e.greedy:
             out.update(evaluate(backend, set_scorer, eval_set.prompts, greedy, **common))
         if e.n:
@@ -160,9 +172,12 @@ def evaluate_sets(
     return out
 
 
-def load_eval_sets(spec, tokenizer, max_tokens: int, required: dict[str, str]) -> dict[str, EvalSet]:
-    """The named sets of ``eval.sets``, loaded and rendered; ``required`` maps each column
-    the reward functions need to who needs it."""
+def load_eval_sets(
+    spec, tokenizer, max_tokens: int, required: dict[str, str], tools: list[dict] | None = None
+) -> dict[str, EvalSet]:
+    """The named sets of ``eval.sets``, loaded and rendered (with the environment's ``tools``
+    shown to the chat template); ``required`` maps each column the reward functions need to
+    who needs it."""
     out: dict[str, EvalSet] = {}
     for name, section in spec.eval.sets.items():
         dataset = section.data.build()
@@ -178,7 +193,7 @@ def load_eval_sets(spec, tokenizer, max_tokens: int, required: dict[str, str]) -
             raise RunError(f"eval.sets.{name}: dataset '{section.data.name}' has no rows in its {section.split} split")
         needed = {section.data.prompt_column: f"eval.sets.{name}.data.prompt_column", **required}
         check_columns(rows, needed, f"eval set '{name}'")
-        source = PromptSource(rows, tokenizer, section.data, seed=0, max_tokens=max_tokens, shuffle=False)
+        source = PromptSource(rows, tokenizer, section.data, seed=0, max_tokens=max_tokens, shuffle=False, tools=tools)
         prompts = [p for p in map(source.render, rows) if p is not None][: section.max_prompts]
         out[name] = EvalSet(f"eval/{name}/", prompts, section.data.prompt_column)
     return out

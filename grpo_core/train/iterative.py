@@ -77,7 +77,7 @@ class IterativeStage:
         prompts = source.next(s.prompts + s.heldout_prompts)
         sampling = replace(settings.sampling, seed=settings.seed * 1_000_003 + _SEED_OFFSET * (self.iteration + 1))
         verifier = Scorer([self.verifier], engine.scorer.prompt_column, engine.scorer.on_error)
-        scored = sample_and_score(engine.backend, verifier, prompts, g, sampling, engine.autocast)
+        scored = sample_and_score(engine.backend, verifier, prompts, g, sampling, engine.autocast, engine.episodes)
         row_prompts, completions = as_completions(prompts, scored.rollout)
         labels = scored.scores.total.tolist()
         examples = [RewardExample(p, c, float(y)) for p, c, y in zip(row_prompts, completions, labels)]

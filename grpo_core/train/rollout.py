@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from grpo_core.contracts import RolloutBatch, SamplingParams
+from grpo_core.contracts import Episodes, RolloutBatch, SamplingParams
 from grpo_core.train.data import Prompt
 from grpo_core.train.reasoning_steps import StepLayout
 from grpo_core.train.scoring import RewardFn, Scores, score
@@ -19,10 +19,14 @@ from grpo_core.train.scoring import RewardFn, Scores, score
 
 def as_completions(prompts: list[Prompt], rollout: RolloutBatch) -> tuple[list, list]:
     """Prompts and completions per row in TRL's convention: strings, or chat messages
-    (completion ``[{"role": "assistant", "content": text}]``) for conversational data."""
+    (completion ``[{"role": "assistant", "content": text}]``) for conversational data;
+    a multi-turn episode's completion is its whole conversation after the prompt
+    (assistant turns and the environment's messages)."""
     g = rollout.group_size
     row_prompts = [p.prompt for p in prompts for _ in range(g)]
-    if prompts and isinstance(prompts[0].prompt, list):
+    if rollout.episodes is not None:
+        completions = [list(messages) for messages in rollout.episodes.messages]
+    elif prompts and isinstance(prompts[0].prompt, list):
         completions = [[{"role": "assistant", "content": text}] for text in rollout.completions]
     else:
         completions = list(rollout.completions)
@@ -66,6 +70,8 @@ def score_rollout(scorer: Scorer, prompts: list[Prompt], rollout: RolloutBatch) 
     """Score ``rollout`` (generated for ``prompts``) with every reward function."""
     row_prompts, completions = as_completions(prompts, rollout)
     columns = columns_of(prompts, rollout.group_size, scorer.prompt_column)
+    if rollout.episodes is not None:
+        columns["env_reward"] = list(rollout.episodes.env_rewards)
     ids = [row[m].tolist() for row, m in zip(rollout.completion_ids, rollout.completion_mask)]
     layout = None
     if scorer.split is not None and (scorer.with_steps or any(fn.takes_steps for fn in scorer.rewards)):
@@ -75,13 +81,23 @@ def score_rollout(scorer: Scorer, prompts: list[Prompt], rollout: RolloutBatch) 
     return Scored(prompts, rollout, scores, layout)
 
 
+def generate_rollout(
+    backend: Any, prompts: list[Prompt], group_size: int, sampling: SamplingParams, episodes: Any = None
+) -> RolloutBatch:
+    """``group_size`` completions of each prompt; multi-turn episodes when ``episodes``
+    (an :class:`~grpo_core.train.episodes.EpisodeRunner`) is given."""
+    if episodes is not None:
+        return episodes.run(backend, prompts, group_size, sampling)
+    return backend.generate([p.ids for p in prompts], group_size, sampling)
+
+
 def sample_and_score(
     backend: Any, scorer: Scorer, prompts: list[Prompt], group_size: int, sampling: SamplingParams,
-    autocast: Callable = nullcontext,
+    autocast: Callable = nullcontext, episodes: Any = None,
 ) -> Scored:
-    """Generate ``group_size`` completions of each prompt, then score them."""
+    """Generate ``group_size`` completions (or episodes) of each prompt, then score them."""
     with autocast():
-        rollout = backend.generate([p.ids for p in prompts], group_size, sampling)
+        rollout = generate_rollout(backend, prompts, group_size, sampling, episodes)
     return score_rollout(scorer, prompts, rollout)
 
 
@@ -130,6 +146,7 @@ def select_groups(scored: Scored, groups: list[int]) -> Scored:
     rollout = RolloutBatch(
         r.prompt_ids[pidx], r.prompt_mask[pidx], r.completion_ids[idx], r.completion_mask[idx], r.truncated[idx],
         [r.completions[i] for i in rows], None if r.sampling_logp is None else r.sampling_logp[idx],
+        None if r.episodes is None else r.episodes.select(rows),
     )
     scores = Scores(s.total[idx], s.per_function[idx], s.names, s.failed,
                     None if s.step_scores is None else s.step_scores[idx])
@@ -152,6 +169,7 @@ def concat_scored(parts: list[Scored]) -> Scored:
         torch.cat([r.truncated for r in rs]),
         [c for r in rs for c in r.completions],
         None if rs[0].sampling_logp is None else torch.cat([_pad_right(r.sampling_logp, width_c, 0.0) for r in rs]),
+        None if rs[0].episodes is None else Episodes.concat([r.episodes for r in rs]),
     )
     ss = [p.scores for p in parts]
     step_scores = None

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from grpo_core import checkpoint as ckpt
+from grpo_core.contracts import special_ids
 from grpo_core.errors import RunError
 from grpo_core.export import finish_exports, print_exports
 from grpo_core.spec import LoadedSpec, Spec, dump_spec
@@ -24,6 +25,7 @@ from grpo_core.tracking import RunLog, flatten
 from grpo_core.train import model as modeling
 from grpo_core.train.data import PromptSource, check_columns
 from grpo_core.train.distributed import Dist, check_layout
+from grpo_core.train.episodes import EpisodeRunner
 from grpo_core.train.evaluate import EvalSet, evaluate_sets, load_eval_sets
 from grpo_core.train.iterative import build_iterative
 from grpo_core.train.kl import KLTerm
@@ -171,14 +173,29 @@ def _check_data(spec: Spec, rewards: list[RewardFn], train_rows, eval_rows) -> N
     check_columns(eval_rows, needed, "held-out")
 
 
+def build_episodes(spec: Spec, model, tokenizer, scorer: Scorer) -> EpisodeRunner | None:
+    """The multi-turn runner of ``rollout.environment``, or None."""
+    slot = spec.rollout.environment
+    if slot is None:
+        return None
+    if scorer.with_steps or any(fn.takes_steps for fn in scorer.rewards):
+        raise RunError("rollout.environment: process supervision (step scores) is not supported on "
+                       "multi-turn episodes; use outcome rewards")
+    eos_ids, pad_id = special_ids(model, tokenizer, "environment")
+    return EpisodeRunner(slot.build(), tokenizer, max_turns=slot.max_turns,
+                         max_total_tokens=slot.max_total_tokens, eos_ids=eos_ids, pad_id=pad_id)
+
+
 def _engine(spec: Spec, model, tokenizer, rewards: list[RewardFn], splitter, dist: Dist) -> Engine:
     algo = spec.algorithm
+    env = spec.rollout.environment
     kl = KLTerm.from_spec(algo.kl, model)
     objective = Objective(
         policy_loss=algo.policy_loss.build(), aggregator=algo.aggregation.build(),
         kl=kl if kl is not None and kl.in_loss else None,
         entropy_coef=algo.entropy_coef, early_stop_imp_ratio=algo.early_stop_imp_ratio,
-        temperature=spec.rollout.temperature, max_length=spec.rollout.max_new_tokens,
+        temperature=spec.rollout.temperature,
+        max_length=spec.rollout.max_new_tokens if env is None else env.max_total_tokens,
         correction=algo.rollout_correction,
     )
     optimizer, scheduler = make_optimizer(model, spec.train, spec.train.steps * algo.mu * spec.train.mini_batches)
@@ -195,6 +212,7 @@ def _engine(spec: Spec, model, tokenizer, rewards: list[RewardFn], splitter, dis
         scorer=scorer, estimator=estimator, objective=objective, settings=StepSettings.from_spec(spec), kl=kl,
         dist=dist, autocast=partial(modeling.autocast, spec.train.mixed_precision, dist.device),
         scaler=torch.amp.GradScaler(dist.device.type) if spec.train.mixed_precision == "fp16" else None,
+        episodes=build_episodes(spec, model, tokenizer, scorer),
     )
 
 
@@ -215,15 +233,19 @@ def build_run(loaded: LoadedSpec, dist: Dist | None = None) -> Run:
 
     tokenizer = modeling.load_tokenizer(spec.model, loaded.base_dir)
     model = modeling.load_policy(spec.model, loaded.base_dir, tokenizer).to(dist.device)
+    engine = _engine(spec, model, tokenizer, rewards, splitter, dist)
+    env = spec.rollout.environment
     context = getattr(model.config, "max_position_embeddings", None) or 10**9
-    max_prompt = spec.data.max_prompt_tokens or max(1, context - spec.rollout.max_new_tokens)
-    prompts = PromptSource(train_rows, tokenizer, spec.data, seed=spec.train.seed, max_tokens=max_prompt)
-    eval_source = PromptSource(eval_rows or [{}], tokenizer, spec.data, seed=0, max_tokens=max_prompt, shuffle=False)
+    longest = spec.rollout.max_new_tokens if env is None else env.max_total_tokens
+    max_prompt = spec.data.max_prompt_tokens or max(1, context - longest)
+    tools = engine.episodes.tools if engine.episodes is not None else None
+    prompts = PromptSource(train_rows, tokenizer, spec.data, seed=spec.train.seed, max_tokens=max_prompt, tools=tools)
+    eval_source = PromptSource(eval_rows or [{}], tokenizer, spec.data, seed=0, max_tokens=max_prompt, shuffle=False,
+                               tools=tools)
     eval_prompts = [p for p in map(eval_source.render, eval_rows) if p is not None][: spec.eval.max_prompts]
     required = {c: f"reward function '{fn.name}'" for fn in rewards for c in fn.required_columns}
-    eval_sets = load_eval_sets(spec, tokenizer, max_prompt, required)
+    eval_sets = load_eval_sets(spec, tokenizer, max_prompt, required, tools)
 
-    engine = _engine(spec, model, tokenizer, rewards, splitter, dist)
     reference = engine.kl.reference if engine.kl is not None else None
     trackers = {slot.name: slot.build() for slot in spec.tracking}
     return Run(
@@ -240,7 +262,7 @@ def evaluate_run(run: Run) -> dict[str, float]:
     spec, engine = run.spec, run.engine
     sets = [EvalSet("eval/", run.eval_prompts, spec.data.prompt_column), *run.eval_sets.values()]
     return evaluate_sets(spec, engine.backend, engine.scorer, sets, engine.settings.sampling,
-                         dist=engine.dist, autocast=engine.autocast)
+                         dist=engine.dist, autocast=engine.autocast, episodes=engine.episodes)
 
 
 class StopSignal:

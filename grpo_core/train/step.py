@@ -17,12 +17,14 @@ from grpo_core.contracts import AdvantageInputs, RolloutBatch, SamplingParams
 from grpo_core.errors import RunError
 from grpo_core.train.data import Prompt, PromptSource
 from grpo_core.train.distributed import Dist, pad_cat
+from grpo_core.train.episodes import episode_metrics
 from grpo_core.train.kl import KLTerm
 from grpo_core.train.reasoning_steps import step_tensors
 from grpo_core.train.rollout import (
     Scored,
     Scorer,
     concat_scored,
+    generate_rollout,
     reward_means,
     score_rollout,
     select_groups,
@@ -97,6 +99,7 @@ class Engine:
     dist: Dist = field(default_factory=Dist)
     autocast: Callable = nullcontext  # () -> the mixed-precision context of forward passes
     scaler: Any = None  # a torch.amp.GradScaler under fp16 mixed precision
+    episodes: Any = None  # an EpisodeRunner (rollout.environment: multi-turn episodes), or None
 
     @property
     def needs_step_scores(self) -> bool:
@@ -137,7 +140,7 @@ def rollout_round(engine: Engine, source: PromptSource, step: int, timer: Timer,
     prompts = prompts[first:stop]  # this process's groups (all of them with one process)
     sampling = replace(s.sampling, seed=s.step_seed(step, first, round_))
     with timer("generate"), engine.autocast():
-        rollout = engine.backend.generate([p.ids for p in prompts], s.group_size, sampling)
+        rollout = generate_rollout(engine.backend, prompts, s.group_size, sampling, engine.episodes)
     with timer("score"):
         return _score_everywhere(engine, prompts, rollout)
 
@@ -296,14 +299,19 @@ def reward_metrics(scored: Scored) -> dict[str, float]:
 
 
 def rollout_metrics(rollout: RolloutBatch, generate_seconds: float) -> dict[str, float]:
+    """Completion lengths count model tokens only (an episode's environment tokens are in
+    the ``env/`` metrics)."""
     lengths = rollout.completion_mask.sum(dim=1).float()
-    return {
+    out = {
         "completions/mean_length": float(lengths.mean()),
         "completions/max_length": float(lengths.max()),
         "completions/min_length": float(lengths.min()),
         "completions/clipped_ratio": float(rollout.truncated.float().mean()),
         "perf/tokens_per_second": float(lengths.sum()) / max(generate_seconds, 1e-9),
     }
+    if rollout.episodes is not None:
+        out.update(episode_metrics(rollout.episodes, rollout.completion_mask))
+    return out
 
 
 def advantage_metrics(batch: TrainBatch) -> dict[str, float]:

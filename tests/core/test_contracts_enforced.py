@@ -49,6 +49,15 @@ class NoFinishTracker:
     def log_table(self, name, rows, step): ...
 
 
+class NoStepEnvironment:
+    """An environment without step."""
+
+    tools: list = []
+    stop: tuple = ()
+
+    def reset(self, row): ...
+
+
 NOT_CALLABLE = object()
 
 #: kind -> (a component missing a member, the member named in the refusal)
@@ -62,6 +71,7 @@ BROKEN = {
     "dataset": (NoLoadDataset(), "load"),
     "step_splitter": (NOT_CALLABLE, "__call__"),
     "tracker": (NoFinishTracker(), "finish"),
+    "environment": (NoStepEnvironment(), "step"),
 }
 
 
