@@ -469,6 +469,11 @@ class Spec(Section):
             why = "algorithm.kl.beta is 0 (no reference)" if kl.beta == 0 else (
                 "under model.lora the reference is the base model with the adapter disabled")
             raise ValueError(f"algorithm.kl.ref_sync needs a reference copy to move, but {why}")
+        if kl.ref_sync is not None and self.iterative is not None:
+            raise ValueError(
+                "algorithm.kl.ref_sync and iterative both move the reference (iterative GRPO resets it "
+                "to the policy at each iteration): drop one of them"
+            )
         if kl.adaptive is not None and kl.beta == 0:
             raise ValueError("algorithm.kl.adaptive needs a starting algorithm.kl.beta above 0")
         return self

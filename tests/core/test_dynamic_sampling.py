@@ -160,14 +160,30 @@ def test_reference_sync_mixes_every_n_steps_and_its_state_round_trips():
 ])
 def test_invalid_options_name_what_is_valid(tmp_path, override, message):
     spec = tmp_path / "spec.yaml"
-    spec.write_text("model: {path: m}\nrewards: [{name: accuracy}, {name: format}]\n")
-    with pytest.raises(SpecError, match=message):
+    spec.write_text("model: {path: m}\nrewards: [{name: accuracy}, {name: format, pattern: '\\\\d'}]\n")
+    load_spec(spec)  # valid as written
+    with pytest.raises(SpecError, match=message) as info:
         load_spec(spec, [override])
+    assert "1 problem" in str(info.value)
+
+
+def test_reference_sync_is_refused_with_iterative_grpo(tmp_path):
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        "model: {path: m}\nrewards: [{name: accuracy}, {name: trainable_reward_model, path: rm}]\n"
+        "iterative: {reward_model: trainable_reward_model, verifier: {name: accuracy}, iterations: 2,"
+        " steps_per_iteration: 2}\n"
+    )
+    load_spec(spec, ["algorithm.kl={beta: 0.1}"])  # valid without the sync
+    with pytest.raises(SpecError, match="ref_sync and iterative both move the reference") as info:
+        load_spec(spec, ["algorithm.kl={beta: 0.1, ref_sync: {every: 2}}"])
+    assert "1 problem" in str(info.value)
 
 
 def test_reference_sync_is_refused_under_lora(tmp_path):
     spec = tmp_path / "spec.yaml"
     spec.write_text("model: {path: m, lora: {r: 4}}\nrewards: [{name: accuracy}]\n")
+    load_spec(spec)  # valid as written
     with pytest.raises(SpecError, match="under model.lora the reference is the base model"):
         load_spec(spec, ["algorithm.kl={beta: 0.1, ref_sync: {every: 2}}"])
 
