@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import math
 import random
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from grpo_core.train.optim import make_optimizer
 from grpo_core.train.reasoning_steps import split_steps
 from grpo_core.train.rollout import Scorer
 from grpo_core.train.scoring import RewardFn
+from grpo_core.train.signals import StopSignal
 from grpo_core.train.step import Engine, StepSettings, grpo_step
 from grpo_core.train.update import Objective
 
@@ -263,36 +263,6 @@ def evaluate_run(run: Run) -> dict[str, float]:
     sets = [EvalSet("eval/", run.eval_prompts, spec.data.prompt_column), *run.eval_sets.values()]
     return evaluate_sets(spec, engine.backend, engine.scorer, sets, engine.settings.sampling,
                          dist=engine.dist, autocast=engine.autocast, episodes=engine.episodes)
-
-
-class StopSignal:
-    """Turns SIGINT/SIGTERM into a flag the loop checks at safe points."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self):
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                self._previous[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread
-                pass
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        if self.signum is not None:  # a second signal: stop now
-            raise KeyboardInterrupt
-        self.signum = signum
-        print(f"\ngrpo-run: {signal.Signals(signum).name} received; stopping after this step", file=sys.stderr)
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + (self.signum or signal.SIGINT)
 
 
 def _save_final(run: Run) -> Path:
