@@ -58,6 +58,8 @@ export:
 TOOLS = """\
 # GRPO for tool calling: the model answers each request with one <tool_call>{{json}}</tool_call>,
 # rewarded when the call names the expected tool with the expected arguments.
+# This trains the call alone (one turn). To run the tools and train over whole episodes (the
+# model calls, reads the result, answers), see rollout.environment in the README and specs/tools.yaml.
 # Files next to this spec: {data} (the requests) and {plugin} (the reward function).
 # Check it:   grpo-run validate {spec}
 # Try it:     grpo-run {spec} --dry-run
