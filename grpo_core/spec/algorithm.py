@@ -42,7 +42,7 @@ class DynamicSamplingSection(Section):
     )
     max_rounds: int = Field(
         4, ge=1, description="Rollout rounds per step at most; when they run out the batch is "
-        "filled with the first zero-spread groups (logged as dynamic_sampling/filled_groups).",
+        "filled with the first zero-spread groups (logged as dynamic_sampling/groups_filled).",
     )
 
 
