@@ -48,6 +48,16 @@ class HFRolloutOptions(Options):
             "step (bfloat16 halves memory traffic). null generates with the training model itself."
         ),
     )
+    decode: Literal["lean", "generate"] = Field(
+        "lean",
+        description=(
+            "lean: the backend's own decode loop (plugins/rollout_decode.py), which drops a "
+            "row from the batch (and its KV cache) as soon as it ends and has no per-token "
+            "overhead beyond the forward, the sampling and the stop check; same tokens as "
+            "generate under a fixed seed, up to float rounding. generate: transformers "
+            "generate, which decodes every row until the last one ends."
+        ),
+    )
     prompts_per_generate: int | None = Field(
         None,
         ge=1,
@@ -198,7 +208,7 @@ class HFRollout:
                 part = slice(start, start + step)
                 seed = None if sampling.seed is None else sampling.seed + start
                 with _seeded(seed, device):
-                    pieces.append(self._generate_part(ids[part], mask[part], group_size, sampling))
+                    pieces.append(self._part_fn()(ids[part], mask[part], group_size, sampling))
         completion_ids, completion_mask, truncated = self._assemble(pieces, sampling)
         return RolloutBatch(
             prompt_ids=ids.clone(),
@@ -280,6 +290,38 @@ class HFRollout:
             ends = torch.full((completions.shape[0],), -1, dtype=torch.long, device=out.device)
         lengths = torch.where(ends >= 0, ends - length, -1)
         return completions, lengths
+
+    # ----------------------------------------------------------------- lean decode
+    def _part_fn(self):
+        """The per-part generator: the lean loop unless the options or the model's own
+        ``cache_implementation`` ask for transformers ``generate``."""
+        config = getattr(self.model, "generation_config", None)
+        if self.options.decode == "lean" and getattr(config, "cache_implementation", None) is None:
+            return self._generate_part_lean
+        return self._generate_part
+
+    def _generate_part_lean(
+        self, ids: Tensor, mask: Tensor, group_size: int, sampling: SamplingParams
+    ) -> tuple[Tensor, Tensor]:
+        """:meth:`_generate_part` with :func:`~grpo_plugins.rollout_decode.lean_decode`:
+        the same prefill (shared by the group when allowed), then the lean loop."""
+        from transformers import DynamicCache
+
+        from grpo_plugins.rollout_decode import lean_decode
+
+        first = int(mask.any(0).nonzero()[0])  # drop columns that are padding in every row
+        ids, mask = ids[:, first:], mask[:, first:]
+        if self._can_share(ids, group_size):
+            cache = self._prefill(ids, mask, group_size)
+        else:
+            config = self.model.config
+            if hasattr(config, "get_text_config"):
+                config = config.get_text_config(decoder=True)
+            cache = DynamicCache(config=config)
+        return lean_decode(
+            self.model, ids.repeat_interleave(group_size, 0), mask.repeat_interleave(group_size, 0),
+            cache, sampling, self.eos_ids, self.pad_id, self._stop_criterion(sampling.stop),
+        )
 
     def _assemble(
         self, pieces: list[tuple[Tensor, Tensor]], sampling: SamplingParams

@@ -1,0 +1,131 @@
+"""The ``hf`` backend's lean decode loop against transformers ``generate`` on the tiny model.
+
+Tolerance: none. Both draw the same exponential noise per row and step, so under a fixed
+seed they give identical tokens, lengths and truncation flags here; a difference could
+only come from float rounding of the forward at another batch size (not seen on CPU).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+from grpo_plugins.rollout_hf import HFRollout, HFRolloutOptions
+from pydantic import ValidationError
+
+from grpo_core.contracts import SamplingParams
+from grpo_core.testing import build_model, build_tokenizer
+
+TEXTS = ["What is 3 + 4?", "Hi", "Think step by step. What is 12 * 7? Answer:"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    return [tokenizer(text)["input_ids"] for text in TEXTS]
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer, prompts):
+    """The tiny model with one sampled token declared an extra EOS id, chosen so that some
+    rows end early and others run to ``max_new_tokens`` (the case the lean loop is for)."""
+    base = build_model(tokenizer)
+    probe = SamplingParams(max_new_tokens=24, seed=3)
+    plain = _generate(base, tokenizer, prompts, "generate", probe)
+    counts = Counter(plain.completion_ids[plain.completion_mask].tolist())
+    for token, _ in sorted(counts.items(), key=lambda kv: kv[1]):
+        model = copy.deepcopy(base)
+        model.generation_config.eos_token_id = [tokenizer.eos_token_id, token]
+        batch = _generate(model, tokenizer, prompts, "generate", probe)
+        if 0.25 <= float(batch.truncated.float().mean()) <= 0.75:
+            return model
+    raise AssertionError("no token ends between a quarter and three quarters of the rows")
+
+
+def _generate(model, tokenizer, prompts, decode, sampling, group=6, **options):
+    backend = HFRollout(HFRolloutOptions(decode=decode, **options))
+    backend.setup(model, tokenizer)
+    return backend.generate(prompts, group, sampling)
+
+
+def _same(a, b) -> None:
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    assert torch.equal(a.completion_mask, b.completion_mask)
+    assert torch.equal(a.truncated, b.truncated)
+    assert a.completions == b.completions
+
+
+SAMPLINGS = [  # (sampling, whether rows end at uneven steps with this model)
+    (SamplingParams(max_new_tokens=24, seed=3), True),
+    (SamplingParams(max_new_tokens=24, seed=7, temperature=0.7, top_k=20, top_p=0.9), True),
+    (SamplingParams(max_new_tokens=24, seed=11, temperature=1.3, top_p=0.8), False),
+    (SamplingParams(max_new_tokens=24, greedy=True), False),
+]
+
+
+@pytest.mark.parametrize("share", [True, False])
+@pytest.mark.parametrize(("sampling", "uneven"), SAMPLINGS, ids=["plain", "topk-topp", "hot-topp", "greedy"])
+def test_lean_loop_gives_generates_tokens(model, tokenizer, prompts, sampling, uneven, share):
+    plain = _generate(model, tokenizer, prompts, "generate", sampling, share_prompt_prefill=share)
+    lean = _generate(model, tokenizer, prompts, "lean", sampling, share_prompt_prefill=share)
+    _same(plain, lean)
+    if uneven:  # rows ended at different steps: the dropping was exercised
+        lengths = plain.completion_mask.sum(1)
+        assert (~plain.truncated).any() and len(set(lengths.tolist())) > 2
+
+
+def test_lean_loop_with_stop_strings_and_prompt_split(model, tokenizer, prompts):
+    sampling = SamplingParams(max_new_tokens=24, seed=5, stop=("5", "= "))
+    plain = _generate(model, tokenizer, prompts, "generate", sampling)
+    lean = _generate(model, tokenizer, prompts, "lean", sampling, prompts_per_generate=2)
+    split_plain = _generate(model, tokenizer, prompts, "generate", sampling, prompts_per_generate=2)
+    _same(split_plain, lean)
+    assert (~plain.truncated).sum() >= 6  # the stop strings did end rows
+
+
+def _decoded_rows(model, tokenizer, prompts, decode, sampling) -> list[int]:
+    """The batch size of every decoder forward of one generate call."""
+    sizes: list[int] = []
+    handle = model.get_decoder().register_forward_pre_hook(
+        lambda module, args, kwargs: sizes.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
+    try:
+        batch = _generate(model, tokenizer, prompts, decode, sampling)
+    finally:
+        handle.remove()
+    assert batch.truncated.any() and not batch.truncated.all()
+    return sizes
+
+
+def test_finished_rows_leave_the_batch(model, tokenizer, prompts):
+    sampling = SamplingParams(max_new_tokens=24, seed=3)
+    plain = _decoded_rows(model, tokenizer, prompts, "generate", sampling)
+    lean = _decoded_rows(model, tokenizer, prompts, "lean", sampling)
+    rows = len(prompts) * 6
+    # prefill of the 3 prompts, then generate decodes all 18 rows every step
+    assert plain[0] == lean[0] == len(prompts)
+    assert set(plain[1:]) == {rows}
+    decode = lean[1:]
+    assert decode[0] == rows and decode == sorted(decode, reverse=True)
+    assert len(decode) == len(plain) - 1  # the same number of steps: some row runs to the end
+    assert sum(decode) < 0.9 * sum(plain[1:])
+
+
+def test_decode_option_is_validated():
+    with pytest.raises(ValidationError, match="lean"):
+        HFRolloutOptions(decode="fast")
+    assert HFRolloutOptions().decode == "lean"
