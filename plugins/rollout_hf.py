@@ -305,9 +305,8 @@ class HFRollout:
     ) -> tuple[Tensor, Tensor]:
         """:meth:`_generate_part` with :func:`~grpo_plugins.rollout_decode.lean_decode`:
         the same prefill (shared by the group when allowed), then the lean loop."""
-        from transformers import DynamicCache
-
         from grpo_plugins.rollout_decode import lean_decode
+        from transformers import DynamicCache
 
         first = int(mask.any(0).nonzero()[0])  # drop columns that are padding in every row
         ids, mask = ids[:, first:], mask[:, first:]
