@@ -57,6 +57,13 @@ class KLSlot(Slot):
         description="loss: add beta*KL_t to the per-token loss (GRPO). reward: subtract "
         "beta*sum_t KL_t from each completion's reward before advantages (PPO).",
     )
+    reference_dtype: Literal["float32", "bfloat16"] | None = Field(
+        None, description="dtype of the reference copy; null keeps the policy's. bfloat16 halves its "
+        "memory and, on CPUs with native bf16 (avx512_bf16 / amx) and on GPUs, its forward time; its "
+        "log-probs differ from float32 ones by bf16 rounding, which adds a small positive bias to the "
+        "KL estimate (bench/README.md measures it). Not with model.lora (the reference is then the "
+        "policy with its adapter disabled) nor ref_sync (small moves vanish in bf16 rounding).",
+    )
     ref_sync: RefSyncSection | None = Field(
         None, description="Move the reference toward the policy every few steps (TR-DPO, TRL's sync_ref_model); "
         "unset: the reference stays the initial policy.",

@@ -436,6 +436,14 @@ class Spec(Section):
             )
         if kl.adaptive is not None and kl.beta == 0:
             raise ValueError("algorithm.kl.adaptive needs a starting algorithm.kl.beta above 0")
+        if kl.reference_dtype is not None and self.model.lora is not None:
+            raise ValueError(
+                "algorithm.kl.reference_dtype needs a reference copy, but under model.lora the reference is "
+                "the base model with the adapter disabled: drop reference_dtype (valid there: null)")
+        if kl.reference_dtype == "bfloat16" and kl.ref_sync is not None:
+            raise ValueError(
+                "algorithm.kl.reference_dtype: bfloat16 cannot follow algorithm.kl.ref_sync (a move of "
+                "alpha * (policy - reference) is mostly below bf16 rounding): use float32 or null, or drop ref_sync")
         return self
 
     @model_validator(mode="after")

@@ -13,17 +13,24 @@ from typing import Any
 import torch
 from torch import Tensor
 
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
 
 class Reference:
     """Log-probs under the reference policy: the base weights with the adapter disabled
-    under LoRA (no second copy), else a frozen copy of the initial policy."""
+    under LoRA (no second copy), else a frozen copy of the initial policy, in ``dtype``
+    (``algorithm.kl.reference_dtype``; None keeps the policy's)."""
 
-    def __init__(self, policy):
+    def __init__(self, policy, dtype: str | None = None):
         self.uses_adapter = hasattr(policy, "disable_adapter")
         self.model = None
+        if self.uses_adapter and dtype is not None:
+            raise ValueError("reference_dtype needs a reference copy; under LoRA the reference is the policy")
         if not self.uses_adapter:
             self.model = copy.deepcopy(policy).eval()
             self.model.requires_grad_(False)
+            if dtype is not None:
+                self.model.to(_DTYPES[dtype])
         self.policy = policy
 
     @contextmanager
@@ -68,7 +75,7 @@ class KLTerm:
         """The term for ``algorithm.kl``, or None when ``beta`` is 0 (no reference at all)."""
         if section.beta <= 0:
             return None
-        return cls(section.build(), section.beta, section.placement, Reference(policy),
+        return cls(section.build(), section.beta, section.placement, Reference(policy, section.reference_dtype),
                    sync=section.ref_sync, adaptive=section.adaptive)
 
     @property

@@ -103,3 +103,20 @@ def test_schedules():
     assert cos[0] == 1.0 and cos[2] == pytest.approx(0.5) and cos[4] == pytest.approx(0.0, abs=1e-12)
     lin = [lr_factor(s, warmup=1, total=5, schedule="linear") for s in range(5)]
     assert lin == pytest.approx([1.0, 1.0, 0.75, 0.5, 0.25])
+
+
+def test_bf16_reference_copy_trains_and_is_refused_where_it_cannot_work(tiny_model, tmp_path):
+    run = make_run(tiny_model, tmp_path, "algorithm.kl.beta=0.1", "algorithm.kl.reference_dtype=bfloat16",
+                   "train.lr=1.0e-2")
+    assert {p.dtype for p in reference(run).model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in run.model.parameters()} == {torch.float32}
+    for step in range(2):
+        metrics, _ = run_step(run, step)
+        assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["kl"])
+    assert metrics["kl"] > 0
+    from grpo_core.errors import SpecError
+
+    for extra, message in [("model.lora={r: 4}", "under model.lora the reference is the base model"),
+                           ("algorithm.kl.ref_sync={every: 2}", "bfloat16 cannot follow algorithm.kl.ref_sync")]:
+        with pytest.raises(SpecError, match=message):
+            make_run(tiny_model, tmp_path, "algorithm.kl.beta=0.1", "algorithm.kl.reference_dtype=bfloat16", extra)

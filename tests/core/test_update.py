@@ -262,3 +262,57 @@ def test_rollout_correction_scales_the_policy_gradient(registry, base_model):
     assert m["rollout_correction/capped"] == 1.0
     off, m = grads(RolloutCorrectionSection(level="off"), trainer - math.log(2.0))
     assert torch.allclose(off, plain, rtol=0, atol=0)
+
+
+def _kl_loss_and_grads(model, batch, obj):
+    """The loss of every row (KL in the loss) and its gradient, one forward and backward."""
+    from grpo_core.contracts import BatchStats
+    from grpo_core.train.update import micro_batch_loss
+
+    model = copy.deepcopy(model)
+    stats = BatchStats(int(batch.mask.sum()), P * G, T)
+    loss, metrics, _, _ = micro_batch_loss(model, batch, torch.arange(P * G), obj, stats)
+    loss.backward()
+    kl = float(metrics["kl"].detach()[batch.mask].mean())
+    return float(loss.detach()), torch.cat([p.grad.flatten() for p in model.parameters()]), kl
+
+
+def test_bf16_reference_gives_the_float32_loss_and_gradient_within_bf16_rounding(registry, base_model):
+    """``algorithm.kl.reference_dtype: bfloat16``. Tolerances, from bf16's 8-bit mantissa:
+    on the tiny model the reference log-probs move by at most 1.3e-3 nats (asserted < 1e-2);
+    the k3 KL's gradient per token is ``beta * (1 - exp(ref - logp))``, so with beta 0.1 the
+    loss moved by 2e-8 (asserted < 1e-5) and the gradient by 9e-5 of its norm (< 1e-3). The KL
+    estimate gains a positive bias of the order of the squared rounding: 1.6e-7 per token
+    here, where the float32 reference gives 0 (asserted < 1e-5)."""
+    from grpo_core.train.kl import Reference
+    from grpo_core.train.update import batch_logprobs
+
+    batch = make_batch(zero_groups=(0,))
+    policy = copy.deepcopy(base_model).float()
+    ref32, ref16 = Reference(policy), Reference(policy, "bfloat16")
+    assert next(ref16.model.parameters()).dtype == torch.bfloat16
+    assert next(ref32.model.parameters()).dtype == torch.float32
+    logp32 = batch_logprobs(ref32.model, batch, 4, 1.0, nullcontext).double()
+    logp16 = batch_logprobs(ref16.model, batch, 4, 1.0, nullcontext).double()
+    diff = (logp32 - logp16)[batch.mask].abs()
+    assert 0 < float(diff.max()) < 1e-2  # the bf16 path ran, and within rounding
+
+    obj = objective(registry, kl=KLTerm(registry.get("kl_penalty", "low_var_kl").build(), beta=0.1))
+    batch.ref_logp = logp32
+    loss32, grad32, kl32 = _kl_loss_and_grads(base_model, batch, obj)
+    batch.ref_logp = logp16
+    loss16, grad16, kl16 = _kl_loss_and_grads(base_model, batch, obj)
+    assert abs(loss32 - loss16) < 1e-5
+    assert float((grad32 - grad16).norm()) < 1e-3 * float(grad32.norm())
+    assert kl32 < 1e-9 and 0 < kl16 < 1e-5  # same weights: the float32 KL is rounding only
+
+
+def test_reference_dtype_is_refused_under_lora():
+    from grpo_core.train.kl import Reference
+
+    class Adapted(torch.nn.Linear):
+        def disable_adapter(self):  # what peft models have: the reference is the policy itself
+            raise AssertionError("not called")
+
+    with pytest.raises(ValueError, match="reference_dtype needs a reference copy"):
+        Reference(Adapted(2, 2), "bfloat16")
