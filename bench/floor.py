@@ -27,7 +27,7 @@ The floor of generation (:func:`generation_floor`), for ``B = P*G`` rows and ``T
   large tensor copy (each decode step reads every weight once): the floor no batch size
   beats on this machine;
 - the ``hf`` backend's tokens per second (both ``decode`` modes) next to the floor's
-  ``B * T / measured``. Rows that end early make the backend's own count smaller than
+  ``B * T / measured`` (``lean`` with both samplers). Rows that end early make the backend's own count smaller than
   ``B * T``, so its seconds per call are compared too. ``--profile`` prints the top of a
   cProfile of one ``hf`` backend call (the per-token Python overhead).
 
@@ -91,7 +91,7 @@ def decode_step_seconds(model, rows: int, context: int, reps: int) -> float:
 
         def one():
             model(input_ids=step, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            cache.crop(context)
+            cache.crop(-1)  # back to `context` positions
 
         return timed(one, reps)
 
@@ -161,12 +161,12 @@ def report_generation(args, backend_for, gen_model, prompts, ids, mask) -> None:
           f"{P * G * T / floor['measured']:7.1f} tokens/s")
     print(f"  bandwidth floor ({floor['weight_bytes'] / 1e6:.0f} MB at {floor['bytes_per_s'] / 1e9:.1f} GB/s) "
           f"{floor['bandwidth']:8.2f} s = {P * G * T / floor['bandwidth']:7.1f} tokens/s")
-    for decode in ("generate", "lean"):
-        backend = backend_for(decode)
+    for decode, sampler in (("generate", "multinomial"), ("lean", "multinomial"), ("lean", "inverse-cdf")):
+        backend = backend_for(decode, sampler)
         batch = backend.generate(prompts, G, sampling)
         count = int(batch.completion_mask.sum())
         seconds = timed(lambda b=backend: b.generate(prompts, G, sampling), args.reps)
-        print(f"  hf backend, decode={decode:8s}       {seconds:8.2f} s = {count / seconds:7.1f} tokens/s "
+        print(f"  hf backend, {decode}, {sampler:11s}  {seconds:8.2f} s = {count / seconds:7.1f} tokens/s "
               f"({count} of {P * G * T} tokens; {floor['measured'] / seconds:.2f} of the measured floor's time)")
         if args.profile:
             profile_call(lambda b=backend: b.generate(prompts, G, sampling))
@@ -208,8 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     P, G, T = args.prompts, args.group, args.tokens
 
-    def backend_for(decode: str) -> HFRollout:
-        made = HFRollout(HFRolloutOptions(dtype="bfloat16" if bf16 else None, decode=decode))
+    def backend_for(decode: str, sampler: str = "multinomial") -> HFRollout:
+        made = HFRollout(HFRolloutOptions(dtype="bfloat16" if bf16 else None, decode=decode, sampler=sampler))
         made.setup(model, tokenizer)
         return made
 

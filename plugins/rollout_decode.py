@@ -15,6 +15,11 @@ probabilities, drawn every step for all ``B`` rows as ``generate`` does (finishe
 included) and indexed by the rows still alive. Under a fixed seed the two therefore draw
 the same noise for the same row and step, and give the same tokens up to float rounding
 of the forward at a different batch size (see ``tests/plugins/test_rollout_decode.py``).
+
+That draw costs ``B * V`` exponentials per step (44 ms for 32 rows of SmolLM2's 49k
+vocabulary on one core, against ~2 ms for what follows). ``sampler: inverse-cdf`` draws one
+uniform per row instead and inverts the cumulative distribution: the same distribution,
+not the same tokens as ``generate``.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from torch import Tensor
 
 from grpo_core.contracts import SamplingParams
 
-__all__ = ["lean_decode", "warpers"]
+__all__ = ["lean_decode", "warpers", "inverse_cdf"]
 
 
 def warpers(sampling: SamplingParams):
@@ -52,13 +57,31 @@ def warpers(sampling: SamplingParams):
     return out
 
 
-def _pick(scores: Tensor, alive: Tensor, batch: int, processors: Any, seqs: Tensor | None) -> Tensor:
+def inverse_cdf(probs: Tensor, uniforms: Tensor) -> Tensor:
+    """One token per row of ``probs (a, V)`` for ``uniforms (a,)`` in [0, 1): the smallest
+    ``k`` with ``cumsum(probs)[k] > u * sum(probs)``. A token of probability 0 is never
+    drawn (its cumulative sum equals its predecessor's), and ``u * sum`` is kept below the
+    sum so that float rounding cannot step past the last token."""
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(uniforms[:, None].to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+
+
+def _pick(
+    scores: Tensor, alive: Tensor, batch: int, processors: Any, seqs: Tensor | None, sampler: str
+) -> Tensor:
     """Next tokens ``long (a,)`` of the ``a`` alive rows from their float32 logits ``(a, V)``:
-    argmax (greedy) or ``argmax(softmax(warped) / E)`` with ``E`` drawn for all ``batch`` rows."""
+    argmax (greedy); ``argmax(softmax(warped) / E)`` with ``E`` drawn for all ``batch`` rows
+    (``sampler="multinomial"``, generate's draw); or :func:`inverse_cdf` with one uniform
+    drawn for each of the ``batch`` rows (``"inverse-cdf"``: ``V`` times fewer draws)."""
     if processors is None:
         return scores.argmax(dim=-1)
     scores = processors(seqs, scores)
     probs = torch.softmax(scores, dim=-1)
+    if sampler == "inverse-cdf":
+        uniforms = torch.rand((batch,), device=probs.device)
+        return inverse_cdf(probs, uniforms[alive])
     noise = torch.empty((batch, probs.shape[-1]), dtype=probs.dtype, device=probs.device)
     noise.exponential_(1)
     return (probs / noise[alive]).argmax(dim=-1)
@@ -83,6 +106,7 @@ def lean_decode(
     eos_ids: list[int],
     pad_id: int,
     stop_criterion: Any | None = None,
+    sampler: str = "multinomial",
 ) -> tuple[Tensor, Tensor]:
     """Decode up to ``sampling.max_new_tokens`` tokens for ``B`` left-padded rows.
 
@@ -96,6 +120,8 @@ def lean_decode(
             the positions after it.
         stop_criterion: transformers' ``StopStringCriteria`` (called on the alive rows'
             prompt + completion ids), or None.
+        sampler: ``multinomial`` (generate's draw, the same tokens) or ``inverse-cdf`` (the
+            same distribution, other tokens, a much cheaper draw); see :func:`_pick`.
 
     Returns:
         ``(completions, lengths)``: ``long (B, n)`` tokens (``pad_id`` after a row's end,
@@ -118,7 +144,7 @@ def lean_decode(
     steps = 0
     for t in range(sampling.max_new_tokens):
         logits = _forward(model, step_ids, attn, step_pos, cache, keep_arg)
-        tokens = _pick(logits, alive, batch, processors, seqs)
+        tokens = _pick(logits, alive, batch, processors, seqs, sampler)
         out[alive, t] = tokens
         steps = t + 1
         if seqs is not None:

@@ -127,3 +127,54 @@ def test_decode_option_is_validated():
     with pytest.raises(ValidationError, match="lean"):
         HFRolloutOptions(decode="fast")
     assert HFRolloutOptions().decode == "lean"
+
+
+def test_inverse_cdf_picks_the_token_whose_interval_holds_u():
+    from grpo_plugins.rollout_decode import inverse_cdf
+
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.5, 0.25]] * 6)
+    uniforms = torch.tensor([0.0, 0.2499, 0.25, 0.7499, 0.75, 1.0 - 2**-24])
+    assert inverse_cdf(probs, uniforms).tolist() == [1, 1, 3, 3, 4, 4]
+    unnormalized = probs * 3  # only the proportions matter; zero-probability tokens never come out
+    assert inverse_cdf(unnormalized, uniforms).tolist() == [1, 1, 3, 3, 4, 4]
+
+
+def test_inverse_cdf_sampler_draws_the_models_distribution(model, tokenizer, prompts):
+    """The first token of 3000 rows (one prompt) against the model's softmax: a chi-square
+    statistic over the tokens of probability >= 1% (the rest pooled). Seeded, so not flaky;
+    the 0.999 quantile of chi-square with k-1 degrees of freedom is about k + 3.1 sqrt(2k)."""
+    rows, prompt = 3000, prompts[0]
+    sampling = SamplingParams(max_new_tokens=1, seed=0, temperature=0.8, top_k=40)
+    batch = _generate(model, tokenizer, [prompt], "lean", sampling, group=rows, sampler="inverse-cdf")
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, -1] / 0.8
+    probs = torch.softmax(logits.masked_fill(logits < logits.topk(40).values[-1], -float("inf")), -1)
+    counts = torch.bincount(batch.completion_ids[:, 0], minlength=probs.shape[0]).double()
+    big = probs >= 0.01
+    observed = torch.cat([counts[big], counts[~big].sum()[None]])
+    expected = torch.cat([probs[big], probs[~big].sum()[None]]).double() * rows
+    chi2 = float(((observed - expected) ** 2 / expected.clamp(min=1e-9)).sum())
+    k = int(big.sum())
+    assert chi2 < k + 3.1 * (2 * k) ** 0.5, (chi2, k)
+    assert counts[probs == 0].sum() == 0  # top-k excluded tokens never drawn
+    multinomial = _generate(model, tokenizer, [prompt], "lean", sampling, group=rows)
+    assert not torch.equal(multinomial.completion_ids, batch.completion_ids)  # another draw
+
+
+def test_inverse_cdf_rows_do_not_depend_on_which_rows_ended(model, tokenizer, prompts):
+    """One uniform per row and step, drawn for all rows: a row's tokens are those it would get
+    if no row ever left the batch (the same model without the extra EOS id, cut at its end)."""
+    sampling = SamplingParams(max_new_tokens=24, seed=3)
+    ended = _generate(model, tokenizer, prompts, "lean", sampling, sampler="inverse-cdf")
+    plain_model = copy.deepcopy(model)
+    plain_model.generation_config.eos_token_id = [tokenizer.eos_token_id]
+    running = _generate(plain_model, tokenizer, prompts, "lean", sampling, sampler="inverse-cdf")
+    lengths = ended.completion_mask.sum(1)
+    assert (~ended.truncated).any() and len(set(lengths.tolist())) > 2
+    for row, n in enumerate(lengths.tolist()):
+        assert ended.completion_ids[row, :n].tolist() == running.completion_ids[row, :n].tolist()
+
+
+def test_inverse_cdf_needs_the_lean_loop():
+    with pytest.raises(ValidationError, match="sampler: inverse-cdf needs decode: lean"):
+        HFRolloutOptions(decode="generate", sampler="inverse-cdf")
