@@ -131,7 +131,8 @@ class AlgorithmSection(Section):
         description="Step splitter, used only when a reward function takes `steps` or the "
         "advantage estimator needs step scores.",
     )
-    mu: int = Field(1, ge=1, description="Policy updates per rollout batch (GRPO's mu). 1 needs no old-policy forward.")
+    mu: int = Field(1, ge=1, description="Policy updates per rollout batch (GRPO's mu). 1, with train.mini_batches 1, "
+                    "needs no old-policy forward.")
     entropy_coef: float = Field(
         0.0, ge=0, description="Entropy bonus coefficient; entropy is computed only when it is > 0."
     )

@@ -260,7 +260,9 @@ def prepare(engine: Engine, scored: Scored, timer: Timer) -> tuple[TrainBatch, d
     temperature = engine.objective.temperature
     rewards, penalty, metrics = scored.scores.total.to(batch.mask.device), None, {}
     with timer("logprobs"):
-        if s.mu > 1 or (kl is not None and kl.in_reward):
+        # the sampling policy's log-probs: the current ones serve only while no optimizer step
+        # has moved the policy since the rollout (one pass, one mini-batch) and no KL-in-reward needs them first
+        if s.mu > 1 or s.mini_batches > 1 or (kl is not None and kl.in_reward):
             batch.old_logp = batch_logprobs(engine.model, batch, micro, temperature, engine.autocast)
         if kl is not None:
             with kl.reference.active() as ref_model:

@@ -31,8 +31,8 @@ class TrainBatch:
     """One rollout batch ready for updates (``P`` prompts, ``B = P*G`` rows, prompt-major).
 
     ``mask`` is the loss mask (completion tokens, minus truncated completions when the
-    spec says so); ``old_logp`` is None when ``mu == 1`` (the detached current log-probs
-    serve); ``ref_logp`` is None unless the KL is in the loss.
+    spec says so); ``old_logp`` is None when ``mu == 1`` with one mini-batch (the detached
+    current log-probs serve); ``ref_logp`` is None unless the KL is in the loss.
     """
 
     prompt_ids: Tensor  # long (P, L)

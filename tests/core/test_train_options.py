@@ -120,3 +120,21 @@ def test_bf16_reference_copy_trains_and_is_refused_where_it_cannot_work(tiny_mod
                            ("algorithm.kl.ref_sync={every: 2}", "bfloat16 cannot follow algorithm.kl.ref_sync")]:
         with pytest.raises(SpecError, match=message):
             make_run(tiny_model, tmp_path, "algorithm.kl.beta=0.1", "algorithm.kl.reference_dtype=bfloat16", extra)
+
+
+@pytest.mark.parametrize(("overrides", "needs_old"), [
+    ([], False),  # one pass, one mini-batch: the current log-probs are the sampler's
+    (["train.mini_batches=2"], True),  # the second mini-batch runs after an optimizer step
+    (["algorithm.mu=2"], True),
+])
+def test_old_logprobs_are_computed_exactly_when_the_policy_moves_before_use(tiny_model, tmp_path, overrides, needs_old):
+    from grpo_core.train.step import Timer, collect, prepare
+    from grpo_core.train.update import batch_logprobs
+
+    run = make_run(tiny_model, tmp_path, *overrides)
+    scored, _ = collect(run.engine, run.prompts, 0, Timer())
+    batch, _ = prepare(run.engine, scored, Timer())
+    assert (batch.old_logp is not None) == needs_old
+    if needs_old:
+        expected = batch_logprobs(run.model, batch, batch.mask.shape[0], 1.0, run.engine.autocast)
+        assert torch.equal(batch.old_logp, expected)
