@@ -210,47 +210,115 @@ def _hidden_plain(decoder, prompt_ids, prompt_mask, completion_ids, group_size) 
     return out.last_hidden_state[:, length - 1 : length - 1 + steps]
 
 
-def _hidden_shared(
-    decoder, config, prompt_ids, prompt_mask, completion_ids, group_size
-) -> Tensor | None:
-    """Like :func:`_hidden_plain`, but each prompt is encoded once: its keys and values
-    (``P`` rows) are repeated ``G`` times and the completions attend to them; gradients flow
-    back through the repetition. Returns ``(B, T, H)``, or None if the decoder kept no cache."""
+def _length_buckets(lengths: Tensor, min_saving: float = 0.2, max_buckets: int = 4) -> list[Tensor] | None:
+    """Rows grouped by length so that a forward of each group, trimmed to its longest row,
+    skips most padding: rows sorted longest first, a new group started when a row is at most
+    half the current group's longest. Rows of length 0 are in no group (nothing to compute).
+
+    ``lengths``: ``long (B,)``. Returns the row indices of each group, or None when grouping
+    would save less than ``min_saving`` of the ``B * max(lengths)`` positions (or make
+    more than ``max_buckets`` groups is the only way to): one padded forward is then cheaper."""
+    order = torch.argsort(lengths, descending=True, stable=True)
+    sizes = lengths[order].tolist()
+    if not sizes or sizes[0] == 0:
+        return None
+    groups, start = [], 0
+    for i, size in enumerate(sizes):
+        if size == 0 or (i > start and size * 2 <= sizes[start] and len(groups) < max_buckets - 1):
+            groups.append(order[start:i])
+            start = i
+            if size == 0:
+                break
+    else:
+        groups.append(order[start:])
+    kept = [g for g in groups if len(g) and int(lengths[g[0]]) > 0]
+    padded = sum(len(g) * int(lengths[g[0]]) for g in kept)
+    if padded > (1 - min_saving) * len(sizes) * sizes[0]:
+        return None
+    return kept
+
+
+def _encode_prompts(decoder, config, prompt_ids, prompt_mask):
+    """The prompts' last hidden states ``(P, L, H)`` and their KV cache, or None when the
+    decoder kept no cache."""
     from transformers import DynamicCache
 
     if hasattr(config, "get_text_config"):
         config = config.get_text_config(decoder=True)
-    cache = DynamicCache(config=config)
     out = decoder(
         input_ids=prompt_ids,
         attention_mask=prompt_mask,
         position_ids=_position_ids(prompt_mask),
-        past_key_values=cache,
+        past_key_values=DynamicCache(config=config),
         use_cache=True,
     )
     cache = out.past_key_values
     if cache is None or cache.get_seq_length() != prompt_ids.shape[1]:
         return None
-    cache.batch_repeat_interleave(group_size)
-    mask = torch.cat(
-        [
-            prompt_mask.repeat_interleave(group_size, 0),
-            torch.ones_like(completion_ids, dtype=torch.bool),
-        ],
-        dim=1,
-    )
-    start = prompt_mask.long().sum(-1).repeat_interleave(group_size)  # (B,)
-    steps = completion_ids.shape[1]
-    positions = start[:, None] + torch.arange(steps, device=completion_ids.device)[None, :]
-    comp = decoder(
-        input_ids=completion_ids,
-        attention_mask=mask,
-        position_ids=positions,
-        past_key_values=cache,
-        use_cache=True,
-    ).last_hidden_state  # (B, T, H)
-    last_prompt = out.last_hidden_state[:, -1:].repeat_interleave(group_size, 0)  # (B, 1, H)
-    return torch.cat([last_prompt, comp[:, :-1]], dim=1)
+    return out.last_hidden_state, cache, config
+
+
+def _continue(decoder, cache, prompt_mask, completion_ids) -> Tensor:
+    """Completions ``(b, T)`` after their prompts' cache (``b`` rows, masks ``(b, L)``);
+    returns their hidden states ``(b, T, H)``."""
+    mask = torch.cat([prompt_mask, torch.ones_like(completion_ids, dtype=torch.bool)], dim=1)
+    start = prompt_mask.long().sum(-1)  # (b,)
+    positions = start[:, None] + torch.arange(completion_ids.shape[1], device=completion_ids.device)[None, :]
+    return decoder(
+        input_ids=completion_ids, attention_mask=mask, position_ids=positions,
+        past_key_values=cache, use_cache=True,
+    ).last_hidden_state
+
+
+def _hidden_shared(
+    decoder, config, prompt_ids, prompt_mask, completion_ids, group_size, lengths=None
+) -> Tensor | None:
+    """Like :func:`_hidden_plain`, but each prompt is encoded once: its keys and values
+    (``P`` rows) are repeated ``G`` times and the completions attend to them; gradients flow
+    back through the repetition. With ``lengths`` (``long (B,)``: each row's last needed
+    position + 1) rows of very different lengths run in groups (:func:`_length_buckets`),
+    each trimmed to its longest row; positions past a row's length are then zeros.
+    Returns ``(B, T, H)``, or None if the decoder kept no cache."""
+    encoded = _encode_prompts(decoder, config, prompt_ids, prompt_mask)
+    if encoded is None:
+        return None
+    prompt_hidden, cache, config = encoded
+    last_prompt = prompt_hidden[:, -1:]  # (P, 1, H)
+    buckets = _length_buckets(lengths) if lengths is not None else None
+    if buckets is None:
+        cache.batch_repeat_interleave(group_size)
+        comp = _continue(decoder, cache, prompt_mask.repeat_interleave(group_size, 0), completion_ids)
+        return torch.cat([last_prompt.repeat_interleave(group_size, 0), comp[:, :-1]], dim=1)
+    return _hidden_bucketed(decoder, config, cache, last_prompt, prompt_mask, completion_ids, group_size,
+                            lengths, buckets)
+
+
+def _hidden_bucketed(decoder, config, cache, last_prompt, prompt_mask, completion_ids, group_size,
+                     lengths, buckets) -> Tensor:
+    """:func:`_hidden_shared` for rows in length groups: each group's prompt cache rows are
+    selected from the ``P`` encoded prompts (gradients flow back through the selection)."""
+    from transformers import DynamicCache
+
+    layers = [(layer.keys, layer.values) for layer in cache.layers]
+    steps, pieces, order = completion_ids.shape[1], [], []
+    for rows in buckets:
+        prompt_of = rows // group_size
+        sub = DynamicCache(config=config)
+        for index, (keys, values) in enumerate(layers):
+            sub.update(keys[prompt_of], values[prompt_of], index)
+        width = int(lengths[rows[0]])
+        comp = _continue(decoder, sub, prompt_mask[prompt_of], completion_ids[rows, :width])
+        hidden = torch.cat([last_prompt[prompt_of], comp[:, : width - 1]], dim=1)  # (b, width, H)
+        pieces.append(torch.nn.functional.pad(hidden, (0, 0, 0, steps - width)))
+        order.append(rows)
+    order = torch.cat(order)
+    skipped = torch.ones(completion_ids.shape[0], dtype=torch.bool, device=order.device)
+    skipped[order] = False
+    if skipped.any():  # rows with nothing to compute
+        idle = skipped.nonzero().squeeze(1)
+        pieces.append(pieces[0].new_zeros((len(idle), steps, pieces[0].shape[-1])))
+        order = torch.cat([order, idle])
+    return torch.cat(pieces)[torch.argsort(order)]
 
 
 def _trim(prompt_ids, prompt_mask, completion_ids, completion_mask):
@@ -282,6 +350,7 @@ def completion_logprobs(
     with_entropy: bool = False,
     temperature: float = 1.0,
     share_prompt: bool = True,
+    length_buckets: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs (and entropies) of completion tokens under a causal LM, ``(B, T)`` each.
 
@@ -294,7 +363,10 @@ def completion_logprobs(
     With ``share_prompt`` each prompt is encoded once (``P`` rows) and its key/value cache
     repeated ``G`` times for the completions, gradients flowing through it; it falls back to
     encoding ``prompt x G`` rows when that is unsafe (see :func:`_shares_prompt_safely`).
-    The two give equal results up to float rounding.
+    The two give equal results up to float rounding. With ``length_buckets`` (and a shared
+    prompt) rows whose lengths differ widely run in up to 4 groups, each trimmed to its
+    longest row, when that skips at least a fifth of the padded positions; rows with no
+    masked token are not run at all. Again equal up to float rounding.
 
     ``completion_mask`` selects which outputs are computed; every completion token up to a
     row's last masked one is attended to, so a mask with holes (e.g. tool output excluded
@@ -312,6 +384,7 @@ def completion_logprobs(
         with_entropy: also return per-token entropies.
         temperature: sampling temperature (> 0).
         share_prompt: encode each prompt once instead of ``G`` times.
+        length_buckets: group rows by length (with ``share_prompt``).
 
     Returns:
         ``(logp, entropy)``: ``float32 (B, T)`` (float64 for a float64 model), exactly 0
@@ -337,7 +410,10 @@ def completion_logprobs(
     decoder = model.get_decoder()
     hidden = None
     if share_prompt and _shares_prompt_safely(model, decoder, group_size):
-        hidden = _hidden_shared(decoder, model.config, p_ids, p_mask, c_ids, group_size)
+        positions = torch.arange(1, steps + 1, device=c_mask.device)
+        lengths = (c_mask.long() * positions).amax(dim=1)  # last masked position + 1, 0 if none
+        hidden = _hidden_shared(decoder, model.config, p_ids, p_mask, c_ids, group_size,
+                                lengths if length_buckets else None)
     if hidden is None:
         hidden = _hidden_plain(decoder, p_ids, p_mask, c_ids, group_size)
     flat_logp, flat_ent = token_logprobs(

@@ -355,3 +355,36 @@ def test_completion_logprobs_creates_nothing_of_size_b_t_v(base_model):
         logp, entropy = completion_logprobs(model, *batch, chunk_size=chunk, with_entropy=True)
         (logp.sum() + entropy.sum()).backward()
     assert 0 < watch.largest <= chunk * model.config.vocab_size
+
+
+def test_length_buckets_group_rows_and_skip_empty_ones():
+    from grpo_core.train.logprobs import _length_buckets
+
+    groups = _length_buckets(torch.tensor([6, 4, 1, 6, 0, 2]))
+    assert [g.tolist() for g in groups] == [[0, 3, 1], [5], [2]]  # 6,6,4 | 2 | 1; row 4 (empty) in none
+    assert _length_buckets(torch.tensor([5, 4, 5, 3])) is None  # grouping would save < 20%
+    assert _length_buckets(torch.tensor([0, 0])) is None
+    many = _length_buckets(torch.tensor([64, 32, 16, 8, 4, 2, 1]))
+    assert len(many) == 4 and many[-1].tolist() == [3, 4, 5, 6]  # at most 4 groups
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_length_buckets_give_the_unbucketed_values_and_gradients(base_model, dtype, monkeypatch):
+    """Tolerance: the same per-row computation at other batch compositions; float64 to 1e-10,
+    float32 to 1e-5 (values) and 1e-5 of the largest gradient entry."""
+    from grpo_core.train import logprobs as lp
+
+    model = _model(base_model, dtype)
+    batch = _batch(model.config.vocab_size)
+    calls, original = [], lp._hidden_bucketed
+    monkeypatch.setattr(lp, "_hidden_bucketed", lambda *a, **k: calls.append(1) or original(*a, **k))
+    out = {}
+    for buckets in (False, True):
+        logp, ent = completion_logprobs(model, *batch, with_entropy=True, length_buckets=buckets)
+        out[buckets] = (logp, ent, _grads(model, logp.sum() + 0.3 * ent.sum()))
+    assert calls == [1]  # only the bucketed call took that path
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(out[True][0], out[False][0], atol=tol, rtol=0)
+    torch.testing.assert_close(out[True][1], out[False][1], atol=tol, rtol=0)
+    for name, grad in out[False][2].items():
+        torch.testing.assert_close(out[True][2][name], grad, rtol=0, atol=tol * grad.abs().max())
