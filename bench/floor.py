@@ -15,7 +15,10 @@ median of ``--reps`` runs after one warm-up:
 - ``forward+backward (plain)``: ``model(prompt+completion).logits``, a full log-softmax,
   the completion tokens' log-probs summed, backward: the textbook computation;
 - ``forward+backward (engine)``: :func:`grpo_core.train.logprobs.completion_logprobs`
-  (prompt encoded once per group, completion-only chunked head), sum, backward;
+  (prompt encoded once per group, rows in length groups, completion-only chunked head),
+  sum, backward; and the same as one forward padded to the longest row;
+- ``no-grad forward``: the same without gradients (what the reference log-probs cost),
+  with and without length groups;
 - ``optimizer``: one fused AdamW step.
 
 The floor of generation (:func:`generation_floor`), for ``B = P*G`` rows and ``T`` tokens:
@@ -251,11 +254,17 @@ def main(argv: list[str] | None = None) -> int:
         (chosen * c_mask).sum().backward()
         model.zero_grad(set_to_none=True)
 
-    def engine_fwd_bwd():
+    def engine_fwd_bwd(length_buckets: bool = True):
         with autocast():
-            logp, _ = completion_logprobs(model, batch.prompt_ids, batch.prompt_mask, c_ids, c_mask)
+            logp, _ = completion_logprobs(model, batch.prompt_ids, batch.prompt_mask, c_ids, c_mask,
+                                          length_buckets=length_buckets)
         (logp.float() * c_mask).sum().backward()
         model.zero_grad(set_to_none=False)
+
+    def reference_forward(length_buckets: bool = True):
+        with torch.no_grad(), autocast():
+            completion_logprobs(model, batch.prompt_ids, batch.prompt_mask, c_ids, c_mask,
+                                length_buckets=length_buckets)
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     for p in model.parameters():
@@ -269,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
         f"generate (hf backend, {int(c_mask.sum())} tokens sampled)": timed(engine_generate, args.reps),
         "forward+backward (plain: full logits, log-softmax)": timed(plain_fwd_bwd, args.reps),
         "forward+backward (engine: shared prompt, chunked head)": timed(engine_fwd_bwd, args.reps),
+        "forward+backward (engine, one padded forward)": timed(lambda: engine_fwd_bwd(False), args.reps),
+        "no-grad forward (reference log-probs)": timed(reference_forward, args.reps),
+        "no-grad forward (one padded forward)": timed(lambda: reference_forward(False), args.reps),
         "optimizer (fused AdamW)": timed(optimizer_step, args.reps),
     }
     print(f"SmolLM2-135M-Instruct, {args.precision}, {args.threads} threads, median of {args.reps}")
