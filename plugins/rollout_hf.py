@@ -3,7 +3,10 @@ copy of it in ``options.dtype``).
 
 Generation, seeding and stopping: :meth:`HFRollout.generate`; prompt prefill shared by the
 ``G`` completions of a prompt: :meth:`HFRollout._prefill`; sampling follows
-:class:`~grpo_core.contracts.SamplingParams` only (:func:`_generation_config`).
+:class:`~grpo_core.contracts.SamplingParams` only (:func:`_generation_config`). The decode
+itself is the lean loop of :mod:`grpo_plugins.rollout_decode` (``decode: lean``, the
+default: :meth:`HFRollout._generate_part_lean`) or transformers ``generate``
+(:meth:`HFRollout._generate_part`).
 """
 
 from __future__ import annotations
