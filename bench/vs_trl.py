@@ -271,7 +271,8 @@ def run_setting(args: dict) -> dict:
         for name, (conn, _, _, steps) in tools.items():
             conn.send("step")
             steps.append(conn.recv())
-            print(f"step {step + 1} {name}: {steps[-1]['step']:.2f} s", flush=True)
+            phases = ", ".join(f"{p} {v:.1f}" for p, v in steps[-1]["phases"].items() if v >= 0.05)
+            print(f"step {step + 1} {name}: {steps[-1]['step']:.2f} s ({phases})", flush=True)
     results = {}
     for name, (conn, proc, start, steps) in tools.items():
         conn.send("finish")
