@@ -125,7 +125,6 @@ def test_bf16_reference_copy_trains_and_is_refused_where_it_cannot_work(tiny_mod
 @pytest.mark.parametrize(("overrides", "needs_old"), [
     ([], False),  # one pass, one mini-batch: the current log-probs are the sampler's
     (["train.mini_batches=2"], True),  # the second mini-batch runs after an optimizer step
-    (["algorithm.mu=2"], True),
 ])
 def test_old_logprobs_are_computed_exactly_when_the_policy_moves_before_use(tiny_model, tmp_path, overrides, needs_old):
     from grpo_core.train.step import Timer, collect, prepare
