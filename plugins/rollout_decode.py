@@ -128,7 +128,7 @@ def lean_decode(
         ``n`` the number of steps run) and ``long (B,)`` the length of each row that ended
         (its end token included), -1 for rows still running after ``max_new_tokens``.
     """
-    batch, width = ids.shape
+    batch = ids.shape[0]
     device = ids.device
     processors = warpers(sampling)
     keep_arg = "logits_to_keep" in inspect.signature(model.forward).parameters
