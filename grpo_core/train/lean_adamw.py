@@ -31,16 +31,27 @@ __all__ = ["BF16StateAdamW", "stochastic_round_bf16"]
 _LOW16 = 0xFFFF  # the float32 bits that bfloat16 drops
 
 
-def stochastic_round_bf16(x: Tensor, generator: torch.Generator | None = None) -> Tensor:
+def stochastic_round_bf16(x: Tensor, generator: torch.Generator | None = None, noise: Tensor | None = None) -> Tensor:
     """float32 ``x`` -> bfloat16, rounded up with probability equal to the dropped fraction.
 
-    Adds a uniform 16-bit integer to the float32 bit pattern and truncates the low 16 bits (an
-    exact cast afterwards). Non-finite values are cast as they are.
+    Adds a uniform 16-bit integer (``noise``, int32 in [0, 2^16), drawn when not given) to the
+    float32 bit pattern and truncates the low 16 bits (an exact cast afterwards). Infinities
+    and the usual NaN stay as they are; a finite value within one bf16 step of the largest
+    float32 may round up to infinity, as any rounding up there does.
     """
-    bits = x.view(torch.int32)
-    noise = torch.randint(0, _LOW16 + 1, x.shape, dtype=torch.int32, device=x.device, generator=generator)
-    rounded = ((bits + noise) & ~_LOW16).view(torch.float32)
-    return torch.where(torch.isfinite(x), rounded, x).to(torch.bfloat16)
+    if noise is None:
+        noise = torch.randint(0, _LOW16 + 1, x.shape, dtype=torch.int32, device=x.device, generator=generator)
+    bits = x.reshape(-1).view(torch.int32) + noise.reshape(-1)
+    return bits.bitwise_and_(~_LOW16).view(torch.float32).view(x.shape).to(torch.bfloat16)
+
+
+def _noise_pair(n: int, device: torch.device, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """Two int32 tensors of ``n`` uniform 16-bit integers from one draw of ``n`` int32 values
+    (31 random bits each): bits 0-15 and bits 15-30. They share bit 15, the top bit of one and
+    the lowest-weight bit (1/65536 of a bf16 step) of the other; half the generator's work."""
+    bits = torch.empty(n, dtype=torch.int32, device=device).random_(generator=generator)
+    high = bits.bitwise_right_shift(15).bitwise_and_(_LOW16)
+    return bits.bitwise_and_(_LOW16), high
 
 
 class BF16StateAdamW(torch.optim.Optimizer):
@@ -105,10 +116,12 @@ class BF16StateAdamW(torch.optim.Optimizer):
             piece = work[sl]
             if wd:
                 piece.mul_(1 - lr * wd)
-            denom = v.sqrt().div_(root_bc2).add_(eps)
-            piece.addcdiv_(m.to(piece.dtype), denom.to(piece.dtype), value=-step_size)
-            m_all[sl] = stochastic_round_bf16(m, generator)
-            v_all[sl] = stochastic_round_bf16(v, generator)
+            # lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps), with the sqrt(bc2) moved out (one pass less)
+            denom = v.sqrt().add_(eps * root_bc2)
+            piece.addcdiv_(m.to(piece.dtype), denom.to(piece.dtype), value=-step_size * root_bc2)
+            noise_m, noise_v = _noise_pair(m.numel(), m.device, generator)
+            m_all[sl] = stochastic_round_bf16(m, noise=noise_m)
+            v_all[sl] = stochastic_round_bf16(v, noise=noise_v)
         if flat_p is None:
             p.copy_(work.view_as(p))
 

@@ -11,7 +11,7 @@ import torch
 
 from grpo_core import checkpoint as ckpt
 from grpo_core.cli import main
-from grpo_core.train.lean_adamw import BF16StateAdamW, stochastic_round_bf16
+from grpo_core.train.lean_adamw import BF16StateAdamW, _noise_pair, stochastic_round_bf16
 
 
 @pytest.fixture(autouse=True)
@@ -76,6 +76,10 @@ def test_stochastic_rounding_is_unbiased_and_keeps_the_second_moment_decaying():
     assert set(r.unique().tolist()) == {1.0, 1.0 + 2**-7}
     assert abs(float(r.mean()) - (1 + 2**-9)) < 2e-4
     assert float(x.to(torch.bfloat16).float().mean()) == 1.0  # the bias it avoids
+
+    for noise in _noise_pair(100_000, torch.device("cpu"), torch.Generator().manual_seed(1)):
+        assert int(noise.min()) == 0 and int(noise.max()) == 2**16 - 1  # the whole 16-bit range
+        assert abs(float(noise.float().mean()) - (2**16 - 1) / 2) < 300
 
     p = torch.nn.Parameter(torch.zeros(4096))
     opt = BF16StateAdamW([p], lr=1e-3)
