@@ -291,19 +291,35 @@ def _weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def test_per_call_copy_is_not_resident_and_generates_what_a_resident_copy_does():
+def _policy(tok, tied: bool):
+    """The tiny model, or the same architecture with tied input/output embeddings (SmolLM2's)."""
+    model = build_model(tok)
+    if not tied:
+        return model
+    from transformers import LlamaForCausalLM
+
+    config = copy.deepcopy(model.config)
+    config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    return model
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_per_call_copy_is_not_resident_and_generates_what_a_resident_copy_does(tied):
     """The default copy (``keep_copy: false``) holds no weights between calls, is cast from the
     current training weights at each call (no sync needed), keeps tied embeddings tied, and
     gives exactly the tokens of a resident copy (the same bfloat16 weights)."""
     tok = build_tokenizer()
-    policy = build_model(tok)
+    policy = _policy(tok, tied)
     per_call = HFRollout(HFRolloutOptions(dtype="bfloat16"))
     resident = HFRollout(HFRolloutOptions(dtype="bfloat16", keep_copy=True))
     per_call.setup(policy, tok)
     resident.setup(policy, tok)
     assert _weight_bytes(per_call.model) == 0
     assert _weight_bytes(resident.model) == _weight_bytes(policy) // 2
-    if policy.get_output_embeddings().weight is policy.get_input_embeddings().weight:
+    if tied:
         assert per_call.model.get_output_embeddings().weight is per_call.model.get_input_embeddings().weight
     prompts = [tok(t)["input_ids"] for t in TEXTS]
     sampled = SamplingParams(max_new_tokens=8, temperature=1.0, seed=3)
