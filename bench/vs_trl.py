@@ -270,7 +270,8 @@ def main() -> int:
         conn.send("finish")
         results.append(summarize(name, steps, start, conn.recv()))
         proc.join(timeout=60)
-    print(f"\nconfig {a.config}{' (grpo-core: ' + ' '.join(grpo_set) + ')' if grpo_set else ''}: {a.steps} steps, P=2, G=8, {a.tokens} new tokens, {a.threads} threads")
+    lean = f" (grpo-core: {' '.join(grpo_set)})" if grpo_set else ""
+    print(f"\nconfig {a.config}{lean}: {a.steps} steps, P=2, G=8, {a.tokens} new tokens, {a.threads} threads")
     cols = ["step", *PHASES, "tokens_per_s", "rss", "acc_before", "acc_after"]
     print(f"{'':<10}" + "".join(f"{c:>17}" for c in cols))
     for r in results:
