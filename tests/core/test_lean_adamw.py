@@ -132,3 +132,20 @@ def test_a_bad_optimizer_option_is_a_spec_error(tmp_path, write_spec, capsys, va
     assert main(["validate", str(spec), "--set", value]) == 2
     err = capsys.readouterr().err
     assert "train.optimizer" in err and expect in err and "Traceback" not in err, err
+
+
+def test_state_moves_between_float32_and_bf16_adamw():
+    """A run may switch ``state_dtype`` on resume: either optimizer loads the other's state,
+    the moments cast to its own dtype, the step count kept."""
+    p = torch.nn.Parameter(torch.randn(100))
+    p.grad = torch.randn(100)
+    plain = torch.optim.AdamW([p])
+    plain.step()
+    lean = BF16StateAdamW([p])
+    lean.load_state_dict(plain.state_dict())
+    assert lean.state[p]["exp_avg"].dtype == torch.bfloat16
+    assert torch.equal(lean.state[p]["exp_avg"], plain.state[p]["exp_avg"].to(torch.bfloat16))
+    lean.step()
+    back = torch.optim.AdamW([p])
+    back.load_state_dict(lean.state_dict())
+    assert back.state[p]["exp_avg_sq"].dtype == torch.float32 and float(back.state[p]["step"]) == 2.0
