@@ -36,6 +36,14 @@ CONFIGS = {
     "beta": ("bf16", True, 0.04),
 }
 PHASES = ("generate", "score", "logprobs", "forward_backward", "optimizer", "other")
+DEFAULT_SPEC = str(Path(__file__).resolve().parents[1] / "specs" / "quickstart.yaml")
+#: grpo-core's lean memory settings (--grpo-lean): AdamW moments in bf16, generation from the
+#: training weights under bf16 autocast (no bf16 copy), gradient checkpointing as TRL's default.
+LEAN = ["train.optimizer.state_dtype=bfloat16", "rollout.dtype=null", "model.gradient_checkpointing=true"]
+
+
+def default_model_dir() -> str:
+    return str(Path(tempfile.gettempdir()) / "grpo-bench-smollm2")
 
 
 def peak_rss_gb() -> float:
@@ -99,6 +107,21 @@ def greedy_accuracy(model, tokenizer, rows, max_new_tokens: int, batch: int = 25
 
 
 # ------------------------------------------------------------------ grpo-core worker
+def grpo_overrides(model: str, config: str, steps: int, threads: int, *, seed: int = 0, tokens: int = 32,
+                   eval_size: int = 50) -> list[str]:
+    """The quickstart spec's ``--set`` values that put grpo-core on ``config``'s settings and
+    TRL's algorithm defaults (also used by ``bench/memory.py``)."""
+    mixed, _, beta = CONFIGS[config]
+    return [
+        f"model.path={model}", "model.package=null", "model.gguf_file=null",
+        f"train.mixed_precision={mixed}", f"algorithm.kl.beta={beta}",
+        "algorithm.advantage.std=unbiased", "algorithm.advantage.eps=1.0e-4",
+        "algorithm.aggregation.name=token-mean", "tracking=[]", "train.progress=false",
+        f"train.threads={threads}", f"train.seed={seed}",
+        f"train.steps={steps}", f"rollout.max_new_tokens={tokens}", f"data.eval_size={eval_size}",
+    ]
+
+
 def grpo_worker(conn, args: dict) -> None:
     import torch
 
@@ -107,16 +130,8 @@ def grpo_worker(conn, args: dict) -> None:
     from grpo_core.train.run import build_run
     from grpo_core.train.step import grpo_step
 
-    mixed, _, beta = CONFIGS[args["config"]]
-    overrides = [
-        f"model.path={args['model']}", "model.package=null", "model.gguf_file=null",
-        f"train.mixed_precision={mixed}", f"algorithm.kl.beta={beta}",
-        "algorithm.advantage.std=unbiased", "algorithm.advantage.eps=1.0e-4",
-        "algorithm.aggregation.name=token-mean", "tracking=[]", "train.progress=false",
-        f"train.threads={args['threads']}", f"train.seed={args['seed']}",
-        f"train.steps={args['steps']}", f"rollout.max_new_tokens={args['tokens']}",
-        f"data.eval_size={args['eval_size']}", *args["grpo_set"],
-    ]
+    overrides = grpo_overrides(args["model"], args["config"], args["steps"], args["threads"], seed=args["seed"],
+                               tokens=args["tokens"], eval_size=args["eval_size"]) + args["grpo_set"]
     run = build_run(load_spec(args["spec"], overrides))
     _, eval_rows = task_rows(args["eval_size"])
     before = greedy_accuracy(run.model, run.tokenizer, eval_rows, args["tokens"])
@@ -226,12 +241,15 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--eval-size", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "grpo-bench-smollm2"))
-    parser.add_argument("--spec", default=str(Path(__file__).resolve().parents[1] / "specs" / "quickstart.yaml"))
+    parser.add_argument("--model-dir", default=default_model_dir())
+    parser.add_argument("--spec", default=DEFAULT_SPEC)
     parser.add_argument("--grpo-set", action="append", default=[], help="extra --set for grpo-core")
+    parser.add_argument("--grpo-lean", action="store_true", help="grpo-core with its lean memory settings: "
+                        + " ".join(LEAN))
     a = parser.parse_args()
+    grpo_set = (LEAN if a.grpo_lean else []) + a.grpo_set
     args = {"config": a.config, "steps": a.steps, "tokens": a.tokens, "threads": a.threads,
-            "eval_size": a.eval_size, "seed": a.seed, "spec": a.spec, "grpo_set": a.grpo_set,
+            "eval_size": a.eval_size, "seed": a.seed, "spec": a.spec, "grpo_set": grpo_set,
             "model": str(prepare_model(Path(a.model_dir)))}
     os.environ.setdefault("OMP_NUM_THREADS", str(a.threads))
     ctx = mp.get_context("spawn")
@@ -252,7 +270,8 @@ def main() -> int:
         conn.send("finish")
         results.append(summarize(name, steps, start, conn.recv()))
         proc.join(timeout=60)
-    print(f"\nconfig {a.config}: {a.steps} steps, P=2, G=8, {a.tokens} new tokens, {a.threads} threads")
+    lean = f" (grpo-core: {' '.join(grpo_set)})" if grpo_set else ""
+    print(f"\nconfig {a.config}{lean}: {a.steps} steps, P=2, G=8, {a.tokens} new tokens, {a.threads} threads")
     cols = ["step", *PHASES, "tokens_per_s", "rss", "acc_before", "acc_after"]
     print(f"{'':<10}" + "".join(f"{c:>17}" for c in cols))
     for r in results:
