@@ -45,6 +45,14 @@ from pathlib import Path
 PRESETS = {"bf16": ("bf16", 0.0), "fp32": ("fp32", 0.0), "beta": ("bf16", 0.04)}
 GRID = {"group_size": (8, 16), "tokens": (32, 128), "beta": (0.0, 0.04), "precision": ("fp32", "bf16")}
 PHASES = ("generate", "score", "logprobs", "forward_backward", "optimizer", "other")
+DEFAULT_SPEC = str(Path(__file__).resolve().parents[1] / "specs" / "quickstart.yaml")
+#: grpo-core's lean memory settings (--grpo-lean): AdamW moments in bf16, generation from the
+#: training weights under bf16 autocast (no bf16 copy), gradient checkpointing as TRL's default.
+LEAN = ["train.optimizer.state_dtype=bfloat16", "rollout.dtype=null", "model.gradient_checkpointing=true"]
+
+
+def default_model_dir() -> str:
+    return str(Path(tempfile.gettempdir()) / "grpo-bench-smollm2")
 
 
 def cpu_info() -> tuple[str, list[str]]:
@@ -129,6 +137,24 @@ def maybe_accuracy(model, tokenizer, rows, args: dict) -> float | None:
 
 
 # ------------------------------------------------------------------ grpo-core worker
+def grpo_overrides(model: str, config: str, steps: int, threads: int, *, seed: int = 0, tokens: int = 32,
+                   eval_size: int = 50, group_size: int = 8, prompts: int = 2, beta: float | None = None) -> list[str]:
+    """The quickstart spec's ``--set`` values that put grpo-core on a setting and TRL's
+    algorithm defaults (also used by ``bench/memory.py``). ``config`` is a preset name
+    (:data:`PRESETS`) or a precision (``fp32``, ``bf16``); ``beta`` overrides the preset's."""
+    precision, preset_beta = PRESETS.get(config, (config, 0.0))
+    mixed = "bf16" if precision == "bf16" else "no"
+    return [
+        f"model.path={model}", "model.package=null", "model.gguf_file=null",
+        f"train.mixed_precision={mixed}", f"algorithm.kl.beta={preset_beta if beta is None else beta}",
+        f"rollout.group_size={group_size}", f"train.prompts_per_step={prompts}",
+        "algorithm.advantage.std=unbiased", "algorithm.advantage.eps=1.0e-4",
+        "algorithm.aggregation.name=token-mean", "tracking=[]", "train.progress=false",
+        f"train.threads={threads}", f"train.seed={seed}",
+        f"train.steps={steps}", f"rollout.max_new_tokens={tokens}", f"data.eval_size={eval_size}",
+    ]
+
+
 def grpo_worker(conn, args: dict) -> None:
     import torch
 
@@ -137,17 +163,10 @@ def grpo_worker(conn, args: dict) -> None:
     from grpo_core.train.run import build_run
     from grpo_core.train.step import grpo_step
 
-    mixed = "bf16" if args["precision"] == "bf16" else "no"
-    overrides = [
-        f"model.path={args['model']}", "model.package=null", "model.gguf_file=null",
-        f"train.mixed_precision={mixed}", f"algorithm.kl.beta={args['beta']}",
-        f"rollout.group_size={args['group_size']}", f"train.prompts_per_step={args['prompts']}",
-        "algorithm.advantage.std=unbiased", "algorithm.advantage.eps=1.0e-4",
-        "algorithm.aggregation.name=token-mean", "tracking=[]", "train.progress=false",
-        f"train.threads={args['threads']}", f"train.seed={args['seed']}",
-        f"train.steps={args['steps']}", f"rollout.max_new_tokens={args['tokens']}",
-        f"data.eval_size={args['eval_size']}", *args["grpo_set"],
-    ]
+    overrides = grpo_overrides(
+        args["model"], args["precision"], args["steps"], args["threads"], seed=args["seed"], tokens=args["tokens"],
+        eval_size=args["eval_size"], group_size=args["group_size"], prompts=args["prompts"], beta=args["beta"],
+    ) + args["grpo_set"]
     run = build_run(load_spec(args["spec"], overrides))
     _, eval_rows = task_rows(max(args["eval_size"], 1))
     before = maybe_accuracy(run.model, run.tokenizer, eval_rows, args)
@@ -359,9 +378,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--eval-size", type=int, default=50, help="held-out prompts for accuracy; 0 skips it")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "grpo-bench-smollm2"))
-    parser.add_argument("--spec", default=str(Path(__file__).resolve().parents[1] / "specs" / "quickstart.yaml"))
+    parser.add_argument("--model-dir", default=default_model_dir())
+    parser.add_argument("--spec", default=DEFAULT_SPEC)
     parser.add_argument("--grpo-set", action="append", default=[], help="extra --set for grpo-core")
+    parser.add_argument("--grpo-lean", action="store_true", help="grpo-core with its lean memory settings: "
+                        + " ".join(LEAN))
     a = parser.parse_args(argv)
     if a.config:
         a.precision, beta = PRESETS[a.config]
@@ -378,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     cpu, native = cpu_info()
     print(f"CPU: {cpu}; native bf16: {', '.join(native) if native else 'no (bf16 is emulated)'}")
     base = {"prompts": a.prompts, "steps": a.steps, "threads": a.threads, "eval_size": a.eval_size,
-            "seed": a.seed, "spec": a.spec, "grpo_set": a.grpo_set,
+            "seed": a.seed, "spec": a.spec, "grpo_set": (LEAN if a.grpo_lean else []) + a.grpo_set,
             "model": str(prepare_model(Path(a.model_dir)))}
     os.environ.setdefault("OMP_NUM_THREADS", str(a.threads))
     records = []

@@ -71,6 +71,16 @@ class HFRolloutOptions(Options):
             "cheaper to draw at a 49k vocabulary. Only with decode: lean."
         ),
     )
+    keep_copy: bool = Field(
+        False,
+        description=(
+            "With dtype: keep the copy resident, refreshed by sync_weights after every optimizer "
+            "step. false (default) casts it from the training weights at the start of each "
+            "generate call and frees it at the end, so it exists only while generating (when "
+            "the trainer holds no gradients) and never adds to the training peak; this costs "
+            "one cast of the weights per call."
+        ),
+    )
     prompts_per_generate: int | None = Field(
         None,
         ge=1,
@@ -170,34 +180,70 @@ def _generation_config(sampling: SamplingParams, eos_ids: list[int], pad_id: int
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _empty_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """``model``'s modules and buffers (in ``dtype``) with empty parameters, tied ones still
+    shared, built without a transient full copy of the weights (:meth:`HFRollout._fill`
+    gives it weights)."""
+    memo = {id(p): torch.nn.Parameter(torch.empty(0, dtype=dtype, device=p.device), requires_grad=False)
+            for p in model.parameters()}
+    return copy.deepcopy(model, memo).to(dtype).eval()
+
+
 class HFRollout:
     """Generates with transformers ``generate`` on the training model, or on a copy of it in
-    ``options.dtype`` that ``sync_weights`` refreshes after every optimizer step."""
+    ``options.dtype``: cast from the training weights for each call and freed after, or kept
+    resident and refreshed by ``sync_weights`` after every optimizer step (``keep_copy``)."""
 
     def __init__(self, options: HFRolloutOptions | None = None):
         self.options = options or HFRolloutOptions()
         self.model: Any = None
         self.tokenizer: Any = None
+        self._source: Any = None  # the training model
         self._stop_criteria: dict[tuple[str, ...], Any] = {}
 
     # ----------------------------------------------------------------- contract
     def setup(self, model: Any, tokenizer: Any) -> None:
         """Keep the policy model (or make the generation copy) and tokenizer; find the pad
         and EOS ids."""
-        self.model, self.tokenizer = model, tokenizer
+        self.model, self.tokenizer, self._source = model, tokenizer, model
         dtype = _DTYPES.get(self.options.dtype) if self.options.dtype else None
         if dtype is not None and dtype != next(model.parameters()).dtype:
-            self.model = copy.deepcopy(model).to(dtype).eval()
-            self.model.requires_grad_(False)
+            self.model = _empty_copy(model, dtype)
+            if self.options.keep_copy:
+                self._fill()
         self.eos_ids, self.pad_id = special_ids(model, tokenizer, "hf")
 
     def sync_weights(self, model: Any) -> None:
-        """Copy the policy's weights into the generation copy; a no-op without one."""
-        if self.model is model:
+        """Copy the policy's weights into a resident generation copy; a no-op without one
+        (a per-call copy is cast from the training weights when generating)."""
+        if self.model is model or not self.options.keep_copy:
             return
         with torch.no_grad():
             for mine, theirs in zip(self.model.parameters(), model.parameters(), strict=True):
                 mine.copy_(theirs)
+
+    def _fill(self) -> None:
+        """Give the generation copy the training weights, cast to its dtype."""
+        with torch.no_grad():
+            for mine, theirs in zip(self.model.parameters(), self._source.parameters(), strict=True):
+                mine.data = theirs.detach().to(mine.dtype)
+
+    def _release(self) -> None:
+        """Free the generation copy's weights (its modules and buffers stay)."""
+        for p in self.model.parameters():
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+    @contextlib.contextmanager
+    def _weights(self):
+        """The generation copy filled inside, when it is made per call; else nothing."""
+        per_call = self.model is not self._source and not self.options.keep_copy
+        if per_call:
+            self._fill()
+        try:
+            yield
+        finally:
+            if per_call:
+                self._release()
 
     def generate(
         self, prompt_ids: list[list[int]], group_size: int, sampling: SamplingParams
@@ -222,7 +268,7 @@ class HFRollout:
         ids, mask = (t.to(device) for t in left_pad(prompt_ids, self.pad_id))
         step = self.options.prompts_per_generate or len(prompt_ids)
         pieces = []
-        with _eval_mode(self.model), torch.inference_mode():
+        with self._weights(), _eval_mode(self.model), torch.inference_mode():
             for start in range(0, len(prompt_ids), step):
                 part = slice(start, start + step)
                 seed = None if sampling.seed is None else sampling.seed + start

@@ -12,6 +12,7 @@ from pydantic import Field, field_validator, model_validator
 
 from grpo_core.spec.algorithm import AlgorithmSection
 from grpo_core.spec.export import ExportSection
+from grpo_core.spec.optimizer import OptimizerSection
 from grpo_core.spec.slots import Section, Slot, SpecPath
 
 
@@ -170,6 +171,9 @@ class TrainSection(Section):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    optimizer: OptimizerSection = Field(
+        default_factory=OptimizerSection, description="AdamW's implementation and the dtype of its moments."
+    )
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up, in optimizer steps.")
     schedule: Literal["constant", "cosine", "linear"] = Field(
         "constant", description="Learning-rate schedule after warm-up."

@@ -7,6 +7,7 @@ import math
 import torch
 
 from grpo_core.spec.models import TrainSection
+from grpo_core.train.lean_adamw import BF16StateAdamW
 
 
 def lr_factor(step: int, *, warmup: int, total: int, schedule: str) -> float:
@@ -23,14 +24,21 @@ def lr_factor(step: int, *, warmup: int, total: int, schedule: str) -> float:
 
 
 def make_optimizer(model, train: TrainSection, total_updates: int):
-    """AdamW, fused (one kernel over all parameters) where torch supports it: about 10x
-    faster than the per-tensor loop on a CPU, same update up to float rounding."""
+    """AdamW with the moments in ``train.optimizer.state_dtype``, and its schedule.
+
+    float32: torch's AdamW, fused (one kernel over all parameters) where torch supports it:
+    about 10x faster than the per-tensor loop on a CPU, same update up to float rounding.
+    bfloat16: :class:`~grpo_core.train.lean_adamw.BF16StateAdamW` (half the state memory).
+    """
     params = [p for p in model.parameters() if p.requires_grad]
     kwargs = dict(lr=train.lr, betas=tuple(train.adam_betas), eps=train.adam_eps, weight_decay=train.weight_decay)
-    try:
-        optimizer = torch.optim.AdamW(params, fused=True, **kwargs)
-    except (RuntimeError, TypeError, ValueError):  # a dtype or device without a fused kernel
-        optimizer = torch.optim.AdamW(params, **kwargs)
+    if train.optimizer.state_dtype == "bfloat16":
+        optimizer = BF16StateAdamW(params, seed=train.seed, **kwargs)
+    else:
+        try:
+            optimizer = torch.optim.AdamW(params, fused=True, **kwargs)
+        except (RuntimeError, TypeError, ValueError):  # a dtype or device without a fused kernel
+            optimizer = torch.optim.AdamW(params, **kwargs)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
         lambda step: lr_factor(step, warmup=train.warmup_steps, total=total_updates, schedule=train.schedule),

@@ -290,7 +290,7 @@ def _optimizer_decision(
         scaler.step(optimizer) if scaler is not None else optimizer.step()
         scheduler.step()
         outcome = "updated"
-    optimizer.zero_grad(set_to_none=False)
+    optimizer.zero_grad(set_to_none=True)  # no gradient memory between updates (rollout, scoring)
     if scaler is not None:
         scaler.update()  # lowers the scale after an overflow, raises it after a long run without
     return outcome, loss, norm

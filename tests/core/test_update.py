@@ -316,3 +316,16 @@ def test_reference_dtype_is_refused_under_lora():
 
     with pytest.raises(ValueError, match="reference_dtype needs a reference copy"):
         Reference(Adapted(2, 2), "bfloat16")
+
+
+def test_no_gradient_is_held_after_an_update(registry, base_model):
+    """The update frees the gradients once the optimizer has stepped (``set_to_none``): no
+    gradient memory while the next rollout is generated and scored."""
+    model = copy.deepcopy(base_model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    update(model, opt, sched, make_batch(zero_groups=()), objective(registry), mu=1, mini_batches=1,
+           micro_batch_size=None, max_grad_norm=1.0, autocast=nullcontext)
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))  # it did step
+    assert all(p.grad is None for p in model.parameters())

@@ -1,0 +1,171 @@
+"""Where grpo-core's peak memory goes, phase by phase, on SmolLM2-135M-Instruct.
+
+    python bench/memory.py [--steps 3] [--threads 1] [--set KEY=VALUE ...]
+    python bench/memory.py --lean            # the lean settings of bench/vs_trl.py --grpo-lean
+
+Runs the quickstart spec on the plain float32 copy of the model that ``vs_trl.py`` writes,
+with ``vs_trl.py``'s bf16 settings (TRL's defaults: bf16 autocast), for ``--steps`` steps. A
+thread samples this process's resident memory (``/proc/self/statm``) every 2 ms and keeps the
+highest value seen in each phase (loading, generate, score, logprobs, update = forward and
+backward, optimizer, sync). Next to it, the bytes the tensors themselves hold at the
+optimizer step: weights, gradients, optimizer state, the rollout backend's copy. The rest of
+a phase's peak is the Python/torch runtime, activations and the allocator's slack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import resource
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+GB = 1024**3
+
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+
+class Sampler:
+    """Highest resident memory per phase label, sampled every ``every`` seconds."""
+
+    def __init__(self, every: float = 0.002):
+        self.label, self.peaks, self.every = "startup", {}, every
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            now = rss()
+            self.peaks[self.label] = max(self.peaks.get(self.label, 0), now)
+            time.sleep(self.every)
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        outer, self.label = self.label, name
+        try:
+            yield
+        finally:
+            now = rss()
+            self.peaks[name] = max(self.peaks.get(name, 0), now)
+            self.label = outer
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def tensor_bytes(engine) -> dict[str, int]:
+    """Bytes held by the weights, gradients, optimizer state and the backend's own copy."""
+    params = {id(p): p for p in engine.model.parameters()}.values()
+    state = [t for s in engine.optimizer.state.values() for t in s.values() if hasattr(t, "element_size")]
+    backend_model = getattr(engine.backend, "model", None)
+    copy = 0
+    if backend_model is not None and backend_model is not engine.model:
+        copy = sum(p.numel() * p.element_size() for p in backend_model.parameters())
+    return {
+        "weights": sum(p.numel() * p.element_size() for p in params),
+        "gradients": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
+        "optimizer state": sum(t.numel() * t.element_size() for t in state),
+        "generation copy (resident)": copy,
+    }
+
+
+def instrument(sampler: Sampler, held: dict) -> None:
+    """Label the engine's phases: its Timer, the update and the optimizer step."""
+    import grpo_core.train.step as stepmod
+
+    timer_call = stepmod.Timer.__call__
+
+    @contextlib.contextmanager
+    def timed(self, name):
+        with sampler.phase(name), timer_call(self, name):
+            yield
+
+    stepmod.Timer.__call__ = timed
+    update = stepmod.update
+
+    def labelled_update(model, optimizer, *a, **k):
+        if not getattr(optimizer, "_bench_wrapped", False):
+            step = optimizer.step
+
+            def optimizer_step(*sa, **sk):
+                with sampler.phase("optimizer"):
+                    out = step(*sa, **sk)
+                held.update(tensor_bytes(held["engine"]))
+                return out
+
+            optimizer.step, optimizer._bench_wrapped = optimizer_step, True
+        with sampler.phase("update (forward+backward)"):
+            return update(model, optimizer, *a, **k)
+
+    stepmod.update = labelled_update
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="grpo-core's peak memory by phase")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--lean", action="store_true", help="add vs_trl.py's lean settings (--grpo-lean)")
+    parser.add_argument("--set", action="append", default=[], dest="sets", help="extra spec override")
+    parser.add_argument("--model-dir", default=None)
+    a = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", str(a.threads))
+    warnings.filterwarnings("ignore", message=".*optimizer.step.*")  # our label wrapper, not a misuse
+    with Sampler() as sampler:
+        import torch
+
+        torch.set_num_threads(a.threads)
+        import vs_trl
+
+        from grpo_core.spec import load_spec
+        from grpo_core.train.run import build_run
+        from grpo_core.train.step import grpo_step
+
+        held: dict = {}
+        instrument(sampler, held)
+        model_dir = Path(a.model_dir) if a.model_dir else Path(vs_trl.default_model_dir())
+        with sampler.phase("prepare the float32 copy"):
+            model = str(vs_trl.prepare_model(model_dir))
+        overrides = vs_trl.grpo_overrides(model, "bf16", a.steps, a.threads) + (vs_trl.LEAN if a.lean else []) + a.sets
+        with sampler.phase("load"):
+            run = build_run(load_spec(vs_trl.DEFAULT_SPEC, overrides))
+        sampler.label = "between phases"
+        held["engine"] = run.engine
+        _, eval_rows = vs_trl.task_rows(50)
+        with sampler.phase("greedy eval before"):  # as vs_trl.py's workers do
+            vs_trl.greedy_accuracy(run.model, run.tokenizer, eval_rows, 32)
+        times = []
+        for step in range(a.steps):
+            times.append(grpo_step(run.engine, run.prompts, step).metrics["time/generate"])
+        with sampler.phase("greedy eval after"):
+            vs_trl.greedy_accuracy(run.model, run.tokenizer, eval_rows, 32)
+    print("overrides:", " ".join((vs_trl.LEAN if a.lean else []) + a.sets) or "(none)")
+    print(f"{'phase':<28}{'peak RSS GB':>12}")
+    for name, value in sampler.peaks.items():
+        print(f"{name:<28}{value / GB:>12.3f}")
+    print(f"{'process peak (ru_maxrss)':<28}{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2:>12.3f}")
+    print("generate seconds per step:", " ".join(f"{t:.2f}" for t in times))
+    print("tensors held at the optimizer step:")
+    for name, value in held.items():
+        if name != "engine":
+            print(f"  {name:<26}{value / GB:>12.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

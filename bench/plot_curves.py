@@ -1,0 +1,116 @@
+"""Curves of the long side by side (``long_vs_trl.py``) from the runs' ``metrics.jsonl``:
+held-out accuracy (mean over seeds, shaded from the lowest to the highest seed), training
+reward and completion length, one colour per tool.
+
+    python bench/plot_curves.py bench/runs/long --out docs/curves.png
+
+Also prints the held-out table (mean, min and max over seeds at each evaluated step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+#: Panel -> the metric's name in each tool's log (the first one present is used).
+PANELS = {
+    "held-out greedy accuracy": ("eval/accuracy",),
+    "training reward (mean of the step's completions)": ("reward", "rewards/accuracy/mean"),
+    "completion length (tokens)": ("completions/mean_length",),
+}
+COLOURS = {"grpo-core": "tab:blue", "trl": "tab:orange"}
+
+
+def read_runs(folder: Path) -> dict[str, dict[int, list[dict]]]:
+    """tool -> seed -> the run's rows, in step order."""
+    runs: dict[str, dict[int, list[dict]]] = defaultdict(dict)
+    for path in sorted(folder.glob("*/metrics.jsonl")):
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        if rows:
+            runs[rows[0]["tool"]][rows[0]["seed"]] = rows
+    return runs
+
+
+def series(rows: list[dict], keys: tuple[str, ...]) -> dict[int, float]:
+    out = {}
+    for row in rows:
+        key = next((k for k in keys if k in row), None)
+        if key is not None:
+            out[row["step"]] = row[key]
+    return out
+
+
+def band(per_seed: list[dict[int, float]]) -> tuple[list[int], list[float], list[float], list[float]]:
+    """Steps every seed has, with the mean, min and max over seeds."""
+    steps = sorted(set.intersection(*(set(s) for s in per_seed))) if per_seed else []
+    values = [[s[t] for s in per_seed] for t in steps]
+    return steps, [statistics.fmean(v) for v in values], [min(v) for v in values], [max(v) for v in values]
+
+
+def smooth(values: list[float], width: int = 5) -> list[float]:
+    return [statistics.fmean(values[max(0, i - width + 1):i + 1]) for i in range(len(values))]
+
+
+def table(runs) -> str:
+    lines = ["| step | " + " | ".join(f"{t} mean (min-max)" for t in runs) + " |",
+             "|---|" + "---|" * len(runs)]
+    bands = {t: band([series(r, PANELS["held-out greedy accuracy"]) for r in seeds.values()])
+             for t, seeds in runs.items()}
+    steps = sorted(set.intersection(*(set(b[0]) for b in bands.values())))
+    for step in steps:
+        cells = []
+        for b in bands.values():
+            i = b[0].index(step)
+            cells.append(f"{100 * b[1][i]:.0f}% ({100 * b[2][i]:.0f}-{100 * b[3][i]:.0f})")
+        lines.append(f"| {step} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(runs, out: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 4))
+    for ax, (panel, keys) in zip(axes, PANELS.items(), strict=True):
+        for tool, seeds in runs.items():
+            steps, mean, low, high = band([series(r, keys) for r in seeds.values()])
+            if not steps:
+                continue
+            if panel != "held-out greedy accuracy":
+                mean, low, high = smooth(mean), smooth(low), smooth(high)
+            label = f"{tool} ({len(seeds)} seeds)"
+            ax.plot(steps, mean, color=COLOURS.get(tool), label=label, marker="o" if "accuracy" in panel else None)
+            ax.fill_between(steps, low, high, color=COLOURS.get(tool), alpha=0.2)
+        ax.set_title(panel, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description="plot the long side by side")
+    p.add_argument("folder")
+    p.add_argument("--out", default="docs/curves.png")
+    p.add_argument("--title", default="SmolLM2-135M-Instruct, two-digit additions: mean over seeds, band = min-max")
+    a = p.parse_args()
+    runs = read_runs(Path(a.folder))
+    if not runs:
+        sys.exit(f"no */metrics.jsonl under {a.folder}")
+    print(table(runs))
+    plot(runs, Path(a.out), a.title)
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
