@@ -26,6 +26,7 @@ from grpo_core.contracts import (
     special_ids,
 )
 from grpo_core.options import Options
+from grpo_core.train.sharding import full_weights, is_sharded
 
 __all__ = ["HFRolloutOptions", "HFRollout", "register_rollout_backends"]
 
@@ -158,6 +159,9 @@ class HFRollout:
         self.model, self.tokenizer = model, tokenizer
         dtype = _DTYPES.get(self.options.dtype) if self.options.dtype else None
         if dtype is not None and dtype != next(model.parameters()).dtype:
+            if is_sharded(model):
+                raise RuntimeError("hf rollout: options.dtype makes a whole copy of the policy, which a "
+                                   "sharded (fsdp2) run does not keep; drop rollout.options.dtype")
             self.model = copy.deepcopy(model).to(dtype).eval()
             self.model.requires_grad_(False)
         self.eos_ids, self.pad_id = special_ids(model, tokenizer, "hf")
@@ -193,7 +197,8 @@ class HFRollout:
         ids, mask = (t.to(device) for t in left_pad(prompt_ids, self.pad_id))
         step = self.options.prompts_per_generate or len(prompt_ids)
         pieces = []
-        with _eval_mode(self.model), torch.inference_mode():
+        # A sharded (fsdp2) policy is gathered whole for the call and freed after.
+        with full_weights(self.model), _eval_mode(self.model), torch.inference_mode():
             for start in range(0, len(prompt_ids), step):
                 part = slice(start, start + step)
                 seed = None if sampling.seed is None else sampling.seed + start
