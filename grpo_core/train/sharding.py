@@ -161,7 +161,14 @@ def full_state_dict(model: Any) -> dict[str, Tensor]:
     if not is_sharded(model):
         return model.state_dict()
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options)
+    state = get_model_state_dict(model, options=options)
+    # A tied weight comes back once per name, as separate copies: keep its first name only,
+    # as save_pretrained does for the shared tensor of an unsharded model.
+    first: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        first.setdefault(id(param), name)
+    tied = {name for name, param in model.named_parameters(remove_duplicate=False) if first[id(param)] != name}
+    return {k: v for k, v in state.items() if k not in tied}
 
 
 def load_full_state_dict(model: Any, state: dict[str, Tensor]) -> None:
