@@ -42,7 +42,7 @@ SAME = ("loss", "kl", "grad_norm", "reward", "policy/ratio", "train/updates")
 def _run(args: list, cwd: Path, torchrun: bool = False, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, **CHILD_ENV}
     env.pop("WORLD_SIZE", None)
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "0"]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     command = [*(launcher if torchrun else [sys.executable]), "-m", "grpo_core.cli", "run", *map(str, args)]
     out = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -92,8 +92,10 @@ def test_fsdp2_on_two_processes_takes_the_steps_of_one_and_resumes_under_any_cou
     assert "resuming from" in torchrun.stderr and "(step 2)" in torchrun.stderr
     finals = {n: load_weights(tmp_path / n / "final") for n in ("two-to-one", "two-to-ddp", "one-to-two")}
     assert _max_diff(finals["two-to-one"], w2) > 1e-4  # step 3 moved them
+    # the same start: only the sum order differs; from one's weights (1e-5 apart), Adam's step
+    # carries the difference on (the tolerance of test_distributed's resumes)
     assert _max_diff(finals["two-to-one"], finals["two-to-ddp"]) < 2e-5
-    assert _max_diff(finals["two-to-one"], finals["one-to-two"]) < 2e-5
+    assert _max_diff(finals["two-to-one"], finals["one-to-two"]) < 5e-5
 
 
 @pytest.mark.slow
