@@ -1,12 +1,13 @@
-"""What the hand-written gradient sum of the ddp path costs, against torch's
-``DistributedDataParallel`` (which all-reduces gradient buckets while backward still runs).
+"""A gradient sum after backward against torch's ``DistributedDataParallel`` (which
+all-reduces gradient buckets while backward still runs): the measurement behind the ddp
+path's use of DDP (:func:`grpo_core.train.sharding.wrap_ddp`).
 
 Two processes (gloo on CPU; NCCL with ``--device cuda``) each run the engine's log-prob
 computation (:class:`grpo_core.train.sharding.LogprobModel`: shared prompt, chunked
 completion-only head) on their own rows, then backward:
 
 - ``engine``: forward + backward, then :meth:`grpo_core.train.distributed.Dist.sum_grads`
-  (one flat all-reduce per dtype after backward: no overlap), the ddp path of ``update``;
+  (one flat all-reduce per dtype after backward: no overlap; the ddp path before DDP);
 - ``ddp``: the same module wrapped in ``DistributedDataParallel`` (25 MB buckets reduced
   during backward).
 

@@ -2,9 +2,10 @@
 shard of it (fsdp2, :mod:`grpo_core.train.sharding`).
 
 :class:`Dist` is the process group as the engine uses it (sharding of a step's groups,
-sums of normalizers and gradients, gathers, combined metrics); the README's "Several
-processes" section says what ``N`` processes do together and why gradients are summed
-by hand rather than through DDP's ``forward`` (``bench/ddp_overlap.py`` measures it).
+sums of normalizers, gathers, combined metrics); the README's "Several processes" section
+says what ``N`` processes do together. Gradients are summed by ``DistributedDataParallel``
+during backward (:func:`grpo_core.train.sharding.wrap_ddp`; ``bench/ddp_overlap.py`` measures
+the gain over :meth:`Dist.sum_grads` after backward, which stays for a policy not wrapped).
 :func:`parallel_from_launcher` reads an accelerate FSDP config.
 """
 
@@ -64,6 +65,7 @@ class Dist:
     world: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     sharded: bool = False  # FSDP2 (train.parallel.strategy): gradients are reduce-scattered, not summed here
+    ddp_module: bool = False  # the policy runs inside DistributedDataParallel: gradients summed in backward
 
     @classmethod
     def from_env(cls, device: str = "auto") -> Dist:

@@ -199,6 +199,9 @@ def _engine(spec: Spec, model, tokenizer, rewards: list[RewardFn], splitter, dis
     kl = KLTerm.from_spec(algo.kl, model)
     if dist.sharded:  # before the optimizer, which must hold the sharded parameters
         sharding.shard_engine_models(model, getattr(kl and kl.reference, "model", None), parallel, dist.device)
+    elif dist.active:
+        sharding.wrap_ddp(model, dist.device)
+        dist.ddp_module = True
     objective = Objective(
         policy_loss=algo.policy_loss.build(), aggregator=algo.aggregation.build(),
         kl=kl if kl is not None and kl.in_loss else None,

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from grpo_core.errors import RunError
 from grpo_core.train.logprobs import completion_logprobs
 
-_ROOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # causal LM -> its LogprobModel
+_ROOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # causal LM -> its (wrapped) LogprobModel
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -66,8 +66,9 @@ class LogprobModel(nn.Module):
         return logp, entropy
 
 
-def root_of(model: Any) -> LogprobModel | None:
-    """The :class:`LogprobModel` that shards ``model``, or None when it is not sharded."""
+def root_of(model: Any) -> nn.Module | None:
+    """The :class:`LogprobModel` that shards ``model`` (or its ``DistributedDataParallel``
+    wrapper, :func:`wrap_ddp`), or None: the engine then calls ``completion_logprobs``."""
     try:
         return _ROOTS.get(model)
     except TypeError:
@@ -75,7 +76,42 @@ def root_of(model: Any) -> LogprobModel | None:
 
 
 def is_sharded(model: Any) -> bool:
-    return root_of(model) is not None
+    """Whether ``model`` is sharded by FSDP2 (not merely wrapped by :func:`wrap_ddp`)."""
+    return hasattr(root_of(model), "unshard")
+
+
+def _sum_hook(process_group, bucket):
+    """DDP communication hook: sum a gradient bucket over processes (DDP's own hook averages;
+    the engine's losses are already normalized over the global batch)."""
+    import torch.distributed as dist
+
+    work = dist.all_reduce(bucket.buffer(), group=process_group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def wrap_ddp(model: nn.Module, device: torch.device) -> nn.Module:
+    """The ddp strategy on torch's machinery: :class:`LogprobModel` of ``model`` inside
+    ``DistributedDataParallel``, which sums gradient buckets over processes while backward
+    still runs (``bench/ddp_overlap.py`` measures the gain over a sum after backward). Every
+    trainable parameter must take part in each forward (the case of causal LMs)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    root = DistributedDataParallel(
+        LogprobModel(model), device_ids=[device.index] if device.type == "cuda" else None,
+        broadcast_buffers=False,
+    )
+    root.register_comm_hook(None, _sum_hook)
+    _ROOTS[model] = root
+    return root
+
+
+def grad_sync(model: Any, sync: bool):
+    """The context of one forward/backward: under DDP, ``no_sync()`` unless ``sync`` (the
+    last micro-batch of a mini-batch sums the accumulated gradients); else nothing."""
+    root = root_of(model)
+    if sync or not hasattr(root, "no_sync"):
+        return contextlib.nullcontext()
+    return root.no_sync()
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:

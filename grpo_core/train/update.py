@@ -25,7 +25,7 @@ from torch import Tensor
 from grpo_core.contracts import BatchStats, PolicyLossInputs, masked_fill_zero
 from grpo_core.train.distributed import Dist
 from grpo_core.train.logprobs import completion_logprobs
-from grpo_core.train.sharding import root_of
+from grpo_core.train.sharding import grad_sync, root_of
 
 
 @dataclass
@@ -261,10 +261,13 @@ def _backward_minibatch(
     if dist.sharded:  # FSDP2: every process must join the same all-gathers and reduce-scatters
         most = max(dist.gather(len(micros)))
         _idle_passes(model, batch, rows[:1], objective, autocast, most - len(micros))
-    for micro in micros:
+    elif dist.ddp_module and not micros:  # DDP: every process joins the sum of the last backward
+        _idle_passes(model, batch, rows[:1], objective, autocast, 1)
+    for i, micro in enumerate(micros):
         m = batch.mask[micro]
-        loss, metrics, logp, old = micro_batch_loss(model, batch, micro, objective, stats, autocast)
-        (scaler.scale(loss) if scaler is not None else loss).backward()
+        with grad_sync(model, sync=i == len(micros) - 1):
+            loss, metrics, logp, old = micro_batch_loss(model, batch, micro, objective, stats, autocast)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
         sums.loss += float(loss.detach())
         tally.add(metrics, m)
         sums.ratio_sum += float(masked_fill_zero((logp.detach() - old).exp(), m).sum())
@@ -274,8 +277,8 @@ def _backward_minibatch(
 
 def _idle_passes(model, batch: TrainBatch, rows: Tensor, objective: Objective, autocast, count: int) -> None:
     """``count`` forward/backward passes on ``rows`` that add exactly zero to every gradient:
-    what a sharded process with fewer micro-batches than another runs (its rows' advantages
-    were 0), so that every process takes part in each unit's collectives."""
+    what a process with fewer micro-batches than another runs (its rows' advantages were 0),
+    so that every process takes part in each collective (FSDP2's per unit, DDP's sum)."""
     for _ in range(count):
         with autocast():
             logp, _ = forward_logprobs(model, batch, rows, with_entropy=False, temperature=objective.temperature,
@@ -294,7 +297,7 @@ def _optimizer_decision(
     _ensure_grads(params)
     loss, ratio_sum, ratio_tokens = sums.loss, sums.ratio_sum, sums.ratio_tokens
     if dist.active:
-        if not dist.sharded:  # FSDP2 has reduce-scattered them during backward
+        if not (dist.sharded or dist.ddp_module):  # else reduced during backward (FSDP2, DDP)
             dist.sum_grads(params)
         loss, ratio_sum, ratio_tokens = dist.sum_floats([loss, ratio_sum, ratio_tokens])
     if scaler is not None:
