@@ -5,7 +5,8 @@ completions (prompt keys/values shared by a group) and the output layer only on 
 positions, in chunks (:func:`grpo_core.train.logprobs.completion_logprobs`). FSDP2 hangs its
 all-gather and reduce-scatter on the ``forward`` of each module it shards, so the units are:
 
-- every decoder layer (called once or twice per forward: the same count on every process);
+- every decoder layer (called once per forward: the same count on every process, see
+  :class:`LogprobModel`);
 - the input embeddings, when not tied to the output layer;
 - the root, :class:`LogprobModel`: a module whose ``forward`` is that log-prob computation. It
   owns what no other unit does: the final norm and the output layer (with the embeddings
@@ -36,11 +37,17 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 
 
 class LogprobModel(nn.Module):
-    """A causal LM's completion log-probs as one module ``forward`` (the FSDP2 root)."""
+    """A causal LM's completion log-probs as one module ``forward`` (the FSDP2 root).
 
-    def __init__(self, model: nn.Module):
+    ``share_prompt`` is off under FSDP2: encoding a prompt once takes two decoder calls
+    where a micro-batch holds whole groups and one where it does not (rows skipped for a
+    zero advantage), and each call of a sharded layer is a collective, so every process must
+    make the same number of calls whatever its rows."""
+
+    def __init__(self, model: nn.Module, share_prompt: bool = True):
         super().__init__()
         self.model = model
+        self.share_prompt = share_prompt
 
     def forward(
         self, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor,
@@ -58,7 +65,7 @@ class LogprobModel(nn.Module):
             completion_mask[:, 0] = True
         logp, entropy = completion_logprobs(
             self.model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-            with_entropy=with_entropy, temperature=temperature,
+            with_entropy=with_entropy, temperature=temperature, share_prompt=self.share_prompt,
         )
         if empty:
             logp = logp * 0.0
@@ -147,7 +154,7 @@ def shard(model: nn.Module, parallel: Any, device: torch.device) -> LogprobModel
     tied = head is not None and head.weight is embed.weight
     if not tied:
         fully_shard(embed, **kwargs)
-    root = LogprobModel(model)
+    root = LogprobModel(model, share_prompt=False)
     fully_shard(root, **kwargs)
     for module in root.modules():
         if hasattr(module, "set_gradient_divide_factor"):

@@ -116,6 +116,32 @@ def test_tied_embeddings_train_sharded_with_cpu_offload_and_gradient_checkpointi
     assert torch.equal(model.lm_head.weight.detach(), w2["model.embed_tokens.weight"])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
+def test_a_process_whose_rows_are_all_skipped_still_joins_every_collective(tmp_path, write_spec, strategy):
+    """Rank 0 scores every completion alike (advantage 0 everywhere: no micro-batch to run),
+    rank 1 does not: rank 0 runs a zero-gradient pass so that the FSDP2 gathers and
+    reduce-scatters, or DDP's gradient sum, meet on both processes; no hang, the step updates."""
+    (tmp_path / "uneven.py").write_text(
+        "import os, random\n"
+        "from grpo_core import hookimpl\n"
+        "def uneven(prompts, completions, **kw):\n"
+        "    if os.environ.get('RANK') == '0':\n"
+        "        return [0.0] * len(completions)\n"
+        "    return [random.Random(i).random() for i in range(len(completions))]\n"
+        "@hookimpl\n"
+        "def register_reward_functions(register):\n"
+        "    register.add('uneven', uneven)\n",
+        encoding="utf-8",
+    )
+    spec = write_spec(tmp_path, **{**FSDP_SPEC, "plugins": ["uneven.py"], "rewards": [{"name": "uneven"}],
+                                   "algorithm": {"kl": {"beta": 0.0}}, "checkpoint": {"every": 0}})
+    _run([spec, "--nproc", "2", "--set", "train.steps=1", "--set", f"train.parallel.strategy={strategy}"],
+         tmp_path, timeout=120)
+    (row,) = read_metrics(tmp_path / "out" / "metrics.jsonl")
+    assert row["perf/skipped_rows_frac"] == 0.5 and row["train/updates"] == 1 and row["grad_norm"] > 0
+
+
 # --------------------------------------------------------------------------- launcher
 def test_accelerate_fsdp2_config_selects_fsdp2_with_its_options(monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
