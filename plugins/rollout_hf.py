@@ -146,6 +146,9 @@ class HFRollout:
     """Generates with transformers ``generate`` on the training model, or on a copy of it in
     ``options.dtype`` that ``sync_weights`` refreshes after every optimizer step."""
 
+    #: The engine gathers a sharded (fsdp2) policy around each rollout phase for this backend.
+    generates_with_policy = True
+
     def __init__(self, options: HFRolloutOptions | None = None):
         self.options = options or HFRolloutOptions()
         self.model: Any = None
@@ -276,6 +279,9 @@ class HFRollout:
             attention_mask=mask.repeat_interleave(group_size, 0).long(),
             generation_config=_generation_config(sampling, self.eos_ids, self.pad_id),
             stopping_criteria=StoppingCriteriaList([recorder]),
+            # Each process generates on its own: a sharded (fsdp2) policy is whole here, so
+            # transformers' lock-step mode for FSDP models (an all-reduce per token) is off.
+            synced_gpus=False,
             **kwargs,
         )
         length = ids.shape[1]

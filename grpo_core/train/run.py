@@ -277,8 +277,9 @@ def evaluate_run(run: Run) -> dict[str, float]:
     :func:`evaluate_sets`)."""
     spec, engine = run.spec, run.engine
     sets = [EvalSet("eval/", run.eval_prompts, spec.data.prompt_column), *run.eval_sets.values()]
-    return evaluate_sets(spec, engine.backend, engine.scorer, sets, engine.settings.sampling,
-                         dist=engine.dist, autocast=engine.autocast, episodes=engine.episodes)
+    with sharding.rollout_weights(engine.backend, engine.model):
+        return evaluate_sets(spec, engine.backend, engine.scorer, sets, engine.settings.sampling,
+                             dist=engine.dist, autocast=engine.autocast, episodes=engine.episodes)
 
 
 def _save_final(run: Run) -> Path:

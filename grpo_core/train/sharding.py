@@ -172,14 +172,19 @@ def _units(model: Any) -> list[nn.Module]:
     return [m for m in root.modules() if hasattr(m, "unshard")] if root is not None else []
 
 
+_GATHERED: set[int] = set()  # ids of the roots inside full_weights
+
+
 @contextlib.contextmanager
 def full_weights(model: Any) -> Iterator[None]:
     """Inside, every unit of a sharded ``model`` holds its gathered weights and keeps them
     through any number of forwards (transformers ``generate``: one per token, a count that
     differs between processes, so nothing may be gathered per call). The gathered copies are
-    freed on exit. A no-op for a model that is not sharded."""
+    freed on exit. Entering is a collective: every process must enter together. Nested uses
+    are free; a no-op for a model that is not sharded."""
     units = _units(model)
-    if not units:
+    root = root_of(model)
+    if not units or id(root) in _GATHERED:
         yield
         return
     groups = [g for unit in units for g in unit._get_fsdp_state()._fsdp_param_groups]
@@ -187,13 +192,25 @@ def full_weights(model: Any) -> Iterator[None]:
     for unit in units:
         unit.set_reshard_after_forward(False, recurse=False)
         unit.unshard()
+    _GATHERED.add(id(root))
     try:
         yield
     finally:
+        _GATHERED.discard(id(root))
         for unit in units:
             unit.reshard()
         for group, info in zip(groups, after_forward):  # each unit's own setting back
             group.post_forward_mesh_info = info
+
+
+def rollout_weights(backend: Any, model: Any):
+    """The context of a rollout phase (a step's generation and scoring, an evaluation):
+    :func:`full_weights` of ``model`` when the backend generates with the policy itself
+    (``generates_with_policy``, the ``hf`` backend), entered once by every process however
+    many ``generate`` calls each then makes (multi-turn episodes differ); else nothing."""
+    if getattr(backend, "generates_with_policy", False):
+        return full_weights(model)
+    return contextlib.nullcontext()
 
 
 def full_state_dict(model: Any) -> dict[str, Tensor]:

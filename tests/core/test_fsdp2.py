@@ -142,6 +142,45 @@ def test_a_process_whose_rows_are_all_skipped_still_joins_every_collective(tmp_p
     assert row["perf/skipped_rows_frac"] == 0.5 and row["train/updates"] == 1 and row["grad_norm"] > 0
 
 
+UNEVEN_TURNS = """
+import os
+from grpo_core import hookimpl
+from grpo_core.contracts import Observation
+
+
+class Uneven:
+    tools = []
+    stop = tuple("0123456789 ")
+
+    def reset(self, row):
+        return {"turns": 0}
+
+    def step(self, state, text):  # rank 0's episodes take one turn, rank 1's two
+        state["turns"] += 1
+        if state["turns"] > int(os.environ.get("RANK", "0")):
+            return Observation(done=True, reward=float(len(text)))
+        return Observation(messages=[{"role": "user", "content": "go on"}])
+
+
+@hookimpl
+def register_environments(register):
+    register.add("uneven", Uneven())
+"""
+
+
+@pytest.mark.slow
+def test_multi_turn_episodes_with_a_different_number_of_turns_per_process_run_sharded(tmp_path, write_spec):
+    """Each turn is a generate call: rank 1 makes twice as many as rank 0. The sharded policy
+    is gathered once per rollout phase on every process, never per call."""
+    (tmp_path / "uneven.py").write_text(UNEVEN_TURNS, encoding="utf-8")
+    episodes = {"environment": {"name": "uneven", "max_turns": 3, "max_total_tokens": 64}}
+    spec = write_spec(tmp_path, **{**FSDP_SPEC, "plugins": ["uneven.py"], "rewards": [{"name": "env_reward"}],
+                                   "checkpoint": {"every": 0}, "rollout": {**FSDP_SPEC["rollout"], **episodes}})
+    _run([spec, "--nproc", "2", "--set", "train.steps=1"], tmp_path, timeout=120)
+    (row,) = read_metrics(tmp_path / "out" / "metrics.jsonl")
+    assert row["env/turns_per_episode"] == 1.5 and row["train/updates"] == 1
+
+
 # --------------------------------------------------------------------------- launcher
 def test_accelerate_fsdp2_config_selects_fsdp2_with_its_options(monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
