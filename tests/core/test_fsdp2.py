@@ -136,10 +136,13 @@ def test_a_process_whose_rows_are_all_skipped_still_joins_every_collective(tmp_p
     )
     spec = write_spec(tmp_path, **{**FSDP_SPEC, "plugins": ["uneven.py"], "rewards": [{"name": "uneven"}],
                                    "algorithm": {"kl": {"beta": 0.0}}, "checkpoint": {"every": 0}})
-    _run([spec, "--nproc", "2", "--set", "train.steps=1", "--set", f"train.parallel.strategy={strategy}"],
+    # fsdp2 also with FSDP2's mixed precision: bf16 gathered weights, float32 shards
+    bf16 = ["--set", "train.parallel.param_dtype=bfloat16"] if strategy == "fsdp2" else []
+    _run([spec, "--nproc", "2", "--set", "train.steps=1", "--set", f"train.parallel.strategy={strategy}", *bf16],
          tmp_path, timeout=120)
     (row,) = read_metrics(tmp_path / "out" / "metrics.jsonl")
     assert row["perf/skipped_rows_frac"] == 0.5 and row["train/updates"] == 1 and row["grad_norm"] > 0
+    assert {t.dtype for t in load_weights(tmp_path / "out" / "final").values()} == {torch.float32}
 
 
 UNEVEN_TURNS = """
