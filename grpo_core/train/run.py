@@ -20,11 +20,11 @@ from grpo_core.contracts import special_ids
 from grpo_core.errors import RunError
 from grpo_core.export import finish_exports, print_exports
 from grpo_core.spec import LoadedSpec, Spec, dump_spec
+from grpo_core.spec.parallel import parallel_conflicts
 from grpo_core.tracking import RunLog, flatten
 from grpo_core.train import model as modeling
-from grpo_core.train.data import PromptSource, check_columns
-from grpo_core.spec.parallel import parallel_conflicts
 from grpo_core.train import sharding
+from grpo_core.train.data import PromptSource, check_columns
 from grpo_core.train.distributed import Dist, check_layout, parallel_from_launcher
 from grpo_core.train.episodes import EpisodeRunner
 from grpo_core.train.evaluate import EvalSet, evaluate_sets, load_eval_sets
