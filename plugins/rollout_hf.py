@@ -26,7 +26,6 @@ from grpo_core.contracts import (
     special_ids,
 )
 from grpo_core.options import Options
-from grpo_core.train.sharding import full_weights, is_sharded
 
 __all__ = ["HFRolloutOptions", "HFRollout", "register_rollout_backends"]
 
@@ -146,7 +145,8 @@ class HFRollout:
     """Generates with transformers ``generate`` on the training model, or on a copy of it in
     ``options.dtype`` that ``sync_weights`` refreshes after every optimizer step."""
 
-    #: The engine gathers a sharded (fsdp2) policy around each rollout phase for this backend.
+    #: The engine gathers a sharded (fsdp2) policy whole around each rollout phase (generation
+    #: and scoring) for this backend, and frees the gathered copy after.
     generates_with_policy = True
 
     def __init__(self, options: HFRolloutOptions | None = None):
@@ -162,7 +162,7 @@ class HFRollout:
         self.model, self.tokenizer = model, tokenizer
         dtype = _DTYPES.get(self.options.dtype) if self.options.dtype else None
         if dtype is not None and dtype != next(model.parameters()).dtype:
-            if is_sharded(model):
+            if any(hasattr(p, "full_tensor") for p in model.parameters()):  # DTensor shards (fsdp2)
                 raise RuntimeError("hf rollout: options.dtype makes a whole copy of the policy, which a "
                                    "sharded (fsdp2) run does not keep; drop rollout.options.dtype")
             self.model = copy.deepcopy(model).to(dtype).eval()
@@ -200,8 +200,7 @@ class HFRollout:
         ids, mask = (t.to(device) for t in left_pad(prompt_ids, self.pad_id))
         step = self.options.prompts_per_generate or len(prompt_ids)
         pieces = []
-        # A sharded (fsdp2) policy is gathered whole for the call and freed after.
-        with full_weights(self.model), _eval_mode(self.model), torch.inference_mode():
+        with _eval_mode(self.model), torch.inference_mode():
             for start in range(0, len(prompt_ids), step):
                 part = slice(start, start + step)
                 seed = None if sampling.seed is None else sampling.seed + start
