@@ -5,8 +5,8 @@ completions (prompt keys/values shared by a group) and the output layer only on 
 positions, in chunks (:func:`grpo_core.train.logprobs.completion_logprobs`). FSDP2 hangs its
 all-gather and reduce-scatter on the ``forward`` of each module it shards, so the units are:
 
-- every decoder layer (called once per forward: the same count on every process, see
-  :class:`LogprobModel`);
+- every decoder layer (called once or twice per forward, the same count on every process:
+  see :class:`LogprobModel`);
 - the input embeddings, when not tied to the output layer;
 - the root, :class:`LogprobModel`: a module whose ``forward`` is that log-prob computation. It
   owns what no other unit does: the final norm and the output layer (with the embeddings
@@ -39,10 +39,10 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 class LogprobModel(nn.Module):
     """A causal LM's completion log-probs as one module ``forward`` (the FSDP2 root).
 
-    ``share_prompt`` is off under FSDP2: encoding a prompt once takes two decoder calls
-    where a micro-batch holds whole groups and one where it does not (rows skipped for a
-    zero advantage), and each call of a sharded layer is a collective, so every process must
-    make the same number of calls whatever its rows."""
+    ``share_prompt``: encode each prompt once for its completions (two decoder calls) where
+    the rows allow it. Under FSDP2 each call of a sharded layer is a collective, so the
+    engine sets it per mini-batch to what every process can do
+    (:func:`grpo_core.train.update._agree_on_passes`)."""
 
     def __init__(self, model: nn.Module, share_prompt: bool = True):
         super().__init__()
@@ -154,7 +154,7 @@ def shard(model: nn.Module, parallel: Any, device: torch.device) -> LogprobModel
     tied = head is not None and head.weight is embed.weight
     if not tied:
         fully_shard(embed, **kwargs)
-    root = LogprobModel(model, share_prompt=False)
+    root = LogprobModel(model)
     fully_shard(root, **kwargs)
     for module in root.modules():
         if hasattr(module, "set_gradient_divide_factor"):

@@ -119,10 +119,9 @@ def forward_logprobs(
     """Log-probs ``(b, T)`` of ``rows`` (of the tokens of ``mask``, default the batch's); the
     prompt is encoded once per prompt when the rows hold the same number of completions of
     each prompt. A sharded model runs through its FSDP2 root (:mod:`grpo_core.train.sharding`)."""
-    g = batch.group_size
-    prompt_of = rows // g
-    prompts, counts = torch.unique_consecutive(prompt_of, return_counts=True)
-    if bool((counts == counts[0]).all()) and len(prompts) == len(torch.unique(prompt_of)):
+    prompt_of = rows // batch.group_size
+    if shares_prompts(batch, rows):
+        prompts = torch.unique_consecutive(prompt_of)
         p_ids, p_mask = batch.prompt_ids[prompts], batch.prompt_mask[prompts]
     else:  # ragged: one prompt row per completion
         p_ids, p_mask = batch.prompt_ids[prompt_of], batch.prompt_mask[prompt_of]
@@ -131,6 +130,15 @@ def forward_logprobs(
         p_ids, p_mask, batch.completion_ids[rows], batch.mask[rows] if mask is None else mask,
         with_entropy=with_entropy, temperature=temperature,
     )
+
+
+def shares_prompts(batch: TrainBatch, rows: Tensor) -> bool:
+    """Whether ``rows`` hold the same number (> 1) of consecutive completions of each of their
+    prompts, so that each prompt can be encoded once for them."""
+    prompt_of = rows // batch.group_size
+    prompts, counts = torch.unique_consecutive(prompt_of, return_counts=True)
+    whole = bool((counts == counts[0]).all()) and len(prompts) == len(torch.unique(prompt_of))
+    return whole and int(counts[0]) > 1
 
 
 @torch.no_grad()
@@ -259,8 +267,7 @@ def _backward_minibatch(
     sums = _MinibatchSums()
     micros = [mb for mb in active.split(micro_batch_size or max(len(active), 1)) if bool(batch.mask[mb].any())]
     if dist.sharded:  # FSDP2: every process must join the same all-gathers and reduce-scatters
-        most = max(dist.gather(len(micros)))
-        _idle_passes(model, batch, rows[:1], objective, autocast, most - len(micros))
+        _agree_on_passes(model, batch, rows, micros, objective, autocast, dist)
     elif dist.ddp_module and not micros:  # DDP: every process joins the sum of the last backward
         _idle_passes(model, batch, rows[:1], objective, autocast, 1)
     for i, micro in enumerate(micros):
@@ -273,6 +280,18 @@ def _backward_minibatch(
         sums.ratio_sum += float(masked_fill_zero((logp.detach() - old).exp(), m).sum())
         sums.ratio_tokens += int(m.sum())
     return sums
+
+
+def _agree_on_passes(model, batch, rows, micros, objective, autocast, dist) -> None:
+    """FSDP2: every process makes the same calls to each sharded layer. Encoding a prompt once
+    for its rows takes two decoder calls, each completion with its prompt one: the processes
+    share prompts only if all of their micro-batches can; one with fewer micro-batches runs
+    zero-gradient passes (on one whole group when sharing) up to the largest count."""
+    counts_and_whole = dist.gather((len(micros), all(shares_prompts(batch, mb) for mb in micros)))
+    share = all(whole for _, whole in counts_and_whole)
+    root_of(model).share_prompt = share
+    idle = rows[: batch.group_size] if share else rows[:1]
+    _idle_passes(model, batch, idle, objective, autocast, max(n for n, _ in counts_and_whole) - len(micros))
 
 
 def _idle_passes(model, batch: TrainBatch, rows: Tensor, objective: Objective, autocast, count: int) -> None:
