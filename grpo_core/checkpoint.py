@@ -82,8 +82,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all([t.cpu() for t in state["cuda"]])
 
 
-def params_finite(model) -> bool:
-    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
+def params_finite(model, weights: dict[str, torch.Tensor] | None = None) -> bool:
+    """Whether every weight is finite (of ``weights``, a gathered state dict, when given)."""
+    tensors = model.parameters() if weights is None else (t for t in weights.values() if t.is_floating_point())
+    return all(bool(torch.isfinite(p).all()) for p in tensors)
 
 
 def pid_alive(pid: int) -> bool:
@@ -121,10 +123,12 @@ def new_trajectory() -> str:
 
 
 def write_checkpoint(
-    root: Path, step: int, model, state: dict[str, Any], keep: int, trajectory: str | None = None
+    root: Path, step: int, model, state: dict[str, Any], keep: int, trajectory: str | None = None,
+    weights: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """Write ``<root>/step-NNNNNN`` atomically and prune the trajectory's to the last ``keep``."""
-    if not params_finite(model):
+    """Write ``<root>/step-NNNNNN`` atomically and prune the trajectory's to the last ``keep``.
+    ``weights``: the model's whole state dict when it is sharded (gathered by the caller)."""
+    if not params_finite(model, weights):
         raise RunError(f"refusing to checkpoint step {step}: the model has non-finite weights")
     root.mkdir(parents=True, exist_ok=True)
     clean_leftovers(root)
@@ -133,7 +137,7 @@ def write_checkpoint(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    model.save_pretrained(tmp / "model")
+    model.save_pretrained(tmp / "model", state_dict=weights)
     torch.save(state, tmp / STATE)
     files = {
         str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)}
@@ -344,6 +348,14 @@ def load_model_weights(model, folder: Path) -> None:
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(str(f)))
+    from grpo_core.train.sharding import is_sharded, load_full_state_dict
+
+    if is_sharded(model):  # each process keeps its shard of the whole weights
+        unexpected = sorted(set(state) - set(model.state_dict()))
+        if unexpected:
+            raise RunError(f"checkpoint {folder} does not fit the model (unexpected {unexpected[:5]})")
+        load_full_state_dict(model, state)
+        return
     missing, unexpected = model.load_state_dict(state, strict=False)
     # Tied weights (an output layer sharing the embedding) are saved once.
     params = dict(model.named_parameters(remove_duplicate=False))

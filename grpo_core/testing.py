@@ -63,8 +63,11 @@ def build_tokenizer(vocab_size: int = 320):
     return fast
 
 
-def build_model(tokenizer, *, hidden_size: int = 32, layers: int = 2, seed: int = 0, kind: str = "causal-lm"):
-    """A tiny randomly initialised Llama sized to ``tokenizer``.
+def build_model(
+    tokenizer, *, hidden_size: int = 32, layers: int = 2, seed: int = 0, kind: str = "causal-lm", tied: bool = False
+):
+    """A tiny randomly initialised Llama sized to ``tokenizer``; ``tied``: the output layer
+    shares the input embeddings' weight (as SmolLM2 and small Qwen models do).
 
     ``kind`` is ``causal-lm`` (``LlamaForCausalLM``) or ``sequence-classification``
     (``LlamaForSequenceClassification`` with one label, a scalar reward model) or
@@ -89,7 +92,7 @@ def build_model(tokenizer, *, hidden_size: int = 32, layers: int = 2, seed: int 
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
     )
     classes = {
         "causal-lm": (LlamaForCausalLM, {}),

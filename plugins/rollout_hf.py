@@ -194,6 +194,10 @@ class HFRollout:
     ``options.dtype``: cast from the training weights for each call and freed after, or kept
     resident and refreshed by ``sync_weights`` after every optimizer step (``keep_copy``)."""
 
+    #: The engine gathers a sharded (fsdp2) policy whole around each rollout phase (generation
+    #: and scoring) for this backend, and frees the gathered copy after.
+    generates_with_policy = True
+
     def __init__(self, options: HFRolloutOptions | None = None):
         self.options = options or HFRolloutOptions()
         self.model: Any = None
@@ -208,6 +212,9 @@ class HFRollout:
         self.model, self.tokenizer, self._source = model, tokenizer, model
         dtype = _DTYPES.get(self.options.dtype) if self.options.dtype else None
         if dtype is not None and dtype != next(model.parameters()).dtype:
+            if any(hasattr(p, "full_tensor") for p in model.parameters()):  # DTensor shards (fsdp2)
+                raise RuntimeError("hf rollout: options.dtype makes a whole copy of the policy, which a "
+                                   "sharded (fsdp2) run does not keep; drop rollout.options.dtype")
             self.model = _empty_copy(model, dtype)
             if self.options.keep_copy:
                 self._fill()
@@ -346,6 +353,9 @@ class HFRollout:
             attention_mask=mask.repeat_interleave(group_size, 0).long(),
             generation_config=_generation_config(sampling, self.eos_ids, self.pad_id),
             stopping_criteria=StoppingCriteriaList([recorder]),
+            # Each process generates on its own: a sharded (fsdp2) policy is whole here, so
+            # transformers' lock-step mode for FSDP models (an all-reduce per token) is off.
+            synced_gpus=False,
             **kwargs,
         )
         length = ids.shape[1]

@@ -104,11 +104,12 @@ def merge_lora(
 
 
 def policy_weights(model: Any) -> Iterator[tuple[str, Tensor]]:
-    """The policy's weights as the base model names them, LoRA merged (a peft model)."""
+    """The policy's weights as the base model names them, LoRA merged (a peft model); the
+    whole tensors of a sharded (fsdp2) model, gathered lazily one by one."""
     state = model.state_dict()
     if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
         adapter, scalings, transposed = lora_layout(model)
         yield from merge_lora(state, scalings, adapter, transposed)
-    else:
+    else:  # sharded (fsdp2) tensors are gathered one at a time, every process in step
         for name, tensor in state.items():
-            yield vllm_weight_name(name), tensor
+            yield vllm_weight_name(name), tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor

@@ -13,6 +13,7 @@ from pydantic import Field, field_validator, model_validator
 from grpo_core.spec.algorithm import AlgorithmSection
 from grpo_core.spec.export import ExportSection
 from grpo_core.spec.optimizer import OptimizerSection
+from grpo_core.spec.parallel import ParallelSection, parallel_conflicts
 from grpo_core.spec.slots import Section, Slot, SpecPath
 
 
@@ -208,6 +209,10 @@ class TrainSection(Section):
         10, ge=0, description="Log a table of sample completions with their rewards every N steps; 0 never."
     )
     progress: bool = Field(True, description="Show a progress bar in the terminal.")
+    parallel: ParallelSection = Field(
+        default_factory=ParallelSection,
+        description="How several processes share the model: whole copies (ddp) or FSDP2 shards.",
+    )
 
     @field_validator("mixed_precision", mode="before")
     @classmethod
@@ -404,6 +409,13 @@ class Spec(Section):
             raise ValueError(
                 f"eval.correct.reward '{wanted}' must name an entry of rewards ({', '.join(names)})"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _fits_the_parallel_strategy(self):
+        conflicts = parallel_conflicts(self)
+        if conflicts:
+            raise ValueError("train.parallel.strategy is fsdp2, but " + "; ".join(conflicts))
         return self
 
     @model_validator(mode="after")

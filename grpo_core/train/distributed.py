@@ -1,9 +1,12 @@
-"""Data-parallel runs: one process per device, each holding the whole model.
+"""Data-parallel runs: one process per device, each holding the whole model (ddp) or a
+shard of it (fsdp2, :mod:`grpo_core.train.sharding`).
 
 :class:`Dist` is the process group as the engine uses it (sharding of a step's groups,
-sums of normalizers and gradients, gathers, combined metrics); the README's "Several
-processes" section says what ``N`` processes do together and why gradients are summed
-by hand rather than through DDP's ``forward``.
+sums of normalizers, gathers, combined metrics); the README's "Several processes" section
+says what ``N`` processes do together. Gradients are summed by ``DistributedDataParallel``
+during backward (:func:`grpo_core.train.sharding.wrap_ddp`; ``bench/ddp_overlap.py`` measures
+the gain over :meth:`Dist.sum_grads` after backward, which stays for a policy not wrapped).
+:func:`parallel_from_launcher` reads an accelerate FSDP config.
 """
 
 from __future__ import annotations
@@ -61,18 +64,13 @@ class Dist:
     rank: int = 0
     world: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    sharded: bool = False  # FSDP2 (train.parallel.strategy): gradients are reduce-scattered, not summed here
+    ddp_module: bool = False  # the policy runs inside DistributedDataParallel: gradients summed in backward
 
     @classmethod
     def from_env(cls, device: str = "auto") -> Dist:
         """Join the process group set up by the launcher, if any, and pick the device:
         ``auto`` is this process's GPU when CUDA is available, else the CPU."""
-        for engine in ("FSDP", "DEEPSPEED"):  # what accelerate launch sets from its config file
-            if os.environ.get(f"ACCELERATE_USE_{engine}", "false").lower() == "true":
-                raise RunError(
-                    f"accelerate is configured for {engine.replace('DEEPSPEED', 'DeepSpeed')}; grpo-core runs "
-                    "data-parallel (every process holds the whole model, gradients summed over processes). "
-                    "Use distributed_type MULTI_GPU in the accelerate config (or torchrun / grpo-run --nproc)."
-                )
         cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
         if device == "cuda" and not torch.cuda.is_available():
             raise RunError("train.device is 'cuda' but torch sees no CUDA device; use 'auto' or 'cpu'")
@@ -159,6 +157,34 @@ class Dist:
         every = self.gather(metrics)
         keys = sorted({k for m in every for k in m})
         return {key: float(_REDUCE[reduction(key)]([float(m[key]) for m in every if key in m])) for key in keys}
+
+
+def _env_flag(name: str) -> bool | None:
+    value = os.environ.get(name, "").strip().lower()
+    return {"true": True, "false": False}.get(value)
+
+
+def parallel_from_launcher(parallel):
+    """The spec's ``train.parallel`` as the launcher's accelerate config, if any, sets it.
+
+    ``accelerate launch`` passes its config to the processes in environment variables:
+    ``distributed_type: FSDP`` with ``fsdp_version: 2`` selects ``strategy: fsdp2``, and its
+    ``fsdp_reshard_after_forward`` / ``fsdp_offload_params`` override the spec's
+    ``reshard_after_forward`` / ``offload``. FSDP version 1 and DeepSpeed are refused."""
+    how = ("grpo-core shards with PyTorch FSDP2: set train.parallel.strategy: fsdp2 in the spec "
+           "(with distributed_type MULTI_GPU), or distributed_type FSDP with fsdp_version: 2")
+    if _env_flag("ACCELERATE_USE_DEEPSPEED"):
+        raise RunError(f"accelerate is configured for DeepSpeed, which grpo-core does not run; {how}")
+    if not _env_flag("ACCELERATE_USE_FSDP"):
+        return parallel
+    version = os.environ.get("FSDP_VERSION", "1").strip()
+    if version != "2":
+        raise RunError(f"accelerate is configured for FSDP version {version}; {how}")
+    update: dict[str, Any] = {"strategy": "fsdp2"}
+    for key, variable in (("reshard_after_forward", "FSDP_RESHARD_AFTER_FORWARD"), ("offload", "FSDP_OFFLOAD_PARAMS")):
+        if _env_flag(variable) is not None:
+            update[key] = _env_flag(variable)
+    return parallel.model_copy(update=update)
 
 
 def check_layout(spec, world: int) -> None:

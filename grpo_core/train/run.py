@@ -20,10 +20,12 @@ from grpo_core.contracts import special_ids
 from grpo_core.errors import RunError
 from grpo_core.export import finish_exports, print_exports
 from grpo_core.spec import LoadedSpec, Spec, dump_spec
+from grpo_core.spec.parallel import parallel_conflicts
 from grpo_core.tracking import RunLog, flatten
 from grpo_core.train import model as modeling
+from grpo_core.train import sharding
 from grpo_core.train.data import PromptSource, check_columns
-from grpo_core.train.distributed import Dist, check_layout
+from grpo_core.train.distributed import Dist, check_layout, parallel_from_launcher
 from grpo_core.train.episodes import EpisodeRunner
 from grpo_core.train.evaluate import EvalSet, evaluate_sets, load_eval_sets
 from grpo_core.train.iterative import build_iterative
@@ -100,7 +102,9 @@ class Run:
             "step": self.step,
             "trajectory": self.trajectory,
             "run_id": self.log.run_id,
-            "optimizer": self.engine.optimizer.state_dict(),
+            "optimizer": sharding.optimizer_state(self.model, self.engine.optimizer) if self.dist.sharded
+            else self.engine.optimizer.state_dict(),
+            "optimizer_format": "named" if self.dist.sharded else "native",
             "scheduler": self.engine.scheduler.state_dict(),
             "rng": ckpt.rng_state(),
             "data": self.prompts.state_dict(),
@@ -112,7 +116,7 @@ class Run:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
-        self.engine.optimizer.load_state_dict(state["optimizer"])
+        sharding.restore_optimizer(self.model, self.engine.optimizer, state, self.dist.sharded)
         self.engine.scheduler.load_state_dict(state["scheduler"])
         self.prompts.load_state_dict(state["data"])
         self.nonfinite_streak = int(state.get("nonfinite_streak", 0))
@@ -129,10 +133,13 @@ class Run:
         With several processes the main one writes and the others wait for it."""
         folder = self.checkpoint_dir / f"{ckpt.PREFIX}{self.step:06d}"
         if self.saved_step != self.step or not folder.is_dir():
+            # A sharded model's weights and optimizer state are gathered by every process.
+            weights = sharding.full_state_dict(self.model) if self.dist.sharded else None
+            state = self.state_dict() if self.dist.sharded or self.dist.is_main else None
             if self.dist.is_main:
                 folder = ckpt.write_checkpoint(
-                    self.checkpoint_dir, self.step, self.model, self.state_dict(), self.spec.checkpoint.keep,
-                    self.trajectory,
+                    self.checkpoint_dir, self.step, self.model, state, self.spec.checkpoint.keep,
+                    self.trajectory, weights=weights,
                 )
             self.dist.barrier()
             self.saved_step = self.step
@@ -186,10 +193,15 @@ def build_episodes(spec: Spec, model, tokenizer, scorer: Scorer) -> EpisodeRunne
                          max_total_tokens=slot.max_total_tokens, eos_ids=eos_ids, pad_id=pad_id)
 
 
-def _engine(spec: Spec, model, tokenizer, rewards: list[RewardFn], splitter, dist: Dist) -> Engine:
+def _engine(spec: Spec, model, tokenizer, rewards: list[RewardFn], splitter, dist: Dist, parallel) -> Engine:
     algo = spec.algorithm
     env = spec.rollout.environment
     kl = KLTerm.from_spec(algo.kl, model)
+    if dist.sharded:  # before the optimizer, which must hold the sharded parameters
+        sharding.shard_engine_models(model, getattr(kl and kl.reference, "model", None), parallel, dist.device)
+    elif dist.active:
+        sharding.wrap_ddp(model, dist.device)
+        dist.ddp_module = True
     objective = Objective(
         policy_loss=algo.policy_loss.build(), aggregator=algo.aggregation.build(),
         kl=kl if kl is not None and kl.in_loss else None,
@@ -220,6 +232,10 @@ def build_run(loaded: LoadedSpec, dist: Dist | None = None) -> Run:
     spec = loaded.spec
     dist = dist or Dist.from_env(spec.train.device)
     check_layout(spec, dist.world)
+    parallel = parallel_from_launcher(spec.train.parallel)
+    if parallel_conflicts(spec, parallel):
+        raise RunError("accelerate's FSDP config selects fsdp2, but " + "; ".join(parallel_conflicts(spec, parallel)))
+    dist.sharded = parallel.strategy == "fsdp2" and dist.world > 1  # one process: nothing to shard
     seed_everything(spec.train.seed)
     if spec.train.threads:
         torch.set_num_threads(spec.train.threads)
@@ -233,7 +249,7 @@ def build_run(loaded: LoadedSpec, dist: Dist | None = None) -> Run:
 
     tokenizer = modeling.load_tokenizer(spec.model, loaded.base_dir)
     model = modeling.load_policy(spec.model, loaded.base_dir, tokenizer).to(dist.device)
-    engine = _engine(spec, model, tokenizer, rewards, splitter, dist)
+    engine = _engine(spec, model, tokenizer, rewards, splitter, dist, parallel)
     env = spec.rollout.environment
     context = getattr(model.config, "max_position_embeddings", None) or 10**9
     longest = spec.rollout.max_new_tokens if env is None else env.max_total_tokens
@@ -261,14 +277,16 @@ def evaluate_run(run: Run) -> dict[str, float]:
     :func:`evaluate_sets`)."""
     spec, engine = run.spec, run.engine
     sets = [EvalSet("eval/", run.eval_prompts, spec.data.prompt_column), *run.eval_sets.values()]
-    return evaluate_sets(spec, engine.backend, engine.scorer, sets, engine.settings.sampling,
-                         dist=engine.dist, autocast=engine.autocast, episodes=engine.episodes)
+    with sharding.rollout_weights(engine.backend, engine.model):
+        return evaluate_sets(spec, engine.backend, engine.scorer, sets, engine.settings.sampling,
+                             dist=engine.dist, autocast=engine.autocast, episodes=engine.episodes)
 
 
 def _save_final(run: Run) -> Path:
     final = run.output_dir / "final"
+    weights = sharding.full_state_dict(run.model) if run.dist.sharded else None
     if run.dist.is_main:
-        run.model.save_pretrained(final)
+        run.model.save_pretrained(final, state_dict=weights)
         run.tokenizer.save_pretrained(final)
     run.dist.barrier()
     return final

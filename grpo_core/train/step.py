@@ -30,6 +30,7 @@ from grpo_core.train.rollout import (
     select_groups,
     zero_spread_groups,
 )
+from grpo_core.train.sharding import rollout_weights
 from grpo_core.train.update import Objective, TrainBatch, batch_logprobs, update
 
 
@@ -339,7 +340,8 @@ def samples(scored: Scored, batch: TrainBatch) -> list[dict[str, Any]]:
 def grpo_step(engine: Engine, source: PromptSource, step: int) -> StepResult:
     """One step: collect, prepare, update, sync the backend's weights; its metrics."""
     timer, t_start, s = Timer(), time.perf_counter(), engine.settings
-    scored, sampled = collect(engine, source, step, timer)
+    with rollout_weights(engine.backend, engine.model):  # a sharded policy, gathered to generate
+        scored, sampled = collect(engine, source, step, timer)
     batch, metrics = prepare(engine, scored, timer)
     metrics.update(sampled)
     upd = update(

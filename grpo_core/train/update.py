@@ -16,6 +16,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from torch import Tensor
 from grpo_core.contracts import BatchStats, PolicyLossInputs, masked_fill_zero
 from grpo_core.train.distributed import Dist
 from grpo_core.train.logprobs import completion_logprobs
+from grpo_core.train.sharding import grad_sync, root_of
 
 
 @dataclass
@@ -111,20 +113,32 @@ def rollout_correction(
     return weight, metrics
 
 
-def forward_logprobs(model, batch: TrainBatch, rows: Tensor, *, with_entropy: bool, temperature: float):
-    """Log-probs ``(b, T)`` of ``rows``; the prompt is encoded once per prompt when the
-    rows hold the same number of completions of each prompt."""
-    g = batch.group_size
-    prompt_of = rows // g
-    prompts, counts = torch.unique_consecutive(prompt_of, return_counts=True)
-    if bool((counts == counts[0]).all()) and len(prompts) == len(torch.unique(prompt_of)):
+def forward_logprobs(
+    model, batch: TrainBatch, rows: Tensor, *, with_entropy: bool, temperature: float, mask: Tensor | None = None
+):
+    """Log-probs ``(b, T)`` of ``rows`` (of the tokens of ``mask``, default the batch's); the
+    prompt is encoded once per prompt when the rows hold the same number of completions of
+    each prompt. A sharded model runs through its FSDP2 root (:mod:`grpo_core.train.sharding`)."""
+    prompt_of = rows // batch.group_size
+    if shares_prompts(batch, rows):
+        prompts = torch.unique_consecutive(prompt_of)
         p_ids, p_mask = batch.prompt_ids[prompts], batch.prompt_mask[prompts]
     else:  # ragged: one prompt row per completion
         p_ids, p_mask = batch.prompt_ids[prompt_of], batch.prompt_mask[prompt_of]
-    return completion_logprobs(
-        model, p_ids, p_mask, batch.completion_ids[rows], batch.mask[rows],
+    root = root_of(model)
+    return (root if root is not None else partial(completion_logprobs, model))(
+        p_ids, p_mask, batch.completion_ids[rows], batch.mask[rows] if mask is None else mask,
         with_entropy=with_entropy, temperature=temperature,
     )
+
+
+def shares_prompts(batch: TrainBatch, rows: Tensor) -> bool:
+    """Whether ``rows`` hold the same number (> 1) of consecutive completions of each of their
+    prompts, so that each prompt can be encoded once for them."""
+    prompt_of = rows // batch.group_size
+    prompts, counts = torch.unique_consecutive(prompt_of, return_counts=True)
+    whole = bool((counts == counts[0]).all()) and len(prompts) == len(torch.unique(prompt_of))
+    return whole and int(counts[0]) > 1
 
 
 @torch.no_grad()
@@ -251,17 +265,44 @@ def _backward_minibatch(
     counts["rows"] += len(rows)
     counts["rows_skipped"] += len(rows) - len(active)
     sums = _MinibatchSums()
-    for micro in active.split(micro_batch_size or max(len(active), 1)) if len(active) else ():
+    micros = [mb for mb in active.split(micro_batch_size or max(len(active), 1)) if bool(batch.mask[mb].any())]
+    if dist.sharded:  # FSDP2: every process must join the same all-gathers and reduce-scatters
+        _agree_on_passes(model, batch, rows, micros, objective, autocast, dist)
+    elif dist.ddp_module and not micros:  # DDP: every process joins the sum of the last backward
+        _idle_passes(model, batch, rows[:1], objective, autocast, 1)
+    for i, micro in enumerate(micros):
         m = batch.mask[micro]
-        if not bool(m.any()):  # no loss token: nothing to forward or backward
-            continue
-        loss, metrics, logp, old = micro_batch_loss(model, batch, micro, objective, stats, autocast)
-        (scaler.scale(loss) if scaler is not None else loss).backward()
+        with grad_sync(model, sync=i == len(micros) - 1):
+            loss, metrics, logp, old = micro_batch_loss(model, batch, micro, objective, stats, autocast)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
         sums.loss += float(loss.detach())
         tally.add(metrics, m)
         sums.ratio_sum += float(masked_fill_zero((logp.detach() - old).exp(), m).sum())
         sums.ratio_tokens += int(m.sum())
     return sums
+
+
+def _agree_on_passes(model, batch, rows, micros, objective, autocast, dist) -> None:
+    """FSDP2: every process makes the same calls to each sharded layer. Encoding a prompt once
+    for its rows takes two decoder calls, each completion with its prompt one: the processes
+    share prompts only if all of their micro-batches can; one with fewer micro-batches runs
+    zero-gradient passes (on one whole group when sharing) up to the largest count."""
+    counts_and_whole = dist.gather((len(micros), all(shares_prompts(batch, mb) for mb in micros)))
+    share = all(whole for _, whole in counts_and_whole)
+    root_of(model).share_prompt = share
+    idle = rows[: batch.group_size] if share else rows[:1]
+    _idle_passes(model, batch, idle, objective, autocast, max(n for n, _ in counts_and_whole) - len(micros))
+
+
+def _idle_passes(model, batch: TrainBatch, rows: Tensor, objective: Objective, autocast, count: int) -> None:
+    """``count`` forward/backward passes on ``rows`` that add exactly zero to every gradient:
+    what a process with fewer micro-batches than another runs (its rows' advantages were 0),
+    so that every process takes part in each collective (FSDP2's per unit, DDP's sum)."""
+    for _ in range(count):
+        with autocast():
+            logp, _ = forward_logprobs(model, batch, rows, with_entropy=False, temperature=objective.temperature,
+                                       mask=torch.zeros_like(batch.mask[rows]))
+        (logp.float().sum() * 0.0).backward()
 
 
 def _optimizer_decision(
@@ -275,11 +316,14 @@ def _optimizer_decision(
     _ensure_grads(params)
     loss, ratio_sum, ratio_tokens = sums.loss, sums.ratio_sum, sums.ratio_tokens
     if dist.active:
-        dist.sum_grads(params)
+        if not (dist.sharded or dist.ddp_module):  # else reduced during backward (FSDP2, DDP)
+            dist.sum_grads(params)
         loss, ratio_sum, ratio_tokens = dist.sum_floats([loss, ratio_sum, ratio_tokens])
     if scaler is not None:
         scaler.unscale_(optimizer)
-    norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm or math.inf))
+    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or math.inf)
+    # Sharded gradients (DTensor): the norm is over the shards of every process.
+    norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     mean_ratio = ratio_sum / ratio_tokens if ratio_tokens else 1.0
     if not (math.isfinite(loss) and math.isfinite(norm)):
         overflow = scaler is not None and math.isfinite(loss) and scaler.get_scale() >= 1

@@ -206,16 +206,6 @@ def test_metric_reductions_are_declared_not_guessed_from_substrings():
         "max", "max", "mean", "mean"]
 
 
-@pytest.mark.parametrize(
-    ("variable", "name"), [("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed")]
-)
-def test_fsdp_and_deepspeed_configs_are_refused(monkeypatch, variable, name):
-    """accelerate launch passes its config's engine to the processes in these variables."""
-    monkeypatch.setenv(variable, "true")
-    with pytest.raises(RunError, match=f"accelerate is configured for {name}; grpo-core runs data-parallel"):
-        Dist.from_env("cpu")
-
-
 @pytest.mark.slow
 def test_sigint_to_the_launcher_stops_every_process_with_one_checkpoint(tmp_path, write_spec, child, kit):
     """SIGINT to `grpo-run --nproc 2`: both processes stop after the same step, the main one

@@ -1,0 +1,294 @@
+"""FSDP2: the policy (and reference) sharded over processes with ``fully_shard``.
+
+The engine never calls a causal LM's own ``forward``: it runs the decoder on prompts and
+completions (prompt keys/values shared by a group) and the output layer only on completion
+positions, in chunks (:func:`grpo_core.train.logprobs.completion_logprobs`). FSDP2 hangs its
+all-gather and reduce-scatter on the ``forward`` of each module it shards, so the units are:
+
+- every decoder layer (called once or twice per forward, the same count on every process:
+  see :class:`LogprobModel`);
+- the input embeddings, when not tied to the output layer;
+- the root, :class:`LogprobModel`: a module whose ``forward`` is that log-prob computation. It
+  owns what no other unit does: the final norm and the output layer (with the embeddings
+  when they are tied, so a tied weight is one unit). The output layer is called once per
+  chunk of completion tokens, a count that differs between processes; in the root's unit it
+  is gathered once for the root's forward and once for its backward, whatever the count.
+
+At rest every process holds ``1/N`` of each unit (weights, gradients, AdamW state). Rollouts
+with transformers ``generate`` call the model's own ``forward`` instead: :func:`full_weights`
+gathers every unit for the duration of generation and frees the gathered copies after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from grpo_core.errors import RunError
+from grpo_core.train.logprobs import completion_logprobs
+
+_ROOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # causal LM -> its (wrapped) LogprobModel
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class LogprobModel(nn.Module):
+    """A causal LM's completion log-probs as one module ``forward`` (the FSDP2 root).
+
+    ``share_prompt``: encode each prompt once for its completions (two decoder calls) where
+    the rows allow it. Under FSDP2 each call of a sharded layer is a collective, so the
+    engine sets it per mini-batch to what every process can do
+    (:func:`grpo_core.train.update._agree_on_passes`)."""
+
+    def __init__(self, model: nn.Module, share_prompt: bool = True):
+        super().__init__()
+        self.model = model
+        self.share_prompt = share_prompt
+
+    def forward(
+        self, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor,
+        with_entropy: bool = False, temperature: float = 1.0,
+    ) -> tuple[Tensor, Tensor | None]:
+        """:func:`completion_logprobs` of the wrapped model, ``(B, T)`` each.
+
+        A batch with no completion token still runs the model (on its first column, result
+        times 0) so that every process joins the same all-gathers and reduce-scatters."""
+        empty = not bool(completion_mask.any())
+        if empty:
+            if completion_ids.shape[1] == 0:
+                raise RunError("fsdp2: a micro-batch has no completion column to run the model on")
+            completion_mask = completion_mask.clone()
+            completion_mask[:, 0] = True
+        logp, entropy = completion_logprobs(
+            self.model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+            with_entropy=with_entropy, temperature=temperature, share_prompt=self.share_prompt,
+        )
+        if empty:
+            logp = logp * 0.0
+            entropy = entropy * 0.0 if entropy is not None else None
+        return logp, entropy
+
+
+def root_of(model: Any) -> nn.Module | None:
+    """The :class:`LogprobModel` that shards ``model`` (or its ``DistributedDataParallel``
+    wrapper, :func:`wrap_ddp`), or None: the engine then calls ``completion_logprobs``."""
+    try:
+        return _ROOTS.get(model)
+    except TypeError:
+        return None
+
+
+def is_sharded(model: Any) -> bool:
+    """Whether ``model`` is sharded by FSDP2 (not merely wrapped by :func:`wrap_ddp`)."""
+    return hasattr(root_of(model), "unshard")
+
+
+def _sum_hook(process_group, bucket):
+    """DDP communication hook: sum a gradient bucket over processes (DDP's own hook averages;
+    the engine's losses are already normalized over the global batch)."""
+    import torch.distributed as dist
+
+    work = dist.all_reduce(bucket.buffer(), group=process_group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def wrap_ddp(model: nn.Module, device: torch.device) -> nn.Module:
+    """The ddp strategy on torch's machinery: :class:`LogprobModel` of ``model`` inside
+    ``DistributedDataParallel``, which sums gradient buckets over processes while backward
+    still runs (``bench/ddp_overlap.py`` measures the gain over a sum after backward). Every
+    trainable parameter must take part in each forward (the case of causal LMs)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    root = DistributedDataParallel(
+        LogprobModel(model), device_ids=[device.index] if device.type == "cuda" else None,
+        broadcast_buffers=False,
+    )
+    root.register_comm_hook(None, _sum_hook)
+    _ROOTS[model] = root
+    return root
+
+
+def grad_sync(model: Any, sync: bool):
+    """The context of one forward/backward: under DDP, ``no_sync()`` unless ``sync`` (the
+    last micro-batch of a mini-batch sums the accumulated gradients); else nothing."""
+    root = root_of(model)
+    if sync or not hasattr(root, "no_sync"):
+        return contextlib.nullcontext()
+    return root.no_sync()
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    decoder = model.get_decoder()
+    layers = getattr(decoder, "layers", None) or getattr(decoder, "h", None)
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
+        raise RunError(
+            f"train.parallel.strategy fsdp2: cannot find the decoder layers of {type(model).__name__} "
+            "(expected a ModuleList at get_decoder().layers); use strategy: ddp"
+        )
+    return list(layers)
+
+
+def shard(model: nn.Module, parallel: Any, device: torch.device) -> LogprobModel:
+    """Apply ``fully_shard`` to ``model`` as the module doc says, in place; return its root.
+
+    ``parallel`` is the spec's ``train.parallel`` (reshard_after_forward, offload, param_dtype,
+    reduce_dtype). Gradients are reduce-scattered as sums, not means: the engine's losses are
+    already normalized over the whole batch of every process."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    param_dtype = _DTYPES.get(parallel.param_dtype) if parallel.param_dtype else None
+    reduce_dtype = _DTYPES.get(parallel.reduce_dtype) if parallel.reduce_dtype else None
+    kwargs = {
+        "reshard_after_forward": parallel.reshard_after_forward,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+        "offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda") if parallel.offload
+        else OffloadPolicy(),
+    }
+    for layer in _decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is not None and head.weight is embed.weight
+    if not tied:
+        fully_shard(embed, **kwargs)
+    root = LogprobModel(model)
+    fully_shard(root, **kwargs)
+    for module in root.modules():
+        if hasattr(module, "set_gradient_divide_factor"):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
+    # Make the root the root now: a unit first called alone (generation before any training
+    # forward) would otherwise take that role.
+    root._get_fsdp_state()._lazy_init()
+    _ROOTS[model] = root
+    return root
+
+
+def _units(model: Any) -> list[nn.Module]:
+    root = root_of(model)
+    return [m for m in root.modules() if hasattr(m, "unshard")] if root is not None else []
+
+
+_GATHERED: set[int] = set()  # ids of the roots inside full_weights
+
+
+@contextlib.contextmanager
+def full_weights(model: Any) -> Iterator[None]:
+    """Inside, every unit of a sharded ``model`` holds its gathered weights and keeps them
+    through any number of forwards (transformers ``generate``: one per token, a count that
+    differs between processes, so nothing may be gathered per call). The gathered copies are
+    freed on exit. Entering is a collective: every process must enter together. Nested uses
+    are free; a no-op for a model that is not sharded."""
+    units = _units(model)
+    root = root_of(model)
+    if not units or id(root) in _GATHERED:
+        yield
+        return
+    groups = [g for unit in units for g in unit._get_fsdp_state()._fsdp_param_groups]
+    after_forward = [g.post_forward_mesh_info for g in groups]
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+        unit.unshard()
+    _GATHERED.add(id(root))
+    try:
+        yield
+    finally:
+        _GATHERED.discard(id(root))
+        for unit in units:
+            unit.reshard()
+        for group, info in zip(groups, after_forward):  # each unit's own setting back
+            group.post_forward_mesh_info = info
+
+
+def rollout_weights(backend: Any, model: Any):
+    """The context of a rollout phase (a step's generation and scoring, an evaluation):
+    :func:`full_weights` of ``model`` when the backend generates with the policy itself
+    (``generates_with_policy``, the ``hf`` backend), entered once by every process however
+    many ``generate`` calls each then makes (multi-turn episodes differ); else nothing."""
+    if getattr(backend, "generates_with_policy", False):
+        return full_weights(model)
+    return contextlib.nullcontext()
+
+
+def full_state_dict(model: Any) -> dict[str, Tensor]:
+    """The whole ``model.state_dict()``, gathered on the CPU of the main process when
+    ``model`` is sharded (other processes get ``{}``; every process must call it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if not is_sharded(model):
+        return model.state_dict()
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(model, options=options)
+    # A tied weight comes back once per name, as separate copies: keep its first name only,
+    # as save_pretrained does for the shared tensor of an unsharded model.
+    first: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        first.setdefault(id(param), name)
+    tied = {name for name, param in model.named_parameters(remove_duplicate=False) if first[id(param)] != name}
+    return {k: v for k, v in state.items() if k not in tied}
+
+
+def load_full_state_dict(model: Any, state: dict[str, Tensor]) -> None:
+    """Load a whole (unsharded) state dict into a sharded ``model``, each process keeping its shard."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def full_parameters(model: Any) -> Iterator[tuple[str, Tensor]]:
+    """``(name, whole tensor)`` of each parameter and buffer, one gathered at a time
+    (``DTensor.full_tensor()``: every process must iterate in step); plain tensors as they are."""
+    from torch.distributed.tensor import DTensor
+
+    for name, tensor in model.state_dict().items():
+        yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def optimizer_state(model: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's whole state keyed by parameter name, gathered on the CPU of the main
+    process (every process must call it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_optimizer_state_dict(model, optimizer, options=options)
+
+
+def load_optimizer_state(model: Any, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Load a state from :func:`optimizer_state` (any process count, sharded model or not)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+def named_optimizer_state(model: Any, native: dict[str, Any]) -> dict[str, Any]:
+    """A native ``optimizer.state_dict()`` (parameters numbered in ``model.parameters()``
+    order, trainable ones only, as :func:`grpo_core.train.optim.make_optimizer` lists them)
+    re-keyed by parameter name, the form :func:`load_optimizer_state` reads."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    state = {names[i]: v for i, v in native["state"].items()}
+    groups = [{**g, "params": [names[i] for i in g["params"]]} for g in native["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def restore_optimizer(model: Any, optimizer: torch.optim.Optimizer, state: dict[str, Any], sharded: bool) -> None:
+    """Load a checkpoint's optimizer state, whichever strategy and process count wrote it:
+    by parameter name (``optimizer_format: named``, from a sharded run) or PyTorch's own
+    numbered form (a ddp run)."""
+    saved = state["optimizer"]
+    if state.get("optimizer_format") == "named":
+        load_optimizer_state(model, optimizer, saved)
+    elif sharded:
+        load_optimizer_state(model, optimizer, named_optimizer_state(model, saved))
+    else:
+        optimizer.load_state_dict(saved)
+
+
+def shard_engine_models(model: Any, reference: Any, parallel: Any, device: torch.device) -> None:
+    """Shard the policy and, when there is one, the frozen reference copy of the KL term."""
+    shard(model, parallel, device)
+    if reference is not None:
+        reference.requires_grad_(False)
+        shard(reference, parallel, device)
