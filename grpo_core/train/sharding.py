@@ -42,12 +42,15 @@ class LogprobModel(nn.Module):
     ``share_prompt``: encode each prompt once for its completions (two decoder calls) where
     the rows allow it. Under FSDP2 each call of a sharded layer is a collective, so the
     engine sets it per mini-batch to what every process can do
-    (:func:`grpo_core.train.update._agree_on_passes`)."""
+    (:func:`grpo_core.train.update._agree_on_passes`). ``length_buckets``: run rows of very
+    different lengths as separate decoder calls; off under FSDP2, where how many calls a batch
+    takes would depend on each process's lengths and the collectives would not match."""
 
-    def __init__(self, model: nn.Module, share_prompt: bool = True):
+    def __init__(self, model: nn.Module, share_prompt: bool = True, length_buckets: bool = True):
         super().__init__()
         self.model = model
         self.share_prompt = share_prompt
+        self.length_buckets = length_buckets
 
     def forward(
         self, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor,
@@ -66,6 +69,7 @@ class LogprobModel(nn.Module):
         logp, entropy = completion_logprobs(
             self.model, prompt_ids, prompt_mask, completion_ids, completion_mask,
             with_entropy=with_entropy, temperature=temperature, share_prompt=self.share_prompt,
+            length_buckets=self.length_buckets,
         )
         if empty:
             logp = logp * 0.0
@@ -154,7 +158,7 @@ def shard(model: nn.Module, parallel: Any, device: torch.device) -> LogprobModel
     tied = head is not None and head.weight is embed.weight
     if not tied:
         fully_shard(embed, **kwargs)
-    root = LogprobModel(model)
+    root = LogprobModel(model, length_buckets=False)
     fully_shard(root, **kwargs)
     for module in root.modules():
         if hasattr(module, "set_gradient_divide_factor"):
