@@ -29,6 +29,7 @@ rollout:
   group_size: 8                         # G completions per prompt
   max_new_tokens: 384
   temperature: 1.0
+  mask_truncated_completions: true      # a cut-off answer is left out of the loss, not scored as wrong (DAPO)
 rewards:
   - name: accuracy                      # 1 when the final answer equals the gold one (math-verify)
     answer_column: answer
@@ -39,12 +40,14 @@ algorithm:
   advantage: {{name: grpo}}               # (r - mean) / std within each group (DeepSeekMath)
   kl: {{name: low_var_kl, beta: 0.0}}     # beta > 0 adds the k3 KL penalty to a reference model
   policy_loss: {{name: clip}}
-  aggregation: {{name: seq-mean-token-mean}}
+  aggregation: {{name: token-mean}}       # each token weighs the same whatever its answer's length (DAPO)
 train:
   steps: 200
   prompts_per_step: 8                   # B = 8 x 8 = 64 completions per step
   micro_batch_size: 16                  # rows per forward/backward: lower it when memory is short
   lr: 1.0e-6
+  warmup_steps: 10
+  schedule: cosine                      # decays to 0 at the last step
   mixed_precision: bf16
 eval:
   every: 50
