@@ -75,4 +75,11 @@ def parallel_conflicts(spec, parallel: ParallelSection | None = None) -> list[st
     if spec.algorithm.kl.ref_sync is not None:
         out.append("algorithm.kl.ref_sync: moving a sharded reference model is not supported yet; "
                    "use train.parallel.strategy: ddp or drop ref_sync")
+    if spec.algorithm.kl.reference_dtype is not None:
+        out.append("algorithm.kl.reference_dtype: a reference in its own dtype is not sharded yet; drop it "
+                   "(under fsdp2 the reference follows train.parallel.param_dtype)")
+    if spec.train.optimizer.state_dtype != "float32":
+        out.append(f"train.optimizer.state_dtype: {spec.train.optimizer.state_dtype} moments are not "
+                   "implemented for sharded (DTensor) parameters yet; use float32 (sharding already divides "
+                   "the moments by the number of processes) or train.parallel.strategy: ddp")
     return out

@@ -217,6 +217,24 @@ def test_spec_refuses_autocast_and_lora_under_fsdp2(write_spec, tmp_path):
     assert "train.parallel.param_dtype: bfloat16" in str(info.value) and "model.lora" in str(info.value)
 
 
+def test_spec_refuses_bf16_moments_and_a_reference_dtype_under_fsdp2(write_spec, tmp_path):
+    """Both hold plain tensors where fsdp2 has DTensor shards (the bf16 AdamW's rounding adds
+    a plain tensor to a DTensor): refused up front, naming what works instead."""
+    from grpo_core.errors import SpecError
+    from grpo_core.spec import load_spec
+
+    spec = write_spec(tmp_path, train={"parallel": {"strategy": "fsdp2"}, "optimizer": {"state_dtype": "bfloat16"}},
+                      algorithm={"kl": {"beta": 0.04, "reference_dtype": "bfloat16"}})
+    with pytest.raises(SpecError) as info:
+        load_spec(spec)
+    message = str(info.value)
+    assert "train.optimizer.state_dtype: bfloat16" in message and "use float32" in message
+    assert "algorithm.kl.reference_dtype" in message
+    ddp = write_spec(tmp_path / "ddp", train={"optimizer": {"state_dtype": "bfloat16"}},
+                     algorithm={"kl": {"beta": 0.04, "reference_dtype": "bfloat16"}})
+    load_spec(ddp)  # the same options are fine unsharded
+
+
 # --------------------------------------------------------------------------- one-process group
 @pytest.fixture
 def group(tmp_path):
