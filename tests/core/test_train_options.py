@@ -137,3 +137,24 @@ def test_old_logprobs_are_computed_exactly_when_the_policy_moves_before_use(tiny
     if needs_old:
         expected = batch_logprobs(run.model, batch, batch.mask.shape[0], 1.0, run.engine.autocast)
         assert torch.equal(batch.old_logp, expected)
+
+
+@pytest.mark.parametrize("mask_truncated", [True, False])
+def test_truncated_completions_leave_the_loss_only_when_asked(mask_truncated):
+    """``rollout.mask_truncated_completions`` (DAPO's overlong filtering, on in the quickstart):
+    a completion cut off at max_new_tokens has no token in the loss; the others keep their
+    own mask, holes included."""
+    from grpo_core.contracts import RolloutBatch
+    from grpo_core.train.step import train_batch
+
+    completion_mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 1], [1, 0, 1]], dtype=torch.bool)
+    rollout = RolloutBatch(
+        prompt_ids=torch.ones(2, 2, dtype=torch.long), prompt_mask=torch.ones(2, 2, dtype=torch.bool),
+        completion_ids=torch.arange(12).view(4, 3), completion_mask=completion_mask,
+        truncated=torch.tensor([True, False, True, False]), completions=["a", "b", "c", "d"],
+    )
+    mask = train_batch(rollout, mask_truncated).mask
+    expected = completion_mask.clone()
+    if mask_truncated:
+        expected[[0, 2]] = False
+    assert torch.equal(mask, expected)
