@@ -15,27 +15,9 @@ from grpo_plugins.rollout_hf import HFRollout, HFRolloutOptions
 from pydantic import ValidationError
 
 from grpo_core.contracts import SamplingParams
-from grpo_core.testing import build_model, build_tokenizer
+from grpo_core.testing import build_model
 
-TEXTS = ["What is 3 + 4?", "Hi", "Think step by step. What is 12 * 7? Answer:"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def prompts(tokenizer):
-    return [tokenizer(text)["input_ids"] for text in TEXTS]
+pytestmark = pytest.mark.usefixtures("one_thread")  # tokenizer, prompts: tests/plugins/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -16,32 +16,12 @@ from grpo_core.train.logprobs import completion_logprobs
 
 GREEDY = SamplingParams(max_new_tokens=10, greedy=True)
 TEXTS = ["What is 3 + 4?", "Hi", "Think step by step. What is 12 * 7? Answer:"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny matmuls: intra-op threads only add synchronisation; restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_tokenizer()
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def model(tokenizer):
     return build_model(tokenizer)
-
-
-@pytest.fixture(scope="module")
-def prompts(tokenizer):
-    ids = [tokenizer(text)["input_ids"] for text in TEXTS]
-    assert len({len(p) for p in ids}) == 3  # ragged: different left pads
-    return ids
 
 
 def _backend(model, tokenizer, **options) -> HFRollout:

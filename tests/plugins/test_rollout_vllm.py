@@ -48,12 +48,7 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 without_vllm = pytest.mark.skipif(HAS_VLLM, reason="vllm is installed here")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def cli(*argv) -> tuple[int, str, str]:
