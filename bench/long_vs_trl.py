@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -157,7 +158,7 @@ def launch(a) -> int:
             argv = [sys.executable, __file__, "--worker", tool, "--seed", str(seed), *a.passthrough]
             out = open(Path(a.out) / f"{name}.log", "w")
             running.append((subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                             env={**__import__("os").environ, "OMP_NUM_THREADS": "1"}), name))
+                                             env={**os.environ, "OMP_NUM_THREADS": "1"}), name))
             print(f"started {name}", flush=True)
         time.sleep(5)
         for proc, name in list(running):
