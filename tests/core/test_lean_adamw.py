@@ -13,14 +13,12 @@ from grpo_core import checkpoint as ckpt
 from grpo_core.cli import main
 from grpo_core.train.lean_adamw import BF16StateAdamW, _noise_pair, stochastic_round_bf16
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 
 @pytest.fixture(autouse=True)
-def _one_thread(tmp_path, monkeypatch):
+def _in_tmp(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _reference(p0: list[float], grads: list[list[float]], lr, b1, b2, eps, wd) -> list[float]:

@@ -17,14 +17,7 @@ from grpo_core.train.logprobs import completion_logprobs, logit_transform, token
 P, G, L, T = 2, 3, 7, 6
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny matmuls: intra-op threads only add synchronisation (30 ms per matmul on a
-    loaded 2-core machine instead of 10 us); restored for the rest of the session."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
