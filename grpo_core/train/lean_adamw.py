@@ -26,6 +26,8 @@ import math
 import torch
 from torch import Tensor
 
+from grpo_core.train import seeds
+
 __all__ = ["BF16StateAdamW", "stochastic_round_bf16"]
 
 _LOW16 = 0xFFFF  # the float32 bits that bfloat16 drops
@@ -95,7 +97,7 @@ class BF16StateAdamW(torch.optim.Optimizer):
                 state["step"] += 1
                 t = int(state["step"].item())
                 generator = torch.Generator(device=p.device)
-                generator.manual_seed((self.seed * 1_000_003 + t * 65_537 + index) % (2**63))
+                generator.manual_seed(seeds.stochastic_rounding(self.seed, t, index))
                 self._update(p, state, group, t, generator)
         return loss
 
