@@ -134,7 +134,7 @@ def _cmd_runs(args) -> int:
 
 
 def _cmd_plugins(args) -> int:
-    from grpo_core.hookspecs import KINDS
+    from grpo_core.kinds import KINDS
     from grpo_core.plugin_manager import load_plugins
 
     plugins = load_plugins()

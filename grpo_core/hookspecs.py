@@ -10,14 +10,14 @@ How ``impl`` is used is the same for every kind:
 
 The component's own contract (arguments, tensor shapes, optional flags) is in
 :mod:`grpo_core.contracts`; every built component is checked against it
-(:func:`grpo_core.registry.conform`).
+(:func:`grpo_core.registry.conform`). :data:`grpo_core.kinds.KINDS` lists the kinds with
+their hooks and contracts.
 Hooks gain arguments over time; they never lose or rename one (added since 0.1 unless
 stated otherwise).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import pluggy
@@ -122,41 +122,3 @@ def register_environments(register: Registrar) -> None:
     Each component follows :class:`~grpo_core.contracts.Environment`. Selected by
     ``rollout.environment.name``.
     """
-
-
-@dataclass(frozen=True)
-class Kind:
-    """One component kind: its hook, the words messages use for it, and its contract.
-
-    Attributes:
-        hook: the ``register_<kind>s`` hook that registers components of this kind.
-        label: the kind in words, as error messages and ``grpo-run plugins`` say it.
-        contract: the name of its Protocol in :mod:`grpo_core.contracts`; every built
-            component is checked against it (see :func:`grpo_core.registry.conform`).
-    """
-
-    hook: str
-    label: str
-    contract: str
-
-    @property
-    def protocol(self) -> type:
-        """The contract's class (imported on first use: contracts import torch)."""
-        from grpo_core import contracts
-
-        return getattr(contracts, self.contract)
-
-
-#: The component kinds, in the order the registry lists them.
-KINDS: dict[str, Kind] = {
-    "advantage_estimator": Kind("register_advantage_estimators", "advantage estimator", "AdvantageEstimator"),
-    "kl_penalty": Kind("register_kl_penalties", "KL penalty", "KLPenalty"),
-    "policy_loss": Kind("register_policy_losses", "policy loss", "PolicyLoss"),
-    "loss_aggregator": Kind("register_loss_aggregators", "loss aggregator", "LossAggregator"),
-    "rollout_backend": Kind("register_rollout_backends", "rollout backend", "RolloutBackend"),
-    "reward_function": Kind("register_reward_functions", "reward function", "RewardFunction"),
-    "dataset": Kind("register_datasets", "dataset", "Dataset"),
-    "step_splitter": Kind("register_step_splitters", "step splitter", "StepSplitter"),
-    "tracker": Kind("register_trackers", "tracker", "Tracker"),
-    "environment": Kind("register_environments", "environment", "Environment"),
-}

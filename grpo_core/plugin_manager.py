@@ -30,6 +30,7 @@ import pluggy
 
 from grpo_core import hookspecs
 from grpo_core.errors import PluginError, did_you_mean
+from grpo_core.kinds import KINDS
 from grpo_core.registry import Registrar, Registry
 
 ENTRY_POINT_GROUP = "grpo"
@@ -169,7 +170,7 @@ def _check_pending(pm: pluggy.PluginManager) -> None:
     try:
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
-        known = [entry.hook for entry in hookspecs.KINDS.values()]
+        known = [entry.hook for entry in KINDS.values()]
         plugin = pm.get_name(exc.plugin) or repr(exc.plugin)
         match = re.search(r"unknown hook '([^']+)'", str(exc))
         hook = match.group(1) if match else "?"
@@ -225,7 +226,7 @@ def _fill_registry(pm: pluggy.PluginManager, info: dict[str, PluginInfo]) -> Reg
     not depend on ``tryfirst``."""
     registry = Registry()
     load_order = {name: index for index, (name, _) in enumerate(pm.list_name_plugin())}
-    for kind, entry in hookspecs.KINDS.items():
+    for kind, entry in KINDS.items():
         caller = getattr(pm.hook, entry.hook)
         running = _Running(caller.get_hookimpls())
         registrar = Registrar(kind, running.now)

@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from grpo_core.errors import PluginError, did_you_mean
-from grpo_core.hookspecs import KINDS
+from grpo_core.kinds import KINDS
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 
@@ -21,7 +21,7 @@ class Component:
     """One registered component.
 
     Attributes:
-        kind: one of :data:`grpo_core.hookspecs.KINDS`.
+        kind: one of :data:`grpo_core.kinds.KINDS`.
         name: what a spec selects it by.
         impl: the component itself, or its factory when ``options`` is set.
         options: the pydantic model that validates the slot's keys, or None.
@@ -101,6 +101,7 @@ def conform(kind: str, component: Any, where: str) -> Any:
             f"{where} does not follow the {entry.contract} contract: missing {', '.join(missing)}; "
             f"{article} {entry.label} needs {needs} (see grpo_core.contracts.{entry.contract})"
         )
+    _check_stateful(component, where)
     absent = {flag: default for flag, default in flags.items() if not hasattr(component, flag)}
     for flag, default in flags.items():
         if flag not in absent:
@@ -111,6 +112,18 @@ def conform(kind: str, component: Any, where: str) -> Any:
     except (AttributeError, TypeError):
         return _WithFlags(component, absent)
     return component
+
+
+def _check_stateful(component: Any, where: str) -> None:
+    """A component with one of the :class:`~grpo_core.contracts.Stateful` methods has both:
+    state saved without a way back (or loaded from nowhere) is lost on resume."""
+    has = [m for m in ("state_dict", "load_state_dict") if callable(getattr(component, m, None))]
+    if len(has) == 1:
+        other = "load_state_dict" if has == ["state_dict"] else "state_dict"
+        raise PluginError(
+            f"{where} has {has[0]} but no {other}: a component with state across steps needs both "
+            "(see grpo_core.contracts.Stateful)"
+        )
 
 
 class Registrar:

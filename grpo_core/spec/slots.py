@@ -27,7 +27,7 @@ from pydantic import (
 )
 
 from grpo_core.errors import did_you_mean
-from grpo_core.hookspecs import KINDS
+from grpo_core.kinds import KINDS
 from grpo_core.registry import Component, Registry
 
 

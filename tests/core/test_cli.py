@@ -23,7 +23,7 @@ import yaml
 
 from grpo_core.cli import main
 from grpo_core.errors import RunError
-from grpo_core.hookspecs import KINDS
+from grpo_core.kinds import KINDS
 from grpo_core.plugin_manager import DEFAULT_PLUGINS, load_plugins
 from grpo_core.spec import Spec, dump_spec, load_spec
 from grpo_core.spec.slots import iter_slots, slot_locations

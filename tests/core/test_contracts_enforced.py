@@ -16,7 +16,7 @@ from grpo_core import hookimpl
 from grpo_core.cli import main
 from grpo_core.contracts import AdvantageInputs
 from grpo_core.errors import PluginError
-from grpo_core.hookspecs import KINDS
+from grpo_core.kinds import KINDS
 from grpo_core.plugin_manager import load_plugins
 from grpo_core.registry import conform, contract_members
 

@@ -24,7 +24,7 @@ import grpo_core
 from grpo_core import hookimpl
 from grpo_core.cli import main
 from grpo_core.errors import PluginError, SpecError
-from grpo_core.hookspecs import KINDS
+from grpo_core.kinds import KINDS
 from grpo_core.plugin_manager import DEFAULT_PLUGINS, load_plugins
 from grpo_core.spec import load_spec
 

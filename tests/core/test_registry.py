@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from grpo_core import hookimpl, hookspecs
 from grpo_core.errors import PluginError
+from grpo_core.kinds import KINDS
 from grpo_core.options import Options
 from grpo_core.plugin_manager import load_plugins
 from grpo_core.registry import Component, Registry
@@ -58,12 +59,12 @@ def test_one_hook_per_kind_named_register_kinds():
         for name, fn in inspect.getmembers(hookspecs, inspect.isfunction)
         if getattr(fn, "grpo_spec", None) is not None
     }
-    assert specs == {kind.hook for kind in hookspecs.KINDS.values()}
-    assert set(hookspecs.KINDS) >= {  # the design's eight kinds (more may come)
+    assert specs == {kind.hook for kind in KINDS.values()}
+    assert set(KINDS) >= {  # the design's eight kinds (more may come)
         "advantage_estimator", "kl_penalty", "policy_loss", "loss_aggregator",
         "rollout_backend", "reward_function", "dataset", "tracker",
     }
-    for kind, entry in hookspecs.KINDS.items():
+    for kind, entry in KINDS.items():
         hook = entry.hook
         # register_<kind>s, with English plurals (penalty -> penalties, loss -> losses)
         if kind.endswith("y"):

@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field
 
 from grpo_core import hookimpl
 from grpo_core.errors import SpecError
-from grpo_core.hookspecs import KINDS
+from grpo_core.kinds import KINDS
 from grpo_core.options import Options
 from grpo_core.plugin_manager import load_plugins
 from grpo_core.spec import Slot, Spec, SpecPath, dump_spec, load_spec

@@ -40,7 +40,7 @@ from pydantic import ValidationError
 
 from grpo_core.cli import main
 from grpo_core.contracts import RolloutBackend, SamplingParams
-from grpo_core.hookspecs import KINDS
+from grpo_core.kinds import KINDS
 from grpo_core.plugin_manager import load_plugins
 from grpo_core.testing import build_model, build_tokenizer
 
