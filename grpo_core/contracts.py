@@ -37,6 +37,7 @@ __all__ = [
     "TrainableReward",
     "Dataset",
     "Tracker",
+    "Stateful",
     "Observation",
     "Environment",
     "Episodes",
@@ -71,6 +72,10 @@ class AdvantageInputs:
 @runtime_checkable
 class AdvantageEstimator(Protocol):
     """``estimator(inputs) -> advantages float (B, T)``, zero where ``inputs.mask`` is False.
+
+    It sees the whole step: with several processes the engine gathers every process's rows
+    (groups renumbered, ``T`` and ``K`` padded) and calls it once on them, so a statistic over
+    the batch (REINFORCE++'s whitening, say) is the one a single process would compute.
 
     Attributes:
         needs_step_scores: True for an estimator that reads ``inputs.step_scores``/
@@ -292,9 +297,21 @@ class RolloutBackend(Protocol):
 
     ``setup(model, tokenizer)`` is called once before the first rollout, with the policy
     model (unwrapped) and its tokenizer. ``generate`` samples ``group_size`` completions
-    for each prompt. ``sync_weights(model)`` is called after every optimizer step; a
+    for each prompt. ``sync_weights(model)`` is called once per training step, after all of
+    the step's optimizer steps (``algorithm.mu`` times ``train.mini_batches`` of them), and
+    once after a resume, by every process (a sharded model is gathered while it runs); a
     backend that generates with the training model itself makes it a no-op.
+
+    Attributes:
+        generates_with_policy: True for a backend that runs the policy module it was given
+            (the ``hf`` backend): the engine then makes a sharded (FSDP2) policy whole
+            around each rollout phase. Default False (a backend with its own copy).
+        device: the device of the tensors ``generate`` returns, or None for the CPU. The
+            engine builds the tensors of multi-turn episodes there.
     """
+
+    generates_with_policy: bool = False
+    device: Any = None
 
     def setup(self, model: Any, tokenizer: Any) -> None: ...
 
@@ -474,7 +491,20 @@ class Tracker(Protocol):
     resolved spec flattened to dotted keys; ``log_metrics(metrics, step)``;
     ``log_artifact(path)``; ``log_table(name, rows, step)``; ``finish(status)`` with
     status one of ``FINISHED``, ``FAILED``, ``KILLED``.
+
+    Attributes:
+        run_id: the tracker's run id once it has one, else None; checkpointed, so that a
+            resumed run logs into the same tracker run. Default None.
+        tracking_uri: where the run can be browsed (the end-of-run summary prints it), or
+            None. Default None.
+        log_model: ``log_model(folder) -> uri or None``, called with the final model's
+            folder after training, for a tracker that stores models; None for one that does
+            not. Default None.
     """
+
+    run_id: str | None = None
+    tracking_uri: str | None = None
+    log_model: Any = None
 
     def start(self, run_name: str, resume_id: str | None = None) -> str | None: ...
 
@@ -487,6 +517,23 @@ class Tracker(Protocol):
     def log_table(self, name: str, rows: list[dict[str, Any]], step: int) -> None: ...
 
     def finish(self, status: str) -> None: ...
+
+
+# --------------------------------------------------------------------------- state
+@runtime_checkable
+class Stateful(Protocol):
+    """A component whose state carries across steps (an adaptive controller, a replay
+    buffer, a sampler's position), of any kind: the engine checkpoints ``state_dict()`` with
+    the run and hands it back to ``load_state_dict(state)`` on resume, before the first
+    resumed step. The state is pickled with ``torch.save``; tensors in it are fine.
+
+    A component has both methods or neither (:func:`grpo_core.registry.conform` refuses one
+    without the other).
+    """
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 def masked_fill_zero(x: Tensor, mask: Tensor) -> Tensor:

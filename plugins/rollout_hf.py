@@ -192,7 +192,7 @@ def _empty_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
 class HFRollout:
     """Generates with transformers ``generate`` on the training model, or on a copy of it in
     ``options.dtype``: cast from the training weights for each call and freed after, or kept
-    resident and refreshed by ``sync_weights`` after every optimizer step (``keep_copy``)."""
+    resident and refreshed by ``sync_weights`` after each training step (``keep_copy``)."""
 
     #: The engine gathers a sharded (fsdp2) policy whole around each rollout phase (generation
     #: and scoring) for this backend, and frees the gathered copy after.
@@ -204,6 +204,11 @@ class HFRollout:
         self.tokenizer: Any = None
         self._source: Any = None  # the training model
         self._stop_criteria: dict[tuple[str, ...], Any] = {}
+
+    @property
+    def device(self) -> Any:
+        """Where ``generate``'s tensors are: the generating model's device (None before setup)."""
+        return None if self.model is None else self.model.device
 
     # ----------------------------------------------------------------- contract
     def setup(self, model: Any, tokenizer: Any) -> None:

@@ -219,9 +219,10 @@ class EpisodeRunner:
 
 
 def _device_of(backend: Any) -> torch.device:
-    model = getattr(backend, "model", None)
-    device = getattr(model, "device", None)
-    return device if isinstance(device, torch.device) else torch.device("cpu")
+    """Where the backend's rollouts live: its ``device`` (declared by the RolloutBackend
+    contract; absent or None is the CPU)."""
+    device = getattr(backend, "device", None)
+    return torch.device(device) if device is not None else torch.device("cpu")
 
 
 def episode_metrics(episodes: Episodes, mask: torch.Tensor, prefix: str = "") -> dict[str, float]:
