@@ -69,13 +69,13 @@ class Sampler:
         self._thread.join()
 
 
-def tensor_bytes(engine) -> dict[str, int]:
+def tensor_bytes(run) -> dict[str, int]:
     """Bytes held by the weights, gradients, optimizer state and the backend's own copy."""
-    params = {id(p): p for p in engine.model.parameters()}.values()
-    state = [t for s in engine.optimizer.state.values() for t in s.values() if hasattr(t, "element_size")]
-    backend_model = getattr(engine.backend, "model", None)
+    params = {id(p): p for p in run.learner.model.parameters()}.values()
+    state = [t for s in run.learner.optimizer.state.values() for t in s.values() if hasattr(t, "element_size")]
+    backend_model = getattr(run.actor.backend, "model", None)
     copy = 0
-    if backend_model is not None and backend_model is not engine.model:
+    if backend_model is not None and backend_model is not run.learner.model:
         copy = sum(p.numel() * p.element_size() for p in backend_model.parameters())
     return {
         "weights": sum(p.numel() * p.element_size() for p in params),
@@ -106,7 +106,7 @@ def instrument(sampler: Sampler, held: dict) -> None:
             def optimizer_step(*sa, **sk):
                 with sampler.phase("optimizer"):
                     out = step(*sa, **sk)
-                held.update(tensor_bytes(held["engine"]))
+                held.update(tensor_bytes(held["run"]))
                 return out
 
             optimizer.step, optimizer._bench_wrapped = optimizer_step, True
@@ -145,13 +145,13 @@ def main() -> int:
         with sampler.phase("load"):
             run = build_run(load_spec(vs_trl.DEFAULT_SPEC, overrides))
         sampler.label = "between phases"
-        held["engine"] = run.engine
+        held["run"] = run
         _, eval_rows = vs_trl.task_rows(50)
         with sampler.phase("greedy eval before"):  # as vs_trl.py's workers do
             vs_trl.greedy_accuracy(run.model, run.tokenizer, eval_rows, 32)
         times = []
         for step in range(a.steps):
-            times.append(grpo_step(run.engine, run.prompts, step).metrics["time/generate"])
+            times.append(grpo_step(run.actor, run.learner, step).metrics["time/generate"])
         with sampler.phase("greedy eval after"):
             vs_trl.greedy_accuracy(run.model, run.tokenizer, eval_rows, 32)
     print("overrides:", " ".join((vs_trl.LEAN if a.lean else []) + a.sets) or "(none)")
@@ -162,7 +162,7 @@ def main() -> int:
     print("generate seconds per step:", " ".join(f"{t:.2f}" for t in times))
     print("tensors held at the optimizer step:")
     for name, value in held.items():
-        if name != "engine":
+        if name != "run":
             print(f"  {name:<26}{value / GB:>12.3f}")
     return 0
 

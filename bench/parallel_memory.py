@@ -88,10 +88,10 @@ def worker(args) -> None:
     times = []
     for step in range(args.steps):
         t0 = time.perf_counter()
-        grpo_step(run.engine, run.prompts, step)
+        grpo_step(run.actor, run.learner, step)
         times.append(time.perf_counter() - t0)
     row = {
-        "state_MB": training_state_bytes(run.model, run.engine.optimizer) / 2**20,
+        "state_MB": training_state_bytes(run.model, run.learner.optimizer) / 2**20,
         "peak_rss_MB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "step_s": statistics.median(times[1:] or times),
     }

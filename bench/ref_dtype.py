@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from grpo_core.contracts import SamplingParams
     from grpo_core.train.kl import Reference
+    from grpo_core.train.parallel import forward_of
     from grpo_core.train.update import TrainBatch, batch_logprobs
 
     folder = prepare_model(Path(args.model_dir))
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     rows_n = mask.shape[0]
 
     def logp(model):
-        return batch_logprobs(model, batch, rows_n, 1.0, nullcontext)
+        return batch_logprobs(forward_of(model), batch, rows_n, 1.0, nullcontext)
 
     results = {}
     for dtype in (None, "bfloat16"):

@@ -173,7 +173,7 @@ def grpo_worker(conn, args: dict) -> None:
     conn.send({"accuracy_before": before})
     step = 0
     while conn.recv() == "step":
-        metrics = grpo_step(run.engine, run.prompts, step).metrics
+        metrics = grpo_step(run.actor, run.learner, step).metrics
         step += 1
         phases = {p: metrics.get(f"time/{p}", 0.0) for p in PHASES if p != "other"}
         phases["other"] = metrics["time/step"] - sum(phases.values())

@@ -28,14 +28,14 @@ def dry_run(loaded: LoadedSpec, stream: TextIO | None = None, width: int = 70) -
     completions (``train.prompts_per_step`` prompts x ``rollout.group_size``), score
     them and print a table per prompt plus a summary; no update, no checkpoint, no
     tracker run. Returns 0."""
+    from grpo_core.train.actor import Timer
     from grpo_core.train.run import build_run
-    from grpo_core.train.step import Timer, rollout_round
 
     stream = stream or sys.stdout
     run = build_run(loaded)
     group = run.spec.rollout.group_size
     with torch.inference_mode():  # the training step's own first stage: draw, generate, score
-        scored = rollout_round(run.engine, run.prompts, run.step, Timer())
+        scored = run.actor.rollout_round(run.step, Timer())
     prompts, rollout, scores = scored.prompts, scored.rollout, scored.scores
     names = scores.names
     for p, prompt in enumerate(prompts):

@@ -3,9 +3,9 @@ shard of it (fsdp2, :mod:`grpo_core.train.sharding`).
 
 :class:`Dist` is the process group as the engine uses it (sharding of a step's groups,
 sums of normalizers, gathers, combined metrics); the README's "Several processes" section
-says what ``N`` processes do together. Gradients are summed by ``DistributedDataParallel``
-during backward (:func:`grpo_core.train.sharding.wrap_ddp`; ``bench/ddp_overlap.py`` measures
-the gain over :meth:`Dist.sum_grads` after backward, which stays for a policy not wrapped).
+says what ``N`` processes do together. How the learner's gradients are summed is its
+parallel strategy's (:mod:`grpo_core.train.parallel`: ``DistributedDataParallel`` during
+backward; ``bench/ddp_overlap.py`` measures the gain over :meth:`Dist.sum_grads` after it).
 :func:`parallel_from_launcher` reads an accelerate FSDP config.
 """
 
@@ -64,8 +64,6 @@ class Dist:
     rank: int = 0
     world: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    sharded: bool = False  # FSDP2 (train.parallel.strategy): gradients are reduce-scattered, not summed here
-    ddp_module: bool = False  # the policy runs inside DistributedDataParallel: gradients summed in backward
 
     @classmethod
     def from_env(cls, device: str = "auto") -> Dist:

@@ -4,43 +4,34 @@ held-out sets, without training, optimizer or trackers."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from grpo_core.errors import RunError, UsageError
 from grpo_core.spec import LoadedSpec, Spec
 from grpo_core.train import model as modeling
+from grpo_core.train.actor import Actor, RolloutSettings
 from grpo_core.train.data import PromptSource, check_columns
 from grpo_core.train.distributed import Dist
 from grpo_core.train.evaluate import EvalSet, evaluate_sets, load_eval_sets
 from grpo_core.train.reasoning_steps import split_steps
 from grpo_core.train.rollout import Scorer
 from grpo_core.train.run import build_episodes, build_rewards, seed_everything
-from grpo_core.train.step import StepSettings
 
 
 @dataclass
 class EvalRun:
-    """What evaluating needs: the rollout backend, the reward functions, the sets."""
+    """What evaluating needs: an actor (the rollout backend, the reward functions) and the sets."""
 
     spec: Spec
-    backend: Any
-    scorer: Scorer
+    actor: Actor
     sets: list[EvalSet]
-    dist: Dist = field(default_factory=Dist)
-    autocast: Callable = nullcontext
-    episodes: Any = None  # the multi-turn runner of rollout.environment, or None
 
     def evaluate(self) -> dict[str, float]:
-        sampling = StepSettings.from_spec(self.spec).sampling
-        return evaluate_sets(self.spec, self.backend, self.scorer, self.sets, sampling,
-                             dist=self.dist, autocast=self.autocast, episodes=self.episodes)
+        return evaluate_sets(self.spec, self.actor, self.sets)
 
 
 def saved_model_folder(path: str) -> Path:
@@ -123,7 +114,9 @@ def build_eval_run(loaded: LoadedSpec, model_dir: str | None = None) -> EvalRun:
     backend.setup(model, tokenizer)
     sets = [EvalSet("eval/", eval_prompts, spec.data.prompt_column), *eval_sets.values()]
     autocast = partial(modeling.autocast, spec.train.mixed_precision, dist.device)
-    return EvalRun(spec, backend, scorer, sets, dist, autocast, episodes)
+    actor = Actor(backend=backend, scorer=scorer, settings=RolloutSettings.from_spec(spec), dist=dist,
+                  autocast=autocast, episodes=episodes)
+    return EvalRun(spec, actor, sets)
 
 
 def evaluate_model(loaded: LoadedSpec, model_dir: str | None = None) -> dict[str, float]:

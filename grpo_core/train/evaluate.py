@@ -6,27 +6,24 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 
 from grpo_core.contracts import Episodes, SamplingParams
 from grpo_core.errors import RunError
+from grpo_core.train import seeds
+from grpo_core.train.actor import Actor
 from grpo_core.train.data import Prompt, PromptSource, check_columns
-from grpo_core.train.distributed import Dist
 from grpo_core.train.episodes import episode_metrics
 from grpo_core.train.passk import mean_at_n, mean_pass_at_k
-from grpo_core.train.rollout import Scorer, reward_means, sample_and_score
+from grpo_core.train.rollout import Scorer, reward_means
 from grpo_core.train.scoring import Scores
 
 
 def evaluate(
-    backend: Any, scorer: Scorer, prompts: list[Prompt], sampling: SamplingParams, *,
-    batch_size: int, dist: Dist | None = None, autocast: Callable = nullcontext, prefix: str = "eval/",
-    episodes: Any = None,
+    actor: Actor, scorer: Scorer, prompts: list[Prompt], sampling: SamplingParams, *, batch_size: int,
+    prefix: str = "eval/",
 ) -> dict[str, float]:
     """``eval/reward`` and ``eval/rewards/<name>`` (mean over held-out prompts; for an
     accuracy reward that is the greedy accuracy), plus mean completion length.
@@ -37,12 +34,12 @@ def evaluate(
     added (those of this process's prompts)."""
     if not prompts:
         return {}
-    dist = dist or Dist()
+    dist = actor.dist
     totals, per_fn, lengths, names = [], [], [], [fn.name for fn in scorer.rewards]
     records, masks = [], []
     mine = prompts[dist.rank::dist.world]
     for start in range(0, len(mine), batch_size):
-        scored = sample_and_score(backend, scorer, mine[start:start + batch_size], 1, sampling, autocast, episodes)
+        scored = actor.sample(mine[start:start + batch_size], 1, sampling, scorer)
         if scored.rollout.episodes is not None:
             records.append(scored.rollout.episodes)
             masks.append(scored.rollout.completion_mask.cpu())
@@ -67,36 +64,47 @@ def evaluate(
 
 
 # ----------------------------------------------------------------------------- sampled
+@dataclass(frozen=True)
+class Sampled:
+    """How a sampled evaluation draws and judges: ``n`` completions per prompt, pass@k for
+    each of ``ks``; a sample is correct when reward function number ``correct`` scores it
+    ``>= threshold``."""
+
+    n: int
+    ks: list[int]
+    correct: int = 0
+    threshold: float = 1.0
+
+
 def evaluate_sampled(
-    backend: Any, scorer: Scorer, prompts: list[Prompt], sampling: SamplingParams, *, n: int, ks: list[int],
-    correct: int, threshold: float, batch_size: int, dist: Dist | None = None,
-    autocast: Callable = nullcontext, prefix: str = "eval/", episodes: Any = None,
+    actor: Actor, scorer: Scorer, prompts: list[Prompt], sampling: SamplingParams, how: Sampled, *,
+    batch_size: int, prefix: str = "eval/",
 ) -> dict[str, float]:
-    """``n`` sampled completions per prompt: ``<prefix>mean@n`` (mean total reward over
+    """``how.n`` sampled completions per prompt: ``<prefix>mean@n`` (mean total reward over
     every sample), ``<prefix>rewards/<name>/mean@n`` per function, ``<prefix>pass@k`` for
-    each of ``ks`` (Chen et al.'s unbiased estimator; a sample is correct when reward
-    function number ``correct`` scores it ``>= threshold``) and ``<prefix>sampled/mean_length``.
+    each of ``how.ks`` (Chen et al.'s unbiased estimator) and ``<prefix>sampled/mean_length``.
 
     ``sampling.seed`` seeds the draw: each process offsets it by its rank and each batch by
-    its first prompt, so an evaluation is reproducible for a given number of processes."""
+    its first prompt (:func:`grpo_core.train.seeds.eval_batch`), so an evaluation is
+    reproducible for a given number of processes."""
     if not prompts:
         return {}
-    dist = dist or Dist()
+    dist, n = actor.dist, how.n
     totals, tables, hits, lengths = [], [], [], []
     mine = prompts[dist.rank::dist.world]
     for start in range(0, len(mine), batch_size):
         chunk = mine[start:start + batch_size]
-        seeded = replace(sampling, seed=None if sampling.seed is None else sampling.seed + dist.rank * 65_537 + start)
-        scored = sample_and_score(backend, scorer, chunk, n, seeded, autocast, episodes)
+        seed = None if sampling.seed is None else seeds.eval_batch(sampling.seed, dist.rank, start)
+        scored = actor.sample(chunk, n, replace(sampling, seed=seed), scorer)
         totals.append(scored.scores.total)
         tables.append(scored.scores.per_function)
-        hit = scored.scores.per_function[:, correct] >= threshold  # NaN (unscorable) compares False
+        hit = scored.scores.per_function[:, how.correct] >= how.threshold  # NaN (unscorable) compares False
         hits.append(hit.view(len(chunk), n).sum(dim=1))
         lengths.append(scored.rollout.completion_mask.sum(dim=1).float().cpu())
     local = (totals, tables, hits, lengths)
     parts = dist.gather(local) if dist.active else [local]
     cat = [torch.cat([t for part in parts for t in part[i]]) for i in range(4)]
-    out = sampled_metrics(prefix, n, ks, [fn.name for fn in scorer.rewards], *cat)
+    out = sampled_metrics(prefix, n, how.ks, [fn.name for fn in scorer.rewards], *cat)
     out[f"{prefix}prompts"] = float(len(prompts))
     return out
 
@@ -141,34 +149,30 @@ class EvalSet:
     prompt_column: str
 
 
-def evaluate_sets(
-    spec, backend: Any, scorer: Scorer, sets: list[EvalSet], sampling: SamplingParams, *,
-    dist: Dist | None = None, autocast: Callable = nullcontext, episodes: Any = None,
-) -> dict[str, float]:
-    """Every set's metrics: greedy ones (:func:`evaluate`) unless ``eval.greedy`` is off,
-    sampled ones (:func:`evaluate_sampled`) when ``eval.n > 0``. ``sampling``: the
-    rollout's settings, changed here as ``eval`` says.
+def evaluate_sets(spec, actor: Actor, sets: list[EvalSet]) -> dict[str, float]:
+    """Every set's metrics, generated and scored by the ``actor``: greedy ones
+    (:func:`evaluate`) unless ``eval.greedy`` is off, sampled ones (:func:`evaluate_sampled`)
+    when ``eval.n > 0``, with the actor's sampling settings changed as ``eval`` says.
 
     The sampled draw is seeded from ``train.seed``, the same at every evaluation, so two
     evaluations of a run differ by the weights, not by the draw."""
-    e = spec.eval
+    e, sampling, scorer = spec.eval, actor.settings.sampling, actor.scorer
     length = e.max_new_tokens or spec.rollout.max_new_tokens
     greedy = replace(sampling, greedy=True, max_new_tokens=length)
     sampled = replace(sampling, temperature=e.temperature, top_p=e.top_p, max_new_tokens=length,
-                      seed=spec.train.seed * 1_000_003 + 7_919)
+                      seed=seeds.sampled_eval(spec.train.seed))
     out: dict[str, float] = {}
     for eval_set in sets:
         if not eval_set.prompts:
             continue
         set_scorer = replace(scorer, prompt_column=eval_set.prompt_column)
-        common = dict(batch_size=e.batch_size, dist=dist, autocast=autocast, prefix=eval_set.prefix, episodes=episodes)
         if e.greedy:
-            out.update(evaluate(backend, set_scorer, eval_set.prompts, greedy, **common))
+            out.update(evaluate(actor, set_scorer, eval_set.prompts, greedy, batch_size=e.batch_size,
+                                prefix=eval_set.prefix))
         if e.n:
-            out.update(evaluate_sampled(
-                backend, set_scorer, eval_set.prompts, sampled, n=e.n, ks=e.ks(),
-                correct=correct_index(spec, scorer.rewards), threshold=e.correct.threshold, **common,
-            ))
+            how = Sampled(e.n, e.ks(), correct_index(spec, scorer.rewards), e.correct.threshold)
+            out.update(evaluate_sampled(actor, set_scorer, eval_set.prompts, sampled, how, batch_size=e.batch_size,
+                                        prefix=eval_set.prefix))
     return out
 
 

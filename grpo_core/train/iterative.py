@@ -24,11 +24,10 @@ from typing import Any
 from grpo_core.contracts import RewardExample, TrainableReward
 from grpo_core.errors import RunError
 from grpo_core.spec.models import IterativeSection
-from grpo_core.train.rollout import Scorer, as_completions, sample_and_score
+from grpo_core.train import seeds
+from grpo_core.train.actor import Actor
+from grpo_core.train.rollout import Scorer, as_completions
 from grpo_core.train.scoring import RewardFn
-
-#: Offset of the iteration stage's sampling seeds from the training steps' seeds.
-_SEED_OFFSET = 7_919_000_003
 
 
 class IterativeStage:
@@ -47,14 +46,14 @@ class IterativeStage:
         s = self.section
         return step % s.steps_per_iteration == 0 and step // s.steps_per_iteration == self.iteration < s.iterations
 
-    def begin(self, engine, source) -> dict[str, float]:
-        """Start the next iteration: reset the reference to the policy ``engine.model``,
-        update the reward model on fresh samples of prompts drawn from ``source``."""
+    def begin(self, actor: Actor, policy: Any) -> dict[str, float]:
+        """Start the next iteration: reset the reference to the ``policy`` model, update the
+        reward model on fresh samples of prompts drawn from the ``actor``'s source."""
         t0 = time.perf_counter()
         if self.reference is not None:
-            self.reference.reset_to(engine.model)
+            self.reference.reset_to(policy)
             self.resets += 1
-        train, heldout = self._collect(engine, source)
+        train, heldout = self._collect(actor)
         rm: TrainableReward = self.reward.fn
         metrics = {f"rm/heldout_{k}_before": v for k, v in rm.evaluate(heldout).items()}
         metrics.update({f"rm/{k}": v for k, v in rm.fit(train).items()})
@@ -69,15 +68,15 @@ class IterativeStage:
         })
         return metrics
 
-    def _collect(self, engine, source) -> tuple[list[RewardExample], list[RewardExample]]:
+    def _collect(self, actor: Actor) -> tuple[list[RewardExample], list[RewardExample]]:
         """Fresh completions of the latest policy on training prompts, labelled by the
         verifier (unscorable ones dropped): the training part and the held-out part."""
-        s, settings = self.section, engine.settings
+        s, settings = self.section, actor.settings
         g = s.group_size or settings.group_size
-        prompts = source.next(s.prompts + s.heldout_prompts)
-        sampling = replace(settings.sampling, seed=settings.seed * 1_000_003 + _SEED_OFFSET * (self.iteration + 1))
-        verifier = Scorer([self.verifier], engine.scorer.prompt_column, engine.scorer.on_error)
-        scored = sample_and_score(engine.backend, verifier, prompts, g, sampling, engine.autocast, engine.episodes)
+        prompts = actor.source.next(s.prompts + s.heldout_prompts)
+        sampling = replace(settings.sampling, seed=seeds.iteration(settings.seed, self.iteration))
+        verifier = Scorer([self.verifier], actor.scorer.prompt_column, actor.scorer.on_error)
+        scored = actor.sample(prompts, g, sampling, scorer=verifier)
         row_prompts, completions = as_completions(prompts, scored.rollout)
         labels = scored.scores.total.tolist()
         examples = [RewardExample(p, c, float(y)) for p, c, y in zip(row_prompts, completions, labels)]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,16 +88,6 @@ def generate_rollout(
     if episodes is not None:
         return episodes.run(backend, prompts, group_size, sampling)
     return backend.generate([p.ids for p in prompts], group_size, sampling)
-
-
-def sample_and_score(
-    backend: Any, scorer: Scorer, prompts: list[Prompt], group_size: int, sampling: SamplingParams,
-    autocast: Callable = nullcontext, episodes: Any = None,
-) -> Scored:
-    """Generate ``group_size`` completions (or episodes) of each prompt, then score them."""
-    with autocast():
-        rollout = generate_rollout(backend, prompts, group_size, sampling, episodes)
-    return score_rollout(scorer, prompts, rollout)
 
 
 def reward_means(scores: Scores, prefix: str = "", suffix: str = "") -> dict[str, float]:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from grpo_core import checkpoint as ckpt
-from grpo_core.contracts import special_ids
+from grpo_core.contracts import Stateful, special_ids
 from grpo_core.errors import RunError
 from grpo_core.export import finish_exports, print_exports
 from grpo_core.spec import LoadedSpec, Spec, dump_spec
@@ -24,18 +24,21 @@ from grpo_core.spec.parallel import parallel_conflicts
 from grpo_core.tracking import RunLog, flatten
 from grpo_core.train import model as modeling
 from grpo_core.train import sharding
+from grpo_core.train.actor import Actor, RolloutSettings
 from grpo_core.train.data import PromptSource, check_columns
 from grpo_core.train.distributed import Dist, check_layout, parallel_from_launcher
 from grpo_core.train.episodes import EpisodeRunner
 from grpo_core.train.evaluate import EvalSet, evaluate_sets, load_eval_sets
 from grpo_core.train.iterative import build_iterative
 from grpo_core.train.kl import KLTerm
+from grpo_core.train.learner import Learner, UpdateSettings
 from grpo_core.train.optim import make_optimizer
+from grpo_core.train.parallel import strategy_for
 from grpo_core.train.reasoning_steps import split_steps
 from grpo_core.train.rollout import Scorer
 from grpo_core.train.scoring import RewardFn
 from grpo_core.train.signals import StopSignal
-from grpo_core.train.step import Engine, StepSettings, grpo_step
+from grpo_core.train.step import grpo_step
 from grpo_core.train.update import Objective
 
 log = logging.getLogger("grpo.run")
@@ -49,13 +52,13 @@ def seed_everything(seed: int) -> None:
 
 @dataclass
 class Run:
-    """A run: the engine a step uses, the data, and the loop's own state."""
+    """A run: the actor and learner a step uses, the held-out data, and the loop's own state."""
 
     spec: Spec
     loaded: LoadedSpec
     output_dir: Path
-    engine: Engine
-    prompts: PromptSource
+    actor: Actor
+    learner: Learner
     eval_prompts: list
     log: RunLog
     iterative: Any = None  # the iteration stage of iterative GRPO, or None
@@ -74,58 +77,65 @@ class Run:
 
     @property
     def model(self):
-        return self.engine.model
+        return self.learner.model
 
     @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        return self.learner.tokenizer
+
+    @property
+    def prompts(self) -> PromptSource:
+        """The training prompts (the actor draws them)."""
+        return self.actor.source
 
     @property
     def dist(self) -> Dist:
-        return self.engine.dist
+        return self.learner.dist
 
     @property
     def checkpoint_dir(self) -> Path:
         return self.output_dir / "checkpoints"
 
     def stateful(self) -> dict[str, Any]:
-        """Components that carry state across steps (``state_dict``/``load_state_dict``)."""
-        named = {"rollout": self.engine.backend, "advantage": self.engine.estimator}
-        named.update({f"rewards.{fn.name}": fn.fn for fn in self.engine.scorer.rewards})
+        """Components that carry state across steps (:class:`~grpo_core.contracts.Stateful`)."""
+        named = {"rollout": self.actor.backend, "advantage": self.learner.estimator}
+        named.update({f"rewards.{fn.name}": fn.fn for fn in self.actor.scorer.rewards})
         named.update({f"tracking.{name}": tracker for name, tracker in self.log.trackers.items()})
-        named["kl"] = self.engine.kl
+        named["kl"] = self.learner.kl
         named["iterative"] = self.iterative
-        return {k: v for k, v in named.items() if hasattr(v, "state_dict") and hasattr(v, "load_state_dict")}
+        return {k: v for k, v in named.items() if isinstance(v, Stateful)}
 
     def state_dict(self) -> dict[str, Any]:
+        learner = self.learner
+        optimizer, optimizer_format = learner.strategy.optimizer_state(learner.model, learner.optimizer)
         return {
             "step": self.step,
             "trajectory": self.trajectory,
             "run_id": self.log.run_id,
-            "optimizer": sharding.optimizer_state(self.model, self.engine.optimizer) if self.dist.sharded
-            else self.engine.optimizer.state_dict(),
-            "optimizer_format": "named" if self.dist.sharded else "native",
-            "scheduler": self.engine.scheduler.state_dict(),
+            "optimizer": optimizer,
+            "optimizer_format": optimizer_format,
+            "scheduler": learner.scheduler.state_dict(),
             "rng": ckpt.rng_state(),
             "data": self.prompts.state_dict(),
             "nonfinite_streak": self.nonfinite_streak,
             "last_eval": dict(self.last_eval),
             "components": {k: v.state_dict() for k, v in self.stateful().items()},
-            "scaler": self.engine.scaler.state_dict() if self.engine.scaler is not None else None,
+            "scaler": learner.scaler.state_dict() if learner.scaler is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step = int(state["step"])
-        sharding.restore_optimizer(self.model, self.engine.optimizer, state, self.dist.sharded)
-        self.engine.scheduler.load_state_dict(state["scheduler"])
+        learner = self.learner
+        self.step = learner.version = int(state["step"])
+        sharding.restore_optimizer(self.model, learner.optimizer, state, learner.strategy.sharded)
+        learner.scheduler.load_state_dict(state["scheduler"])
         self.prompts.load_state_dict(state["data"])
         self.nonfinite_streak = int(state.get("nonfinite_streak", 0))
         self.last_eval = dict(state.get("last_eval", {}))
         for key, component in self.stateful().items():
             if key in state.get("components", {}):
                 component.load_state_dict(state["components"][key])
-        if self.engine.scaler is not None and state.get("scaler"):
-            self.engine.scaler.load_state_dict(state["scaler"])
+        if learner.scaler is not None and state.get("scaler"):
+            learner.scaler.load_state_dict(state["scaler"])
         ckpt.set_rng_state(state["rng"])
 
     def save_checkpoint(self) -> Path:
@@ -134,8 +144,9 @@ class Run:
         folder = self.checkpoint_dir / f"{ckpt.PREFIX}{self.step:06d}"
         if self.saved_step != self.step or not folder.is_dir():
             # A sharded model's weights and optimizer state are gathered by every process.
-            weights = sharding.full_state_dict(self.model) if self.dist.sharded else None
-            state = self.state_dict() if self.dist.sharded or self.dist.is_main else None
+            sharded = self.learner.strategy.sharded
+            weights = self.learner.strategy.model_state(self.model)
+            state = self.state_dict() if sharded or self.dist.is_main else None
             if self.dist.is_main:
                 folder = ckpt.write_checkpoint(
                     self.checkpoint_dir, self.step, self.model, state, self.spec.checkpoint.keep,
@@ -193,15 +204,14 @@ def build_episodes(spec: Spec, model, tokenizer, scorer: Scorer) -> EpisodeRunne
                          max_total_tokens=slot.max_total_tokens, eos_ids=eos_ids, pad_id=pad_id)
 
 
-def _engine(spec: Spec, model, tokenizer, rewards: list[RewardFn], splitter, dist: Dist, parallel) -> Engine:
-    algo = spec.algorithm
+def _actor_and_learner(spec: Spec, model, tokenizer, rewards: list[RewardFn], splitter, strategy
+                       ) -> tuple[Actor, Learner]:
+    """The learner of ``model`` and the actor (with no prompt source yet) of the spec."""
+    algo, dist = spec.algorithm, strategy.dist
     env = spec.rollout.environment
     kl = KLTerm.from_spec(algo.kl, model)
-    if dist.sharded:  # before the optimizer, which must hold the sharded parameters
-        sharding.shard_engine_models(model, getattr(kl and kl.reference, "model", None), parallel, dist.device)
-    elif dist.active:
-        sharding.wrap_ddp(model, dist.device)
-        dist.ddp_module = True
+    # before the optimizer, which must hold the parameters the strategy trains (shards under fsdp2)
+    strategy.setup(model, getattr(kl and kl.reference, "model", None))
     objective = Objective(
         policy_loss=algo.policy_loss.build(), aggregator=algo.aggregation.build(),
         kl=kl if kl is not None and kl.in_loss else None,
@@ -219,13 +229,18 @@ def _engine(spec: Spec, model, tokenizer, rewards: list[RewardFn], splitter, dis
         split=partial(split_steps, splitter, algo.step_splitter.name),
         with_steps=estimator.needs_step_scores,
     )
-    return Engine(
-        model=model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler, backend=backend,
-        scorer=scorer, estimator=estimator, objective=objective, settings=StepSettings.from_spec(spec), kl=kl,
-        dist=dist, autocast=partial(modeling.autocast, spec.train.mixed_precision, dist.device),
+    autocast = partial(modeling.autocast, spec.train.mixed_precision, dist.device)
+    learner = Learner(
+        model=model, optimizer=optimizer, scheduler=scheduler, objective=objective,
+        settings=UpdateSettings.from_spec(spec), estimator=estimator, kl=kl, tokenizer=tokenizer,
+        strategy=strategy, autocast=autocast,
         scaler=torch.amp.GradScaler(dist.device.type) if spec.train.mixed_precision == "fp16" else None,
-        episodes=build_episodes(spec, model, tokenizer, scorer),
     )
+    actor = Actor(
+        backend=backend, scorer=scorer, settings=RolloutSettings.from_spec(spec), dist=dist, autocast=autocast,
+        episodes=build_episodes(spec, model, tokenizer, scorer), weights=partial(strategy.rollout_weights, backend),
+    )
+    return actor, learner
 
 
 def build_run(loaded: LoadedSpec, dist: Dist | None = None) -> Run:
@@ -235,7 +250,6 @@ def build_run(loaded: LoadedSpec, dist: Dist | None = None) -> Run:
     parallel = parallel_from_launcher(spec.train.parallel)
     if parallel_conflicts(spec, parallel):
         raise RunError("accelerate's FSDP config selects fsdp2, but " + "; ".join(parallel_conflicts(spec, parallel)))
-    dist.sharded = parallel.strategy == "fsdp2" and dist.world > 1  # one process: nothing to shard
     seed_everything(spec.train.seed)
     if spec.train.threads:
         torch.set_num_threads(spec.train.threads)
@@ -249,23 +263,24 @@ def build_run(loaded: LoadedSpec, dist: Dist | None = None) -> Run:
 
     tokenizer = modeling.load_tokenizer(spec.model, loaded.base_dir)
     model = modeling.load_policy(spec.model, loaded.base_dir, tokenizer).to(dist.device)
-    engine = _engine(spec, model, tokenizer, rewards, splitter, dist, parallel)
+    actor, learner = _actor_and_learner(spec, model, tokenizer, rewards, splitter, strategy_for(dist, parallel))
     env = spec.rollout.environment
     context = getattr(model.config, "max_position_embeddings", None) or 10**9
     longest = spec.rollout.max_new_tokens if env is None else env.max_total_tokens
     max_prompt = spec.data.max_prompt_tokens or max(1, context - longest)
-    tools = engine.episodes.tools if engine.episodes is not None else None
-    prompts = PromptSource(train_rows, tokenizer, spec.data, seed=spec.train.seed, max_tokens=max_prompt, tools=tools)
+    tools = actor.episodes.tools if actor.episodes is not None else None
+    actor.source = PromptSource(train_rows, tokenizer, spec.data, seed=spec.train.seed, max_tokens=max_prompt,
+                                tools=tools)
     eval_source = PromptSource(eval_rows or [{}], tokenizer, spec.data, seed=0, max_tokens=max_prompt, shuffle=False,
                                tools=tools)
     eval_prompts = [p for p in map(eval_source.render, eval_rows) if p is not None][: spec.eval.max_prompts]
     required = {c: f"reward function '{fn.name}'" for fn in rewards for c in fn.required_columns}
     eval_sets = load_eval_sets(spec, tokenizer, max_prompt, required, tools)
 
-    reference = engine.kl.reference if engine.kl is not None else None
+    reference = learner.kl.reference if learner.kl is not None else None
     trackers = {slot.name: slot.build() for slot in spec.tracking}
     return Run(
-        spec=spec, loaded=loaded, output_dir=output_dir, engine=engine, prompts=prompts,
+        spec=spec, loaded=loaded, output_dir=output_dir, actor=actor, learner=learner,
         eval_prompts=eval_prompts, log=RunLog(trackers, output_dir, enabled=dist.is_main),
         iterative=build_iterative(spec, rewards, reference),
         eval_sets=eval_sets,
@@ -275,16 +290,14 @@ def build_run(loaded: LoadedSpec, dist: Dist | None = None) -> Run:
 def evaluate_run(run: Run) -> dict[str, float]:
     """The held-out sets' metrics: the default set, then every named one (see
     :func:`evaluate_sets`)."""
-    spec, engine = run.spec, run.engine
-    sets = [EvalSet("eval/", run.eval_prompts, spec.data.prompt_column), *run.eval_sets.values()]
-    with sharding.rollout_weights(engine.backend, engine.model):
-        return evaluate_sets(spec, engine.backend, engine.scorer, sets, engine.settings.sampling,
-                             dist=engine.dist, autocast=engine.autocast, episodes=engine.episodes)
+    sets = [EvalSet("eval/", run.eval_prompts, run.spec.data.prompt_column), *run.eval_sets.values()]
+    with run.actor.weights():
+        return evaluate_sets(run.spec, run.actor, sets)
 
 
 def _save_final(run: Run) -> Path:
     final = run.output_dir / "final"
-    weights = sharding.full_state_dict(run.model) if run.dist.sharded else None
+    weights = run.learner.strategy.model_state(run.model)
     if run.dist.is_main:
         run.model.save_pretrained(final, state_dict=weights)
         run.tokenizer.save_pretrained(final)
@@ -322,7 +335,7 @@ def _resume(run: Run, resume: str | None) -> str | None:
     run.load_state_dict(found.state)
     run.trajectory = ckpt.trajectory_after_resume(run.checkpoint_dir, found)
     run.log.rewind(run.step)
-    run.engine.backend.sync_weights(run.model)
+    run.actor.receive(run.model, run.learner.version)
     if run.dist.is_main:
         print(f"grpo-run: resuming from {found.folder} (step {run.step})", file=sys.stderr)
     return found.state.get("run_id")
@@ -333,12 +346,12 @@ def _step_and_record(run: Run) -> dict[str, float]:
     GRPO, held-out evaluation, logging, checkpoints, the non-finite stop."""
     spec = run.spec
     due = run.iterative is not None and run.iterative.due(run.step)
-    begun = run.iterative.begin(run.engine, run.prompts) if due else {}
-    result = grpo_step(run.engine, run.prompts, run.step)
+    begun = run.iterative.begin(run.actor, run.model) if due else {}
+    result = grpo_step(run.actor, run.learner, run.step)
     metrics = run.dist.combine_metrics(result.metrics)
-    if run.engine.kl is not None:  # adaptive beta and reference sync see the global step
+    if run.learner.kl is not None:  # adaptive beta and reference sync see the global step
         rows = spec.train.prompts_per_step * spec.rollout.group_size
-        metrics.update(run.engine.kl.after_step(run.step + 1, run.model, metrics.get("kl"), rows))
+        metrics.update(run.learner.kl.after_step(run.step + 1, run.model, metrics.get("kl"), rows))
     metrics.update(begun)
     run.step += 1
     run.nonfinite_streak = run.nonfinite_streak + 1 if metrics["train/nonfinite_updates"] else 0
@@ -376,7 +389,7 @@ class _StepStart:
 
     @classmethod
     def of(cls, run: Run) -> _StepStart:
-        return cls(run.step, run.engine.scheduler.last_epoch, run.prompts.state_dict(), ckpt.rng_state())
+        return cls(run.step, run.learner.scheduler.last_epoch, run.prompts.state_dict(), ckpt.rng_state())
 
 
 def _save_failed_step(run: Run, start: _StepStart, loaded: LoadedSpec, exc: BaseException) -> None:
@@ -385,7 +398,7 @@ def _save_failed_step(run: Run, start: _StepStart, loaded: LoadedSpec, exc: Base
     rewind its data position and RNG states and checkpoint that state, so that no completed
     step is lost. With several processes only a failure every process shares (a RunError
     they agree on) is checkpointed: the others may be waiting in a collective."""
-    if run.step != start.step or run.engine.scheduler.last_epoch != start.updates or run.step == 0:
+    if run.step != start.step or run.learner.scheduler.last_epoch != start.updates or run.step == 0:
         return
     if run.dist.active and not isinstance(exc, RunError):
         return

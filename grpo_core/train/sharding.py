@@ -22,7 +22,6 @@ gathers every unit for the duration of generation and frees the gathered copies 
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,31 +31,29 @@ from torch import Tensor, nn
 from grpo_core.errors import RunError
 from grpo_core.train.logprobs import completion_logprobs
 
-_ROOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # causal LM -> its (wrapped) LogprobModel
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 class LogprobModel(nn.Module):
     """A causal LM's completion log-probs as one module ``forward`` (the FSDP2 root).
 
-    ``share_prompt``: encode each prompt once for its completions (two decoder calls) where
-    the rows allow it. Under FSDP2 each call of a sharded layer is a collective, so the
-    engine sets it per mini-batch to what every process can do
-    (:func:`grpo_core.train.update._agree_on_passes`). ``length_buckets``: run rows of very
-    different lengths as separate decoder calls; off under FSDP2, where how many calls a batch
-    takes would depend on each process's lengths and the collectives would not match."""
+    ``length_buckets``: run rows of very different lengths as separate decoder calls; off
+    under FSDP2, where how many calls a batch takes would depend on each process's lengths and
+    the collectives would not match."""
 
-    def __init__(self, model: nn.Module, share_prompt: bool = True, length_buckets: bool = True):
+    def __init__(self, model: nn.Module, length_buckets: bool = True):
         super().__init__()
         self.model = model
-        self.share_prompt = share_prompt
         self.length_buckets = length_buckets
 
     def forward(
         self, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor,
-        with_entropy: bool = False, temperature: float = 1.0,
+        with_entropy: bool = False, temperature: float = 1.0, share_prompt: bool = True,
     ) -> tuple[Tensor, Tensor | None]:
-        """:func:`completion_logprobs` of the wrapped model, ``(B, T)`` each.
+        """:func:`completion_logprobs` of the wrapped model, ``(B, T)`` each. ``share_prompt``:
+        encode each prompt once for its completions (two decoder calls) where the rows allow
+        it; under FSDP2 every process must pass the same value
+        (:meth:`grpo_core.train.parallel.FSDP2.lockstep` agrees on it per mini-batch).
 
         A batch with no completion token still runs the model (on its first column, result
         times 0) so that every process joins the same all-gathers and reduce-scatters."""
@@ -68,61 +65,13 @@ class LogprobModel(nn.Module):
             completion_mask[:, 0] = True
         logp, entropy = completion_logprobs(
             self.model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-            with_entropy=with_entropy, temperature=temperature, share_prompt=self.share_prompt,
+            with_entropy=with_entropy, temperature=temperature, share_prompt=share_prompt,
             length_buckets=self.length_buckets,
         )
         if empty:
             logp = logp * 0.0
             entropy = entropy * 0.0 if entropy is not None else None
         return logp, entropy
-
-
-def root_of(model: Any) -> nn.Module | None:
-    """The :class:`LogprobModel` that shards ``model`` (or its ``DistributedDataParallel``
-    wrapper, :func:`wrap_ddp`), or None: the engine then calls ``completion_logprobs``."""
-    try:
-        return _ROOTS.get(model)
-    except TypeError:
-        return None
-
-
-def is_sharded(model: Any) -> bool:
-    """Whether ``model`` is sharded by FSDP2 (not merely wrapped by :func:`wrap_ddp`)."""
-    return hasattr(root_of(model), "unshard")
-
-
-def _sum_hook(process_group, bucket):
-    """DDP communication hook: sum a gradient bucket over processes (DDP's own hook averages;
-    the engine's losses are already normalized over the global batch)."""
-    import torch.distributed as dist
-
-    work = dist.all_reduce(bucket.buffer(), group=process_group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
-
-
-def wrap_ddp(model: nn.Module, device: torch.device) -> nn.Module:
-    """The ddp strategy on torch's machinery: :class:`LogprobModel` of ``model`` inside
-    ``DistributedDataParallel``, which sums gradient buckets over processes while backward
-    still runs (``bench/ddp_overlap.py`` measures the gain over a sum after backward). Every
-    trainable parameter must take part in each forward (the case of causal LMs)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    root = DistributedDataParallel(
-        LogprobModel(model), device_ids=[device.index] if device.type == "cuda" else None,
-        broadcast_buffers=False,
-    )
-    root.register_comm_hook(None, _sum_hook)
-    _ROOTS[model] = root
-    return root
-
-
-def grad_sync(model: Any, sync: bool):
-    """The context of one forward/backward: under DDP, ``no_sync()`` unless ``sync`` (the
-    last micro-batch of a mini-batch sums the accumulated gradients); else nothing."""
-    root = root_of(model)
-    if sync or not hasattr(root, "no_sync"):
-        return contextlib.nullcontext()
-    return root.no_sync()
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -167,54 +116,36 @@ def shard(model: nn.Module, parallel: Any, device: torch.device) -> LogprobModel
     # Make the root the root now: a unit first called alone (generation before any training
     # forward) would otherwise take that role.
     root._get_fsdp_state()._lazy_init()
-    _ROOTS[model] = root
     return root
 
 
-def _units(model: Any) -> list[nn.Module]:
-    root = root_of(model)
-    return [m for m in root.modules() if hasattr(m, "unshard")] if root is not None else []
-
-
-_GATHERED: set[int] = set()  # ids of the roots inside full_weights
-
-
 @contextlib.contextmanager
-def full_weights(model: Any) -> Iterator[None]:
-    """Inside, every unit of a sharded ``model`` holds its gathered weights and keeps them
-    through any number of forwards (transformers ``generate``: one per token, a count that
-    differs between processes, so nothing may be gathered per call). The gathered copies are
-    freed on exit. Entering is a collective: every process must enter together. Nested uses
-    are free; a no-op for a model that is not sharded."""
-    units = _units(model)
-    root = root_of(model)
-    if not units or id(root) in _GATHERED:
-        yield
-        return
+def full_weights(root: nn.Module) -> Iterator[None]:
+    """Inside, every unit under the sharded ``root`` (:func:`shard`) holds its gathered
+    weights and keeps them through any number of forwards (transformers ``generate``: one per
+    token, a count that differs between processes, so nothing may be gathered per call). The
+    gathered copies are freed on exit. Entering is a collective: every process must enter
+    together."""
+    units = [m for m in root.modules() if hasattr(m, "unshard")]
     groups = [g for unit in units for g in unit._get_fsdp_state()._fsdp_param_groups]
     after_forward = [g.post_forward_mesh_info for g in groups]
     for unit in units:
         unit.set_reshard_after_forward(False, recurse=False)
         unit.unshard()
-    _GATHERED.add(id(root))
     try:
         yield
     finally:
-        _GATHERED.discard(id(root))
         for unit in units:
             unit.reshard()
         for group, info in zip(groups, after_forward):  # each unit's own setting back
             group.post_forward_mesh_info = info
 
 
-def rollout_weights(backend: Any, model: Any):
-    """The context of a rollout phase (a step's generation and scoring, an evaluation):
-    :func:`full_weights` of ``model`` when the backend generates with the policy itself
-    (``generates_with_policy``, the ``hf`` backend), entered once by every process however
-    many ``generate`` calls each then makes (multi-turn episodes differ); else nothing."""
-    if getattr(backend, "generates_with_policy", False):
-        return full_weights(model)
-    return contextlib.nullcontext()
+def is_sharded(model: Any) -> bool:
+    """Whether ``model``'s parameters are FSDP2 shards (DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def full_state_dict(model: Any) -> dict[str, Tensor]:
@@ -288,11 +219,3 @@ def restore_optimizer(model: Any, optimizer: torch.optim.Optimizer, state: dict[
         load_optimizer_state(model, optimizer, named_optimizer_state(model, saved))
     else:
         optimizer.load_state_dict(saved)
-
-
-def shard_engine_models(model: Any, reference: Any, parallel: Any, device: torch.device) -> None:
-    """Shard the policy and, when there is one, the frozen reference copy of the KL term."""
-    shard(model, parallel, device)
-    if reference is not None:
-        reference.requires_grad_(False)
-        shard(reference, parallel, device)

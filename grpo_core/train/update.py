@@ -6,6 +6,10 @@ computed before micro-batching, so the gradient of a step does not depend on the
 micro-batch size. Rows that cannot change the gradient (advantage 0, no KL in the loss,
 no entropy bonus, a policy loss that declares ``zero_advantage_is_zero_loss``) get no
 forward or backward at all.
+
+The code reads as one process's math. What several processes change (sums over them, the
+passes each adds to stay in lock-step, when gradients are reduced, which module runs the
+forward) is asked of the learner's parallel strategy (:mod:`grpo_core.train.parallel`).
 """
 
 from __future__ import annotations
@@ -16,16 +20,16 @@ from collections import defaultdict
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
-from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from grpo_core.contracts import BatchStats, PolicyLossInputs, masked_fill_zero
-from grpo_core.train.distributed import Dist
-from grpo_core.train.logprobs import completion_logprobs
-from grpo_core.train.sharding import grad_sync, root_of
+
+if TYPE_CHECKING:
+    from grpo_core.train.learner import Learner
+    from grpo_core.train.parallel import Forward
 
 
 @dataclass
@@ -114,21 +118,22 @@ def rollout_correction(
 
 
 def forward_logprobs(
-    model, batch: TrainBatch, rows: Tensor, *, with_entropy: bool, temperature: float, mask: Tensor | None = None
+    forward: Forward, batch: TrainBatch, rows: Tensor, *, with_entropy: bool, temperature: float,
+    mask: Tensor | None = None, share_prompt: bool = True,
 ):
-    """Log-probs ``(b, T)`` of ``rows`` (of the tokens of ``mask``, default the batch's); the
-    prompt is encoded once per prompt when the rows hold the same number of completions of
-    each prompt. A sharded model runs through its FSDP2 root (:mod:`grpo_core.train.sharding`)."""
+    """Log-probs ``(b, T)`` of ``rows`` (of the tokens of ``mask``, default the batch's) by the
+    log-prob function ``forward`` (:meth:`grpo_core.train.parallel.Single.forward`); with
+    ``share_prompt`` the prompt is encoded once per prompt when the rows hold the same number
+    of completions of each prompt."""
     prompt_of = rows // batch.group_size
     if shares_prompts(batch, rows):
         prompts = torch.unique_consecutive(prompt_of)
         p_ids, p_mask = batch.prompt_ids[prompts], batch.prompt_mask[prompts]
     else:  # ragged: one prompt row per completion
         p_ids, p_mask = batch.prompt_ids[prompt_of], batch.prompt_mask[prompt_of]
-    root = root_of(model)
-    return (root if root is not None else partial(completion_logprobs, model))(
+    return forward(
         p_ids, p_mask, batch.completion_ids[rows], batch.mask[rows] if mask is None else mask,
-        with_entropy=with_entropy, temperature=temperature,
+        with_entropy=with_entropy, temperature=temperature, share_prompt=share_prompt,
     )
 
 
@@ -142,13 +147,14 @@ def shares_prompts(batch: TrainBatch, rows: Tensor) -> bool:
 
 
 @torch.no_grad()
-def batch_logprobs(model, batch: TrainBatch, micro_batch_size: int, temperature: float, autocast) -> Tensor:
-    """Log-probs ``(B, T)`` of every row, without gradients (old policy, reference)."""
+def batch_logprobs(forward: Forward, batch: TrainBatch, micro_batch_size: int, temperature: float, autocast) -> Tensor:
+    """Log-probs ``(B, T)`` of every row by the log-prob function ``forward``, without
+    gradients (old policy, reference)."""
     out = torch.zeros(batch.completion_ids.shape, dtype=torch.float32, device=batch.completion_ids.device)
     rows = torch.arange(batch.completion_ids.shape[0])
     for micro in rows.split(micro_batch_size):
         with autocast():
-            logp, _ = forward_logprobs(model, batch, micro, with_entropy=False, temperature=temperature)
+            logp, _ = forward_logprobs(forward, batch, micro, with_entropy=False, temperature=temperature)
         out[micro] = logp.float()
     return out
 
@@ -173,11 +179,12 @@ class _Tally:
             else:
                 self.sums[name] += float(masked_fill_zero(value, mask).sum())
 
-    def merge(self, dist: Dist) -> None:
-        """Fold in every other process's tally (token-weighted sums stay exact)."""
-        if not dist.active:
+    def merge(self, gather: Callable[[Any], list]) -> None:
+        """Fold in every process's tally, ``gather`` collecting one object of each (token-
+        weighted sums stay exact)."""
+        parts = gather((dict(self.sums), dict(self.maxes), self.tokens))
+        if len(parts) == 1:
             return
-        parts = dist.gather((dict(self.sums), dict(self.maxes), self.tokens))
         self.sums, self.maxes, self.tokens = defaultdict(float), {}, 0
         for sums, maxes, tokens in parts:
             self.tokens += tokens
@@ -216,10 +223,12 @@ class _MinibatchSums:
 
 
 def micro_batch_loss(
-    model, batch: TrainBatch, rows: Tensor, objective: Objective, stats: BatchStats, autocast: Callable = nullcontext
+    forward: Forward, batch: TrainBatch, rows: Tensor, objective: Objective, stats: BatchStats,
+    autocast: Callable = nullcontext, share_prompt: bool = True,
 ):
     """The aggregated loss of ``rows`` (a scalar to backpropagate), its per-token metrics
-    ``(b, T)`` and the log-probs it used: ``(loss, metrics, logp, old_logp)``.
+    ``(b, T)`` and the log-probs it used: ``(loss, metrics, logp, old_logp)``; ``forward`` is
+    the policy's log-prob function.
 
     Per token: the policy loss, times the rollout-correction weight when the backend gave
     sampler log-probs, plus ``beta * KL`` when the KL is in the loss, minus the entropy
@@ -228,7 +237,8 @@ def micro_batch_loss(
     with_entropy = objective.entropy_coef > 0
     with autocast():
         logp, entropy = forward_logprobs(
-            model, batch, rows, with_entropy=with_entropy, temperature=objective.temperature
+            forward, batch, rows, with_entropy=with_entropy, temperature=objective.temperature,
+            share_prompt=share_prompt,
         )
     logp = logp.float()
     old = batch.old_logp[rows] if batch.old_logp is not None else logp.detach()
@@ -250,14 +260,13 @@ def micro_batch_loss(
     return objective.aggregator(per_token, m, stats), metrics, logp, old
 
 
-def _backward_minibatch(
-    model, batch, rows, objective, micro_batch_size, autocast, dist, tally, counts, scaler=None
-) -> _MinibatchSums:
+def _backward_minibatch(learner: Learner, batch: TrainBatch, rows: Tensor, tally: _Tally, counts) -> _MinibatchSums:
     """Forward and backward every micro-batch of the mini-batch ``rows`` (gradients accumulate,
-    of the loss times the fp16 ``scaler``'s scale when there is one); rows that cannot change
+    of the loss times the fp16 scaler's scale when there is one); rows that cannot change
     the gradient are skipped (see the module doc)."""
-    mask = batch.mask[rows]
-    n_tokens, n_seqs = dist.sum_floats([float(mask.sum()), float(len(rows))])
+    objective, strategy = learner.objective, learner.strategy
+    forward = strategy.forward(learner.model)
+    n_tokens, n_seqs = strategy.total([float(batch.mask[rows].sum()), float(len(rows))])
     stats = BatchStats(int(n_tokens), int(n_seqs), objective.max_length)
     active = rows
     if objective.skips_zero_advantage_rows:
@@ -265,16 +274,20 @@ def _backward_minibatch(
     counts["rows"] += len(rows)
     counts["rows_skipped"] += len(rows) - len(active)
     sums = _MinibatchSums()
-    micros = [mb for mb in active.split(micro_batch_size or max(len(active), 1)) if bool(batch.mask[mb].any())]
-    if dist.sharded:  # FSDP2: every process must join the same all-gathers and reduce-scatters
-        _agree_on_passes(model, batch, rows, micros, objective, autocast, dist)
-    elif dist.ddp_module and not micros:  # DDP: every process joins the sum of the last backward
-        _idle_passes(model, batch, rows[:1], objective, autocast, 1)
+    micros = [mb for mb in active.split(learner.settings.micro_batch_size or max(len(active), 1))
+              if bool(batch.mask[mb].any())]
+
+    def idle(count: int, share: bool) -> None:
+        _zero_gradient_passes(learner, forward, batch, rows[: batch.group_size] if share else rows[:1], count, share)
+
+    share = strategy.lockstep(len(micros), all(shares_prompts(batch, mb) for mb in micros), idle)
     for i, micro in enumerate(micros):
         m = batch.mask[micro]
-        with grad_sync(model, sync=i == len(micros) - 1):
-            loss, metrics, logp, old = micro_batch_loss(model, batch, micro, objective, stats, autocast)
-            (scaler.scale(loss) if scaler is not None else loss).backward()
+        with strategy.grad_sync(last=i == len(micros) - 1):
+            loss, metrics, logp, old = micro_batch_loss(
+                forward, batch, micro, objective, stats, learner.autocast, share_prompt=share
+            )
+            (learner.scaler.scale(loss) if learner.scaler is not None else loss).backward()
         sums.loss += float(loss.detach())
         tally.add(metrics, m)
         sums.ratio_sum += float(masked_fill_zero((logp.detach() - old).exp(), m).sum())
@@ -282,57 +295,43 @@ def _backward_minibatch(
     return sums
 
 
-def _agree_on_passes(model, batch, rows, micros, objective, autocast, dist) -> None:
-    """FSDP2: every process makes the same calls to each sharded layer. Encoding a prompt once
-    for its rows takes two decoder calls, each completion with its prompt one: the processes
-    share prompts only if all of their micro-batches can; one with fewer micro-batches runs
-    zero-gradient passes (on one whole group when sharing) up to the largest count."""
-    counts_and_whole = dist.gather((len(micros), all(shares_prompts(batch, mb) for mb in micros)))
-    share = all(whole for _, whole in counts_and_whole)
-    root_of(model).share_prompt = share
-    idle = rows[: batch.group_size] if share else rows[:1]
-    _idle_passes(model, batch, idle, objective, autocast, max(n for n, _ in counts_and_whole) - len(micros))
-
-
-def _idle_passes(model, batch: TrainBatch, rows: Tensor, objective: Objective, autocast, count: int) -> None:
+def _zero_gradient_passes(learner: Learner, forward: Forward, batch: TrainBatch, rows: Tensor, count: int,
+                          share: bool) -> None:
     """``count`` forward/backward passes on ``rows`` that add exactly zero to every gradient:
-    what a process with fewer micro-batches than another runs (its rows' advantages were 0),
-    so that every process takes part in each collective (FSDP2's per unit, DDP's sum)."""
+    what the parallel strategy has a process run when it has fewer micro-batches than another
+    (its rows' advantages were 0), so that every process takes part in each collective."""
     for _ in range(count):
-        with autocast():
-            logp, _ = forward_logprobs(model, batch, rows, with_entropy=False, temperature=objective.temperature,
-                                       mask=torch.zeros_like(batch.mask[rows]))
+        with learner.autocast():
+            logp, _ = forward_logprobs(forward, batch, rows, with_entropy=False,
+                                       temperature=learner.objective.temperature,
+                                       mask=torch.zeros_like(batch.mask[rows]), share_prompt=share)
         (logp.float().sum() * 0.0).backward()
 
 
-def _optimizer_decision(
-    params, optimizer, scheduler, objective, sums: _MinibatchSums, max_grad_norm, dist, scaler=None
-):
-    """Sum gradients over processes, unscale them (fp16 ``scaler``), clip, and step the
-    optimizer unless the loss or the gradient is not finite (``"nonfinite"``; with a scaler
-    and a finite loss, ``"overflow"`` while the scale is at least 1: the step is skipped and
-    the scale lowered) or the mean importance ratio exceeds ``early_stop_imp_ratio``
-    (``"dropped"``); returns ``(outcome, loss, grad_norm)``."""
+def _optimizer_decision(learner: Learner, params: list[Tensor], sums: _MinibatchSums):
+    """Unscale the summed gradients (fp16 scaler), clip, and step the optimizer unless the
+    loss or the gradient is not finite (``"nonfinite"``; with a scaler and a finite loss,
+    ``"overflow"`` while the scale is at least 1: the step is skipped and the scale lowered)
+    or the mean importance ratio exceeds ``early_stop_imp_ratio`` (``"dropped"``); returns
+    ``(outcome, loss, grad_norm)``."""
+    optimizer, scaler = learner.optimizer, learner.scaler
     _ensure_grads(params)
-    loss, ratio_sum, ratio_tokens = sums.loss, sums.ratio_sum, sums.ratio_tokens
-    if dist.active:
-        if not (dist.sharded or dist.ddp_module):  # else reduced during backward (FSDP2, DDP)
-            dist.sum_grads(params)
-        loss, ratio_sum, ratio_tokens = dist.sum_floats([loss, ratio_sum, ratio_tokens])
+    loss, ratio_sum, ratio_tokens = learner.strategy.total([sums.loss, sums.ratio_sum, sums.ratio_tokens])
     if scaler is not None:
         scaler.unscale_(optimizer)
-    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or math.inf)
+    norm = torch.nn.utils.clip_grad_norm_(params, learner.settings.max_grad_norm or math.inf)
     # Sharded gradients (DTensor): the norm is over the shards of every process.
     norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     mean_ratio = ratio_sum / ratio_tokens if ratio_tokens else 1.0
+    early_stop = learner.objective.early_stop_imp_ratio
     if not (math.isfinite(loss) and math.isfinite(norm)):
         overflow = scaler is not None and math.isfinite(loss) and scaler.get_scale() >= 1
         outcome = "overflow" if overflow else "nonfinite"
-    elif objective.early_stop_imp_ratio is not None and mean_ratio > objective.early_stop_imp_ratio:
+    elif early_stop is not None and mean_ratio > early_stop:
         outcome = "dropped"
     else:
         scaler.step(optimizer) if scaler is not None else optimizer.step()
-        scheduler.step()
+        learner.scheduler.step()
         outcome = "updated"
     optimizer.zero_grad(set_to_none=True)  # no gradient memory between updates (rollout, scoring)
     if scaler is not None:
@@ -340,56 +339,39 @@ def _optimizer_decision(
     return outcome, loss, norm
 
 
-def update(
-    model,
-    optimizer: torch.optim.Optimizer,
-    scheduler,
-    batch: TrainBatch,
-    objective: Objective,
-    *,
-    mu: int,
-    mini_batches: int,
-    micro_batch_size: int | None,
-    max_grad_norm: float | None,
-    autocast: Callable,
-    dist: Dist | None = None,
-    scaler: torch.amp.GradScaler | None = None,
-) -> dict[str, float]:
-    """Run the updates of one rollout batch; return averaged metrics and phase times.
+def update(learner: Learner, batch: TrainBatch) -> dict[str, float]:
+    """Run the learner's updates of one rollout batch (``mu`` passes of ``mini_batches``
+    optimizer steps each); return averaged metrics and phase times.
 
-    ``scaler`` (fp16 mixed precision) scales each loss before backward so that small float16
-    gradients do not underflow; gradients are unscaled before clipping, and an overflow
-    (inf gradients, finite loss) skips that step and lowers the scale instead of counting
-    as a non-finite update, until the scale falls below 1.
+    A fp16 scaler (``learner.scaler``) scales each loss before backward so that small
+    float16 gradients do not underflow; gradients are unscaled before clipping, and an
+    overflow (inf gradients, finite loss) skips that step and lowers the scale instead of
+    counting as a non-finite update, until the scale falls below 1.
 
-    With several processes (``dist``), each holds its own groups of the batch: the
-    normalizers, the loss, the importance-ratio sums and the gradients are summed over
-    processes, so every process takes the same optimizer step as one process holding the
+    With several processes each holds its own groups of the batch: the normalizers, the
+    loss, the importance-ratio sums and the gradients are summed over processes (by the
+    strategy), so every process takes the same optimizer step as one process holding the
     whole batch would.
     """
-    dist = dist or Dist()
-    params = [p for p in model.parameters() if p.requires_grad]
+    s, scaler = learner.settings, learner.scaler
+    params = [p for p in learner.model.parameters() if p.requires_grad]
     tally, counts, times = _Tally(), defaultdict(float), defaultdict(float)
     losses, grad_norms = [], []
     if scaler is not None:  # its scale is made on first use: a mini-batch with no loss token has none
         scaler.scale(torch.zeros((), device=params[0].device))
-    for _ in range(mu):
-        for rows in minibatches(batch.prompt_ids.shape[0], batch.group_size, mini_batches):
+    for _ in range(s.mu):
+        for rows in minibatches(batch.prompt_ids.shape[0], batch.group_size, s.mini_batches):
             t0 = time.perf_counter()
-            sums = _backward_minibatch(
-                model, batch, rows, objective, micro_batch_size, autocast, dist, tally, counts, scaler
-            )
+            sums = _backward_minibatch(learner, batch, rows, tally, counts)
             times["forward_backward"] += time.perf_counter() - t0
             t0 = time.perf_counter()
-            outcome, loss, norm = _optimizer_decision(
-                params, optimizer, scheduler, objective, sums, max_grad_norm, dist, scaler
-            )
+            outcome, loss, norm = _optimizer_decision(learner, params, sums)
             counts[_OUTCOME_COUNTS[outcome]] += 1
             if outcome == "updated":
                 grad_norms.append(norm)
             losses.append(loss)
             times["optimizer"] += time.perf_counter() - t0
-    tally.merge(dist)
+    tally.merge(learner.strategy.gather)
     result = _update_metrics(tally, losses, grad_norms, counts, times)
     if scaler is not None:
         result["train/scaler_overflows"] = counts["scaler_overflows"]

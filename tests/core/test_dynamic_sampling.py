@@ -19,11 +19,11 @@ from grpo_core.errors import SpecError
 from grpo_core.spec import load_spec
 from grpo_core.spec.algorithm import DynamicSamplingSection
 from grpo_core.testing import build_model, build_tokenizer
+from grpo_core.train.actor import Actor, RolloutSettings
 from grpo_core.train.data import Prompt
 from grpo_core.train.kl import KLTerm, Reference, adapted_beta
 from grpo_core.train.rollout import Scorer
 from grpo_core.train.scoring import RewardFn
-from grpo_core.train.step import Engine, StepSettings, Timer, collect
 
 G = 3
 
@@ -60,18 +60,16 @@ class Source:
         return out
 
 
-def engine_for(table: list[list[float]], prompts_per_step: int, max_rounds: int) -> Engine:
+def actor_for(table: list[list[float]], prompts_per_step: int, max_rounds: int) -> Actor:
     def reward(completions, **_):
         return [table[int(c.split(":")[0])][int(c.split(":")[1])] for c in completions]
 
-    settings_ = StepSettings(
-        group_size=G, prompts_per_step=prompts_per_step, seed=0, mu=1, mini_batches=1, micro_batch_size=None,
-        max_grad_norm=None, mask_truncated=False, sampling=SamplingParams(max_new_tokens=1),
+    settings_ = RolloutSettings(
+        group_size=G, prompts_per_step=prompts_per_step, seed=0, sampling=SamplingParams(max_new_tokens=1),
         dynamic=DynamicSamplingSection(max_rounds=max_rounds),
     )
-    return Engine(model=None, tokenizer=None, optimizer=None, scheduler=None, backend=ScriptedBackend(),
-                  scorer=Scorer([RewardFn.of("table", 1.0, reward)], "prompt"), estimator=None, objective=None,
-                  settings=settings_)
+    return Actor(backend=ScriptedBackend(), scorer=Scorer([RewardFn.of("table", 1.0, reward)], "prompt"),
+                 settings=settings_, source=Source())
 
 
 @settings(max_examples=60, deadline=None)
@@ -82,8 +80,9 @@ def test_dynamic_sampling_keeps_the_first_groups_with_spread_and_fills_only_when
     groups = p * max_rounds
     table = data.draw(st.lists(st.lists(st.sampled_from([0.0, 1.0]), min_size=G, max_size=G),
                                min_size=groups, max_size=groups))
-    engine = engine_for(table, p, max_rounds)
-    scored, metrics = collect(engine, Source(), 0, Timer())
+    actor = actor_for(table, p, max_rounds)
+    experience = actor.collect(0)
+    scored, metrics = experience.scored, experience.metrics
 
     spread = [k for k in range(groups) if len(set(table[k])) > 1]
     rounds = next((r for r in range(1, max_rounds + 1) if len([k for k in spread if k < r * p]) >= p), max_rounds)
@@ -91,7 +90,7 @@ def test_dynamic_sampling_keeps_the_first_groups_with_spread_and_fills_only_when
     kept = [k for k in spread if k < seen][:p]
     fill = [k for k in range(seen) if k not in spread][: p - len(kept)]
     assert [q.ids[0] for q in scored.prompts] == kept + fill
-    assert metrics["dynamic_sampling/rounds"] == rounds == engine.backend.calls
+    assert metrics["dynamic_sampling/rounds"] == rounds == actor.backend.calls
     assert metrics["dynamic_sampling/prompts_consumed"] == seen
     assert metrics["dynamic_sampling/groups_kept"] == len(kept)
     assert metrics["dynamic_sampling/groups_filled"] == len(fill)
@@ -107,12 +106,13 @@ def test_dynamic_sampling_keeps_the_first_groups_with_spread_and_fills_only_when
 
 def test_dynamic_sampling_on_one_reward_function_uses_that_functions_scores():
     table = [[1.0, 1.0, 1.0], [0.0, 1.0, 0.0]]
-    engine = engine_for(table, 1, 2)
+    actor = actor_for(table, 1, 2)
     constant = RewardFn.of("constant", 1.0, lambda completions, **_: [0.5] * len(completions))
-    engine.scorer.rewards.insert(0, constant)  # the total is table + 0.5: same spread as the table
+    actor.scorer.rewards.insert(0, constant)  # the total is table + 0.5: same spread as the table
     dynamic = DynamicSamplingSection(metric="constant", max_rounds=2)
-    engine.settings = StepSettings(**{**engine.settings.__dict__, "dynamic": dynamic})
-    scored, metrics = collect(engine, Source(), 0, Timer())
+    actor.settings = RolloutSettings(**{**actor.settings.__dict__, "dynamic": dynamic})
+    experience = actor.collect(0)
+    scored, metrics = experience.scored, experience.metrics
     # 'constant' never spreads: both rounds run, and the first group fills the batch.
     assert metrics["dynamic_sampling/rounds"] == 2 and metrics["dynamic_sampling/groups_filled"] == 1
     assert [q.ids[0] for q in scored.prompts] == [0]

@@ -24,6 +24,8 @@ from grpo_core.plugin_manager import load_plugins
 from grpo_core.testing import build_model, build_tokenizer
 from grpo_core.train.data import Prompt
 from grpo_core.train.episodes import EpisodeRunner, episode_metrics, with_tools
+from grpo_core.train.learner import Learner, UpdateSettings
+from grpo_core.train.parallel import forward_of
 from grpo_core.train.update import Objective, TrainBatch, update
 
 torch.set_num_threads(1)
@@ -269,8 +271,7 @@ def _engine_gradient(model, batch: TrainBatch, aggregation: str) -> dict[str, to
     trained = copy.deepcopy(model)
     opt = torch.optim.SGD(trained.parameters(), lr=1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    update(trained, opt, sched, batch, objective, mu=1, mini_batches=1, micro_batch_size=1,
-           max_grad_norm=None, autocast=nullcontext)
+    update(Learner(trained, opt, sched, objective, UpdateSettings(micro_batch_size=1)), batch)
     before = dict(model.named_parameters())
     return {k: (before[k] - p).detach() for k, p in trained.named_parameters()}
 
@@ -358,7 +359,7 @@ def test_episodes_with_the_hf_backend_have_holes_where_the_environment_spoke(tok
                        torch.zeros(out.completion_mask.shape))
     from grpo_core.train.update import batch_logprobs
 
-    logp = batch_logprobs(model, batch, 4, 1.0, nullcontext)
+    logp = batch_logprobs(forward_of(model), batch, 4, 1.0, nullcontext)
     assert torch.isfinite(logp).all() and (logp[~batch.mask] == 0).all() and (logp[batch.mask] < 0).all()
 
 

@@ -15,6 +15,7 @@ from grpo_core import checkpoint as ckpt
 from grpo_core.cli import main
 from grpo_core.plugin_manager import load_plugins
 from grpo_core.testing import build_model, build_tokenizer
+from grpo_core.train.learner import Learner
 from grpo_core.train.update import Objective, TrainBatch, update
 
 P, G, T = 2, 4, 6
@@ -48,8 +49,7 @@ def _step(model, objective, batch, *, fp16: bool, scaler=None):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     autocast = partial(torch.autocast, "cpu", dtype=torch.float16) if fp16 else nullcontext
     before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
-    metrics = update(model, opt, sched, batch, objective, mu=1, mini_batches=1, micro_batch_size=None,
-                     max_grad_norm=None, autocast=autocast, scaler=scaler)
+    metrics = update(Learner(model, opt, sched, objective, autocast=autocast, scaler=scaler), batch)
     after = torch.cat([p.detach().flatten() for p in model.parameters()])
     return after - before, metrics
 

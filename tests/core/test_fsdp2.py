@@ -257,7 +257,7 @@ def test_gathered_weights_feed_vllm_and_generation_as_the_unsharded_model(group,
 
     tok = build_tokenizer()
     plain, model = build_model(tok, tied=tied), build_model(tok, tied=tied)
-    _shard(model)
+    root = _shard(model)
     assert any(hasattr(p, "full_tensor") for p in model.parameters())  # DTensor shards
     pushed = dict(policy_weights(model))  # what the vllm backend's sync_weights loads
     expected = dict(policy_weights(plain))
@@ -268,7 +268,7 @@ def test_gathered_weights_feed_vllm_and_generation_as_the_unsharded_model(group,
 
     ids = torch.tensor([[5, 6, 7, 8]])
     kwargs = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": tok.pad_token_id}
-    with sharding.full_weights(model), torch.inference_mode():
+    with sharding.full_weights(root), torch.inference_mode():
         assert all(not hasattr(p, "full_tensor") for p in model.parameters())  # gathered
         out = model.generate(input_ids=ids, **kwargs)
     assert torch.equal(out, plain.generate(input_ids=ids, **kwargs))

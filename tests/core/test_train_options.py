@@ -31,12 +31,12 @@ def make_run(tiny_model, tmp_path, *overrides):
 
 
 def run_step(run, step):
-    result = grpo_step(run.engine, run.prompts, step)
+    result = grpo_step(run.actor, run.learner, step)
     return result.metrics, result.samples
 
 
 def reference(run):
-    return run.engine.kl.reference if run.engine.kl is not None else None
+    return run.learner.kl.reference if run.learner.kl is not None else None
 
 
 def weights(model) -> list[torch.Tensor]:
@@ -70,14 +70,14 @@ def test_reference_copy_stays_frozen_without_lora(tiny_model, tmp_path):
 
 def test_no_reference_model_when_beta_is_zero(tiny_model, tmp_path):
     run = make_run(tiny_model, tmp_path, "algorithm.kl.beta=0")
-    assert reference(run) is None and run.engine.objective.kl is None
+    assert reference(run) is None and run.learner.objective.kl is None
 
 
 def test_kl_in_the_reward_lowers_the_rewards_fed_to_advantages(tiny_model, tmp_path):
     run = make_run(tiny_model, tmp_path, "algorithm.kl={name: k1, beta: 0.5, placement: reward}", "train.lr=1.0e-2")
     run_step(run, 0)
     metrics, _ = run_step(run, 1)
-    assert run.engine.objective.kl is None  # not in the loss
+    assert run.learner.objective.kl is None  # not in the loss
     assert "kl" in metrics and math.isfinite(metrics["kl"])
 
 
@@ -127,15 +127,16 @@ def test_bf16_reference_copy_trains_and_is_refused_where_it_cannot_work(tiny_mod
     (["train.mini_batches=2"], True),  # the second mini-batch runs after an optimizer step
 ])
 def test_old_logprobs_are_computed_exactly_when_the_policy_moves_before_use(tiny_model, tmp_path, overrides, needs_old):
-    from grpo_core.train.step import Timer, collect, prepare
+    from grpo_core.train.actor import Timer
+    from grpo_core.train.parallel import forward_of
     from grpo_core.train.update import batch_logprobs
 
     run = make_run(tiny_model, tmp_path, *overrides)
-    scored, _ = collect(run.engine, run.prompts, 0, Timer())
-    batch, _ = prepare(run.engine, scored, Timer())
+    experience = run.actor.collect(0)
+    batch, _ = run.learner.prepare(experience.scored, Timer())
     assert (batch.old_logp is not None) == needs_old
     if needs_old:
-        expected = batch_logprobs(run.model, batch, batch.mask.shape[0], 1.0, run.engine.autocast)
+        expected = batch_logprobs(forward_of(run.model), batch, batch.mask.shape[0], 1.0, run.learner.autocast)
         assert torch.equal(batch.old_logp, expected)
 
 
@@ -145,7 +146,7 @@ def test_truncated_completions_leave_the_loss_only_when_asked(mask_truncated):
     a completion cut off at max_new_tokens has no token in the loss; the others keep their
     own mask, holes included."""
     from grpo_core.contracts import RolloutBatch
-    from grpo_core.train.step import train_batch
+    from grpo_core.train.learner import train_batch
 
     completion_mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 1], [1, 0, 1]], dtype=torch.bool)
     rollout = RolloutBatch(

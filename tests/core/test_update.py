@@ -18,6 +18,8 @@ from hypothesis import strategies as st
 from grpo_core.plugin_manager import load_plugins
 from grpo_core.testing import build_model, build_tokenizer
 from grpo_core.train.kl import KLTerm
+from grpo_core.train.learner import Learner, UpdateSettings
+from grpo_core.train.parallel import forward_of
 from grpo_core.train.update import Objective, TrainBatch, update
 
 torch.set_num_threads(1)
@@ -75,8 +77,8 @@ def step(model, batch, obj, *, micro=None, mu=1, mini_batches=1):
     model = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    metrics = update(model, opt, sched, batch, obj, mu=mu, mini_batches=mini_batches,
-                     micro_batch_size=micro, max_grad_norm=None, autocast=nullcontext)
+    learner = Learner(model, opt, sched, obj, UpdateSettings(mu=mu, mini_batches=mini_batches, micro_batch_size=micro))
+    metrics = update(learner, batch)
     return model, metrics
 
 
@@ -126,7 +128,7 @@ def test_kl_in_the_loss_uses_every_row_and_reports_kl(registry, base_model):
     with torch.no_grad():
         for p in ref.parameters():
             p.add_(0.01 * torch.randn_like(p))
-    batch.ref_logp = batch_logprobs(ref, batch, 4, 1.0, nullcontext).double()
+    batch.ref_logp = batch_logprobs(forward_of(ref), batch, 4, 1.0, nullcontext).double()
     obj = objective(registry, kl=KLTerm(registry.get("kl_penalty", "low_var_kl").build(), beta=0.1))
     assert not obj.skips_zero_advantage_rows
     _, m = step(base_model, batch, obj)
@@ -138,7 +140,7 @@ def test_mu_two_uses_old_logprobs_and_moves_the_ratio(registry, base_model):
     from grpo_core.train.update import batch_logprobs
 
     batch = make_batch(zero_groups=())
-    batch.old_logp = batch_logprobs(base_model, batch, 4, 1.0, nullcontext).double()
+    batch.old_logp = batch_logprobs(forward_of(base_model), batch, 4, 1.0, nullcontext).double()
     _, m1 = step(base_model, batch, objective(registry), mu=1)
     _, m2 = step(base_model, batch, objective(registry), mu=2)
     assert m1["policy/ratio"] == pytest.approx(1.0, abs=1e-9)  # first pass: the policy is the old one
@@ -166,7 +168,7 @@ def test_early_stop_drops_a_mini_batch_whose_mean_ratio_is_too_high(registry, ba
     from grpo_core.train.update import batch_logprobs
 
     batch = make_batch(zero_groups=())
-    batch.old_logp = batch_logprobs(base_model, batch, 4, 1.0, nullcontext).double()
+    batch.old_logp = batch_logprobs(forward_of(base_model), batch, 4, 1.0, nullcontext).double()
     batch.old_logp = batch.old_logp - 0.5 * batch.mask  # the sampler gave these tokens less mass
     model, m = step(base_model, batch, objective(registry, early_stop_imp_ratio=1.2))
     assert m["train/dropped_minibatches"] == 1.0 and m["train/updates"] == 0.0
@@ -236,7 +238,7 @@ def test_rollout_correction_scales_the_policy_gradient(registry, base_model):
     from grpo_core.train.update import batch_logprobs
 
     batch = make_batch(zero_groups=())
-    trainer = batch_logprobs(base_model, batch, 64, 1.0, nullcontext).double()
+    trainer = batch_logprobs(forward_of(base_model), batch, 64, 1.0, nullcontext).double()
 
     def grads(correction, sampling):
         model = copy.deepcopy(base_model)
@@ -245,8 +247,7 @@ def test_rollout_correction_scales_the_policy_gradient(registry, base_model):
         opt = torch.optim.SGD(model.parameters(), lr=0.0)  # a step that keeps the gradient readable
         opt.zero_grad = lambda set_to_none=False: None  # noqa: E731 - keep .grad after the step
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-        m = update(model, opt, sched, b, objective(registry, correction=correction), mu=1, mini_batches=1,
-                   micro_batch_size=None, max_grad_norm=None, autocast=nullcontext)
+        m = update(Learner(model, opt, sched, objective(registry, correction=correction)), b)
         return torch.cat([p.grad.reshape(-1) for p in model.parameters()]), m
 
     plain, m_plain = grads(None, None)
@@ -271,7 +272,7 @@ def _kl_loss_and_grads(model, batch, obj):
 
     model = copy.deepcopy(model)
     stats = BatchStats(int(batch.mask.sum()), P * G, T)
-    loss, metrics, _, _ = micro_batch_loss(model, batch, torch.arange(P * G), obj, stats)
+    loss, metrics, _, _ = micro_batch_loss(forward_of(model), batch, torch.arange(P * G), obj, stats)
     loss.backward()
     kl = float(metrics["kl"].detach()[batch.mask].mean())
     return float(loss.detach()), torch.cat([p.grad.flatten() for p in model.parameters()]), kl
@@ -292,8 +293,8 @@ def test_bf16_reference_gives_the_float32_loss_and_gradient_within_bf16_rounding
     ref32, ref16 = Reference(policy), Reference(policy, "bfloat16")
     assert next(ref16.model.parameters()).dtype == torch.bfloat16
     assert next(ref32.model.parameters()).dtype == torch.float32
-    logp32 = batch_logprobs(ref32.model, batch, 4, 1.0, nullcontext).double()
-    logp16 = batch_logprobs(ref16.model, batch, 4, 1.0, nullcontext).double()
+    logp32 = batch_logprobs(forward_of(ref32.model), batch, 4, 1.0, nullcontext).double()
+    logp16 = batch_logprobs(forward_of(ref16.model), batch, 4, 1.0, nullcontext).double()
     diff = (logp32 - logp16)[batch.mask].abs()
     assert 0 < float(diff.max()) < 1e-2  # the bf16 path ran, and within rounding
 
@@ -325,7 +326,7 @@ def test_no_gradient_is_held_after_an_update(registry, base_model):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     before = [p.detach().clone() for p in model.parameters()]
-    update(model, opt, sched, make_batch(zero_groups=()), objective(registry), mu=1, mini_batches=1,
-           micro_batch_size=None, max_grad_norm=1.0, autocast=nullcontext)
+    learner = Learner(model, opt, sched, objective(registry), UpdateSettings(max_grad_norm=1.0))
+    update(learner, make_batch(zero_groups=()))
     assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))  # it did step
     assert all(p.grad is None for p in model.parameters())

@@ -1,0 +1,162 @@
+"""The learner: an :class:`~grpo_core.train.actor.Experience` in, an optimizer step out.
+
+A :class:`Learner` holds what trains (the policy, optimizer and schedule, the objective,
+the advantage estimator, the KL term with its reference, the fp16 scaler, the parallel
+strategy). ``learn`` prepares the batch (old and reference log-probs where needed, the KL
+in the reward, the advantages) and runs the update (:mod:`grpo_core.train.update`); its
+policy version then counts one more, and the new weights go back to the actor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from grpo_core.contracts import AdvantageEstimator, AdvantageInputs, RolloutBatch
+from grpo_core.train.actor import Experience, Timer
+from grpo_core.train.distributed import Dist, pad_cat
+from grpo_core.train.kl import KLTerm
+from grpo_core.train.parallel import Single
+from grpo_core.train.reasoning_steps import step_tensors
+from grpo_core.train.rollout import Scored
+from grpo_core.train.update import Objective, TrainBatch, batch_logprobs, update
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    """The spec values the update reads (``algorithm.mu``, ``train``, ``rollout.mask_truncated_completions``)."""
+
+    mu: int = 1
+    mini_batches: int = 1
+    micro_batch_size: int | None = None
+    max_grad_norm: float | None = None
+    mask_truncated: bool = False
+
+    @classmethod
+    def from_spec(cls, spec) -> UpdateSettings:
+        t = spec.train
+        return cls(mu=spec.algorithm.mu, mini_batches=t.mini_batches, micro_batch_size=t.micro_batch_size,
+                   max_grad_norm=t.max_grad_norm, mask_truncated=spec.rollout.mask_truncated_completions)
+
+
+@dataclass
+class Learner:
+    """Turns a scored batch into optimizer steps; see the module doc."""
+
+    model: torch.nn.Module  # the policy (a transformers causal LM, a peft model under LoRA)
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    objective: Objective
+    settings: UpdateSettings = field(default_factory=UpdateSettings)
+    estimator: AdvantageEstimator | None = None
+    kl: KLTerm | None = None  # the KL term (reference model; in the loss or in the reward), or None
+    tokenizer: PreTrainedTokenizerBase | None = None  # finds reasoning steps' token ends (process supervision)
+    strategy: Single = field(default_factory=Single)  # the parallel strategy
+    autocast: Callable = nullcontext  # () -> the mixed-precision context of forward passes
+    scaler: torch.amp.GradScaler | None = None  # under fp16 mixed precision
+    version: int = 0  # training steps applied to the policy
+
+    @property
+    def dist(self) -> Dist:
+        return self.strategy.dist
+
+    def learn(self, experience: Experience) -> tuple[TrainBatch, dict[str, float], dict[str, float]]:
+        """Prepare and update on ``experience``; ``(batch, metrics, phase seconds)``."""
+        timer = Timer()
+        batch, metrics = self.prepare(experience.scored, timer)
+        metrics.update(update(self, batch))
+        self.version += 1
+        return batch, metrics, timer.phases
+
+    def prepare(self, scored: Scored, timer: Timer) -> tuple[TrainBatch, dict[str, float]]:
+        """The batch to update on: old and reference log-probs where needed, the KL penalty
+        when it is in the reward, and the advantages."""
+        s, kl = self.settings, self.kl
+        batch = train_batch(scored.rollout, s.mask_truncated)
+        micro = s.micro_batch_size or batch.mask.shape[0]
+        temperature = self.objective.temperature
+        rewards, penalty, metrics = scored.scores.total.to(batch.mask.device), None, {}
+        with timer("logprobs"):
+            # the sampling policy's log-probs: the current ones serve only while no optimizer step
+            # has moved the policy since the rollout (one pass, one mini-batch) and no KL-in-reward needs them first
+            if s.mu > 1 or s.mini_batches > 1 or (kl is not None and kl.in_reward):
+                batch.old_logp = batch_logprobs(self.strategy.forward(self.model), batch, micro, temperature,
+                                                self.autocast)
+            if kl is not None:
+                with kl.reference.active() as ref_model:
+                    batch.ref_logp = batch_logprobs(self.strategy.forward(ref_model), batch, micro, temperature,
+                                                    self.autocast)
+        if kl is not None and kl.in_reward:
+            rewards, penalty, metrics["kl"] = kl.penalize(rewards, batch.old_logp, batch.ref_logp, batch.mask)
+        with timer("advantage"):
+            inputs = advantage_inputs(scored, rewards, penalty, batch.mask,
+                                      with_steps=self.estimator.needs_step_scores, tokenizer=self.tokenizer)
+            batch.advantages = global_advantages(self.estimator, self.dist, inputs)
+        return batch, metrics
+
+
+def train_batch(rollout: RolloutBatch, mask_truncated: bool) -> TrainBatch:
+    """The rollout as a :class:`TrainBatch`; the loss mask drops truncated completions
+    when ``mask_truncated`` (``rollout.mask_truncated_completions``)."""
+    mask = rollout.completion_mask.bool()
+    if mask_truncated:
+        mask = mask & ~rollout.truncated.bool()[:, None]
+    batch = TrainBatch(rollout.prompt_ids, rollout.prompt_mask.bool(), rollout.completion_ids, mask,
+                       torch.zeros(mask.shape, device=mask.device))
+    if rollout.sampling_logp is not None:
+        batch.sampling_logp = rollout.sampling_logp.to(mask.device, torch.float32)
+    return batch
+
+
+def advantage_inputs(scored: Scored, rewards: torch.Tensor, penalty: torch.Tensor | None, mask: torch.Tensor,
+                     *, with_steps: bool = False, tokenizer: Any = None) -> AdvantageInputs:
+    """What the estimator sees: sequence rewards ``(B,)``, and with ``with_steps`` per-step
+    scores with the token index of each step's end (found with ``tokenizer``); a KL-in-reward
+    ``penalty (B,)`` counts on the last step."""
+    rollout = scored.rollout
+    group_ids = torch.arange(rollout.prompt_ids.shape[0], device=mask.device).repeat_interleave(rollout.group_size)
+    inputs = AdvantageInputs(rewards, group_ids, mask)
+    if with_steps:
+        ends, step_mask = step_tensors(scored.layout, tokenizer, rollout.completion_ids,
+                                       rollout.completion_mask, rollout.completions)
+        step_scores = scored.scores.step_scores.to(mask.device, copy=True)
+        if penalty is not None:
+            last = step_mask.sum(dim=1).clamp(min=1) - 1
+            rows = torch.arange(step_scores.shape[0], device=mask.device)
+            step_scores[rows, last] = step_scores[rows, last] - penalty
+        inputs.step_scores, inputs.step_ends, inputs.step_mask = step_scores, ends, step_mask
+    return inputs
+
+
+def global_advantages(estimator: AdvantageEstimator, dist: Dist, inputs: AdvantageInputs) -> torch.Tensor:
+    """The estimator's advantages ``(b, T)`` for this process's rows. With several
+    processes, the inputs of all are gathered (groups renumbered, ``T`` and ``K`` padded)
+    and the estimator runs on the global batch, so batch-scoped statistics match a
+    single-process run; each process keeps its own rows and width."""
+    if not dist.active:
+        return estimator(inputs).float()
+    parts = dist.gather(AdvantageInputs(*(None if t is None else t.cpu() for t in (
+        inputs.scores, inputs.group_ids, inputs.mask, inputs.step_scores, inputs.step_ends, inputs.step_mask))))
+    offsets = [0]
+    for part in parts:
+        offsets.append(offsets[-1] + int(part.group_ids.max()) + 1 if part.group_ids.numel() else offsets[-1])
+    steps = parts[0].step_scores is not None
+    full = AdvantageInputs(
+        torch.cat([p.scores for p in parts]),
+        torch.cat([p.group_ids + off for p, off in zip(parts, offsets)]),
+        pad_cat([p.mask for p in parts], False),
+        pad_cat([p.step_scores for p in parts], 0.0) if steps else None,
+        pad_cat([p.step_ends for p in parts], 0) if steps else None,
+        pad_cat([p.step_mask for p in parts], False) if steps else None,
+    )
+    adv = estimator(full).float()
+    start = sum(p.scores.shape[0] for p in parts[: dist.rank])
+    rows, width = inputs.mask.shape
+    return adv[start: start + rows, :width].to(inputs.mask.device)

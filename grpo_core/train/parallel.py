@@ -1,0 +1,217 @@
+"""How the learner's processes share a step: one strategy object per run.
+
+The update (:mod:`grpo_core.train.update`) is written as single-process math; everything
+that several processes change about it is a method of the run's strategy:
+
+- ``setup``: wrap or shard the policy (and the KL reference copy) before the optimizer
+  is made, so that the optimizer holds what the strategy trains;
+- ``forward(model)``: the log-prob function of a model (the policy, the reference): the
+  module that carries the strategy's collectives, or the plain computation;
+- ``total`` / ``gather``: sums and gathers of small values over processes (normalizers,
+  losses, metrics);
+- ``lockstep``: how many zero-gradient passes a process adds so that every process takes
+  part in each collective of a mini-batch, and whether they encode prompts once;
+- ``grad_sync``: the context of one micro-batch's backward (DDP sums only on the last);
+- ``rollout_weights``: the context of a rollout phase (FSDP2 gathers the policy for a
+  backend that generates with it);
+- ``model_state`` / ``optimizer_state``: what a checkpoint writes.
+
+Strategies: :class:`Single` (one process), :class:`DDP` (every process holds the whole
+model; gradients summed by ``DistributedDataParallel`` during backward) and :class:`FSDP2`
+(each process holds ``1/N`` of every unit, :mod:`grpo_core.train.sharding`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from grpo_core.train import sharding
+from grpo_core.train.distributed import Dist
+from grpo_core.train.logprobs import completion_logprobs
+
+T = TypeVar("T")
+
+#: ``forward(prompt_ids, prompt_mask, completion_ids, completion_mask, *, with_entropy,
+#: temperature, share_prompt) -> (logp, entropy)``: the log-prob function of one model.
+Forward = Callable[..., Any]
+
+
+def forward_of(model: Any) -> Forward:
+    """The log-prob function of ``model`` in one process:
+    :func:`~grpo_core.train.logprobs.completion_logprobs` of it."""
+    return partial(completion_logprobs, model)
+
+
+class Single:
+    """One process: the model itself, nothing to sum, gather or pad."""
+
+    name = "single"
+    #: Whether weights and optimizer state are DTensor shards (checkpoints gather them).
+    sharded = False
+
+    def __init__(self, dist: Dist | None = None):
+        self.dist = dist or Dist()
+        self._roots: dict[int, tuple[Any, nn.Module]] = {}  # id(model) -> (model, the module that runs it)
+
+    # ----------------------------------------------------------------- before training
+    def setup(self, model: nn.Module, reference: nn.Module | None = None) -> None:
+        """Wrap or shard ``model`` (and ``reference``) in place; before the optimizer is made."""
+
+    def _register(self, model: Any, root: nn.Module) -> None:
+        self._roots[id(model)] = (model, root)
+
+    # ----------------------------------------------------------------- the update
+    def forward(self, model: Any) -> Forward:
+        """The log-prob function of ``model`` (the policy, or the KL's reference)."""
+        entry = self._roots.get(id(model))
+        return entry[1] if entry is not None and entry[0] is model else forward_of(model)
+
+    def total(self, values: Sequence[float]) -> list[float]:
+        """Element-wise sums over processes (float64: token counts stay exact)."""
+        return self.dist.sum_floats(values)
+
+    def gather(self, obj: T) -> list[T]:
+        """``obj`` of every process, in rank order."""
+        return self.dist.gather(obj)
+
+    def lockstep(self, passes: int, shareable: bool, idle: Callable[[int, bool], None]) -> bool:
+        """Before a mini-batch's ``passes`` forward/backward passes (``shareable``: each of
+        them can encode its prompts once): run ``idle(count, share)`` zero-gradient passes
+        if this process must join collectives it has no rows for; return whether the
+        passes encode prompts once. One process: nothing to join, prompts shared."""
+        return True
+
+    def grad_sync(self, last: bool):
+        """The context of one micro-batch's forward and backward (``last`` of its mini-batch)."""
+        return contextlib.nullcontext()
+
+    # ----------------------------------------------------------------- around the update
+    def rollout_weights(self, backend: Any):
+        """The context of a rollout phase (a step's generation and scoring, an evaluation)."""
+        return contextlib.nullcontext()
+
+    def model_state(self, model: Any) -> dict[str, torch.Tensor] | None:
+        """The weights a checkpoint writes, or None: ``save_pretrained`` reads the model's own."""
+        return None
+
+    def optimizer_state(self, model: Any, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], str]:
+        """``(state, format)`` of the optimizer for a checkpoint: PyTorch's own numbered form
+        (``native``) or keyed by parameter name (``named``, gathered from shards)."""
+        return optimizer.state_dict(), "native"
+
+
+class DDP(Single):
+    """Every process holds the whole model; ``DistributedDataParallel`` sums gradient buckets
+    over processes while backward still runs (``bench/ddp_overlap.py`` measures the gain over
+    a sum after backward). Every trainable parameter takes part in each forward (the case of
+    causal LMs)."""
+
+    name = "ddp"
+
+    def setup(self, model: nn.Module, reference: nn.Module | None = None) -> None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        device = self.dist.device
+        root = DistributedDataParallel(
+            sharding.LogprobModel(model), device_ids=[device.index] if device.type == "cuda" else None,
+            broadcast_buffers=False,
+        )
+        root.register_comm_hook(None, _sum_hook)
+        self._register(model, root)
+        self._policy = model
+
+    def lockstep(self, passes: int, shareable: bool, idle: Callable[[int, bool], None]) -> bool:
+        """A process whose rows all have advantage 0 still joins the gradient sum of the
+        mini-batch's last backward: one zero-gradient pass."""
+        if passes == 0:
+            idle(1, False)
+        return True
+
+    def grad_sync(self, last: bool):
+        """``no_sync()`` but on the last micro-batch of a mini-batch, which sums the
+        accumulated gradients."""
+        return contextlib.nullcontext() if last else self._roots[id(self._policy)][1].no_sync()
+
+
+class FSDP2(Single):
+    """Each process holds ``1/N`` of every unit of the policy and of the reference copy
+    (:func:`grpo_core.train.sharding.shard`); every process makes the same calls to each
+    sharded unit, since each call is a collective."""
+
+    name = "fsdp2"
+    sharded = True
+
+    def __init__(self, dist: Dist, parallel: Any):
+        super().__init__(dist)
+        self.parallel = parallel  # the spec's train.parallel
+        self._policy: Any = None
+        self._gathered = False
+
+    def setup(self, model: nn.Module, reference: nn.Module | None = None) -> None:
+        self._register(model, sharding.shard(model, self.parallel, self.dist.device))
+        self._policy = model
+        if reference is not None:
+            reference.requires_grad_(False)
+            self._register(reference, sharding.shard(reference, self.parallel, self.dist.device))
+
+    def lockstep(self, passes: int, shareable: bool, idle: Callable[[int, bool], None]) -> bool:
+        """Encoding a prompt once for its rows takes two decoder calls, each completion with
+        its prompt one: the processes share prompts only if all of them can; one with fewer
+        passes runs zero-gradient ones (on one whole group when sharing) up to the largest
+        count."""
+        every = self.gather((passes, shareable))
+        share = all(can for _, can in every)
+        idle(max(n for n, _ in every) - passes, share)
+        return share
+
+    @contextlib.contextmanager
+    def rollout_weights(self, backend: Any):
+        """The whole policy gathered for the phase when the backend generates with the policy
+        itself (``generates_with_policy``, the ``hf`` backend), entered once by every process
+        however many ``generate`` calls each then makes (multi-turn episodes differ). Nested
+        uses are free."""
+        if self._gathered or not getattr(backend, "generates_with_policy", False):
+            yield
+            return
+        self._gathered = True
+        try:
+            with sharding.full_weights(self._roots[id(self._policy)][1]):
+                yield
+        finally:
+            self._gathered = False
+
+    def model_state(self, model: Any) -> dict[str, torch.Tensor] | None:
+        return sharding.full_state_dict(model)
+
+    def optimizer_state(self, model: Any, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], str]:
+        return sharding.optimizer_state(model, optimizer), "named"
+
+
+def _sum_hook(process_group, bucket):
+    """DDP communication hook: sum a gradient bucket over processes (DDP's own hook averages;
+    the engine's losses are already normalized over the global batch)."""
+    import torch.distributed as dist
+
+    work = dist.all_reduce(bucket.buffer(), group=process_group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def strategy_for(dist: Dist, parallel: Any) -> Single:
+    """The strategy of a run on ``dist``'s processes with the spec's ``train.parallel``:
+    one process is :class:`Single` whatever the spec says (nothing to shard)."""
+    if not dist.active:
+        return Single(dist)
+    return STRATEGIES[parallel.strategy](dist, parallel)
+
+
+#: The strategies of several processes, by ``train.parallel.strategy``.
+STRATEGIES: dict[str, Callable[[Dist, Any], Single]] = {
+    "ddp": lambda dist, parallel: DDP(dist),
+    "fsdp2": FSDP2,
+}
