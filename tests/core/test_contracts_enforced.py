@@ -209,3 +209,39 @@ def test_plugins_import_only_the_public_engine_surface():
                     used.setdefault(name, set()).add(path.name)
     assert used, "the walk found no engine import"
     assert set(used) <= PUBLIC_SURFACE, {m: f for m, f in used.items() if m not in PUBLIC_SURFACE}
+
+
+# --------------------------------------------------------------------------- declared extras
+class MinimalTracker(NoFinishTracker):
+    def finish(self, status): ...
+
+
+class MinimalBackend(NoSyncBackend):
+    def sync_weights(self, model): ...
+
+
+def test_the_members_the_engine_reads_of_trackers_and_backends_are_declared_with_defaults():
+    """The engine reads a tracker's run_id, tracking_uri and log_model and a backend's
+    generates_with_policy and device: each is in its contract, and a component that does
+    not set one gets the contract's default."""
+    tracker = conform("tracker", MinimalTracker(), "tracker 'minimal'")
+    assert (tracker.run_id, tracker.tracking_uri, tracker.log_model) == (None, None, None)
+    backend = conform("rollout_backend", MinimalBackend(), "rollout backend 'minimal'")
+    assert backend.generates_with_policy is False and backend.device is None
+    _, tracker_flags = contract_members(KINDS["tracker"].protocol)
+    _, backend_flags = contract_members(KINDS["rollout_backend"].protocol)
+    assert {"run_id", "tracking_uri", "log_model"} <= set(tracker_flags)
+    assert {"generates_with_policy", "device"} <= set(backend_flags)
+
+
+@pytest.mark.parametrize("has", ["state_dict", "load_state_dict"])
+def test_a_component_with_only_half_of_stateful_is_refused(has):
+    """State saved with no way back (or loaded from nowhere) would be lost on resume."""
+    missing = "load_state_dict" if has == "state_dict" else "state_dict"
+    component = type("Half", (MinimalTracker,), {has: lambda self, *a: {}})()
+    with pytest.raises(PluginError) as info:
+        conform("tracker", component, "tracker 'half' (plugin 'p')")
+    message = str(info.value)
+    assert "tracker 'half' (plugin 'p')" in message and f"has {has} but no {missing}" in message
+    whole = type("Whole", (MinimalTracker,), {"state_dict": lambda self: {}, "load_state_dict": lambda self, s: None})
+    conform("tracker", whole(), "tracker 'whole'")  # both: accepted
