@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from grpo_core.contracts import BatchStats, PolicyLossInputs, masked_fill_zero
+from grpo_core.contracts import BatchStats, LossAggregator, PolicyLoss, PolicyLossInputs, masked_fill_zero
 
 if TYPE_CHECKING:
+    from grpo_core.train.kl import KLTerm
     from grpo_core.train.learner import Learner
     from grpo_core.train.parallel import Forward
 
@@ -59,9 +60,9 @@ class TrainBatch:
 class Objective:
     """The built components of the loss and their engine-side settings."""
 
-    policy_loss: Any
-    aggregator: Any
-    kl: Any | None  # a KLTerm when the KL is in the loss, else None
+    policy_loss: PolicyLoss
+    aggregator: LossAggregator
+    kl: KLTerm | None  # the KL term when the KL is in the loss, else None
     entropy_coef: float
     early_stop_imp_ratio: float | None
     temperature: float
