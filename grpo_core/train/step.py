@@ -9,12 +9,14 @@ import time
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import torch
 
 from grpo_core.contracts import AdvantageInputs, RolloutBatch, SamplingParams
 from grpo_core.errors import RunError
+from grpo_core.train.baseline import greedy_baseline_scores
 from grpo_core.train.data import Prompt, PromptSource
 from grpo_core.train.distributed import Dist, pad_cat
 from grpo_core.train.episodes import episode_metrics
@@ -233,7 +235,8 @@ def global_advantages(estimator: Any, dist: Dist, inputs: AdvantageInputs) -> to
     if not dist.active:
         return estimator(inputs).float()
     parts = dist.gather(AdvantageInputs(*(None if t is None else t.cpu() for t in (
-        inputs.scores, inputs.group_ids, inputs.mask, inputs.step_scores, inputs.step_ends, inputs.step_mask))))
+        inputs.scores, inputs.group_ids, inputs.mask, inputs.step_scores, inputs.step_ends, inputs.step_mask,
+        inputs.baseline_scores))))
     offsets = [0]
     for part in parts:
         offsets.append(offsets[-1] + int(part.group_ids.max()) + 1 if part.group_ids.numel() else offsets[-1])
@@ -245,6 +248,7 @@ def global_advantages(estimator: Any, dist: Dist, inputs: AdvantageInputs) -> to
         pad_cat([p.step_scores for p in parts], 0.0) if steps else None,
         pad_cat([p.step_ends for p in parts], 0) if steps else None,
         pad_cat([p.step_mask for p in parts], False) if steps else None,
+        None if parts[0].baseline_scores is None else torch.cat([p.baseline_scores for p in parts]),
     )
     adv = estimator(full).float()
     start = sum(p.scores.shape[0] for p in parts[: dist.rank])
@@ -252,9 +256,11 @@ def global_advantages(estimator: Any, dist: Dist, inputs: AdvantageInputs) -> to
     return adv[start: start + rows, :width].to(inputs.mask.device)
 
 
-def prepare(engine: Engine, scored: Scored, timer: Timer) -> tuple[TrainBatch, dict[str, float]]:
+def prepare(engine: Engine, scored: Scored, timer: Timer,
+            baseline: torch.Tensor | None = None) -> tuple[TrainBatch, dict[str, float]]:
     """The batch to update on: old and reference log-probs where needed, the KL penalty
-    when it is in the reward, and the advantages."""
+    when it is in the reward, and the advantages (``baseline``: the greedy baseline's
+    scores ``(B,)`` for an estimator that asks for them)."""
     s, kl = engine.settings, engine.kl
     batch = train_batch(scored.rollout, s.mask_truncated)
     micro = s.micro_batch_size or batch.mask.shape[0]
@@ -273,6 +279,7 @@ def prepare(engine: Engine, scored: Scored, timer: Timer) -> tuple[TrainBatch, d
     with timer("advantage"):
         inputs = advantage_inputs(scored, rewards, penalty, batch.mask,
                                   with_steps=engine.needs_step_scores, tokenizer=engine.tokenizer)
+        inputs.baseline_scores = None if baseline is None else baseline.to(batch.mask.device)
         batch.advantages = global_advantages(engine.estimator, engine.dist, inputs)
     return batch, metrics
 
@@ -342,7 +349,12 @@ def grpo_step(engine: Engine, source: PromptSource, step: int) -> StepResult:
     timer, t_start, s = Timer(), time.perf_counter(), engine.settings
     with rollout_weights(engine.backend, engine.model):  # a sharded policy, gathered to generate
         scored, sampled = collect(engine, source, step, timer)
-    batch, metrics = prepare(engine, scored, timer)
+        baseline = None
+        if getattr(engine.estimator, "needs_greedy_baseline", False):  # ReMax: one greedy completion per prompt
+            with timer("baseline"):
+                baseline = greedy_baseline_scores(engine.backend, partial(_score_everywhere, engine), scored.prompts,
+                                                  s.group_size, s.sampling, engine.autocast, engine.episodes)
+    batch, metrics = prepare(engine, scored, timer, baseline)
     metrics.update(sampled)
     upd = update(
         engine.model, engine.optimizer, engine.scheduler, batch, engine.objective,
