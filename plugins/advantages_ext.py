@@ -282,7 +282,9 @@ def remax_advantages(
 
     ``A_i = r_i - r(y_greedy)``: the reward of the sampled completion minus the reward of
     the prompt's greedy (argmax) completion, scored by the same reward functions; the same
-    value on every token.
+    value on every token. With the KL penalty in the reward, ``r_i`` carries it and the
+    greedy score does not (no log-probs are computed for the greedy completion), as in
+    verl's ``remax``.
 
     Args:
         scores: ``float (B,)`` rewards of the sampled completions; ``NaN`` = unscorable
