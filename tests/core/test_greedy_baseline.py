@@ -81,9 +81,17 @@ class Recorder:
         return per_token(torch.nan_to_num(inputs.scores - inputs.baseline_scores), inputs.mask)
 
 
+def rare(prompts, completions, completion_ids, **_):
+    scores = [float(sum(ids) % 5 == 0) for ids in completion_ids]
+    with open(os.environ["GRPO_TEST_LOG"], "a") as f:
+        f.write(json.dumps({"kind": "reward", "completions": completions, "scores": scores}) + "\\n")
+    return scores
+
+
 @hookimpl
 def register_reward_functions(register):
     register.add("parity", parity)
+    register.add("rare", rare)
 
 
 @hookimpl
@@ -96,7 +104,7 @@ def _run(write_spec, folder: Path, monkeypatch, advantage: dict, **extra) -> lis
     (folder / "toy.py").parent.mkdir(parents=True, exist_ok=True)
     (folder / "toy.py").write_text(PLUGIN, encoding="utf-8")
     monkeypatch.setenv("GRPO_TEST_LOG", str(folder / "calls.jsonl"))
-    spec = write_spec(folder, plugins=["toy.py"], rewards=[{"name": "parity"}],
+    spec = write_spec(folder, plugins=["toy.py"], rewards=extra.pop("rewards", [{"name": "parity"}]),
                       algorithm={"advantage": advantage, **extra.pop("algorithm", {})},
                       train={"steps": 2, "micro_batch_size": 4, "output_dir": "out"}, **extra)
     assert main([str(spec)]) == 0
@@ -146,3 +154,24 @@ def test_each_new_estimator_trains_on_the_tiny_spec(write_spec, tiny_model_dir, 
     before = load_file(str(tiny_model_dir / "model.safetensors"))
     after = load_file(str(tmp_path / "out" / "final" / "model.safetensors"))
     assert any(not torch.equal(before[k], after[k]) for k in before)  # it trained
+
+
+def test_under_dynamic_sampling_the_greedy_baseline_covers_the_kept_prompts(write_spec, tmp_path, monkeypatch):
+    _run(write_spec, tmp_path, monkeypatch, {"name": "recorder"}, rewards=[{"name": "rare"}],
+         algorithm={"dynamic_sampling": {"max_rounds": 4}})
+    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    step_calls, current = [], []
+    for call in calls:  # each step: its rounds' reward calls, the greedy reward call, then the estimator
+        current.append(call)
+        if call["kind"] == "estimator":
+            step_calls.append(current)
+            current = []
+    assert len(step_calls) == 2
+    for calls_of_step in step_calls:
+        *rounds, greedy, seen = calls_of_step
+        assert rounds and all(len(c["completions"]) == 8 for c in rounds) and len(greedy["completions"]) == 2
+        assert seen["baseline"] == [s for s in greedy["scores"] for _ in range(4)]
+        # the kept groups are groups of the rounds' rollouts
+        groups = [tuple(c["scores"][i:i + 4]) for c in rounds for i in (0, 4)]
+        assert tuple(seen["scores"][:4]) in groups and tuple(seen["scores"][4:]) in groups
+    assert max(len(c) - 2 for c in step_calls) > 1  # some step took several rounds: groups were selected
