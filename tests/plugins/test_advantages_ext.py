@@ -280,6 +280,18 @@ def test_remax_with_group_mean_baseline_is_dr_grpo_and_shift_invariant(batch, sh
     assert torch.all(out[~mask] == 0)
 
 
+@FAST
+@given(batches(nan=False, min_group=2))
+def test_remax_with_a_leave_one_out_baseline_is_rloo(batch):
+    scores, group_ids, mask = batch
+    loo = torch.zeros_like(scores)
+    for rows in members(group_ids).values():
+        for i in rows:
+            loo[i] = sum(float(scores[j]) for j in rows if j != i) / (len(rows) - 1)
+    torch.testing.assert_close(ext.remax_advantages(scores, loo, group_ids, mask),
+                               adv.rloo_advantages(scores, group_ids, mask))
+
+
 def test_remax_without_baseline_names_the_flag():
     component = ext.ReMaxAdvantage(ext.ReMaxOptions())
     batch = AdvantageInputs(torch.tensor([1.0, 0.0]), torch.zeros(2, dtype=torch.long),
