@@ -59,6 +59,9 @@ class AdvantageInputs:
         step_scores: ``float (B, K)`` per-step scores for process supervision, or ``None``.
         step_ends: ``long (B, K)`` token index (into ``T``) where each step ends, or ``None``.
         step_mask: ``bool (B, K)`` which steps exist, or ``None``.
+        baseline_scores: ``float (B,)`` the score of one greedy completion of each row's
+            prompt (the same on every row of a group; ``NaN`` where it was unscorable), or
+            ``None``; filled for an estimator that declares ``needs_greedy_baseline``.
     """
 
     scores: Tensor
@@ -67,6 +70,7 @@ class AdvantageInputs:
     step_scores: Tensor | None = None
     step_ends: Tensor | None = None
     step_mask: Tensor | None = None
+    baseline_scores: Tensor | None = None
 
 
 @runtime_checkable
@@ -81,9 +85,14 @@ class AdvantageEstimator(Protocol):
         needs_step_scores: True for an estimator that reads ``inputs.step_scores``/
             ``step_ends``/``step_mask``: the engine then cuts completions into steps and
             fills them (an outcome reward's score counts on the last step). Default False.
+        needs_greedy_baseline: True for an estimator that reads ``inputs.baseline_scores``
+            (ReMax): the engine then generates one greedy completion per prompt with the
+            rollout backend (the step's sampling settings with ``greedy=True``), scores it
+            with the step's reward functions and fills them. Default False.
     """
 
     needs_step_scores: bool = False
+    needs_greedy_baseline: bool = False
 
     def __call__(self, inputs: AdvantageInputs) -> Tensor: ...
 

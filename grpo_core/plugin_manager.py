@@ -38,6 +38,7 @@ ENTRY_POINT_GROUP = "grpo"
 #: Built-in plugin modules, registered like any other plugin.
 DEFAULT_PLUGINS: tuple[str, ...] = (
     "grpo_plugins.advantages",
+    "grpo_plugins.advantages_ext",
     "grpo_plugins.kl",
     "grpo_plugins.policy_losses",
     "grpo_plugins.aggregators",

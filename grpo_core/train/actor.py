@@ -27,6 +27,7 @@ import torch
 from grpo_core.contracts import RolloutBackend, SamplingParams
 from grpo_core.errors import RunError
 from grpo_core.train import seeds
+from grpo_core.train.baseline import greedy_baseline_scores
 from grpo_core.train.data import Prompt, PromptSource
 from grpo_core.train.distributed import Dist
 from grpo_core.train.episodes import EpisodeRunner
@@ -86,7 +87,9 @@ class Experience:
     with its sampler log-probs when the backend gives them, the rewards, the reasoning steps
     when cut); ``version`` is the policy version the rows were sampled with (the number of
     learner updates the actor's weights had seen); ``metrics`` what collecting measured
-    (dynamic sampling's counts); ``times`` its phases in seconds (``generate``, ``score``).
+    (dynamic sampling's counts); ``times`` its phases in seconds (``generate``, ``score``,
+    ``baseline``); ``baseline_scores`` the ``(B,)`` scores of one greedy completion of each
+    row's prompt when the estimator asks for them (ReMax), else None.
     """
 
     step: int
@@ -94,6 +97,7 @@ class Experience:
     version: int
     metrics: dict[str, float] = field(default_factory=dict)
     times: dict[str, float] = field(default_factory=dict)
+    baseline_scores: torch.Tensor | None = None
 
 
 @dataclass
@@ -108,6 +112,7 @@ class Actor:
     autocast: Callable = nullcontext  # () -> the mixed-precision context of generation
     episodes: EpisodeRunner | None = None  # multi-turn episodes (rollout.environment), or None
     weights: Callable[[], Any] = nullcontext  # () -> the context of a rollout phase (see the module doc)
+    greedy_baseline: bool = False  # also score one greedy completion per prompt (needs_greedy_baseline)
     version: int = 0  # the policy version of the backend's weights
 
     # ----------------------------------------------------------------- weights
@@ -130,14 +135,22 @@ class Actor:
         """Training step ``step``'s scored groups, drawn from :attr:`source`. Under dynamic
         sampling (DAPO), rounds of prompts are rolled out until each process holds its share
         of ``prompts_per_step`` groups whose metric has a spread, or ``max_rounds`` ran out;
-        then the first zero-spread groups fill the rest."""
+        then the first zero-spread groups fill the rest. With :attr:`greedy_baseline`, one
+        greedy completion of each kept prompt is generated and scored too."""
         timer = Timer()
+        baseline = None
         with self.weights():
             if self.settings.dynamic is None:
                 scored, metrics = self.rollout_round(step, timer), {}
             else:
                 scored, metrics = self._dynamic_rounds(step, timer)
-        return Experience(step, scored, self.version, metrics, timer.phases)
+            if self.greedy_baseline:
+                with timer("baseline"):
+                    baseline = greedy_baseline_scores(
+                        self.backend, self._score_everywhere, scored.prompts, self.settings.group_size,
+                        self.settings.sampling, self.autocast, self.episodes,
+                    )
+        return Experience(step, scored, self.version, metrics, timer.phases, baseline)
 
     def rollout_round(self, step: int, timer: Timer, round_: int = 0) -> Scored:
         """Draw ``prompts_per_step`` prompts, keep this process's groups, generate ``G``

@@ -70,15 +70,15 @@ class Learner:
     def learn(self, experience: Experience) -> tuple[TrainBatch, dict[str, float], dict[str, float]]:
         """Prepare and update on ``experience``; ``(batch, metrics, phase seconds)``."""
         timer = Timer()
-        batch, metrics = self.prepare(experience.scored, timer)
+        batch, metrics = self.prepare(experience, timer)
         metrics.update(update(self, batch))
         self.version += 1
         return batch, metrics, timer.phases
 
-    def prepare(self, scored: Scored, timer: Timer) -> tuple[TrainBatch, dict[str, float]]:
+    def prepare(self, experience: Experience, timer: Timer) -> tuple[TrainBatch, dict[str, float]]:
         """The batch to update on: old and reference log-probs where needed, the KL penalty
         when it is in the reward, and the advantages."""
-        s, kl = self.settings, self.kl
+        s, kl, scored = self.settings, self.kl, experience.scored
         batch = train_batch(scored.rollout, s.mask_truncated)
         micro = s.micro_batch_size or batch.mask.shape[0]
         temperature = self.objective.temperature
@@ -98,6 +98,8 @@ class Learner:
         with timer("advantage"):
             inputs = advantage_inputs(scored, rewards, penalty, batch.mask,
                                       with_steps=self.estimator.needs_step_scores, tokenizer=self.tokenizer)
+            if experience.baseline_scores is not None:
+                inputs.baseline_scores = experience.baseline_scores.to(batch.mask.device)
             batch.advantages = global_advantages(self.estimator, self.dist, inputs)
         return batch, metrics
 
@@ -143,7 +145,8 @@ def global_advantages(estimator: AdvantageEstimator, dist: Dist, inputs: Advanta
     if not dist.active:
         return estimator(inputs).float()
     parts = dist.gather(AdvantageInputs(*(None if t is None else t.cpu() for t in (
-        inputs.scores, inputs.group_ids, inputs.mask, inputs.step_scores, inputs.step_ends, inputs.step_mask))))
+        inputs.scores, inputs.group_ids, inputs.mask, inputs.step_scores, inputs.step_ends, inputs.step_mask,
+        inputs.baseline_scores))))
     offsets = [0]
     for part in parts:
         offsets.append(offsets[-1] + int(part.group_ids.max()) + 1 if part.group_ids.numel() else offsets[-1])
@@ -155,6 +158,7 @@ def global_advantages(estimator: AdvantageEstimator, dist: Dist, inputs: Advanta
         pad_cat([p.step_scores for p in parts], 0.0) if steps else None,
         pad_cat([p.step_ends for p in parts], 0) if steps else None,
         pad_cat([p.step_mask for p in parts], False) if steps else None,
+        None if parts[0].baseline_scores is None else torch.cat([p.baseline_scores for p in parts]),
     )
     adv = estimator(full).float()
     start = sum(p.scores.shape[0] for p in parts[: dist.rank])

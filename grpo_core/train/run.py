@@ -239,6 +239,7 @@ def _actor_and_learner(spec: Spec, model, tokenizer, rewards: list[RewardFn], sp
     actor = Actor(
         backend=backend, scorer=scorer, settings=RolloutSettings.from_spec(spec), dist=dist, autocast=autocast,
         episodes=build_episodes(spec, model, tokenizer, scorer), weights=partial(strategy.rollout_weights, backend),
+        greedy_baseline=estimator.needs_greedy_baseline,
     )
     return actor, learner
 

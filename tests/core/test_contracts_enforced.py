@@ -142,7 +142,7 @@ def test_the_run_refuses_a_backend_without_sync_weights_with_exit_2(tmp_path, wr
 # --------------------------------------------------------------------------- flags
 def test_contracts_declare_the_flags_the_engine_reads_with_defaults():
     flags = {kind: contract_members(entry.protocol)[1] for kind, entry in KINDS.items()}
-    assert flags["advantage_estimator"] == {"needs_step_scores": False}
+    assert flags["advantage_estimator"] == {"needs_step_scores": False, "needs_greedy_baseline": False}
     assert flags["policy_loss"] == {"zero_advantage_is_zero_loss": False}
     assert flags["reward_function"] == {"required_columns": ()}
     assert contract_members(KINDS["rollout_backend"].protocol)[0] == ["setup", "generate", "sync_weights"]
@@ -153,6 +153,8 @@ def test_built_components_carry_their_flags_as_plain_attributes():
     assert registry.get("advantage_estimator", "process").build().needs_step_scores is True
     assert registry.get("advantage_estimator", "grpo").build().needs_step_scores is False
     assert registry.get("advantage_estimator", "rloo").build().needs_step_scores is False  # a plain function
+    assert registry.get("advantage_estimator", "rloo").build().needs_greedy_baseline is False
+    assert registry.get("advantage_estimator", "remax").build().needs_greedy_baseline is True
     assert registry.get("policy_loss", "clip").build().zero_advantage_is_zero_loss is True
     assert list(registry.get("reward_function", "accuracy").build().required_columns) == ["answer"]
     fmt = registry.get("reward_function", "format")

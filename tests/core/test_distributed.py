@@ -16,7 +16,7 @@ from grpo_core import checkpoint as ckpt
 from grpo_core.errors import RunError
 from grpo_core.train.distributed import Dist, pad_cat, reduction
 
-from .conftest import CHILD_ENV, load_weights, read_metrics
+from .conftest import CHILD_ENV, load_weights, merge, read_metrics
 
 # A spec where every part of the step that processes must agree on is exercised: per-prompt
 # seeded sampling (so the completions do not depend on the process count), batch-scoped
@@ -340,3 +340,25 @@ def test_no_process_outlives_a_killed_launcher(tmp_path, write_spec, child, kit)
     assert proc.output().count("stopped at step") == 1, proc.output()  # the children share the log
     (folder,) = ckpt.list_checkpoints(tmp_path / "out" / "checkpoints")
     assert ckpt.verify(folder) is None
+
+
+@pytest.mark.slow
+def test_a_greedy_baseline_estimator_takes_the_same_steps_on_two_processes_as_on_one(tmp_path, write_spec):
+    """remax: each process generates and scores the greedy completions of its own prompts, and
+    the baseline scores are gathered with the rest of the estimator's inputs."""
+    spec = write_spec(tmp_path, **merge(DIST_SPEC, {"algorithm": {"advantage": {"name": "remax", "std_scope": None}},
+                                                    "checkpoint": None, "eval": {"at_start": False,
+                                                                                 "at_end": False}}))
+    base = load_weights(Path(yaml.safe_load(spec.read_text())["model"]["path"]))
+    one = _grpo_run([spec, "--set", "train.output_dir=one"], tmp_path)
+    assert one.returncode == 0, one.stderr
+    two = _grpo_run([spec, "--nproc", "2", "--set", "train.output_dir=two"], tmp_path)
+    assert two.returncode == 0, two.stderr
+    w1, w2 = load_weights(tmp_path / "one" / "final"), load_weights(tmp_path / "two" / "final")
+    assert _max_diff(w1, base) > 1e-3 and _max_diff(w1, w2) < 5e-5
+    rows1, rows2 = read_metrics(tmp_path / "one" / "metrics.jsonl"), read_metrics(tmp_path / "two" / "metrics.jsonl")
+    assert [r["step"] for r in rows1] == [r["step"] for r in rows2] == [1, 2]
+    for r1, r2 in zip(rows1, rows2):
+        assert "time/baseline" in r1 and "time/baseline" in r2
+        for key in ("loss", "reward", "advantage/abs_max"):
+            assert r2[key] == pytest.approx(r1[key], rel=1e-3, abs=1e-6), (r1["step"], key)

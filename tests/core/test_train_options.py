@@ -133,7 +133,7 @@ def test_old_logprobs_are_computed_exactly_when_the_policy_moves_before_use(tiny
 
     run = make_run(tiny_model, tmp_path, *overrides)
     experience = run.actor.collect(0)
-    batch, _ = run.learner.prepare(experience.scored, Timer())
+    batch, _ = run.learner.prepare(experience, Timer())
     assert (batch.old_logp is not None) == needs_old
     if needs_old:
         expected = batch_logprobs(forward_of(run.model), batch, batch.mask.shape[0], 1.0, run.learner.autocast)
