@@ -48,7 +48,8 @@ class DynamicSamplingSection(Section):
 
 class KLSlot(Slot):
     kind = "kl_penalty"
-    name: str = Field("low_var_kl", description="KL estimator: low_var_kl (k3), kl (k1), abs, mse (k2).")
+    name: str = Field("low_var_kl", description="KL estimator: low_var_kl (k3), kl (k1), abs, mse (k2), "
+                      "k1+ and k3+ (value of k1 / k3, gradient of k2).")
     beta: float = Field(
         0.0, ge=0, description="KL coefficient. 0 loads no reference model and computes no KL."
     )
@@ -77,7 +78,10 @@ class KLSlot(Slot):
 
 class PolicyLossSlot(Slot):
     kind = "policy_loss"
-    name: str = Field("clip", description="Policy loss: clip (PPO clipped surrogate), gspo.")
+    name: str = Field(
+        "clip", description="Policy loss: clip (PPO clipped surrogate), gspo, cispo, sapo, gmpo, gpg, reinforce, "
+        "clip-cov, kl-cov (docs/algorithms.md).",
+    )
 
 
 class AggregationSlot(Slot):
