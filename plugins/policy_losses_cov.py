@@ -177,7 +177,7 @@ def kl_cov_loss(
 
     Returns:
         ``loss (B, T)`` zero on padding; metrics ``ratio``, ``ratio/max``, ``cov/selected``,
-        ``cov`` and ``kl_cov/abs_log_ratio`` (``|logp - old_logp|``).
+        ``cov`` and ``cov/abs_log_ratio`` (``|logp - old_logp|``).
     """
     advantages = masked_fill_zero(advantages, mask)
     log_ratio = masked_fill_zero(logp, mask) - masked_fill_zero(old_logp, mask)
@@ -191,7 +191,7 @@ def kl_cov_loss(
     loss = -advantages * ratio + torch.where(selected, kl_coef * log_ratio.abs(), 0.0)
     shown = masked_fill_zero(ratio.detach(), mask)
     metrics = {"ratio": shown, "ratio/max": shown, "cov/selected": selected.to(cov.dtype), "cov": cov,
-               "kl_cov/abs_log_ratio": masked_fill_zero(log_ratio.detach().abs(), mask)}
+               "cov/abs_log_ratio": masked_fill_zero(log_ratio.detach().abs(), mask)}
     return PolicyLossOutput(masked_fill_zero(loss, mask), metrics)
 
 
