@@ -63,3 +63,14 @@ def test_trains_on_the_tiny_spec(tiny_model, tmp_path, loss, kl, metric):
     before = load_file(str(tiny_model / "model.safetensors"))
     after = load_file(str(out / "final" / "model.safetensors"))
     assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_grpo_run_plugins_lists_them(capsys):
+    assert main(["plugins"]) == 0
+    listed: dict[str, set[str]] = {}
+    for line in capsys.readouterr().out.splitlines():
+        kind, sep, names = line.strip().partition(": ")
+        if sep:
+            listed.setdefault(kind, set()).update(names.split(", "))
+    assert {"cispo", "sapo", "gmpo", "gpg", "reinforce", "clip-cov", "kl-cov"} <= listed["policy loss"]
+    assert {"k1+", "k3+"} <= listed["KL penalty"]
