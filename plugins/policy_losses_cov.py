@@ -38,7 +38,9 @@ def _fraction(name: str, value: float) -> float:
 
 
 class ClipCovOptions(ClipOptions):
-    """Options of ``clip-cov``: PPO clip's, plus the covariance selection."""
+    """Options of ``clip-cov``: PPO clip's, plus the selection: the loss (and gradient) of a random
+    ``max(1, floor(r N))`` of the unclipped tokens with ``lb < cov_t < ub`` is set to 0,
+    ``cov_t = (A_t - mean A)(logp_t - mean logp)`` (https://arxiv.org/abs/2505.22617)."""
 
     clip_cov_ratio: float = Field(
         2e-4,
@@ -64,7 +66,8 @@ class ClipCovOptions(ClipOptions):
 
 
 class KLCovOptions(Options):
-    """Options of ``kl-cov``."""
+    """Options of ``kl-cov``: ``loss_t = -r_t A_t``, plus ``kl_coef * |logp_t - old_logp_t|`` on the
+    ``max(1, floor(k N))`` tokens of largest ``cov_t`` (https://arxiv.org/abs/2505.22617)."""
 
     kl_cov_ratio: float = Field(
         2e-4,

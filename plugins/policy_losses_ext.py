@@ -54,7 +54,8 @@ def _shown_ratio(ratio: Tensor, mask: Tensor) -> dict[str, Tensor]:
 
 # --------------------------------------------------------------------------- cispo
 class CISPOOptions(Options):
-    """Options of ``cispo``."""
+    """Options of ``cispo``: ``loss_t = -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) A_t logp_t`` (MiniMax-M1,
+    https://arxiv.org/abs/2506.13585, which aggregates with token-mean)."""
 
     eps_low: float | None = Field(
         None,
@@ -142,7 +143,8 @@ class CISPOPolicyLoss:
 
 # --------------------------------------------------------------------------- sapo
 class SAPOOptions(Options):
-    """Options of ``sapo``."""
+    """Options of ``sapo``: ``loss_t = -sigmoid(tau (r_t - 1)) * 4 / tau * A_t``, tau by the sign of A_t
+    (https://arxiv.org/abs/2511.20347, which aggregates with seq-mean-token-mean)."""
 
     tau_pos: float = Field(
         1.0,
@@ -219,7 +221,8 @@ class SAPOPolicyLoss:
 
 # --------------------------------------------------------------------------- gmpo
 class GMPOOptions(Options):
-    """Options of ``gmpo``."""
+    """Options of ``gmpo``: maximise ``A_i exp(1/|o_i| sum_t c_t)``, ``c_t`` the log-ratio clipped to
+    ``[-eps_low, eps_high]`` on the side of A (https://arxiv.org/abs/2507.20673); exact with seq-mean-token-mean."""
 
     eps_low: float = Field(
         0.4,
