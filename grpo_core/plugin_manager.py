@@ -41,6 +41,8 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "grpo_plugins.advantages_ext",
     "grpo_plugins.kl",
     "grpo_plugins.policy_losses",
+    "grpo_plugins.policy_losses_ext",
+    "grpo_plugins.policy_losses_cov",
     "grpo_plugins.aggregators",
     "grpo_plugins.rollout_hf",
     "grpo_plugins.rollout_vllm",

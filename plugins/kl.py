@@ -1,5 +1,6 @@
 """Built-in KL penalties: ``low_var_kl`` (k3, alias ``k3``), ``kl`` (k1, alias ``k1``),
-``abs`` and ``mse`` (k2, alias ``k2``).
+``abs`` and ``mse`` (k2, alias ``k2``), and the straight-through ``k1+`` and ``k3+`` (the value
+of k1 / k3, the gradient of k2).
 
 Each is a per-token estimate of ``KL(pi || pi_ref)`` from the log-probs of the sampled
 tokens, ``kl(logp (B, T), ref_logp (B, T), mask (B, T)) -> (B, T)``, exactly zero where
@@ -32,6 +33,9 @@ __all__ = [
     "k2_kl",
     "k3_kl",
     "abs_kl",
+    "k1_plus_kl",
+    "k3_plus_kl",
+    "straight_through",
     "clamped_kl",
 ]
 
@@ -111,6 +115,30 @@ def k3_kl(log_ratio: Tensor) -> Tensor:
     return (torch.expm1(x) - x).clamp(min=0.0)
 
 
+def straight_through(forward: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
+    """The estimator whose value is ``forward``'s and whose gradient is k2's:
+    ``k2(x) - sg(k2(x)) + sg(forward(x))``, as verl's ``k1+`` / ``k3+``.
+
+    k1 and k3 are unbiased estimates of KL(pi || pi_ref) under samples from pi, but their
+    gradients are not unbiased estimates of the KL's gradient; k2's is
+    (``grad k2 = log(pi/pi_ref) grad log pi``, whose expectation under pi is the gradient of the KL):
+    Schulman, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html; the gradient
+    argument and the straight-through form are verl's ``kl_penalty`` (``"k1+"``, ``"k3+"``).
+    """
+
+    def estimator(log_ratio: Tensor) -> Tensor:
+        surrogate = k2_kl(log_ratio)
+        return surrogate - surrogate.detach() + forward(log_ratio).detach()
+
+    estimator.__name__ = f"{forward.__name__}_plus"
+    estimator.__doc__ = f"Value of {forward.__name__}, gradient of k2_kl (straight-through)."
+    return estimator
+
+
+k1_plus_kl = straight_through(k1_kl)
+k3_plus_kl = straight_through(k3_kl)
+
+
 def clamped_kl(
     estimator: Callable[[Tensor], Tensor],
     logp: Tensor,
@@ -187,6 +215,18 @@ class MseKL(_ClampedKL):
     estimator = staticmethod(k2_kl)
 
 
+class K1PlusKL(_ClampedKL):
+    """k1+: the value of k1 (logp - ref_logp), the gradient of k2 (straight-through, verl's k1+)."""
+
+    estimator = staticmethod(k1_plus_kl)
+
+
+class K3PlusKL(_ClampedKL):
+    """k3+: the value of k3 (verl's clamps by default), the gradient of k2 (straight-through, verl's k3+)."""
+
+    estimator = staticmethod(k3_plus_kl)
+
+
 @hookimpl
 def register_kl_penalties(register):
     register.add("low_var_kl", LowVarKL, options=LowVarKLOptions)
@@ -196,3 +236,5 @@ def register_kl_penalties(register):
     register.add("abs", AbsKL, options=KLOptions)
     register.add("mse", MseKL, options=KLOptions)
     register.add("k2", MseKL, options=KLOptions, description="alias of mse")
+    register.add("k1+", K1PlusKL, options=KLOptions)
+    register.add("k3+", K3PlusKL, options=LowVarKLOptions)

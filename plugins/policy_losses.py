@@ -113,6 +113,13 @@ class ClipOptions(_RatioClipOptions):
 class GSPOOptions(_RatioClipOptions):
     """Options of ``gspo``."""
 
+    log_ratio_clamp: float | None = Field(
+        20.0,
+        description="Clamp the token-form log-ratio sg(log s_i) + logp_t - sg(logp_t) to [-c, c] before exp, so it "
+        "cannot overflow; a sequence whose log s_i lies outside [-c, c] gets no gradient on any of its tokens (the "
+        "clamp cuts it, as in clip). A positive number or null. Default 20, as verl's token ratio.",
+    )
+
     eps_low: float = Field(
         3e-4,
         description="Lower clip of the sequence ratio, at 1 - eps_low; in (0, 1). Default 3e-4, the GSPO "
@@ -260,7 +267,8 @@ def gspo_loss(
         mask: ``bool (B, T)``; rows with no tokens get ratio 1 and loss 0.
         eps_low: lower clip range, ``0 < eps_low < 1``.
         eps_high: upper clip range, or None for ``eps_low``.
-        log_ratio_clamp: clamp ``log s_i`` to ``[-c, c]`` before exp, or None.
+        log_ratio_clamp: clamp the token-form log-ratio (value ``log s_i``) to ``[-c, c]``
+            before exp, or None; a row whose ``log s_i`` is outside gets no gradient.
 
     Returns:
         :class:`PolicyLossOutput`: ``loss (B, T)`` zero on padding, and the module's
@@ -268,9 +276,10 @@ def gspo_loss(
     """
     eps_high = eps_low if eps_high is None else eps_high
     advantages = masked_fill_zero(advantages, mask)
-    log_s = _clamp(sequence_log_ratio(logp.detach(), old_logp, mask), log_ratio_clamp)
+    log_s = sequence_log_ratio(logp.detach(), old_logp, mask)
     safe_logp = masked_fill_zero(logp, mask)
-    ratio = torch.exp(log_s[:, None] + safe_logp - safe_logp.detach())
+    # clamp the token form, not the detached log s_i: where the clamp is active it cuts the gradient
+    ratio = torch.exp(_clamp(log_s[:, None] + safe_logp - safe_logp.detach(), log_ratio_clamp))
     loss = _clipped_surrogate(ratio, ratio.clamp(1.0 - eps_low, 1.0 + eps_high), advantages)
     metrics = _ratio_metrics(ratio, advantages, mask, eps_low, eps_high)
     return PolicyLossOutput(masked_fill_zero(loss, mask), metrics)

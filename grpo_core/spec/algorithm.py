@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from grpo_core.spec.slots import Section, Slot
 
@@ -48,7 +48,8 @@ class DynamicSamplingSection(Section):
 
 class KLSlot(Slot):
     kind = "kl_penalty"
-    name: str = Field("low_var_kl", description="KL estimator: low_var_kl (k3), kl (k1), abs, mse (k2).")
+    name: str = Field("low_var_kl", description="KL estimator: low_var_kl (k3), kl (k1), abs, mse (k2), "
+                      "k1+ and k3+ (value of k1 / k3, gradient of k2).")
     beta: float = Field(
         0.0, ge=0, description="KL coefficient. 0 loads no reference model and computes no KL."
     )
@@ -77,7 +78,10 @@ class KLSlot(Slot):
 
 class PolicyLossSlot(Slot):
     kind = "policy_loss"
-    name: str = Field("clip", description="Policy loss: clip (PPO clipped surrogate), gspo.")
+    name: str = Field(
+        "clip", description="Policy loss: clip (PPO clipped surrogate), gspo, cispo, sapo, gmpo, gpg, reinforce, "
+        "clip-cov, kl-cov.",
+    )
 
 
 class AggregationSlot(Slot):
@@ -99,25 +103,72 @@ class StepSplitterSlot(Slot):
     )
 
 
+class RejectionSection(Section):
+    """Rejection sampling of whole completions by their sequence-level sampler-to-trainer ratio
+    (verl's ``rollout_rs``): a completion whose ratio lies outside ``[low, high]`` gets weight 0 on
+    every token."""
+
+    statistic: Literal["geometric", "product"] = Field(
+        "geometric", description="geometric: exp(mean_t d_t), length-invariant (verl's seq_mean_k1); product: "
+        "exp(sum_t d_t), the sequence's importance ratio (seq_sum_k1); d_t = logp_train_old - logp_sampler.",
+    )
+    low: float = Field(gt=0, description="Lower bound of the accepted ratio, e.g. 0.999 for geometric.")
+    high: float = Field(gt=0, description="Upper bound of the accepted ratio, e.g. 1.001 for geometric.")
+
+    @model_validator(mode="after")
+    def _check_bounds(self):
+        if not self.low < self.high:
+            raise ValueError(f"low must be below high (the accepted ratios are [low, high]); got {self.low!r} and "
+                             f"{self.high!r}")
+        return self
+
+
 class RolloutCorrectionSection(Section):
-    """Truncated importance sampling for the gap between the sampler's and the trainer's
-    log-probs (a vLLM backend samples with other kernels, and often another precision).
+    """Importance weights for the gap between the sampler's and the trainer's log-probs (a vLLM
+    backend samples with other kernels, and often another precision): pure functions in
+    :mod:`grpo_core.train.correction`.
 
     With ``r = exp(logp_train_old - logp_sampler)`` per token (``level: token``) or per
     completion (``level: sequence``, the product over its tokens), each completion token's
     policy loss is multiplied by ``w = min(r, cap)`` (``mode: truncate``, TIS) or by
-    ``w = r`` where ``r <= cap`` and 0 elsewhere (``mode: mask``); ``w`` carries no gradient.
-    The KL term is not weighted. Applies only when the backend returns ``sampling_logp``
+    ``w = r`` where ``r <= cap`` and 0 elsewhere (``mode: mask``); ``lower`` also zeroes
+    ``r < lower`` (with ``mask``, IcePop's two-sided mask); ``reject`` zeroes whole completions
+    by their sequence ratio; ``normalize`` divides the weights by their mean. ``w`` carries no
+    gradient. The KL term is not weighted. Applies only when the backend returns ``sampling_logp``
     (``vllm`` does, ``hf`` samples from the trained weights and does not).
     """
 
     level: Literal["off", "token", "sequence"] = Field(
-        "token", description="off, token (one ratio per token) or sequence (one per completion)."
+        "token", description="off (weight 1; reject still applies), token (one ratio per token) or sequence "
+        "(one per completion).",
     )
     mode: Literal["truncate", "mask"] = Field(
         "truncate", description="truncate: w = min(r, cap); mask: w = r where r <= cap, else 0."
     )
     cap: float = Field(2.0, gt=1, description="The cap C on the sampler-to-trainer ratio.")
+    lower: float | None = Field(
+        None, gt=0, lt=1, description="Lower bound in (0, 1), or null (default): w = 0 where r < lower. With mode "
+        "mask this is IcePop's two-sided mask, w = r on [lower, cap] and 0 outside (Ring-1T, "
+        "https://arxiv.org/abs/2510.18855).",
+    )
+    reject: RejectionSection | None = Field(
+        None, description="Reject whole completions whose sequence ratio is outside [low, high]; null (default): none.",
+    )
+    normalize: bool = Field(
+        False, description="Divide the weights by their mean over the kept tokens (level token) or kept completions "
+        "(level sequence) of each forward (the mini-batch when train.micro_batch_size is unset), so that they "
+        "average 1 (verl's rollout_is_batch_normalize).",
+    )
+
+    @property
+    def active(self) -> bool:
+        """Whether any weight can differ from 1."""
+        return self.level != "off" or self.reject is not None
+
+    @property
+    def rejection(self) -> tuple[str, float, float] | None:
+        """``(statistic, low, high)`` for :func:`grpo_core.train.correction.rollout_correction`, or None."""
+        return None if self.reject is None else (self.reject.statistic, self.reject.low, self.reject.high)
 
 
 class AlgorithmSection(Section):

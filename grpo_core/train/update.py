@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from grpo_core.contracts import BatchStats, LossAggregator, PolicyLoss, PolicyLossInputs, masked_fill_zero
+from grpo_core.train.correction import rollout_correction
 
 if TYPE_CHECKING:
     from grpo_core.train.kl import KLTerm
@@ -76,46 +77,6 @@ class Objective:
             and self.kl is None
             and self.entropy_coef == 0
         )
-
-
-def rollout_correction(
-    trainer_logp: Tensor, sampler_logp: Tensor, mask: Tensor, *, level: str, mode: str, cap: float
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Importance weights ``(b, T)`` for sampler/trainer mismatch, and their metrics.
-
-    ``r = exp(trainer_logp - sampler_logp)`` per token (``level="token"``), or per row
-    ``exp(sum_t (trainer_logp - sampler_logp))`` over its ``mask`` tokens, broadcast to them
-    (``level="sequence"``). ``mode="truncate"``: ``w = min(r, cap)`` (truncated importance
-    sampling); ``mode="mask"``: ``w = r`` where ``r <= cap``, else 0. ``w`` is 0 on
-    padding and carries no gradient. Metrics (per token): ``rollout_correction/weight``,
-    ``rollout_correction/capped`` (1 where ``r > cap``), ``rollout_correction/logp_diff``
-    (``|trainer - sampler|``) and its ``/max``, ``rollout_correction/k3`` (the k3 estimate
-    of KL(sampler || trainer), ``exp(d) - d - 1`` with ``d = trainer - sampler``).
-    """
-    diff = masked_fill_zero(trainer_logp.detach() - sampler_logp, mask)
-    if level == "sequence":
-        log_ratio = diff.sum(dim=1, keepdim=True).expand_as(diff)
-    elif level == "token":
-        log_ratio = diff
-    else:
-        raise ValueError(f"rollout correction level must be 'token' or 'sequence', got {level!r}")
-    ratio = torch.exp(log_ratio.clamp(max=80.0))  # exp(80) is finite in float32; above it the cap rules
-    capped = ratio > cap
-    if mode == "truncate":
-        weight = ratio.clamp(max=cap)
-    elif mode == "mask":
-        weight = masked_fill_zero(ratio, ~capped)
-    else:
-        raise ValueError(f"rollout correction mode must be 'truncate' or 'mask', got {mode!r}")
-    weight = masked_fill_zero(weight, mask)
-    metrics = {
-        "rollout_correction/weight": weight,
-        "rollout_correction/capped": masked_fill_zero(capped.float(), mask),
-        "rollout_correction/logp_diff": diff.abs(),
-        "rollout_correction/logp_diff/max": diff.abs(),
-        "rollout_correction/k3": masked_fill_zero(torch.expm1(diff) - diff, mask),
-    }
-    return weight, metrics
 
 
 def forward_logprobs(
@@ -246,9 +207,10 @@ def micro_batch_loss(
     out = objective.policy_loss(PolicyLossInputs(logp, old, batch.advantages[rows], m))
     per_token, metrics = out.loss, dict(out.metrics)
     correction = objective.correction
-    if batch.sampling_logp is not None and correction is not None and correction.level != "off":
+    if batch.sampling_logp is not None and correction is not None and correction.active:
         weight, extra = rollout_correction(
-            old, batch.sampling_logp[rows], m, level=correction.level, mode=correction.mode, cap=correction.cap
+            old, batch.sampling_logp[rows], m, level=correction.level, mode=correction.mode, cap=correction.cap,
+            lower=correction.lower, reject=correction.rejection, normalize=correction.normalize,
         )
         per_token = per_token * weight
         metrics.update(extra)

@@ -242,7 +242,9 @@ def test_unknown_name_lists_available_and_closest():
     registry = load_plugins(external=False).registry
     with pytest.raises(PluginError) as info:
         registry.get("policy_loss", "clpi")
-    assert str(info.value) == "unknown policy loss 'clpi'; did you mean 'clip'?; available: clip, gspo"
+    assert str(info.value) == ("unknown policy loss 'clpi'; did you mean 'clip'?; available: "
+                               + ", ".join(registry.names("policy_loss")))
+    assert ", ".join(registry.names("policy_loss")).startswith("clip, gspo, ")
 
 
 def test_unknown_name_without_close_match_still_lists_available():

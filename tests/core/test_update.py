@@ -187,7 +187,7 @@ def test_entropy_is_computed_only_when_its_coefficient_is_set(registry, base_mod
 
 # --------------------------------------------------------------------------- rollout correction
 def test_rollout_correction_weights_by_hand():
-    from grpo_core.train.update import rollout_correction
+    from grpo_core.train.correction import rollout_correction
 
     ln = torch.log
     trainer = torch.tensor([[0.0, -1.0, -2.0, -5.0]], dtype=torch.float64)
@@ -215,7 +215,7 @@ def test_rollout_correction_weights_by_hand():
     data=st.data(),
 )
 def test_rollout_correction_weights_are_bounded_detached_and_zero_on_padding(diffs, cap, level, mode, data):
-    from grpo_core.train.update import rollout_correction
+    from grpo_core.train.correction import rollout_correction
 
     n = len(diffs)
     mask = torch.tensor(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)))[None]

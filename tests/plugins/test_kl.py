@@ -15,13 +15,14 @@ from grpo_core.plugin_manager import load_plugins
 
 F64 = torch.float64
 FAST = settings(max_examples=60, deadline=None)
-ALL = {"low_var_kl": klmod.LowVarKL, "kl": klmod.K1KL, "abs": klmod.AbsKL, "mse": klmod.MseKL}
-NON_NEGATIVE = ["low_var_kl", "abs", "mse"]
+ALL = {"low_var_kl": klmod.LowVarKL, "kl": klmod.K1KL, "abs": klmod.AbsKL, "mse": klmod.MseKL,
+       "k1+": klmod.K1PlusKL, "k3+": klmod.K3PlusKL}
+NON_NEGATIVE = ["low_var_kl", "abs", "mse", "k3+"]
 
 
 def build(name: str, **options):
     cls = ALL[name]
-    model = klmod.LowVarKLOptions if cls is klmod.LowVarKL else klmod.KLOptions
+    model = klmod.LowVarKLOptions if cls in (klmod.LowVarKL, klmod.K3PlusKL) else klmod.KLOptions
     return cls(model(**options))
 
 
@@ -151,6 +152,8 @@ EXPECTED = {
     "abs": klmod.AbsKL,
     "mse": klmod.MseKL,
     "k2": klmod.MseKL,
+    "k1+": klmod.K1PlusKL,
+    "k3+": klmod.K3PlusKL,
 }
 
 
@@ -164,6 +167,7 @@ def test_kl_penalties_registered_and_buildable():
         out = component.build(component.options())(logp, ref, full((1, 2)))
         assert out.shape == (1, 2) and (out != 0).all(), name
     assert registry.get("kl_penalty", "k3").options is klmod.LowVarKLOptions
+    assert registry.get("kl_penalty", "k3+").options is klmod.LowVarKLOptions
     assert klmod.LowVarKLOptions().log_ratio_clamp == 20.0
     assert klmod.LowVarKLOptions().output_clamp == 10.0
     assert klmod.KLOptions().log_ratio_clamp is None and klmod.KLOptions().output_clamp is None
@@ -180,3 +184,51 @@ def test_options_validation(model):
             ):
                 model(**{field: bad})
         assert getattr(model(**{field: None}), field) is None
+
+
+# --------------------------------------------------------------------------- straight-through k1+ / k3+
+@FAST
+@given(st.lists(st.tuples(st.floats(-15.0, 0.0), st.floats(-15.0, 0.0)), min_size=1, max_size=12))
+def test_plus_estimators_have_the_value_of_k1_k3_and_the_gradient_of_k2(pairs):
+    logp = torch.tensor([[a for a, _ in pairs]], dtype=F64)
+    ref = torch.tensor([[b for _, b in pairs]], dtype=F64)
+    mask = full(logp.shape)
+    for plus, value_of in (("k1+", "kl"), ("k3+", "low_var_kl")):
+        leaf = logp.clone().requires_grad_(True)
+        out = build(plus, log_ratio_clamp=None, output_clamp=None)(leaf, ref, mask)
+        torch.testing.assert_close(out.detach(), build(value_of, log_ratio_clamp=None, output_clamp=None)(
+            logp, ref, mask), rtol=1e-12, atol=1e-12)
+        (grad,) = torch.autograd.grad(out.sum(), leaf)
+        # d/dlogp of k2 = 0.5 (logp - ref)^2 is logp - ref, token by token
+        torch.testing.assert_close(grad, logp - ref, rtol=1e-12, atol=1e-12)
+
+
+def test_plus_estimators_give_the_true_kl_gradient_in_expectation():
+    """Exact expectation over a 4-token softmax policy pi_theta: sum_x pi(x) grad est(x) is the
+    gradient of KL(pi || ref) for k2 and so for k1+ / k3+ (the point of the straight-through),
+    while plain k1's is 0 and plain k3's is the gradient of the reverse KL."""
+    theta = torch.tensor([0.3, -1.2, 0.8, 0.0], dtype=F64, requires_grad=True)
+    ref = Q.log()[None]
+
+    def expected_grad(name):
+        logp = torch.log_softmax(theta, dim=0)[None]
+        est = build(name, log_ratio_clamp=None, output_clamp=None)(logp, ref, full((1, 4)))
+        (grad,) = torch.autograd.grad((logp.detach().exp() * est).sum(), theta)
+        return grad
+
+    logp = torch.log_softmax(theta, dim=0)
+    (true_grad,) = torch.autograd.grad((logp.exp() * (logp - Q.log())).sum(), theta)
+    for name in ("k1+", "k3+", "mse"):
+        torch.testing.assert_close(expected_grad(name), true_grad, rtol=1e-12, atol=1e-12)
+    assert torch.allclose(expected_grad("kl"), torch.zeros(4, dtype=F64), atol=1e-15)
+    assert (expected_grad("low_var_kl") - true_grad).abs().max() > 1e-2
+
+
+def test_k3_plus_clamps_cut_the_gradient_like_k3():
+    logp = torch.tensor([[-100.0, -0.1]], requires_grad=True)
+    ref = torch.tensor([[0.0, -0.2]])
+    out = build("k3+")(logp, ref, full((1, 2)))
+    assert out[0, 0].item() == 10.0  # verl's output clamp on k3's value
+    (grad,) = torch.autograd.grad(out.sum(), logp)
+    assert grad[0, 0].item() == 0.0
+    assert grad[0, 1].item() == pytest.approx(0.1, rel=1e-5)  # k2's gradient logp - ref

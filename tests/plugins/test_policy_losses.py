@@ -339,3 +339,30 @@ def test_options_invalid_values_say_what_is_valid(model, kwargs, message):
         model(**kwargs)
 
 
+
+
+# --------------------------------------------------------------------------- gspo: the clamp cuts the gradient
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+def test_gspo_log_ratio_clamp_cuts_the_gradient_like_clip(dtype):
+    """Issue 28's row: one token, logp 0, old_logp -15, A = -1, log_ratio_clamp 10. Before the
+    fix gspo clamped only the detached log s_i: loss e^10 = 22026.5 and d loss/d logp 22026.5;
+    clip gives the same loss and gradient 0. Both now give 22026.5 and exactly 0."""
+    old = torch.tensor([[-15.0]], dtype=dtype)
+    adv = torch.tensor([[-1.0]], dtype=dtype)
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    for loss in (gspo(log_ratio_clamp=10.0), clip(log_ratio_clamp=10.0)):
+        logp = torch.zeros(1, 1, dtype=dtype, requires_grad=True)
+        out = loss(PolicyLossInputs(logp, old, adv, mask))
+        (grad,) = torch.autograd.grad(out.loss.sum(), logp)
+        assert out.loss.item() == pytest.approx(math.exp(10.0), rel=1e-6)  # 22026.47
+        assert grad.item() == 0.0
+    # inside the clamp the gradient is GSPO's s_i * (-A) per token: unchanged by the fix
+    logp = torch.zeros(1, 1, dtype=dtype, requires_grad=True)
+    out = gspo(log_ratio_clamp=20.0)(PolicyLossInputs(logp, old, adv, mask))
+    (grad,) = torch.autograd.grad(out.loss.sum(), logp)
+    assert grad.item() == pytest.approx(math.exp(15.0), rel=1e-5)
+
+
+def test_gspo_clamp_description_says_the_gradient_is_cut():
+    text = pl.GSPOOptions.model_fields["log_ratio_clamp"].description
+    assert "token-form" in text and "no gradient" in text
