@@ -391,8 +391,8 @@ def _load_on_worker(worker: Any, weights: list[tuple[str, Tensor]]) -> None:
     vLLM post-processes some weights after loading (on CPU it repacks every linear weight
     for its kernels and leaves an empty parameter behind; quantized layers do the same on
     GPUs), so writing into the module's parameters again would not reach what it computes
-    with. Its worker's ``reload_weights`` (vLLM 0.12 and later) restores the checkpoint
-    layout, loads and re-runs that post-processing; older versions only have the plain
+    with. Its worker's ``reload_weights`` (vLLM 0.32 has it) restores the checkpoint
+    layout, loads and re-runs that post-processing; a vLLM without it gets the plain
     ``load_weights``, right for unprocessed (float, unquantized) weights on a GPU.
     """
     if hasattr(worker, "reload_weights"):
@@ -479,7 +479,7 @@ class VLLMRollout:
         if self.options.enable_sleep_mode and current_platform.is_cpu():
             raise RuntimeError(
                 "vllm rollout: enable_sleep_mode is not supported on vLLM's CPU platform (it only frees "
-                "GPU memory); set rollout.backend_options.enable_sleep_mode: false"
+                "GPU memory); set rollout.enable_sleep_mode: false (or use a GPU)"
             )
 
         self.tokenizer = tokenizer
