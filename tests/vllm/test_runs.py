@@ -155,11 +155,14 @@ def test_a_multi_turn_lora_run_pushes_the_merged_adapter(tmp_path, model_dir):
         assert row["env/turns_per_episode"] == 2.0 and row["env/env_tokens"] > 0
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_two_processes_each_push_into_their_engine(tmp_path, model_dir, strategy):
-    """``--nproc 2``: one engine per process (data parallel); under fsdp2 the push gathers
-    the sharded policy (every process takes part) before each engine loads it."""
-    spec = write_spec(tmp_path, model_dir, train={"parallel": {"strategy": strategy}})
+@pytest.mark.parametrize(("strategy", "tp"), [("ddp", 1), ("fsdp2", 2)])
+def test_two_processes_each_push_into_their_engine(tmp_path, model_dir, strategy, tp):
+    """``--nproc 2``. ddp: one engine per process (data parallel), each loaded by its own
+    push. fsdp2 with ``tensor_parallel_size: 2``: one engine split over both processes, each
+    holding half of it; the push first gathers the sharded policy (every process takes part)
+    and each process loads its half of every weight."""
+    spec = write_spec(tmp_path, model_dir, train={"parallel": {"strategy": strategy}},
+                      rollout={"tensor_parallel_size": tp})
     grpo_run([spec, "--nproc", "2"], tmp_path, timeout=300)
     assert_pushes_reached_the_engine(tmp_path / "out", [1, 2])
     assert max_change(tmp_path / "out", model_dir) > 1e-2
