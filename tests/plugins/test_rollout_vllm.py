@@ -24,9 +24,12 @@ from grpo_plugins.rollout_vllm import (
     MISSING_VLLM,
     VLLMRollout,
     VLLMRolloutOptions,
+    cast_weights,
     drop_unknown,
     engine_kwargs,
+    keep_torch_threads,
     outputs_to_batch,
+    repeat_greedy,
     request_seed,
     sampling_kwargs,
     write_model_files,
@@ -219,6 +222,48 @@ def test_greedy_is_temperature_zero_without_truncation():
     sampling = SamplingParams(max_new_tokens=4, greedy=True, temperature=0.5, top_p=0.5, top_k=3)
     kwargs = sampling_kwargs(sampling, 1, [2], None)
     assert (kwargs["temperature"], kwargs["top_p"], kwargs["top_k"]) == (0.0, 1.0, -1)
+
+
+def test_greedy_asks_one_completion_and_repeats_it_group_size_times():
+    """vLLM refuses n > 1 at temperature 0; every greedy sample is the same anyway."""
+    assert sampling_kwargs(SamplingParams(max_new_tokens=4, greedy=True), 4, [2], None)["n"] == 1
+    one = [SimpleNamespace(outputs=[_completion(0, [5, EOS], "stop", "a")]),
+           SimpleNamespace(outputs=[_completion(0, [6], "length", "b")])]
+    batch = outputs_to_batch(repeat_greedy(one, 3), [[1], [2]], 3, pad_id=PAD, eos_ids=[EOS], max_new_tokens=1)
+    assert batch.completion_ids.tolist() == [[5]] * 3 + [[6]] * 3
+    assert batch.completions == ["a"] * 3 + ["b"] * 3
+
+
+def test_texts_come_from_decode_when_given_cut_at_the_stop(outputs):
+    rows = []
+
+    def decode(ids):
+        rows.extend(ids)
+        return [f"<{len(r)}>\n\nmore" for r in ids]
+
+    batch = outputs_to_batch(outputs, [[10], [13]], 3, pad_id=PAD, eos_ids=[EOS], max_new_tokens=4, stop=("\n\n",),
+                             decode=decode)
+    assert rows == [[4, EOS], [5, 6, STOP_TOKEN], [7, 7, 7, 7], [8, 8, 8, EOS], [3], [EOS]]
+    assert batch.completions == ["<2>\n\n", "<3>\n\n", "<4>\n\n", "<4>\n\n", "<1>\n\n", "<1>\n\n"]
+
+
+def test_pushed_weights_take_the_engines_dtype_and_integer_buffers_stay():
+    weights = [("w", torch.ones(2, dtype=torch.float32)), ("steps", torch.tensor([3]))]
+    cast = dict(cast_weights(weights, torch.bfloat16))
+    assert cast["w"].dtype == torch.bfloat16 and cast["steps"].dtype == torch.long
+
+
+def test_the_thread_count_and_setter_survive_an_engine_that_replaces_them():
+    threads = torch.get_num_threads()
+    original = torch.set_num_threads
+    try:
+        with keep_torch_threads():  # what vLLM's CPU worker does: bind threads, then disable the setter
+            torch.set_num_threads(threads + 1)
+            torch.set_num_threads = lambda n: None
+        assert torch.set_num_threads is original and torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads = original
+        torch.set_num_threads(threads)
 
 
 def test_request_seeds_are_deterministic_in_range_and_their_sample_streams_disjoint():
