@@ -39,10 +39,12 @@ CAP = 2.0  # algorithm.rollout_correction.cap's default
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=["hf", "vllm"])
+    parser.add_argument("--model", help="a model folder instead of SmolLM2-135M-Instruct (GGUF)")
     parser.add_argument("--engine-dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--prompts", type=int, default=2, help="P (the quickstart's prompts_per_step)")
     parser.add_argument("--group-size", type=int, default=8, help="G")
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--enforce-eager", action="store_true", help="vllm without torch.compile (faster start)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2, help="torch threads (the quickstart's train.threads)")
     parser.add_argument("--seed", type=int, default=0)
@@ -71,8 +73,9 @@ def _backend(args):
         return HFRollout()
     from grpo_plugins.rollout_vllm import VLLMRollout, VLLMRolloutOptions
 
-    length = 512 + args.max_new_tokens
-    return VLLMRollout(VLLMRolloutOptions(dtype=args.engine_dtype, max_model_len=length, seed=args.seed))
+    length = 256 + args.max_new_tokens  # the prompts here are under 100 tokens
+    return VLLMRollout(VLLMRolloutOptions(dtype=args.engine_dtype, max_model_len=length, seed=args.seed,
+                                          enforce_eager=args.enforce_eager))
 
 
 def run(args) -> dict[str, Any]:
@@ -80,7 +83,7 @@ def run(args) -> dict[str, Any]:
     from grpo_core.train.logprobs import completion_logprobs
 
     torch.set_num_threads(args.threads)
-    load = argparse.Namespace(model=None, gguf_file=None, policy_dtype="float32", lora=False, seed=args.seed)
+    load = argparse.Namespace(model=args.model, gguf_file=None, policy_dtype="float32", lora=False, seed=args.seed)
     model, tokenizer = _load(load)
     backend = _backend(args)
     start = time.perf_counter()
@@ -98,7 +101,9 @@ def run(args) -> dict[str, Any]:
         times.append(time.perf_counter() - start)
         tokens.append(int(batch.completion_mask.sum()))
     row: dict[str, Any] = {
-        "backend": args.backend if args.backend == "hf" else f"vllm {args.engine_dtype}",
+        "model": args.model or "SmolLM2-135M-Instruct",
+        "backend": args.backend if args.backend == "hf" else
+        f"vllm {args.engine_dtype}{' eager' if args.enforce_eager else ''}",
         "device": _device(), "P": args.prompts, "G": args.group_size, "max_new_tokens": args.max_new_tokens,
         "threads": torch.get_num_threads(), "setup_s": setup_s, "generate_s": statistics.median(times),
         "tokens": statistics.median(tokens), "tokens_per_s": statistics.median(t / s for t, s in zip(tokens, times)),
