@@ -251,12 +251,14 @@ def _load_on_worker(worker: Any, weights: list[tuple[str, Tensor]]) -> None:
     vLLM post-processes some weights after loading (on CPU it repacks every linear weight
     for its kernels and leaves an empty parameter behind; quantized layers do the same on
     GPUs), so writing into the module's parameters again would not reach what it computes
-    with. Its worker's ``reload_weights`` (vLLM 0.32 has it) restores the checkpoint
-    layout, loads and re-runs that post-processing; a vLLM without it gets the plain
-    ``load_weights``, right for unprocessed (float, unquantized) weights on a GPU.
+    with. Its worker's ``reload_weights(weights_iterator=...)`` (vLLM 0.32 has it; older
+    ones reload from disk only) restores the checkpoint layout, loads and re-runs that
+    post-processing; a vLLM without it gets the plain ``load_weights``, right for
+    unprocessed (float, unquantized) weights on a GPU.
     """
-    if hasattr(worker, "reload_weights"):
-        worker.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+    reload = getattr(worker, "reload_weights", None)
+    if reload is not None and "weights_iterator" in inspect.signature(reload).parameters:
+        reload(weights_iterator=iter(weights), is_checkpoint_format=True)
         return
     runner = worker.model_runner
     model = runner.get_model() if hasattr(runner, "get_model") else runner.model

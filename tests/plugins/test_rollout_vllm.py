@@ -511,3 +511,30 @@ def test_model_files_are_the_base_config_and_tokenizer_without_weights(tmp_path,
     assert (tmp_path / "tokenizer.json").exists() and (tmp_path / "tokenizer_config.json").exists()
     assert not list(Path(tmp_path).glob("*.safetensors")) and not list(Path(tmp_path).glob("*.bin"))
     assert hasattr(peft_model.get_base_model().config, "quantization_config")  # the policy's own config kept
+
+
+def test_the_worker_push_takes_the_in_place_reload_where_it_takes_weights():
+    """vLLM 0.32's worker reloads in place from an iterator; an older one reloads from disk
+    only (no weights_iterator) and gets the plain load_weights of its model instead."""
+    from grpo_plugins.rollout_vllm import _load_on_worker
+
+    weights = [("a", torch.ones(1))]
+    calls = []
+
+    class Reloads:
+        def reload_weights(self, weights_iterator=None, weights_path=None, is_checkpoint_format=True):
+            calls.append(("reload", list(weights_iterator), is_checkpoint_format))
+
+    class Model:
+        def load_weights(self, given):
+            calls.append(("load", list(given)))
+
+    class Old:
+        model_runner = SimpleNamespace(get_model=Model)
+
+        def reload_weights(self):  # vLLM 0.10: from disk
+            raise AssertionError("must not be called")
+
+    _load_on_worker(Reloads(), weights)
+    _load_on_worker(Old(), weights)
+    assert calls == [("reload", weights, True), ("load", weights)]
