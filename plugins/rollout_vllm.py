@@ -256,11 +256,11 @@ def _load_on_worker(worker: Any, weights: list[tuple[str, Tensor]]) -> None:
     post-processing; a vLLM without it gets the plain ``load_weights``, right for
     unprocessed (float, unquantized) weights on a GPU.
     """
-    reload = getattr(worker, "reload_weights", None)
-    if reload is not None and "weights_iterator" in inspect.signature(reload).parameters:
-        reload(weights_iterator=iter(weights), is_checkpoint_format=True)
-        return
     runner = worker.model_runner
+    reload = getattr(runner, "reload_weights", None)  # the worker's passes *args, **kwargs on to it
+    if reload is not None and "weights_iterator" in inspect.signature(reload).parameters:
+        worker.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+        return
     model = runner.get_model() if hasattr(runner, "get_model") else runner.model
     model.load_weights(weights)
 

@@ -521,18 +521,24 @@ def test_the_worker_push_takes_the_in_place_reload_where_it_takes_weights():
     weights = [("a", torch.ones(1))]
     calls = []
 
-    class Reloads:
+    class Runner:  # vLLM 0.32: the runner takes the iterator, the worker passes it on
         def reload_weights(self, weights_iterator=None, weights_path=None, is_checkpoint_format=True):
             calls.append(("reload", list(weights_iterator), is_checkpoint_format))
+
+    class Reloads:
+        model_runner = Runner()
+
+        def reload_weights(self, *args, **kwargs):
+            self.model_runner.reload_weights(*args, **kwargs)
 
     class Model:
         def load_weights(self, given):
             calls.append(("load", list(given)))
 
-    class Old:
-        model_runner = SimpleNamespace(get_model=Model)
+    class Old:  # vLLM 0.10: reloads from disk only
+        model_runner = SimpleNamespace(get_model=Model, reload_weights=lambda: None)
 
-        def reload_weights(self):  # vLLM 0.10: from disk
+        def reload_weights(self):
             raise AssertionError("must not be called")
 
     _load_on_worker(Reloads(), weights)
