@@ -117,7 +117,7 @@ def run(args) -> dict[str, Any]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ("| setting | backend | setup (s) | generate (s) | tokens | tokens/s | |gap| mean / max | IS weight "
+    head = ("| setting | backend | setup (s) | generate (s) | tokens | tokens/s | abs gap mean / max | IS weight "
             "mean | capped |")
     lines = [head, "|" + " --- |" * 9]
     for r in rows:
