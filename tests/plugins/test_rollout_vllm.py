@@ -2,8 +2,9 @@
 install message at validation, the sampling-parameter mapping, the conversion of vLLM's
 outputs into a RolloutBatch, and the weights it pushes (LoRA merged) checked against peft.
 
-What needs vLLM and a GPU (building the engine, generating, load_weights, sleep mode) is
-measured by ``bench/vllm_check.py``.
+What needs a real vLLM (building the engine, generating, the weight push) is tested against
+one in ``tests/vllm`` (marker ``vllm``, run in the second environment of the README's test
+command); sleep mode and speed on a GPU are measured by ``bench/vllm_check.py``.
 """
 
 from __future__ import annotations
@@ -23,9 +24,12 @@ from grpo_plugins.rollout_vllm import (
     MISSING_VLLM,
     VLLMRollout,
     VLLMRolloutOptions,
+    cast_weights,
     drop_unknown,
     engine_kwargs,
+    keep_torch_threads,
     outputs_to_batch,
+    repeat_greedy,
     request_seed,
     sampling_kwargs,
     write_model_files,
@@ -140,14 +144,6 @@ def test_cli_validate_without_vllm_exits_2_with_the_message(tmp_path):
     assert err == f"grpo-run: error: invalid spec {spec} (1 problem):\n  spec.rollout (line 3): {MISSING_VLLM}\n"
 
 
-@pytest.mark.skipif(not HAS_VLLM, reason="needs vllm")
-def test_cli_validate_with_vllm_accepts_the_spec(tmp_path):
-    spec = tmp_path / "spec.yaml"
-    spec.write_text("model: {path: some/model}\nrewards: [{name: accuracy}]\nrollout: {name: vllm}\n")
-    code, out, _ = cli("validate", spec)
-    assert code == 0 and "gpu_memory_utilization: 0.3" in out
-
-
 # --------------------------------------------------------------------------- engine settings
 def test_engine_kwargs_load_no_weights_and_run_in_process():
     kwargs = engine_kwargs(_options(), "/tmp/m", replica=3)
@@ -226,6 +222,48 @@ def test_greedy_is_temperature_zero_without_truncation():
     sampling = SamplingParams(max_new_tokens=4, greedy=True, temperature=0.5, top_p=0.5, top_k=3)
     kwargs = sampling_kwargs(sampling, 1, [2], None)
     assert (kwargs["temperature"], kwargs["top_p"], kwargs["top_k"]) == (0.0, 1.0, -1)
+
+
+def test_greedy_asks_one_completion_and_repeats_it_group_size_times():
+    """vLLM refuses n > 1 at temperature 0; every greedy sample is the same anyway."""
+    assert sampling_kwargs(SamplingParams(max_new_tokens=4, greedy=True), 4, [2], None)["n"] == 1
+    one = [SimpleNamespace(outputs=[_completion(0, [5, EOS], "stop", "a")]),
+           SimpleNamespace(outputs=[_completion(0, [6], "length", "b")])]
+    batch = outputs_to_batch(repeat_greedy(one, 3), [[1], [2]], 3, pad_id=PAD, eos_ids=[EOS], max_new_tokens=1)
+    assert batch.completion_ids.tolist() == [[5]] * 3 + [[6]] * 3
+    assert batch.completions == ["a"] * 3 + ["b"] * 3
+
+
+def test_texts_come_from_decode_when_given_cut_at_the_stop(outputs):
+    rows = []
+
+    def decode(ids):
+        rows.extend(ids)
+        return [f"<{len(r)}>\n\nmore" for r in ids]
+
+    batch = outputs_to_batch(outputs, [[10], [13]], 3, pad_id=PAD, eos_ids=[EOS], max_new_tokens=4, stop=("\n\n",),
+                             decode=decode)
+    assert rows == [[4, EOS], [5, 6, STOP_TOKEN], [7, 7, 7, 7], [8, 8, 8, EOS], [3], [EOS]]
+    assert batch.completions == ["<2>\n\n", "<3>\n\n", "<4>\n\n", "<4>\n\n", "<1>\n\n", "<1>\n\n"]
+
+
+def test_pushed_weights_take_the_engines_dtype_and_integer_buffers_stay():
+    weights = [("w", torch.ones(2, dtype=torch.float32)), ("steps", torch.tensor([3]))]
+    cast = dict(cast_weights(weights, torch.bfloat16))
+    assert cast["w"].dtype == torch.bfloat16 and cast["steps"].dtype == torch.long
+
+
+def test_the_thread_count_and_setter_survive_an_engine_that_replaces_them():
+    threads = torch.get_num_threads()
+    original = torch.set_num_threads
+    try:
+        with keep_torch_threads():  # what vLLM's CPU worker does: bind threads, then disable the setter
+            torch.set_num_threads(threads + 1)
+            torch.set_num_threads = lambda n: None
+        assert torch.set_num_threads is original and torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads = original
+        torch.set_num_threads(threads)
 
 
 def test_request_seeds_are_deterministic_in_range_and_their_sample_streams_disjoint():
@@ -473,3 +511,36 @@ def test_model_files_are_the_base_config_and_tokenizer_without_weights(tmp_path,
     assert (tmp_path / "tokenizer.json").exists() and (tmp_path / "tokenizer_config.json").exists()
     assert not list(Path(tmp_path).glob("*.safetensors")) and not list(Path(tmp_path).glob("*.bin"))
     assert hasattr(peft_model.get_base_model().config, "quantization_config")  # the policy's own config kept
+
+
+def test_the_worker_push_takes_the_in_place_reload_where_it_takes_weights():
+    """vLLM 0.32's worker reloads in place from an iterator; an older one reloads from disk
+    only (no weights_iterator) and gets the plain load_weights of its model instead."""
+    from grpo_plugins.rollout_vllm import _load_on_worker
+
+    weights = [("a", torch.ones(1))]
+    calls = []
+
+    class Runner:  # vLLM 0.32: the runner takes the iterator, the worker passes it on
+        def reload_weights(self, weights_iterator=None, weights_path=None, is_checkpoint_format=True):
+            calls.append(("reload", list(weights_iterator), is_checkpoint_format))
+
+    class Reloads:
+        model_runner = Runner()
+
+        def reload_weights(self, *args, **kwargs):
+            self.model_runner.reload_weights(*args, **kwargs)
+
+    class Model:
+        def load_weights(self, given):
+            calls.append(("load", list(given)))
+
+    class Old:  # vLLM 0.10: reloads from disk only
+        model_runner = SimpleNamespace(get_model=Model, reload_weights=lambda: None)
+
+        def reload_weights(self):
+            raise AssertionError("must not be called")
+
+    _load_on_worker(Reloads(), weights)
+    _load_on_worker(Old(), weights)
+    assert calls == [("reload", weights, True), ("load", weights)]

@@ -1,0 +1,184 @@
+"""The ``vllm`` backend against a real vLLM engine, in this process: one engine for the
+module (float32, eager, a small KV cache), the ``hf`` backend and the trainer's own
+log-probs as the references.
+
+What each test pins: greedy tokens equal ``hf``'s; the sampler's log-probs equal the
+trainer's (float32, <= 1e-5); after each weight push the engine's log-probs of a fixed
+sequence equal the new policy's and differ from the old one's (plain and LoRA-merged);
+the thread count stays the user's; sleep mode is refused on CPU with the option named.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from grpo_plugins.rollout_hf import HFRollout
+from grpo_plugins.rollout_vllm import VLLMRollout, VLLMRolloutOptions
+
+from grpo_core.contracts import SamplingParams
+from grpo_core.testing import build_model
+from grpo_core.train.logprobs import completion_logprobs
+
+from .conftest import HIDDEN
+
+pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("one_thread")]
+
+FIXED = "What is 12 + 30? 12 + 30 = 42"  # the sequence whose log-probs every push is checked on
+TOL = 1e-5  # float32 engine against the float32 trainer
+
+
+def engine_options(**changes) -> VLLMRolloutOptions:
+    values = {"dtype": "float32", "enforce_eager": True, "max_model_len": 256, "max_num_seqs": 16}
+    return VLLMRolloutOptions(**{**values, **changes})
+
+
+@pytest.fixture(scope="module")
+def policy(tokenizer):
+    return build_model(tokenizer, hidden_size=HIDDEN, seed=0).eval()
+
+
+@pytest.fixture(scope="module")
+def engine(policy, tokenizer):
+    backend = VLLMRollout(engine_options())
+    backend.setup(policy, tokenizer)
+    return backend
+
+
+def engine_logps(backend: VLLMRollout, ids: list[int]) -> torch.Tensor:
+    """The engine's log-probs of ``ids[1:]`` given the tokens before each (prompt log-probs,
+    temperature 1), ``float32 (len(ids) - 1,)``."""
+    from vllm import SamplingParams as VLLMSampling
+    from vllm.inputs import TokensPrompt
+
+    (out,) = backend.llm.generate(
+        [TokensPrompt(prompt_token_ids=ids)],
+        VLLMSampling(max_tokens=1, temperature=1.0, prompt_logprobs=0, seed=0),
+        use_tqdm=False,
+    )
+    return torch.tensor([entry[t].logprob for t, entry in zip(ids[1:], out.prompt_logprobs[1:])])
+
+
+def policy_logps(model, ids: list[int]) -> torch.Tensor:
+    """The trainer's log-probs of ``ids[1:]`` (plain forward, float32)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def trainer_logps(model, batch, temperature: float = 1.0) -> torch.Tensor:
+    with torch.no_grad():
+        logp, _ = completion_logprobs(
+            model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask,
+            temperature=temperature,
+        )
+    return logp
+
+
+def test_greedy_tokens_equal_the_hf_backends(engine, policy, tokenizer, prompts):
+    sampling = SamplingParams(max_new_tokens=12, greedy=True)
+    hf = HFRollout()
+    hf.setup(policy, tokenizer)
+    want = hf.generate(prompts, 2, sampling)
+    got = engine.generate(prompts, 2, sampling)
+    assert got.completion_ids.shape == want.completion_ids.shape
+    assert torch.equal(got.completion_ids, want.completion_ids)
+    assert torch.equal(got.completion_mask, want.completion_mask)
+    assert torch.equal(got.truncated, want.truncated)
+    assert got.completions == want.completions
+    assert torch.equal(got.prompt_ids, want.prompt_ids)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampler_logps_equal_the_trainers(engine, policy, prompts, temperature):
+    sampling = SamplingParams(max_new_tokens=16, temperature=temperature, seed=11)
+    batch = engine.generate(prompts, 4, sampling)
+    assert batch.sampling_logp is not None and batch.completion_mask.sum() > 20
+    mine = trainer_logps(policy, batch, temperature)
+    gap = (mine - batch.sampling_logp).abs()[batch.completion_mask]
+    assert float(gap.max()) <= TOL, float(gap.max())
+    # Seeded: the same call draws the same tokens; another seed draws others.
+    again = engine.generate(prompts, 4, sampling)
+    assert torch.equal(again.completion_ids, batch.completion_ids)
+    other = engine.generate(prompts, 4, SamplingParams(max_new_tokens=16, temperature=temperature, seed=12))
+    assert not torch.equal(other.completion_ids, batch.completion_ids)
+
+
+def _nudge(model, seed: int, scale: float = 0.05) -> None:
+    """An update of every weight (as an optimizer step moves them all)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(scale * torch.randn(param.shape, generator=generator))
+
+
+def test_each_push_reaches_the_engine_by_log_probs(engine, policy, tokenizer):
+    ids = tokenizer(FIXED)["input_ids"]
+    model = copy.deepcopy(policy)
+    before = engine_logps(engine, ids)
+    assert float((before - policy_logps(model, ids)).abs().max()) <= TOL  # setup pushed the policy
+    for update in range(2):
+        old = policy_logps(model, ids)
+        _nudge(model, seed=update)
+        new = policy_logps(model, ids)
+        assert float((new - old).abs().max()) > 1e-2  # the update moved the log-probs
+        engine.sync_weights(model)
+        got = engine_logps(engine, ids)
+        assert float((got - new).abs().max()) <= TOL, (update, float((got - new).abs().max()))
+        assert float((got - old).abs().max()) > 1e-2
+    engine.sync_weights(policy)  # back to the module's policy for the other tests
+    assert float((engine_logps(engine, ids) - policy_logps(policy, ids)).abs().max()) <= TOL
+
+
+def test_a_lora_policy_pushes_its_merged_weights(engine, policy, tokenizer):
+    from peft import LoraConfig, get_peft_model
+
+    ids = tokenizer(FIXED)["input_ids"]
+    lora = get_peft_model(
+        copy.deepcopy(policy),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False),
+    ).eval()
+    with torch.no_grad():  # an adapter with an effect large enough to see
+        for name, param in lora.named_parameters():
+            if ".lora_B." in name:
+                param.copy_(0.2 * torch.randn(param.shape, generator=torch.Generator().manual_seed(1)))
+    with_adapter, base = policy_logps(lora, ids), policy_logps(policy, ids)
+    assert float((with_adapter - base).abs().max()) > 1e-2
+    engine.sync_weights(lora)
+    got = engine_logps(engine, ids)
+    assert float((got - with_adapter).abs().max()) <= TOL
+    assert not any(getattr(m, "merged", False) for m in lora.modules())  # the training model is untouched
+    engine.sync_weights(policy)
+    assert float((engine_logps(engine, ids) - base).abs().max()) <= TOL
+
+
+def test_the_thread_setting_stays_the_users(engine):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert torch.get_num_threads() == 2  # vLLM's CPU worker had made this a no-op
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.get_num_threads() == threads
+
+
+def test_sleep_mode_is_refused_on_cpu_naming_the_option(policy, tokenizer):
+    backend = VLLMRollout(engine_options(enable_sleep_mode=True))
+    with pytest.raises(RuntimeError, match="enable_sleep_mode is not supported on vLLM's CPU platform"):
+        backend.setup(policy, tokenizer)
+    assert backend.llm is None
+
+
+def test_cli_validate_with_vllm_accepts_the_spec(tmp_path):
+    import contextlib
+    import io
+
+    from grpo_core.cli import main
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("model: {path: some/model}\nrewards: [{name: accuracy}]\nrollout: {name: vllm}\n")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        code = main(["validate", str(spec)])
+    assert code == 0 and "gpu_memory_utilization: 0.3" in out.getvalue()
