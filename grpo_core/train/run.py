@@ -421,7 +421,7 @@ def train(loaded: LoadedSpec, resume: str | None = None) -> int:
                 start = _StepStart.of(run)
                 try:
                     metrics = _step_and_record(run)
-                except Exception as exc:
+                except (Exception, SystemExit) as exc:  # SystemExit: sys.exit() in plugin code
                     _save_failed_step(run, start, loaded, exc)
                     raise
                 if bar is not None:
