@@ -15,7 +15,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from grpo_core.errors import RunError
-from grpo_core.train.scoring import RewardFn, reward_value, score
+from grpo_core.train import scoring
+from grpo_core.train.scoring import RewardFn, score
 
 PROMPTS = ["What is 2+2?", "Name a prime."]
 COMPLETIONS = ["4", "7"]
@@ -63,7 +64,7 @@ def test_anything_but_a_finite_real_number_or_none_is_an_error_naming_the_functi
      (np.bool_(True), 1.0), (torch.tensor(0.75), 0.75), (np.array(1.5), 1.5), (Fraction(1, 4), 0.25)],
 )
 def test_finite_real_numbers_of_any_kind_and_none_are_accepted(value, expected):
-    assert reward_value(value) == expected
+    assert scoring.reward_value(value) == expected
     out = _score(value)
     assert out.failed == 0
     assert math.isnan(out.per_function[1, 0]) if expected is None else out.per_function[1, 0] == expected
@@ -83,10 +84,10 @@ def test_a_step_score_follows_the_same_rule():
 @given(st.floats(allow_nan=True, allow_infinity=True))
 def test_reward_value_is_the_float_when_finite_and_an_error_otherwise(x):
     if math.isfinite(x):
-        assert reward_value(x) == x
+        assert scoring.reward_value(x) == x
     else:
         with pytest.raises(ValueError):
-            reward_value(x)
+            scoring.reward_value(x)
 
 
 @given(st.integers())
@@ -95,6 +96,6 @@ def test_reward_value_of_an_integer_is_the_float_or_an_error_when_too_large(n):
         expected = float(n)
     except OverflowError:
         with pytest.raises(ValueError, match="too large for a float"):
-            reward_value(n)
+            scoring.reward_value(n)
     else:
-        assert reward_value(n) == expected
+        assert scoring.reward_value(n) == expected

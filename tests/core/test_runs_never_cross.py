@@ -14,7 +14,6 @@ import pytest
 from grpo_core import checkpoint as ckpt
 from grpo_core.cli import main
 from grpo_core.errors import UsageError
-from grpo_core.runlock import LOCK_FILE, hold_run_folder
 from grpo_core.testing import build_model, build_tokenizer
 from grpo_core.train.kl import KLTerm
 
@@ -27,7 +26,7 @@ def _isolated(tmp_path, monkeypatch):
 # --------------------------------------------------------------------------- the lock
 def _holder_pid(out) -> int | None:
     try:
-        return json.loads((out / LOCK_FILE).read_text())["pid"]
+        return json.loads((out / "run.lock").read_text())["pid"]
     except (OSError, ValueError, KeyError):
         return None
 
@@ -36,11 +35,12 @@ def test_a_second_launch_on_a_live_run_exits_2_and_a_sigkilled_run_leaves_no_loc
     spec = write_spec(tmp_path, train={"steps": 100_000})
     out = tmp_path / "out"
     first = child([spec])
-    first.wait_for(lambda: _holder_pid(out) == first.proc.pid and kit.last_step(out / "metrics.jsonl") >= 1,
-                   timeout=240, what="the first run to lock its folder and log a step")
+    first.wait_for(lambda: (out / "metrics.jsonl").is_file() and kit.last_step(out / "metrics.jsonl") >= 1,
+                   timeout=240, what="the first run to log a step")
 
     second = child([spec, "--overwrite", "--set", "train.steps=1"])  # --overwrite would move the live run aside
-    assert second.wait(240) == 2
+    assert second.wait(240) == 2, second.output()
+    assert _holder_pid(out) == first.proc.pid
     err = second.output()
     host = socket.gethostname()
     assert f"the run folder {out} is in use by a live run: pid {first.proc.pid} on host {host} (since " in err
@@ -58,6 +58,8 @@ def test_a_second_launch_on_a_live_run_exits_2_and_a_sigkilled_run_leaves_no_loc
 
 
 def test_the_lock_is_held_while_the_block_runs_and_released_after(tmp_path):
+    from grpo_core.runlock import LOCK_FILE, hold_run_folder
+
     folder = tmp_path / "run"
     with hold_run_folder(folder):
         info = json.loads((folder / LOCK_FILE).read_text())
@@ -77,12 +79,12 @@ def test_a_checkpoint_write_never_replaces_another_trajectorys_step(tmp_path, ca
     mine = ckpt.write_checkpoint(root, 3, model, {"step": 3, "who": "mine"}, keep=5, trajectory="mine")
     assert mine == theirs == root / "step-000003"
     assert ckpt.load_state(mine / ckpt.STATE)["who"] == "mine"
-    aside = root / ckpt.SUPERSEDED / "step-000003-theirs"
+    aside = root / "superseded" / "step-000003-theirs"
     assert ckpt.verify(aside) is None and ckpt.load_state(aside / ckpt.STATE)["who"] == "theirs"
     assert f"belongs to another line of steps (trajectory theirs); moved to {aside}" in capsys.readouterr().err
     again = ckpt.write_checkpoint(root, 3, model, {"step": 3, "who": "mine, again"}, keep=5, trajectory="mine")
     assert ckpt.load_state(again / ckpt.STATE)["who"] == "mine, again"  # its own step: replaced in place
-    assert [p.name for p in (root / ckpt.SUPERSEDED).iterdir()] == ["step-000003-theirs"]
+    assert [p.name for p in (root / "superseded").iterdir()] == ["step-000003-theirs"]
     assert ckpt.list_checkpoints(root) == [again]
 
 
@@ -104,11 +106,11 @@ def test_each_fresh_run_gets_its_own_tensorboard_run_and_overwrite_moves_environ
     assert main([str(spec)]) == 0
     first_env = (out / "environment.json").read_text()
     assert main([str(spec), "--overwrite"]) == 0
+    runs = sorted((tmp_path / "tb").iterdir())
+    assert [_tb_rewards(r) for r in runs] == [[1, 2], [1, 2]]  # not 1, 2, 1, 2 in one run
+    assert len(runs) == 2 and runs[0].name == "spec" and runs[1].name.startswith("spec-")
     (aside,) = (out / "overwritten").iterdir()
     assert (aside / "environment.json").read_text() == first_env  # moved aside with the other run files
-    runs = sorted((tmp_path / "tb").iterdir())
-    assert len(runs) == 2 and runs[0].name == "spec" and runs[1].name.startswith("spec-")
-    assert [_tb_rewards(r) for r in runs] == [[1, 2], [1, 2]]  # not 1, 2, 1, 2 in one run
 
     assert main([str(spec), "--resume", "--set", "train.steps=3"]) == 0  # a resume continues its own
     assert sorted((tmp_path / "tb").iterdir()) == runs
