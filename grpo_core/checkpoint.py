@@ -302,6 +302,17 @@ def trajectory_after_resume(root: Path, loaded: Loaded) -> str:
     return new_trajectory()
 
 
+def overridden_on_resume(state: dict[str, Any], spec) -> list[str]:
+    """What a resume from ``state`` uses instead of ``spec``'s value, one note per setting: the
+    learning rate, which the optimizer's and scheduler's state carry (a changed ``train.lr``
+    would otherwise be recorded in ``spec.resolved.yaml`` and silently not used)."""
+    base = (state.get("scheduler") or {}).get("base_lrs") or []
+    if base and any(abs(float(b) - spec.train.lr) > 1e-12 * max(1.0, abs(spec.train.lr)) for b in base):
+        return [f"train.lr = {spec.train.lr:g} is not used: the optimizer and its schedule continue from the "
+                f"checkpoint's learning rate {float(base[0]):g} (start a new run to change it)"]
+    return []
+
+
 def run_folder(loaded) -> Path:
     """The run folder of a loaded spec: ``train.output_dir``, or ``runs/<spec name>``."""
     return Path(loaded.spec.train.output_dir or Path("runs") / loaded.name)

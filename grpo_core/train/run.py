@@ -325,6 +325,8 @@ def _resume(run: Run, resume: str | None) -> str | None:
     run.engine.backend.sync_weights(run.model)
     if run.dist.is_main:
         print(f"grpo-run: resuming from {found.folder} (step {run.step})", file=sys.stderr)
+        print("".join(f"grpo-run: --resume: {note}\n" for note in ckpt.overridden_on_resume(found.state, run.spec)),
+              end="", file=sys.stderr)
     return found.state.get("run_id")
 
 

@@ -118,12 +118,19 @@ def test_each_fresh_run_gets_its_own_tensorboard_run_and_overwrite_moves_environ
 
 
 # --------------------------------------------------------------------------- beta on resume
-def test_a_fixed_beta_comes_from_the_spec_on_resume(tmp_path, write_spec, kit):
+def test_a_fixed_beta_comes_from_the_spec_on_resume_and_an_overridden_lr_is_reported(tmp_path, write_spec, kit,
+                                                                                      capsys):
     spec = write_spec(tmp_path, algorithm={"kl": {"beta": 0.04}}, train={"steps": 2}, checkpoint={"every": 1})
     assert main([str(spec)]) == 0
+    capsys.readouterr()
     assert main([str(spec), "--resume", "--set", "train.steps=3", "--set", "algorithm.kl.beta=0.5"]) == 0
     rows = {r["step"]: r for r in kit.read_metrics(tmp_path / "out" / "metrics.jsonl")}
     assert [rows[s]["kl/beta"] for s in (1, 2, 3)] == [0.04, 0.04, 0.5]
+    assert "is not used" not in capsys.readouterr().err  # nothing else changed: nothing to report
+
+    assert main([str(spec), "--resume", "--set", "train.steps=4", "--set", "train.lr=0.5"]) == 0
+    assert ("grpo-run: --resume: train.lr = 0.5 is not used: the optimizer and its schedule continue from the "
+            "checkpoint's learning rate 0.01" in capsys.readouterr().err)
 
 
 def test_an_adaptive_beta_is_state_and_a_changed_start_value_is_reported(capsys):
