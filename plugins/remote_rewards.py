@@ -23,7 +23,7 @@ retried ``retries`` times, waiting ``backoff`` seconds, then twice that, and so 
 answer), not for each socket read. Redirects (3xx) are not followed: they are an error,
 so the request and its headers never go to a host other than ``url``'s. An answer longer
 than ``max_response_bytes`` is an error. Reward values follow the engine's one rule
-(:func:`grpo_core.train.scoring.reward_value`): a finite number (``true``/``false`` count
+(:func:`grpo_core.contracts.reward_value`): a finite number (``true``/``false`` count
 as 1 and 0) or ``null``. Connections go straight to ``url``'s host (proxy environment
 variables are not used).
 Every failure ends as a :class:`~grpo_core.errors.RunError` for the whole batch, naming the
@@ -49,9 +49,9 @@ from typing import Any
 from pydantic import Field, field_validator
 
 from grpo_core import hookimpl
+from grpo_core.contracts import reward_value
 from grpo_core.errors import RunError
 from grpo_core.options import Options
-from grpo_core.train.scoring import reward_value
 
 __all__ = ["RemoteOptions", "RemoteReward"]
 

@@ -24,11 +24,12 @@ user, such as a missing column or an unreachable server) fails for its whole bat
 other exception is retried completion by completion to find the one it fails on. Plugin
 code is user code: a ``SystemExit`` (or any ``BaseException`` but ``KeyboardInterrupt``)
 from a reward function is that function's fault like any exception, never the end of the
-process. One rule for every score, whatever its source (:func:`reward_value`): a finite
-real number, or None for an unscorable completion; anything else (NaN, an infinity, a
-string such as ``"0.5"``, an integer too large for a float) is an error naming the
-function and the completion (or, with ``reward_errors: none``, scored None and counted);
-a batch that no function could score is logged as a warning naming the functions.
+process. One rule for every score, whatever its source
+(:func:`grpo_core.contracts.reward_value`): a finite real number, or None for an
+unscorable completion; anything else (NaN, an infinity, a string such as ``"0.5"``, an
+integer too large for a float) is an error naming the function and the completion (or,
+with ``reward_errors: none``, scored None and counted); a batch that no function could
+score is logged as a warning naming the functions.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ import asyncio
 import inspect
 import logging
 import math
-import numbers
 import threading
 import time
 from collections.abc import Callable
@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from grpo_core.contracts import masked_fill_zero
+from grpo_core.contracts import masked_fill_zero, reward_value
 from grpo_core.errors import RunError, fault_text
 from grpo_core.registry import conform
 
@@ -157,29 +157,6 @@ class Scores:
 
 class BadRewardValue(RunError):
     """A reward function returned something that is not a finite real number or None."""
-
-
-def reward_value(value: Any) -> float | None:
-    """The one rule for a reward value, whatever its source (a local function, a process
-    reward's step score, the ``remote`` reward's answer): None (unscorable) stays None; a
-    finite real number (``int``, ``float``, ``bool``, a numpy scalar, a one-element tensor or
-    array) becomes a float. Anything else raises ``ValueError`` saying what it is: a string
-    (even ``"0.5"``), NaN, an infinity, an integer too large for a float (``10**400``)."""
-    if value is None:
-        return None
-    if not isinstance(value, numbers.Real) and getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
-        value = value.item()  # a 0-d tensor or array, numpy's bool
-    if isinstance(value, bool):
-        return float(value)
-    if not isinstance(value, numbers.Real):
-        raise ValueError(f"{type(value).__name__} {value!r:.60}")
-    try:
-        out = float(value)
-    except OverflowError:
-        raise ValueError(f"{type(value).__name__} too large for a float ({str(value)[:20]}...)") from None
-    if not math.isfinite(out):
-        raise ValueError(str(out))
-    return out
 
 
 def _to_float(value: Any, fn: RewardFn, index: int) -> float:
