@@ -145,3 +145,17 @@ def test_an_adaptive_beta_is_state_and_a_changed_start_value_is_reported(capsys)
     fixed = KLTerm(estimator=None, beta=0.5)
     fixed.load_state_dict(saved.state_dict())
     assert fixed.beta == 0.5 and capsys.readouterr().err == ""
+
+
+def test_a_refused_launch_leaves_no_folder_it_created_and_a_used_folder_keeps_its_lock_file(tmp_path):
+    from grpo_core.runlock import LOCK_FILE, hold_run_folder
+
+    fresh = tmp_path / "fresh"
+    with pytest.raises(UsageError, match="bad usage"):
+        with hold_run_folder(fresh):
+            raise UsageError("bad usage")  # refused before writing anything
+    assert not fresh.exists()
+    used = tmp_path / "used"
+    with hold_run_folder(used):
+        (used / "metrics.jsonl").write_text("{}\n")
+    assert sorted(p.name for p in used.iterdir()) == sorted([LOCK_FILE, "metrics.jsonl"])
