@@ -13,7 +13,8 @@ Each run's line of steps (its *trajectory*) has an id, written in every manifest
 keeps the newest of the current trajectory's checkpoints and ``--resume`` picks among those
 of the trajectory written last, so checkpoints another run left in the folder are never
 deleted, nor resumed by mistake; writing a step whose folder holds another trajectory's
-checkpoint moves that one to ``checkpoints/superseded/`` rather than replacing it.
+complete checkpoint moves that one to ``checkpoints/superseded/`` rather than replacing it
+(a corrupt or incomplete one is replaced).
 ``state.pt`` is read with ``torch.load(weights_only=True)``:
 tensors, plain containers, numbers and strings (and numpy's RNG state) load, anything else
 (a pickled object that could run code) is refused.
@@ -151,8 +152,8 @@ def write_checkpoint(
     manifest = {"step": step, "time": time.time(), "trajectory": trajectory, "files": files}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     _fsync_tree(tmp)
-    if final.exists() and _manifest(final).get("trajectory") not in (None, trajectory):
-        _set_aside(root, final)
+    if final.exists() and _manifest(final).get("trajectory") not in (None, trajectory) and verify(final) is None:
+        _set_aside(root, final)  # a usable step of another line; a broken one is replaced below
     if final.exists():  # the same step of this trajectory written again (e.g. after a resume): replace it
         old = root / f".{final.name}.old-{os.getpid()}"
         final.rename(old)
@@ -167,9 +168,9 @@ def write_checkpoint(
 
 
 def _set_aside(root: Path, folder: Path) -> None:
-    """Move ``folder``, a checkpoint of another trajectory (a line abandoned by a resume from
-    an older step), to ``<root>/superseded/`` instead of replacing it: a write never
-    destroys a step of another line."""
+    """Move ``folder``, a complete checkpoint of another trajectory (a line abandoned by a
+    resume from an older step), to ``<root>/superseded/`` instead of replacing it: a write
+    never destroys a usable step of another line."""
     trajectory = _manifest(folder).get("trajectory")
     aside = root / SUPERSEDED / f"{folder.name}-{trajectory}"
     aside.parent.mkdir(exist_ok=True)

@@ -86,6 +86,11 @@ def test_a_checkpoint_write_never_replaces_another_trajectorys_step(tmp_path, ca
     assert ckpt.load_state(again / ckpt.STATE)["who"] == "mine, again"  # its own step: replaced in place
     assert [p.name for p in (root / "superseded").iterdir()] == ["step-000003-theirs"]
     assert ckpt.list_checkpoints(root) == [again]
+    broken = ckpt.write_checkpoint(root, 4, model, {"step": 4}, keep=5, trajectory="theirs")
+    (broken / ckpt.STATE).write_bytes(b"torn")  # a corrupt checkpoint of another line is replaced, not kept
+    ckpt.write_checkpoint(root, 4, model, {"step": 4, "who": "mine"}, keep=5, trajectory="mine")
+    assert [p.name for p in (root / "superseded").iterdir()] == ["step-000003-theirs"]
+    assert ckpt.load_state(broken / ckpt.STATE)["who"] == "mine"
 
 
 # --------------------------------------------------------------------------- TensorBoard and --overwrite
