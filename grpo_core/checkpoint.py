@@ -12,7 +12,10 @@ is removed by the next write or resume.
 Each run's line of steps (its *trajectory*) has an id, written in every manifest: pruning
 keeps the newest of the current trajectory's checkpoints and ``--resume`` picks among those
 of the trajectory written last, so checkpoints another run left in the folder are never
-deleted, nor resumed by mistake. ``state.pt`` is read with ``torch.load(weights_only=True)``:
+deleted, nor resumed by mistake; writing a step whose folder holds another trajectory's
+complete checkpoint moves that one to ``checkpoints/superseded/`` rather than replacing it
+(a corrupt or incomplete one is replaced).
+``state.pt`` is read with ``torch.load(weights_only=True)``:
 tensors, plain containers, numbers and strings (and numpy's RNG state) load, anything else
 (a pickled object that could run code) is refused.
 """
@@ -45,7 +48,10 @@ MANIFEST = "manifest.json"
 STATE = "state.pt"
 PREFIX = "step-"
 #: What a previous run leaves in its folder, moved aside by ``--overwrite``.
-RUN_FILES = ("checkpoints", "metrics.jsonl", "metrics.superseded.jsonl", "final", "spec.resolved.yaml")
+RUN_FILES = ("checkpoints", "metrics.jsonl", "metrics.superseded.jsonl", "final", "spec.resolved.yaml",
+             "environment.json")
+#: Where a checkpoint of another trajectory goes when this one writes the same step.
+SUPERSEDED = "superseded"
 _LEFTOVER = re.compile(rf"\.({PREFIX}\d+)\.(tmp|old)-(\d+)")
 
 
@@ -146,7 +152,9 @@ def write_checkpoint(
     manifest = {"step": step, "time": time.time(), "trajectory": trajectory, "files": files}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     _fsync_tree(tmp)
-    if final.exists():  # the same step written again (e.g. after a resume): replace it
+    if final.exists() and _manifest(final).get("trajectory") not in (None, trajectory) and verify(final) is None:
+        _set_aside(root, final)  # a usable step of another line; a broken one is replaced below
+    if final.exists():  # the same step of this trajectory written again (e.g. after a resume): replace it
         old = root / f".{final.name}.old-{os.getpid()}"
         final.rename(old)
         tmp.rename(final)
@@ -157,6 +165,20 @@ def write_checkpoint(
     for stale in ours[:-keep]:
         shutil.rmtree(stale, ignore_errors=True)
     return final
+
+
+def _set_aside(root: Path, folder: Path) -> None:
+    """Move ``folder``, a complete checkpoint of another trajectory (a line abandoned by a
+    resume from an older step), to ``<root>/superseded/`` instead of replacing it: a write
+    never destroys a usable step of another line."""
+    trajectory = _manifest(folder).get("trajectory")
+    aside = root / SUPERSEDED / f"{folder.name}-{trajectory}"
+    aside.parent.mkdir(exist_ok=True)
+    while aside.exists():
+        aside = aside.with_name(aside.name + "+")
+    folder.rename(aside)
+    print(f"grpo-run: {folder} belongs to another line of steps (trajectory {trajectory}); moved to {aside}",
+          file=sys.stderr)
 
 
 def _manifest(folder: Path) -> dict[str, Any]:
@@ -279,6 +301,17 @@ def trajectory_after_resume(root: Path, loaded: Loaded) -> str:
     if own and not later:
         return str(own)
     return new_trajectory()
+
+
+def overridden_on_resume(state: dict[str, Any], spec) -> list[str]:
+    """What a resume from ``state`` uses instead of ``spec``'s value, one note per setting: the
+    learning rate, which the optimizer's and scheduler's state carry (a changed ``train.lr``
+    would otherwise be recorded in ``spec.resolved.yaml`` and silently not used)."""
+    base = (state.get("scheduler") or {}).get("base_lrs") or []
+    if base and any(abs(float(b) - spec.train.lr) > 1e-12 * max(1.0, abs(spec.train.lr)) for b in base):
+        return [f"train.lr = {spec.train.lr:g} is not used: the optimizer and its schedule continue from the "
+                f"checkpoint's learning rate {float(base[0]):g} (start a new run to change it)"]
+    return []
 
 
 def run_folder(loaded) -> Path:

@@ -2,19 +2,21 @@
 starter spec, list runs and plugins, print the JSON Schema.
 
 Exit codes: 0 success, 1 runtime failure, 2 invalid spec or usage (or a fresh run in a
-folder holding another run), 130 interrupted (SIGINT), 143 terminated (SIGTERM); under
-``--nproc``, 128 + N when a process was killed by signal N.
+folder holding another run, or any run in a folder a live run holds), 130 interrupted
+(SIGINT), 143 terminated (SIGTERM); under ``--nproc``, 128 + N when a process was killed
+by signal N.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import traceback
 
-from grpo_core.errors import GrpoError, UsageError
+from grpo_core.errors import GrpoError, UsageError, fault_text
 
 COMMANDS = ("run", "eval", "validate", "init", "runs", "plugins", "schema")
 
@@ -183,9 +185,10 @@ def _cmd_eval(args) -> int:
 
 def _cmd_run(args) -> int:
     from grpo_core.checkpoint import claim_run_folder, run_folder
+    from grpo_core.runlock import hold_run_folder
     from grpo_core.spec import load_spec
     from grpo_core.train.distributed import world_size_from_env
-    from grpo_core.train.launch import die_with_launcher, launch
+    from grpo_core.train.launch import PARENT_ENV, die_with_launcher, launch
     from grpo_core.train.run import train
 
     die_with_launcher()
@@ -198,11 +201,32 @@ def _cmd_run(args) -> int:
         from grpo_core.dryrun import dry_run
 
         return dry_run(loaded)
-    if args.resume is None:  # every process checks; only the main one moves files aside
-        claim_run_folder(run_folder(loaded), args.overwrite, move=os.environ.get("RANK", "0") in ("", "0"))
-    if args.nproc > 1 and world_size_from_env() == 1:
-        return launch(args, loaded)
-    return train(loaded, resume=args.resume)
+    main_process = os.environ.get("RANK", "0") in ("", "0")
+    # The launching process holds the folder's lock (a --nproc launcher's children do not).
+    locking = main_process and not os.environ.get(PARENT_ENV)
+    with hold_run_folder(run_folder(loaded)) if locking else contextlib.nullcontext():
+        if args.resume is None:  # every process checks; only the main one moves files aside
+            claim_run_folder(run_folder(loaded), args.overwrite, move=main_process)
+        if args.nproc > 1 and world_size_from_env() == 1:
+            return launch(args, loaded)
+        return train(loaded, resume=args.resume)
+
+
+def _origin(exc: BaseException) -> str:
+    """`` (file:line)`` of the innermost frame of ``exc`` outside the engine and Python's own
+    library: the plugin code that raised it."""
+    import sysconfig
+    import traceback as tb
+
+    engine = os.path.dirname(os.path.abspath(__file__))
+    stdlib = sysconfig.get_paths()["stdlib"]
+    frames = [f for f, _ in tb.walk_tb(exc.__traceback__)]
+    for frame in reversed(frames):
+        name = os.path.abspath(frame.f_code.co_filename)
+        in_stdlib = name.startswith(stdlib + os.sep) and "site-packages" not in name
+        if not name.startswith(engine + os.sep) and not in_stdlib:
+            return f" ({name}:{frame.f_lineno}, in {frame.f_code.co_name})"
+    return ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -227,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("grpo-run: interrupted", file=sys.stderr)
         return 130
+    except SystemExit as exc:  # sys.exit() in plugin code (a loss, a tracker...): its fault, not an exit code
+        print(f"grpo-run: error: {fault_text(exc)} in plugin code{_origin(exc)}", file=sys.stderr)
+        return 1
     except Exception as exc:  # a bug or an unexpected failure: one line, details on demand
         if os.environ.get("GRPO_DEBUG"):
             traceback.print_exc()

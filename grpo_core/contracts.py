@@ -12,6 +12,8 @@ Rows are ordered prompt-major: rows ``p*G .. p*G+G-1`` are the group of prompt `
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -32,6 +34,7 @@ __all__ = [
     "RolloutBatch",
     "RolloutBackend",
     "RewardFunction",
+    "reward_value",
     "StepSplitter",
     "RewardExample",
     "TrainableReward",
@@ -431,6 +434,29 @@ class RewardFunction(Protocol):
     required_columns: Sequence[str] = ()
 
     def __call__(self, prompts: list, completions: list, **columns: Any) -> list: ...
+
+
+def reward_value(value: Any) -> float | None:
+    """The one rule for a reward value, whatever its source (a local function, a process
+    reward's step score, the ``remote`` reward's answer): None (unscorable) stays None; a
+    finite real number (``int``, ``float``, ``bool``, a numpy scalar, a one-element tensor or
+    array) becomes a float. Anything else raises ``ValueError`` saying what it is: a string
+    (even ``"0.5"``), NaN, an infinity, an integer too large for a float (``10**400``)."""
+    if value is None:
+        return None
+    if not isinstance(value, numbers.Real) and getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        value = value.item()  # a 0-d tensor or array, numpy's bool
+    if isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, numbers.Real):
+        raise ValueError(f"{type(value).__name__} {value!r:.60}")
+    try:
+        out = float(value)
+    except OverflowError:
+        raise ValueError(f"{type(value).__name__} too large for a float ({str(value)[:20]}...)") from None
+    if not math.isfinite(out):
+        raise ValueError(str(out))
+    return out
 
 
 @runtime_checkable

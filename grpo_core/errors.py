@@ -55,3 +55,12 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
     """``"; did you mean 'x'?"`` when a choice is close to ``word``, else ``""``."""
     match = closest(word, choices)
     return f"; did you mean '{match}'?" if match else ""
+
+
+def fault_text(exc: BaseException) -> str:
+    """``"Type: message"`` of an exception raised by plugin code; a ``SystemExit`` (argparse,
+    ``sys.exit`` in a tool, a reward function or at a plugin's import) says so, since its
+    message alone is a bare exit code."""
+    if isinstance(exc, SystemExit):
+        return f"SystemExit (sys.exit({exc.code!r}) was called)"
+    return f"{type(exc).__name__}: {exc}"

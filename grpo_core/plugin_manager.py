@@ -29,7 +29,7 @@ from types import FrameType, ModuleType
 import pluggy
 
 from grpo_core import hookspecs
-from grpo_core.errors import PluginError, did_you_mean
+from grpo_core.errors import PluginError, did_you_mean, fault_text
 from grpo_core.kinds import KINDS
 from grpo_core.registry import Registrar, Registry
 
@@ -99,10 +99,11 @@ def _load_builtins(pm: pluggy.PluginManager, info: dict[str, PluginInfo], versio
     for modname in DEFAULT_PLUGINS:
         try:
             module = importlib.import_module(modname)
-        except Exception as exc:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # plugin code is user code: sys.exit() at import is its fault
             raise PluginError(
-                f'Error importing plugin "{modname}" (distribution grpo-core): '
-                f"{type(exc).__name__}: {exc}"
+                f'Error importing plugin "{modname}" (distribution grpo-core): {fault_text(exc)}'
             ) from exc
         _register(pm, module, modname, f'built-in plugin "{modname}"')
         info[modname] = PluginInfo(modname, "builtin", "grpo-core", version)
@@ -121,8 +122,10 @@ def _load_entry_points(pm: pluggy.PluginManager, info: dict[str, PluginInfo]) ->
         where = f'plugin "{ep.name}" (distribution {dist or "unknown"})'
         try:
             module = ep.load()
-        except Exception as exc:
-            raise PluginError(f"Error importing {where}: {type(exc).__name__}: {exc}") from exc
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # plugin code is user code: sys.exit() at import is its fault
+            raise PluginError(f"Error importing {where}: {fault_text(exc)}") from exc
         _register(pm, module, ep.name, where)
         version = ep.dist.version if ep.dist is not None else None
         info[ep.name] = PluginInfo(ep.name, "entry point", dist, version, ep.value)
@@ -150,11 +153,12 @@ def load_plugin_file(path: Path) -> ModuleType:
     sys.modules[modname] = module
     try:
         spec.loader.exec_module(module)
-    except Exception as exc:
+    except KeyboardInterrupt:
         sys.modules.pop(modname, None)
-        raise PluginError(
-            f'Error importing plugin file "{path}": {type(exc).__name__}: {exc}'
-        ) from exc
+        raise
+    except BaseException as exc:  # plugin code is user code: sys.exit() at import is its fault
+        sys.modules.pop(modname, None)
+        raise PluginError(f'Error importing plugin file "{path}": {fault_text(exc)}') from exc
     return module
 
 
@@ -235,12 +239,10 @@ def _fill_registry(pm: pluggy.PluginManager, info: dict[str, PluginInfo]) -> Reg
         registrar = Registrar(kind, running.now)
         try:
             caller(register=registrar)
-        except PluginError:
+        except (PluginError, KeyboardInterrupt):
             raise
-        except Exception as exc:
-            raise PluginError(
-                f"plugin '{running.failed(exc)}' failed in {entry.hook}: {type(exc).__name__}: {exc}"
-            ) from exc
+        except BaseException as exc:
+            raise PluginError(f"plugin '{running.failed(exc)}' failed in {entry.hook}: {fault_text(exc)}") from exc
         for component in sorted(registrar.added, key=lambda c: load_order.get(c.plugin, len(load_order))):
             registry.add(component)
             if component.plugin in info:

@@ -5,6 +5,8 @@ with their last step, status and held-out score, read from the files a run write
 from __future__ import annotations
 
 import json
+import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +23,7 @@ MARKERS = ("metrics.jsonl", "spec.resolved.yaml", "checkpoints", "final")
 @dataclass
 class RunInfo:
     path: Path
-    status: str  # finished; stopped (a checkpoint: --resume continues it); incomplete
+    status: str  # finished; stopped (a checkpoint: --resume continues it); incomplete; unreadable
     last_step: int | None
     total_steps: int | None
     heldout: float | None  # the last eval/reward logged
@@ -33,7 +35,8 @@ def is_run_folder(path: Path) -> bool:
 
 
 def _metrics(path: Path) -> tuple[int | None, float | None]:
-    """The last step and the last held-out reward in ``metrics.jsonl`` (torn lines skipped)."""
+    """The last step and the last held-out reward in ``metrics.jsonl`` (torn lines, rows
+    that are not objects and values that are not finite numbers skipped)."""
     last_step, heldout = None, None
     if not path.is_file():
         return None, None
@@ -43,10 +46,14 @@ def _metrics(path: Path) -> tuple[int | None, float | None]:
                 row = json.loads(line)
             except ValueError:
                 continue
-            if isinstance(row.get("step"), int):
-                last_step = row["step"] if last_step is None else max(last_step, row["step"])
-            if "eval/reward" in row:
-                heldout = row["eval/reward"]
+            if not isinstance(row, dict):  # a null or a list: not a row the trainer writes
+                continue
+            step = row.get("step")
+            if isinstance(step, int) and not isinstance(step, bool):
+                last_step = step if last_step is None else max(last_step, step)
+            value = row.get("eval/reward")
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                heldout = float(value)
     return last_step, heldout
 
 
@@ -68,10 +75,17 @@ def _status(folder: Path) -> str:
 
 
 def describe(folder: Path) -> RunInfo:
+    """What the files of ``folder`` say; status ``unreadable`` (and a warning naming the
+    folder and the error) when they cannot be read, so that one bad folder never hides the
+    others from the listing."""
     metrics = folder / "metrics.jsonl"
-    last_step, heldout = _metrics(metrics)
-    updated = metrics.stat().st_mtime if metrics.is_file() else None
-    return RunInfo(folder, _status(folder), last_step, _total_steps(folder), heldout, updated)
+    try:
+        last_step, heldout = _metrics(metrics)
+        updated = metrics.stat().st_mtime if metrics.is_file() else None
+        return RunInfo(folder, _status(folder), last_step, _total_steps(folder), heldout, updated)
+    except Exception as exc:  # a permission error, a folder changing under us, a bug: this folder only
+        print(f"grpo-run runs: cannot read {folder}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return RunInfo(folder, "unreadable", None, None, None, None)
 
 
 def find_runs(roots: list[Path]) -> list[RunInfo]:

@@ -9,8 +9,10 @@ format in the system prompt, see :mod:`grpo_core.train.episodes`). A model turn 
 ``</tool_call>``; every call in it runs, and each result comes back as a ``tool`` message.
 A turn without a tool call ends the episode.
 
-Faults never stop the run: a malformed call, an unknown tool, bad arguments or a tool that
-raises becomes an ``error: ...`` tool message; a call that does not return within
+Faults never stop the run: a malformed call (including JSON nested too deep or a number too
+long to parse), an unknown tool, bad arguments, a tool that raises (even ``SystemExit``, as
+argparse inside a tool does) or returns what JSON cannot encode becomes an ``error: ...``
+tool message; a call that does not return within
 ``tool_timeout`` seconds is abandoned (its worker thread is left to finish on its own: a
 Python thread cannot be killed) and reported the same way. Output longer than
 ``max_tool_output_chars`` is cut. Tools run in the trainer's process, with its
@@ -47,7 +49,7 @@ from pydantic import Field
 
 from grpo_core import hookimpl
 from grpo_core.contracts import Observation
-from grpo_core.errors import PluginError
+from grpo_core.errors import PluginError, fault_text
 from grpo_core.options import Options
 
 __all__ = ["ToolsOptions", "ToolsEnvironment", "tools_environment", "parse_tool_calls", "env_reward", "tool_success",
@@ -90,8 +92,8 @@ def parse_tool_calls(text: str) -> list[tuple[str, dict] | str]:
         body = match.group(1).strip()
         try:  # the first JSON value; text after it (a small model's chatter) is ignored
             call, _ = _JSON.raw_decode(body)
-        except ValueError as exc:
-            calls.append(f"malformed tool call ({exc.msg}); write {TOOL_CALL_FORMAT}")
+        except (ValueError, RecursionError) as exc:  # RecursionError: '[[[[...' nested too deep
+            calls.append(f"malformed tool call ({_json_problem(exc)}); write {TOOL_CALL_FORMAT}")
             continue
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             calls.append(f"malformed tool call: a JSON object with a string 'name' is needed; write {TOOL_CALL_FORMAT}")
@@ -100,13 +102,34 @@ def parse_tool_calls(text: str) -> list[tuple[str, dict] | str]:
         if isinstance(arguments, str):  # some models write the arguments as a JSON string
             try:
                 arguments = json.loads(arguments)
-            except ValueError:
+            except (ValueError, RecursionError):
                 pass
         if not isinstance(arguments, dict):
             calls.append(f"malformed tool call: 'arguments' must be a JSON object; write {TOOL_CALL_FORMAT}")
             continue
         calls.append((call["name"], arguments))
     return calls
+
+
+def _json_problem(exc: BaseException) -> str:
+    """What is wrong with a tool call's JSON, in words: a ``JSONDecodeError``'s message, or
+    the reason of the other errors decoding raises (a 5,000-digit number is a plain
+    ``ValueError``, deep nesting a ``RecursionError``)."""
+    if isinstance(exc, RecursionError):
+        return "JSON nested too deep"
+    return getattr(exc, "msg", None) or str(exc).split(";")[0][:200]
+
+
+def _encoded(value: Any) -> str:
+    """A tool's result as the model sees it: a string as it is, anything else as JSON
+    (unknown types as their ``str``); raises ``ValueError`` when JSON cannot encode it (a
+    dict with tuple keys, a list holding itself, a number too large)."""
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value, default=str)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise ValueError(f"returned a {type(value).__name__} that JSON cannot encode ({exc})") from None
 
 
 def _run_with_timeout(fn: Callable[..., Any], arguments: dict, timeout: float) -> Any:
@@ -173,9 +196,14 @@ class ToolsEnvironment:
             value = _run_with_timeout(fn, arguments, self.options.tool_timeout)
         except TimeoutError as exc:
             return f"error: tool {name!r} {exc}", False
-        except Exception as exc:  # noqa: BLE001 - the model sees what went wrong
-            return f"error: tool {name!r} raised {type(exc).__name__}: {exc}", False
-        return value if isinstance(value, str) else json.dumps(value, default=str), True
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - SystemExit too: the model sees what went wrong
+            return f"error: tool {name!r} raised {fault_text(exc)}", False
+        try:
+            return _encoded(value), True
+        except ValueError as exc:
+            return f"error: tool {name!r} {exc}", False
 
     def _cut(self, output: str) -> str:
         limit = self.options.max_tool_output_chars

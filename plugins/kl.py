@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from pydantic import Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 from torch import Tensor
 
 from grpo_core import hookimpl
@@ -52,6 +52,9 @@ def _positive_or_none(name: str, value: float | None) -> float | None:
 
 class KLOptions(Options):
     """Options of ``kl``/``k1``, ``abs`` and ``mse``/``k2``."""
+
+    # The clamps' validator refuses .inf and .nan itself, saying what is valid (null disables).
+    model_config = ConfigDict(allow_inf_nan=True)
 
     log_ratio_clamp: float | None = Field(
         None,

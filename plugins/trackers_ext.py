@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -193,7 +194,8 @@ class TensorBoardOptions(Options):
         Path("tensorboard"),
         description="Folder of the event files: a path given in the spec is relative to the spec "
         "file; the default is tensorboard/ in the working directory (as MLflow's and W&B's stores). "
-        "Each run writes <log_dir>/<run name>. View with: tensorboard --logdir <log_dir>.",
+        "Each run writes <log_dir>/<run name> (<run name>-<time> when an earlier run's events are there; a "
+        "resumed run continues its own). View with: tensorboard --logdir <log_dir>.",
     )
     flush_secs: int = Field(30, ge=1, description="Seconds between flushes of the event file to disk.")
 
@@ -203,9 +205,26 @@ class TensorBoardOptions(Options):
         return self
 
 
+def _unused(folder: Path, resumed: bool) -> Path:
+    """``folder``, or when it already holds event files of an earlier run (a fresh run after
+    ``--overwrite``, or another run folder's run of the same name) ``folder-<time>``: a new
+    TensorBoard run, never steps 1, 2, ... written over another run's. A resume from a
+    checkpoint written before folders were checkpointed keeps ``folder``."""
+    if resumed or not folder.is_dir() or not any(folder.iterdir()):
+        return folder
+    fresh = folder.with_name(f"{folder.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    while fresh.exists():
+        fresh = fresh.with_name(fresh.name + "+")
+    return fresh
+
+
 class TensorBoardTracker(_Guarded):
     """Writes scalars (every metric), text summaries (the resolved spec and artifact text
-    files, completion tables as markdown, params) to TensorBoard event files."""
+    files, completion tables as markdown, params) to TensorBoard event files.
+
+    Each fresh run writes a TensorBoard run of its own: ``<log_dir>/<run name>``, or
+    ``<log_dir>/<run name>-<time>`` when that folder holds an earlier run's events; the
+    folder is part of the checkpoints, so ``--resume`` continues the same TensorBoard run."""
 
     label = "TensorBoard"
 
@@ -214,6 +233,7 @@ class TensorBoardTracker(_Guarded):
         self.options = options
         self.writer = None
         self.log_dir: Path | None = None
+        self._resumed = False
 
     def start(self, run_name: str, resume_id: str | None = None) -> str | None:
         self._guard("start", self._start, run_name)
@@ -222,8 +242,17 @@ class TensorBoardTracker(_Guarded):
     def _start(self, run_name: str) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.log_dir = Path(self.options.log_dir) / run_name
+        if self.log_dir is None:  # a fresh run; a resumed one continues its checkpoint's folder
+            self.log_dir = _unused(Path(self.options.log_dir) / run_name, self._resumed)
         self.writer = SummaryWriter(log_dir=str(self.log_dir), flush_secs=self.options.flush_secs)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"log_dir": str(self.log_dir) if self.log_dir is not None else ""}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._resumed = True
+        if state.get("log_dir"):
+            self.log_dir = Path(state["log_dir"])
 
     def log_params(self, params: dict[str, Any]) -> None:
         if self.writer is not None:

@@ -24,12 +24,16 @@ class RefSyncSection(Section):
 
 
 class AdaptiveKLSection(Section):
-    """After each step, ``beta *= 1 + clip(kl / target - 1, -0.2, 0.2) * B / horizon``, with
-    ``kl`` the step's mean over completions of the per-token mean KL and ``B`` its rows
-    (Ziegler et al. 2019, https://arxiv.org/abs/1909.08593)."""
+    """After each step, ``beta *= 1 + clip(kl / target - 1, -0.2, 0.2) * min(1, B / horizon)``,
+    with ``kl`` the step's mean over completions of the per-token mean KL and ``B`` its rows
+    (completions, all processes): Ziegler et al. 2019, https://arxiv.org/abs/1909.08593, with
+    ``B / horizon`` capped at 1 so that beta stays positive (one step moves it 20% at most)."""
 
     target: float = Field(gt=0, description="The KL (per token) to steer toward.")
-    horizon: int = Field(10_000, ge=1, description="Rows over which beta moves by at most 20%.")
+    horizon: int = Field(
+        10_000, ge=1, description="Completions (rows: prompts_per_step x group_size per step) over which beta "
+        "moves by at most 20%; a step moves it by at most 20% x min(1, rows / horizon)."
+    )
 
 
 class DynamicSamplingSection(Section):

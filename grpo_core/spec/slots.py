@@ -48,16 +48,17 @@ SpecPath = Annotated[Path, AfterValidator(_resolve_path)]
 
 
 class Section(BaseModel):
-    """A part of the spec the engine owns: unknown keys are errors."""
+    """A part of the spec the engine owns: unknown keys are errors, and so are ``.inf`` and
+    ``.nan`` in any number (a duration of ``.inf`` would pass ``gt=0`` and then fail every call)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class Slot(BaseModel):
     """A component chosen by ``name``; keys other than the engine's fields are the
     plugin's options."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     kind: ClassVar[str]
 
     name: str = Field(description="Name of the registered component to use.")

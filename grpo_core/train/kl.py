@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -117,14 +118,30 @@ class KLTerm:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.beta = float(state["beta"])
+        """Restore the reference syncs and, under the adaptive controller, ``beta`` (its
+        state); a fixed ``beta`` comes from the spec, so ``--resume --set algorithm.kl.beta=X``
+        trains with X."""
+        if self.adaptive is not None:
+            if float(state["beta"]) != self.beta:
+                print(f"grpo-run: --resume: the adaptive KL controller continues from the checkpoint's beta "
+                      f"{float(state['beta']):.6g}, not algorithm.kl.beta = {self.beta:.6g} (its start value)",
+                      file=sys.stderr)
+            self.beta = float(state["beta"])
         self.syncs = int(state.get("syncs", 0))
         if "reference" in state:
             self.reference.model.load_state_dict(state["reference"])
 
 
 def adapted_beta(beta: float, kl: float, rows: int, *, target: float, horizon: int) -> float:
-    """The adaptive KL controller's next coefficient (Ziegler et al. 2019):
-    ``beta * (1 + clip(kl / target - 1, -0.2, 0.2) * rows / horizon)``."""
+    """The adaptive KL controller's next coefficient (Ziegler et al. 2019, "Fine-Tuning
+    Language Models from Human Preferences", sec. 2.2, https://arxiv.org/abs/1909.08593):
+    ``beta * (1 + clip(kl / target - 1, -0.2, 0.2) * min(1, rows / horizon))``.
+
+    ``horizon`` counts completions (rows); ``rows`` is one step's, over all processes.
+    Ziegler et al. clip the proportional error to +-0.2 and take ``rows / horizon`` small
+    (horizon 10,000); here the factor ``rows / horizon`` is also capped at 1, so one step
+    moves beta by at most 20% whatever the horizon: the new beta is within
+    ``[0.8 * beta, 1.2 * beta]``, positive whenever beta is (uncapped, a horizon below
+    ``rows / 5`` drove beta negative: the penalty became a bonus)."""
     error = min(max(kl / target - 1.0, -0.2), 0.2)
-    return beta * (1.0 + error * rows / horizon)
+    return beta * (1.0 + error * min(1.0, rows / horizon))

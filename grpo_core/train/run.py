@@ -339,6 +339,8 @@ def _resume(run: Run, resume: str | None) -> str | None:
     run.actor.receive(run.model, run.learner.version)
     if run.dist.is_main:
         print(f"grpo-run: resuming from {found.folder} (step {run.step})", file=sys.stderr)
+        print("".join(f"grpo-run: --resume: {note}\n" for note in ckpt.overridden_on_resume(found.state, run.spec)),
+              end="", file=sys.stderr)
     return found.state.get("run_id")
 
 
@@ -435,7 +437,7 @@ def train(loaded: LoadedSpec, resume: str | None = None) -> int:
                 start = _StepStart.of(run)
                 try:
                     metrics = _step_and_record(run)
-                except Exception as exc:
+                except (Exception, SystemExit) as exc:  # SystemExit: sys.exit() in plugin code
                     _save_failed_step(run, start, loaded, exc)
                     raise
                 if bar is not None:

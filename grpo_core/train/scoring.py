@@ -21,10 +21,15 @@ discarded, and the step proceeds without it.
 
 A function that raises :class:`~grpo_core.errors.RunError` (a message meant for the
 user, such as a missing column or an unreachable server) fails for its whole batch; any
-other exception is retried completion by completion to find the one it fails on. A
-score of ``inf`` or ``-inf`` is an error naming the function and the completion (or, with
-``reward_errors: none``, scored None and counted); a batch that no function could score
-is logged as a warning naming the functions.
+other exception is retried completion by completion to find the one it fails on. Plugin
+code is user code: a ``SystemExit`` (or any ``BaseException`` but ``KeyboardInterrupt``)
+from a reward function is that function's fault like any exception, never the end of the
+process. One rule for every score, whatever its source
+(:func:`grpo_core.contracts.reward_value`): a finite real number, or None for an
+unscorable completion; anything else (NaN, an infinity, a string such as ``"0.5"``, an
+integer too large for a float) is an error naming the function and the completion (or,
+with ``reward_errors: none``, scored None and counted); a batch that no function could
+score is logged as a warning naming the functions.
 """
 
 from __future__ import annotations
@@ -41,11 +46,32 @@ from typing import Any
 
 import torch
 
-from grpo_core.contracts import masked_fill_zero
-from grpo_core.errors import RunError
+from grpo_core.contracts import masked_fill_zero, reward_value
+from grpo_core.errors import RunError, fault_text
 from grpo_core.registry import conform
 
 logger = logging.getLogger("grpo.scoring")
+
+
+class PluginFault(Exception):
+    """A ``BaseException`` that is not an ``Exception`` (``SystemExit`` from argparse or
+    ``sys.exit`` in a reward function), carried as an ordinary exception: plugin code is user
+    code, and what it raises is its fault, not the end of the run."""
+
+    def __init__(self, original: BaseException):
+        super().__init__(fault_text(original))
+        self.original = original
+
+
+async def _guarded(coroutine: Any) -> Any:
+    """Await an async reward function's call, turning what it raises beyond ``Exception``
+    (except ``KeyboardInterrupt`` and a cancellation) into a :class:`PluginFault`."""
+    try:
+        return await coroutine
+    except (Exception, KeyboardInterrupt, asyncio.CancelledError):
+        raise
+    except BaseException as exc:
+        raise PluginFault(exc) from exc
 
 
 @dataclass
@@ -93,9 +119,19 @@ class RewardFn:
         return "steps" in self.params
 
     def call(self, kwargs: dict[str, Any]) -> list:
+        """The function's result on ``kwargs`` (for an async function, a coroutine); a
+        ``BaseException`` that is not an ``Exception`` (``SystemExit``) comes out as a
+        :class:`PluginFault`, so that it is handled as the function's fault."""
         if not self.takes_kwargs:
             kwargs = {k: v for k, v in kwargs.items() if k in self.params}
-        return self.fn(**kwargs)
+        if self.is_async:
+            return _guarded(self.fn(**kwargs))
+        try:
+            return self.fn(**kwargs)
+        except (Exception, KeyboardInterrupt):
+            raise
+        except BaseException as exc:
+            raise PluginFault(exc) from exc
 
     @property
     def required_columns(self) -> list[str]:
@@ -119,19 +155,17 @@ class Scores:
     step_scores: torch.Tensor | None = None  # float (B, K), NaN where no function scored
 
 
+class BadRewardValue(RunError):
+    """A reward function returned something that is not a finite real number or None."""
+
+
 def _to_float(value: Any, fn: RewardFn, index: int) -> float:
-    if value is None:
-        return math.nan
-    if isinstance(value, bool):
-        return float(value)
+    """``value`` as a table entry (NaN for None), or :class:`BadRewardValue` naming the function."""
     try:
-        out = float(value)
-    except (TypeError, ValueError):
-        raise RunError(
-            f"reward function '{fn.name}' returned {value!r} for completion {index}; "
-            "expected a float or None"
-        ) from None
-    return out
+        out = reward_value(value)
+    except ValueError as exc:
+        raise BadRewardValue(f"reward function '{fn.name}' returned {exc} for completion {index}") from None
+    return math.nan if out is None else out
 
 
 def _prompt_head(prompt: Any, width: int = 60) -> str:
@@ -144,8 +178,9 @@ def _prompt_head(prompt: Any, width: int = 60) -> str:
 def _row_failure(fn: RewardFn, exc: Exception, i: int, kwargs: dict[str, Any], on_error: str) -> None:
     """Completion ``i`` made ``fn`` raise: a RunError naming both, or None (scored None)."""
     if on_error == "raise":
+        what = str(exc) if isinstance(exc, PluginFault) else f"{type(exc).__name__}: {exc}"
         raise RunError(
-            f"reward function '{fn.name}' raised {type(exc).__name__}: {exc} on completion {i} "
+            f"reward function '{fn.name}' raised {what} on completion {i} "
             f"(prompt: {_prompt_head(kwargs['prompts'][i])!r}); set train.reward_errors: none "
             "to score such completions None instead"
         ) from exc
@@ -354,28 +389,17 @@ def _step_values(value: Any, fn: RewardFn, index: int, steps: list[list[str]] | 
     return [_to_float(v, fn, index) for v in values]
 
 
-def _drop_infinite(
-    fn: RewardFn, column: torch.Tensor, step_column: torch.Tensor, prompts: list[Any], on_error: str
-) -> int:
-    """An infinite score of ``fn`` (``column (B,)``, ``step_column (B, K)``, changed in
-    place): a RunError naming the function and the completion, or, with
-    ``on_error == "none"``, the completion scored None; returns how many were."""
-    bad = torch.isinf(column) | torch.isinf(step_column).any(dim=-1)
-    if not bool(bad.any()):
-        return 0
-    i = int(bad.nonzero()[0])
-    value = float(column[i]) if torch.isinf(column[i]) else "a step score of inf"
+def _bad_value(exc: BadRewardValue, prompt: Any, on_error: str) -> int:
+    """A value that is not a finite real number or None: the RunError (with the prompt of
+    the completion), or with ``on_error == "none"`` a warning; the completion is then scored
+    None and counted (returns 1)."""
     if on_error == "raise":
-        raise RunError(
-            f"reward function '{fn.name}' returned {value} for completion {i} (prompt: "
-            f"{_prompt_head(prompts[i])!r}); rewards must be finite floats, or None for an "
+        raise BadRewardValue(
+            f"{exc} (prompt: {_prompt_head(prompt)!r}); rewards must be finite real numbers, or None for an "
             "unscorable completion; set train.reward_errors: none to score such completions None instead"
-        )
-    logger.warning("reward function '%s' returned an infinite score for %d completion(s): scored None",
-                   fn.name, int(bad.sum()))
-    column[bad] = math.nan
-    step_column[bad] = math.nan
-    return int(bad.sum())
+        ) from None
+    logger.warning("%s: scored None (rewards must be finite real numbers, or None)", exc)
+    return 1
 
 
 def _is_per_step(value: Any) -> bool:
@@ -431,15 +455,17 @@ def score(
         failed += n_failed
         values = _checked(values, fn, size)
         for i, v in enumerate(values):
-            if _is_per_step(v):
-                per_step = torch.tensor(_step_values(v, fn, i, steps), dtype=torch.float32)
-                step_table[i, : len(per_step), j] = per_step
-                table[i, j] = per_step.nanmean() if len(per_step) else math.nan
-            else:
-                table[i, j] = _to_float(v, fn, i)
-                if steps is not None and steps[i]:  # an outcome score counts on the last step
-                    step_table[i, len(steps[i]) - 1, j] = table[i, j]
-        failed += _drop_infinite(fn, table[:, j], step_table[:, :, j], prompts, on_error)
+            try:
+                if _is_per_step(v):
+                    per_step = torch.tensor(_step_values(v, fn, i, steps), dtype=torch.float32)
+                    step_table[i, : len(per_step), j] = per_step
+                    table[i, j] = per_step.nanmean() if len(per_step) else math.nan
+                else:
+                    table[i, j] = _to_float(v, fn, i)
+                    if steps is not None and steps[i]:  # an outcome score counts on the last step
+                        step_table[i, len(steps[i]) - 1, j] = table[i, j]
+            except BadRewardValue as exc:
+                failed += _bad_value(exc, prompts[i], on_error)
     weights = torch.tensor([fn.weight for fn in fns], dtype=torch.float32)
     step_scores = _weighted(step_table, weights) if steps is not None else None
     total = _weighted(table, weights)
