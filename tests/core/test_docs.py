@@ -202,3 +202,14 @@ def test_the_docs_extra_is_installed_by_the_test_command():
     docs = re.search(r"^docs = \[(.*?)\]", text, re.M).group(1)
     assert '"grpo-core[docs]"' in test
     assert '"mkdocs>=' in docs and '"mkdocs-material>=' in docs
+
+
+def test_no_benchmark_row_is_copied_out_of_bench_readme():
+    """The benchmarks live in one place (bench/README.md, included by docs/benchmarks.md)."""
+    bench = {line.strip() for line in (ROOT / "bench" / "README.md").read_text(encoding="utf-8").splitlines()
+             if line.strip().startswith("|") and set(line.strip()) - set("|-: ")}
+    assert len(bench) > 20
+    copies = [(str(page.relative_to(ROOT)), line.strip()) for page in PAGES if page.name != "README.md"
+              or page.parent == ROOT for line in page.read_text(encoding="utf-8").splitlines()
+              if line.strip() in bench]
+    assert copies == []
