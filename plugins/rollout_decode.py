@@ -1,4 +1,4 @@
-"""The ``hf`` backend's lean decode loop (``rollout.backend_options.decode: lean``).
+"""The ``hf`` backend's lean decode loop (``rollout: {name: hf, decode: lean}``, the default).
 
 transformers ``generate`` keeps every row of the batch in every decode step until the
 last row ends: a row that produced EOS at token 3 of 128 is still run through the model

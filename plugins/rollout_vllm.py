@@ -311,6 +311,9 @@ class VLLMRollout:
     """Generates with a vLLM engine colocated on the training GPU; ``sync_weights`` pushes
     the policy's weights (LoRA merged) into it after every optimizer step."""
 
+    #: The engine holds its own copy of the weights (pushed by ``sync_weights``).
+    generates_with_policy = False
+
     def __init__(self, options: VLLMRolloutOptions | None = None):
         # model_construct: the defaults without the install check, which setup repeats.
         self.options = options or VLLMRolloutOptions.model_construct()

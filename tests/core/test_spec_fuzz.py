@@ -114,7 +114,12 @@ def valid_specs(draw) -> dict:
     spec["rewards"] = rewards
 
     def slot(kind: str) -> dict:
-        return {"name": draw(st.sampled_from(REGISTRY.names(kind)))}
+        name = draw(st.sampled_from(REGISTRY.names(kind)))
+        options = REGISTRY.get(kind, name).options
+        required = [] if options is None else [f for f, info in options.model_fields.items() if info.is_required()]
+        for field in required:  # e.g. passk's k: a positive integer
+            assert options.model_fields[field].annotation is int, (name, field)
+        return {"name": name, **{field: draw(st.integers(1, 8)) for field in required}}
 
     spec["algorithm"] = {
         "advantage": slot("advantage_estimator"),

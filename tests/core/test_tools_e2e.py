@@ -101,12 +101,12 @@ def test_a_third_party_environment_from_a_local_plugin_file_runs_from_a_spec(tmp
         assert r["rewards/env_reward/mean"] >= 1.0  # its reward reached the reward function
 
 
-def test_the_readme_tool_example_registers_an_environment(tmp_path):
+def test_the_docs_tool_example_registers_an_environment(tmp_path):
     import re
 
     from grpo_core.plugin_manager import load_plugins
 
-    readme = (SPECS.parent / "README.md").read_text(encoding="utf-8")
+    readme = (SPECS.parent / "docs" / "guides" / "environments.md").read_text(encoding="utf-8")
     (code,) = re.findall(r"```python\n(# my_tools\.py.*?)```", readme, re.S)
     path = tmp_path / "my_tools.py"
     path.write_text(code)
