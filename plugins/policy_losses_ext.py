@@ -15,7 +15,7 @@ import math
 
 import torch
 from grpo_plugins.policy_losses import _clamp
-from pydantic import Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 from torch import Tensor
 
 from grpo_core import hookimpl
@@ -158,6 +158,9 @@ class SAPOOptions(Options):
         "updates fade faster off-policy. Default 1.05, the paper's and verl's.",
     )
     log_ratio_clamp: float | None = Field(20.0, description=_CLAMP_DESCRIPTION)
+
+    # its own validator refuses inf and NaN with a message that says what is valid
+    model_config = ConfigDict(allow_inf_nan=True)
 
     @field_validator("tau_pos", "tau_neg", "log_ratio_clamp")
     @classmethod
