@@ -1,12 +1,12 @@
 """The actor: prompts in, scored rollouts out.
 
 An :class:`Actor` holds what generates and scores (the rollout backend, the multi-turn
-environment's runner, the reward functions, the sampling settings and the seeds they are
-drawn with) and the prompt stream. Its one product is an :class:`Experience`: the scored
-groups of a step, with the sampler's log-probs when the backend gives them, and the policy
-version they were sampled with. That value is all the learner
-(:mod:`grpo_core.train.learner`) sees of the actor, so a queue or a process boundary can
-stand between the two.
+environment's runner, the reward functions, the sampling settings and the random streams
+they draw from, :mod:`grpo_core.train.seeds`) and the prompt stream. Its one product is an
+:class:`Experience`: the scored groups of a step, with the sampler's log-probs when the
+backend gives them, and the policy version they were sampled with. That value is all the
+learner (:mod:`grpo_core.train.learner`) sees of the actor, so a queue or a process boundary
+can stand between the two.
 
 The actor generates with the weights it was last given (:meth:`Actor.receive`), or, for a
 backend that generates with the policy module itself (``generates_with_policy``), with the

@@ -58,6 +58,7 @@ class Single:
     def __init__(self, dist: Dist | None = None):
         self.dist = dist or Dist()
         self._roots: dict[int, tuple[Any, nn.Module]] = {}  # id(model) -> (model, the module that runs it)
+        self._policy: Any = None  # the model setup() wrapped or sharded
 
     # ----------------------------------------------------------------- before training
     def setup(self, model: nn.Module, reference: nn.Module | None = None) -> None:
@@ -150,7 +151,6 @@ class FSDP2(Single):
     def __init__(self, dist: Dist, parallel: Any):
         super().__init__(dist)
         self.parallel = parallel  # the spec's train.parallel
-        self._policy: Any = None
         self._gathered = False
 
     def setup(self, model: nn.Module, reference: nn.Module | None = None) -> None:
