@@ -157,6 +157,18 @@ class Dist:
         return {key: float(_REDUCE[reduction(key)]([float(m[key]) for m in every if key in m])) for key in keys}
 
 
+def close_process_group() -> None:
+    """Destroy the default process group, if this process joined one, once every process is
+    done with it: its communication threads then end before the interpreter does. Left to
+    interpreter exit, a gloo group's threads can be torn down mid-flight and abort the process
+    (``terminate called without an active exception``, exit 134) after a run that finished."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def _env_flag(name: str) -> bool | None:
     value = os.environ.get(name, "").strip().lower()
     return {"true": True, "false": False}.get(value)

@@ -26,7 +26,7 @@ from grpo_core.train import model as modeling
 from grpo_core.train import sharding
 from grpo_core.train.actor import Actor, RolloutSettings
 from grpo_core.train.data import PromptSource, check_columns
-from grpo_core.train.distributed import Dist, check_layout, parallel_from_launcher
+from grpo_core.train.distributed import Dist, check_layout, close_process_group, parallel_from_launcher
 from grpo_core.train.episodes import EpisodeRunner
 from grpo_core.train.evaluate import EvalSet, evaluate_sets, load_eval_sets
 from grpo_core.train.iterative import build_iterative
@@ -451,9 +451,11 @@ def train(loaded: LoadedSpec, resume: str | None = None) -> int:
                         f"grpo-run: stopped at step {run.step}; checkpoint {folder}\n"
                         f"  resume with: {loaded.command('--resume')}", file=sys.stderr,
                     )
-                return stop.exit_code
-            status, code = _finish(run, stop)
-            return code
+                code = stop.exit_code
+            else:
+                status, code = _finish(run, stop)
+        close_process_group()  # every process got here: the run ended, not failed
+        return code
     except KeyboardInterrupt:
         status = "KILLED"
         raise

@@ -83,6 +83,18 @@ def _only_message(env: ToolsEnvironment, text: str) -> str:
     ids=["list-1000-deep", "arguments-5000-deep", "5000-digit-number", "string-arguments-2000-deep"],
 )
 def test_hostile_json_is_a_malformed_call_message(env, body, problem):
+    # Python's default recursion limit, as in a training process: a library loaded earlier in
+    # the same test process may have raised it, and "[" * 1000 would then parse up to its end
+    # ("Expecting value", still a malformed call) instead of hitting the limit.
+    previous = sys.getrecursionlimit()
+    sys.setrecursionlimit(1000)
+    try:
+        _check_malformed(env, body, problem)
+    finally:
+        sys.setrecursionlimit(previous)
+
+
+def _check_malformed(env, body, problem):
     text = f"<tool_call>{body}</tool_call>"
     (call,) = parse_tool_calls(text)
     assert isinstance(call, str) and call.startswith("malformed tool call") and problem in call
