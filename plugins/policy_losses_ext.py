@@ -47,6 +47,12 @@ def _log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
     return masked_fill_zero(logp, mask) - masked_fill_zero(old_logp, mask)
 
 
+def _clip_metrics(low: Tensor, high: Tensor, dtype: torch.dtype) -> dict[str, Tensor]:
+    """``clip/low``, ``clip/high`` and ``clip/region`` ``(B, T)`` from the tokens clipped below
+    and above (bool, already masked)."""
+    return {"clip/low": low.to(dtype), "clip/high": high.to(dtype), "clip/region": (low | high).to(dtype)}
+
+
 def _shown_ratio(ratio: Tensor, mask: Tensor) -> dict[str, Tensor]:
     shown = masked_fill_zero(ratio.detach(), mask)
     return {"ratio": shown, "ratio/max": shown}
@@ -122,8 +128,7 @@ def cispo_loss(
     loss = -weight * advantages * safe_logp
     below, above = mask & (ratio < low), mask & (ratio > 1.0 + eps_high)
     metrics = _shown_ratio(ratio, mask)
-    metrics.update({"clip/low": below.to(ratio.dtype), "clip/high": above.to(ratio.dtype),
-                    "clip/region": (below | above).to(ratio.dtype)})
+    metrics.update(_clip_metrics(below, above, ratio.dtype))
     return PolicyLossOutput(masked_fill_zero(loss, mask), metrics)
 
 
@@ -289,8 +294,7 @@ def gmpo_loss(
     ratio = torch.exp(_clamp(log_s + clipped - clipped.detach(), log_ratio_clamp))
     loss = -advantages * ratio
     metrics = _shown_ratio(ratio, mask)
-    metrics.update({"clip/low": low.to(ratio.dtype), "clip/high": high.to(ratio.dtype),
-                    "clip/region": (low | high).to(ratio.dtype)})
+    metrics.update(_clip_metrics(low, high, ratio.dtype))
     return PolicyLossOutput(masked_fill_zero(loss, mask), metrics)
 
 
