@@ -267,7 +267,31 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _entry() -> None:  # pragma: no cover
-    sys.exit(main())
+    code = main()
+    if os.environ.get("WORLD_SIZE", "1") not in ("", "1"):
+        exit_process(code)
+    sys.exit(code)
+
+
+def exit_process(code: int) -> None:
+    """End a process of a multi-process run, its work done, without interpreter finalization.
+
+    ``DistributedDataParallel``'s reducer keeps the gloo process group alive after
+    ``destroy_process_group`` (its communication threads are still running when ``main``
+    returns, seen in ``/proc/self/task``), and a gloo thread that touches a Python object
+    while the interpreter shuts down aborts the process (``terminate called without an active
+    exception``, exit 134) after a run that finished. Everything a run keeps (checkpoints,
+    model, metrics, the tracker's run) is written and closed before ``main`` returns, so the
+    process flushes its output and leaves at once, as launchers' workers commonly do."""
+    import logging
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 if __name__ == "__main__":  # pragma: no cover

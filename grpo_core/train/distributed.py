@@ -159,9 +159,10 @@ class Dist:
 
 def close_process_group() -> None:
     """Destroy the default process group, if this process joined one, once every process is
-    done with it: its communication threads then end before the interpreter does. Left to
-    interpreter exit, a gloo group's threads can be torn down mid-flight and abort the process
-    (``terminate called without an active exception``, exit 134) after a run that finished."""
+    done with it (the barrier: no process leaves while another still talks to it). A gloo group
+    wrapped by ``DistributedDataParallel`` keeps its threads past this, so a finished process of
+    a multi-process run then leaves without interpreter finalization
+    (:func:`grpo_core.cli.exit_process`)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():

@@ -362,3 +362,30 @@ def test_a_greedy_baseline_estimator_takes_the_same_steps_on_two_processes_as_on
         assert "time/baseline" in r1 and "time/baseline" in r2
         for key in ("loss", "reward", "advantage/abs_max"):
             assert r2[key] == pytest.approx(r1[key], rel=1e-3, abs=1e-6), (r1["step"], key)
+
+
+_EXIT_PROBE = """
+import atexit, sys
+from grpo_core import cli
+atexit.register(lambda: print("finalized", flush=True))
+def main():
+    print("run done", end="")  # unflushed: the exit must flush it
+    sys.stderr.write("err line")
+    return 3
+cli.main = main
+cli._entry()
+"""
+
+
+@pytest.mark.parametrize("world", ["1", "2"])
+def test_a_process_of_a_multi_process_run_leaves_without_finalization_after_flushing(world):
+    """DDP's reducer keeps the gloo group's threads alive past ``destroy_process_group``; a
+    process of a several-process run therefore exits at once (no interpreter finalization, where
+    a gloo thread can abort it), but only after its output is flushed and with main's code.
+    A single process exits normally."""
+    env = {**os.environ, **CHILD_ENV, "WORLD_SIZE": world}
+    done = subprocess.run([sys.executable, "-c", _EXIT_PROBE], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3
+    assert done.stdout.startswith("run done")
+    assert "err line" in done.stderr
+    assert ("finalized" in done.stdout) == (world == "1")
