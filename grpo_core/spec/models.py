@@ -133,6 +133,13 @@ class RolloutSlot(Slot):
     environment: EnvironmentSlot | None = Field(
         None, description="Multi-turn rollouts with tools or another environment; unset: one turn per completion."
     )
+    max_staleness: int = Field(
+        0, ge=0, description="Asynchronous rollouts: the actor generates the batches of the next k steps while the "
+        "learner trains, and the batch of step t is sampled with the policy after max(r, t - k) updates (r: the last "
+        "restart: the run's start, a resume, an evaluation or checkpoint), so no batch is more than k versions old "
+        "when trained. The rollout correction (algorithm.rollout_correction) weights each token by "
+        "pi_prox / pi_behav. 0: the synchronous loop (generate, then train).",
+    )
 
 
 # --------------------------------------------------------------------------- rewards

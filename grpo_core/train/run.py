@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
@@ -34,11 +35,12 @@ from grpo_core.train.kl import KLTerm
 from grpo_core.train.learner import Learner, UpdateSettings
 from grpo_core.train.optim import make_optimizer
 from grpo_core.train.parallel import strategy_for
+from grpo_core.train.pipeline import Pipeline, frozen_copy
 from grpo_core.train.reasoning_steps import split_steps
 from grpo_core.train.rollout import Scorer
 from grpo_core.train.scoring import RewardFn
 from grpo_core.train.signals import StopSignal
-from grpo_core.train.step import grpo_step
+from grpo_core.train.step import grpo_step, pipelined_step
 from grpo_core.train.update import Objective
 
 log = logging.getLogger("grpo.run")
@@ -69,6 +71,26 @@ class Run:
     eval_sets: dict[str, Any] = field(default_factory=dict)  # the named sets of eval.sets
     saved_at: float = field(default_factory=time.monotonic)  # when it was written (or the run began)
     trajectory: str = field(default_factory=ckpt.new_trajectory)  # this line of steps' id
+    pipeline: Pipeline | None = None  # the actor's thread under rollout.max_staleness > 0, else None
+
+    @contextlib.contextmanager
+    def actor_at_rest(self):
+        """The actor idle with the learner's current weights inside: an asynchronous run's
+        pipeline restarts around it (:meth:`Pipeline.pause`); a synchronous run's actor is
+        always so."""
+        if self.pipeline is None or not self.pipeline.running:
+            yield
+            return
+        self.pipeline.pause(self.model, self.learner.version)
+        try:
+            yield
+        finally:
+            self.pipeline.resume()
+
+    def stop_pipeline(self) -> None:
+        """Stop the actor's thread (the batches it generated ahead are dropped), if any."""
+        if self.pipeline is not None and self.pipeline.running:
+            self.pipeline.pause(self.model, self.learner.version)
 
     @property
     def has_eval(self) -> bool:
@@ -143,18 +165,23 @@ class Run:
         With several processes the main one writes and the others wait for it."""
         folder = self.checkpoint_dir / f"{ckpt.PREFIX}{self.step:06d}"
         if self.saved_step != self.step or not folder.is_dir():
-            # A sharded model's weights and optimizer state are gathered by every process.
-            sharded = self.learner.strategy.sharded
-            weights = self.learner.strategy.model_state(self.model)
-            state = self.state_dict() if sharded or self.dist.is_main else None
-            if self.dist.is_main:
-                folder = ckpt.write_checkpoint(
-                    self.checkpoint_dir, self.step, self.model, state, self.spec.checkpoint.keep,
-                    self.trajectory, weights=weights,
-                )
-            self.dist.barrier()
-            self.saved_step = self.step
-            self.saved_at = time.monotonic()
+            with self.actor_at_rest():  # the prompt position of the next batch to train, not the actor's
+                return self._write_checkpoint(folder)
+        return folder
+
+    def _write_checkpoint(self, folder: Path) -> Path:
+        # A sharded model's weights and optimizer state are gathered by every process.
+        sharded = self.learner.strategy.sharded
+        weights = self.learner.strategy.model_state(self.model)
+        state = self.state_dict() if sharded or self.dist.is_main else None
+        if self.dist.is_main:
+            folder = ckpt.write_checkpoint(
+                self.checkpoint_dir, self.step, self.model, state, self.spec.checkpoint.keep,
+                self.trajectory, weights=weights,
+            )
+        self.dist.barrier()
+        self.saved_step = self.step
+        self.saved_at = time.monotonic()
         return folder
 
 
@@ -205,8 +232,9 @@ def build_episodes(spec: Spec, model, tokenizer, scorer: Scorer) -> EpisodeRunne
 
 
 def _actor_and_learner(spec: Spec, model, tokenizer, rewards: list[RewardFn], splitter, strategy
-                       ) -> tuple[Actor, Learner]:
-    """The learner of ``model`` and the actor (with no prompt source yet) of the spec."""
+                       ) -> tuple[Actor, Learner, Pipeline | None]:
+    """The learner of ``model``, the actor (with no prompt source yet) of the spec, and the
+    pipeline between them when rollouts are asynchronous (``rollout.max_staleness``)."""
     algo, dist = spec.algorithm, strategy.dist
     env = spec.rollout.environment
     kl = KLTerm.from_spec(algo.kl, model)
@@ -222,7 +250,9 @@ def _actor_and_learner(spec: Spec, model, tokenizer, rewards: list[RewardFn], sp
     )
     optimizer, scheduler = make_optimizer(model, spec.train, spec.train.steps * algo.mu * spec.train.mini_batches)
     backend = spec.rollout.build()
-    backend.setup(model, tokenizer)
+    # Asynchronous rollouts sample from weights of their own while the learner's move.
+    sampler = frozen_copy(model) if spec.rollout.max_staleness and backend.generates_with_policy else None
+    backend.setup(model if sampler is None else sampler, tokenizer)
     estimator = algo.advantage.build()
     scorer = Scorer(
         rewards, spec.data.prompt_column, spec.train.reward_errors,
@@ -238,10 +268,15 @@ def _actor_and_learner(spec: Spec, model, tokenizer, rewards: list[RewardFn], sp
     )
     actor = Actor(
         backend=backend, scorer=scorer, settings=RolloutSettings.from_spec(spec), dist=dist, autocast=autocast,
-        episodes=build_episodes(spec, model, tokenizer, scorer), weights=partial(strategy.rollout_weights, backend),
+        episodes=build_episodes(spec, model, tokenizer, scorer),
+        weights=partial(strategy.rollout_weights, backend) if sampler is None else contextlib.nullcontext,
         greedy_baseline=estimator.needs_greedy_baseline,
     )
-    return actor, learner
+    pipeline = None
+    if spec.rollout.max_staleness:
+        pipeline = Pipeline(actor, spec.rollout.max_staleness, sampler=sampler,
+                            micro_batch_size=spec.train.micro_batch_size, temperature=spec.rollout.temperature)
+    return actor, learner, pipeline
 
 
 def build_run(loaded: LoadedSpec, dist: Dist | None = None) -> Run:
@@ -264,7 +299,8 @@ def build_run(loaded: LoadedSpec, dist: Dist | None = None) -> Run:
 
     tokenizer = modeling.load_tokenizer(spec.model, loaded.base_dir)
     model = modeling.load_policy(spec.model, loaded.base_dir, tokenizer).to(dist.device)
-    actor, learner = _actor_and_learner(spec, model, tokenizer, rewards, splitter, strategy_for(dist, parallel))
+    actor, learner, pipeline = _actor_and_learner(spec, model, tokenizer, rewards, splitter,
+                                                  strategy_for(dist, parallel))
     env = spec.rollout.environment
     context = getattr(model.config, "max_position_embeddings", None) or 10**9
     longest = spec.rollout.max_new_tokens if env is None else env.max_total_tokens
@@ -284,7 +320,7 @@ def build_run(loaded: LoadedSpec, dist: Dist | None = None) -> Run:
         spec=spec, loaded=loaded, output_dir=output_dir, actor=actor, learner=learner,
         eval_prompts=eval_prompts, log=RunLog(trackers, output_dir, enabled=dist.is_main),
         iterative=build_iterative(spec, rewards, reference),
-        eval_sets=eval_sets,
+        eval_sets=eval_sets, pipeline=pipeline,
     )
 
 
@@ -292,7 +328,7 @@ def evaluate_run(run: Run) -> dict[str, float]:
     """The held-out sets' metrics: the default set, then every named one (see
     :func:`evaluate_sets`)."""
     sets = [EvalSet("eval/", run.eval_prompts, run.spec.data.prompt_column), *run.eval_sets.values()]
-    with run.actor.weights():
+    with run.actor_at_rest(), run.actor.weights():
         return evaluate_sets(run.spec, run.actor, sets)
 
 
@@ -349,8 +385,15 @@ def _step_and_record(run: Run) -> dict[str, float]:
     GRPO, held-out evaluation, logging, checkpoints, the non-finite stop."""
     spec = run.spec
     due = run.iterative is not None and run.iterative.due(run.step)
-    begun = run.iterative.begin(run.actor, run.model) if due else {}
-    result = grpo_step(run.actor, run.learner, run.step)
+    if due:
+        with run.actor_at_rest():
+            begun = run.iterative.begin(run.actor, run.model)
+    else:
+        begun = {}
+    if run.pipeline is not None:
+        result = pipelined_step(run.pipeline, run.learner, run.step)
+    else:
+        result = grpo_step(run.actor, run.learner, run.step)
     metrics = run.dist.combine_metrics(result.metrics)
     if run.learner.kl is not None:  # adaptive beta and reference sync see the global step
         rows = spec.train.prompts_per_step * spec.rollout.group_size
@@ -387,12 +430,14 @@ class _StepStart:
 
     step: int
     updates: int
-    data: dict[str, Any]
+    data: dict[str, Any] | None
     rng: dict[str, Any]
 
     @classmethod
     def of(cls, run: Run) -> _StepStart:
-        return cls(run.step, run.learner.scheduler.last_epoch, run.prompts.state_dict(), ckpt.rng_state())
+        # an asynchronous run's actor moves the prompt position on its own (a pause rewinds it)
+        data = None if run.pipeline is not None else run.prompts.state_dict()
+        return cls(run.step, run.learner.scheduler.last_epoch, data, ckpt.rng_state())
 
 
 def _save_failed_step(run: Run, start: _StepStart, loaded: LoadedSpec, exc: BaseException) -> None:
@@ -405,7 +450,10 @@ def _save_failed_step(run: Run, start: _StepStart, loaded: LoadedSpec, exc: Base
         return
     if run.dist.active and not isinstance(exc, RunError):
         return
-    run.prompts.load_state_dict(start.data)
+    if run.pipeline is not None:
+        run.stop_pipeline()  # rewinds the prompts to this step's batch
+    else:
+        run.prompts.load_state_dict(start.data)
     ckpt.set_rng_state(start.rng)
     try:
         folder = run.save_checkpoint()
@@ -432,6 +480,8 @@ def train(loaded: LoadedSpec, resume: str | None = None) -> int:
             if spec.eval.at_start and run.has_eval and run.step == 0:
                 run.last_eval = evaluate_run(run)
                 run.log.log_metrics(run.last_eval, run.step)
+            if run.pipeline is not None:
+                run.pipeline.start(run.model, run.learner.version)
             # With several processes, a signal seen by any stops all of them at the same step.
             while run.step < spec.train.steps and not run.dist.any(stop.signum is not None):
                 start = _StepStart.of(run)
@@ -443,6 +493,7 @@ def train(loaded: LoadedSpec, resume: str | None = None) -> int:
                 if bar is not None:
                     bar.set_postfix(_postfix(metrics, run.last_eval), refresh=False)
                     bar.update(1)
+            run.stop_pipeline()
             if run.dist.any(stop.signum is not None):
                 status = "KILLED"
                 folder = run.save_checkpoint()
@@ -460,6 +511,8 @@ def train(loaded: LoadedSpec, resume: str | None = None) -> int:
         status = "KILLED"
         raise
     finally:
+        if run.pipeline is not None:
+            run.pipeline.close()
         if bar is not None:
             bar.close()
         run.log.finish(status)

@@ -14,9 +14,10 @@ from typing import Any
 import torch
 
 from grpo_core.contracts import RolloutBatch
-from grpo_core.train.actor import Actor, Timer
+from grpo_core.train.actor import Actor, Experience, Timer
 from grpo_core.train.episodes import episode_metrics
 from grpo_core.train.learner import Learner
+from grpo_core.train.pipeline import Pipeline
 from grpo_core.train.rollout import Scored, reward_means, zero_spread_groups
 from grpo_core.train.update import TrainBatch
 
@@ -96,6 +97,26 @@ def grpo_step(actor: Actor, learner: Learner, step: int) -> StepResult:
     timer = Timer({**experience.times, **learner_times})
     with timer("sync"):
         actor.receive(learner.model, learner.version)
+    return _result(experience, batch, metrics, timer, learner, t_start)
+
+
+def pipelined_step(pipeline: Pipeline, learner: Learner, step: int) -> StepResult:
+    """One step of an asynchronous run (``rollout.max_staleness > 0``): the learner takes the
+    batch the actor's thread collected for ``step`` (sampled up to ``max_staleness`` versions
+    ago), prepares and updates, and publishes the new weights to the actor. The ``generate``
+    and ``score`` times are the actor's, spent while the learner trained on earlier batches."""
+    t_start = time.perf_counter()
+    experience, pipeline_metrics = pipeline.take(step)
+    batch, metrics, learner_times = learner.learn(experience)
+    timer = Timer({**experience.times, **learner_times})
+    with timer("sync"):
+        pipeline.publish(learner.model, learner.version)
+    metrics.update(pipeline_metrics)
+    return _result(experience, batch, metrics, timer, learner, t_start)
+
+
+def _result(experience: Experience, batch: TrainBatch, metrics: dict[str, float], timer: Timer, learner: Learner,
+            t_start: float) -> StepResult:
     scored = experience.scored
     metrics.update(experience.metrics)
     metrics.update(reward_metrics(scored))

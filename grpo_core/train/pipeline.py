@@ -1,0 +1,259 @@
+"""Asynchronous rollouts with a staleness bound: the actor generates the batches of the next
+``k`` steps while the learner trains on the current one (``rollout.max_staleness: k``).
+
+The schedule is fixed, so a run is reproducible whatever the timing: after the pipeline
+(re)starts at step ``r`` (the learner's version then is ``r``), the batch of step ``t`` is
+sampled with the policy after exactly ``max(r, t - k)`` updates and trained at version ``t``,
+so its staleness ``t - max(r, t - k)`` never exceeds ``k``. With ``k = 1`` this is the
+one-step-off-policy schedule of verl: batch ``t + 1`` is generated with the weights of
+version ``t`` while the learner turns batch ``t`` into version ``t + 1``. (A schedule where
+the actor takes whatever weights are newest, as AReaL and PipelineRL do, is fresher on
+average but depends on timing; this one trades that for exact reruns and resumes.)
+
+Two threads: the actor's (this module's, :meth:`Pipeline._run`) collects batch after batch
+into a queue; the learner's (the caller's) takes batch ``t``, learns, and publishes the new
+weights with :meth:`Pipeline.publish`. Weights cross in one slot: the learner copies its
+parameters into a snapshot (one more copy of the policy) and waits only if the actor has not
+yet taken the previous version, which in steady state it has; the actor moves the snapshot
+into the weights it generates with just before the batch that needs that version. A backend
+that generates with the policy module itself (``hf``) gets a sampler copy of its own (a
+second copy), so the learner's optimizer steps never touch the weights being sampled from,
+and since the trainer's log-probs at update time are those of a newer policy, the actor
+computes the sampler's log-probs (``sampling_logp``) with that copy: the importance weight
+``pi_prox / pi_behav`` of ``algorithm.rollout_correction`` then corrects for the lag (TIS by
+default; ``mode: mask`` is AReaL's decoupled PPO objective).
+
+Evaluation, checkpoints and the start of an iterative-GRPO iteration need the actor at rest
+with the current weights: there the pipeline :meth:`restarts <Pipeline.restart>`. The
+batches it generated ahead are dropped (``async/dropped_batches`` counts them), the prompt
+stream is rewound to the first untrained batch, and generation resumes from the current
+weights. A checkpoint is such a point, so a run resumed from one trains on exactly what the
+uninterrupted run trained on.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from grpo_core.errors import RunError
+from grpo_core.train.actor import Actor, Experience
+from grpo_core.train.parallel import forward_of
+from grpo_core.train.update import batch_logprobs
+
+__all__ = ["Pipeline", "frozen_copy", "sampled_version"]
+
+
+def sampled_version(step: int, start: int, max_staleness: int) -> int:
+    """The policy version the batch of ``step`` is sampled with, for a pipeline (re)started at
+    ``start`` with staleness bound ``max_staleness``: ``max(start, step - max_staleness)``."""
+    return max(start, step - max_staleness)
+
+
+def _plain(model: Any) -> Any:
+    """The module itself, without a ``DistributedDataParallel`` or ``torch.compile`` wrapper."""
+    return getattr(model, "module", getattr(model, "_orig_mod", model))
+
+
+def frozen_copy(model: Any) -> Any:
+    """A copy of ``model`` (unwrapped) in eval mode, without gradients: a sampler's weights."""
+    copied = copy.deepcopy(_plain(model)).eval()
+    for p in copied.parameters():
+        p.requires_grad_(False)
+    return copied
+
+
+@dataclass
+class _Stats:
+    """What the step's metrics report about the pipeline (reset by :meth:`Pipeline.take`)."""
+
+    actor_wait: float = 0.0  # seconds the actor waited for weights
+    dropped: int = 0  # batches dropped by a restart
+
+
+@dataclass
+class Pipeline:
+    """The actor's thread and the queue and weight slot between it and the learner; see the
+    module doc. ``micro_batch_size`` and ``temperature`` are those of the learner's log-probs
+    (the sampler's log-probs are computed the same way)."""
+
+    actor: Actor
+    max_staleness: int
+    sampler: Any = None  # the actor's own copy of the policy, for a backend that generates with the policy
+    micro_batch_size: int | None = None
+    temperature: float = 1.0
+    _cond: threading.Condition = field(default_factory=threading.Condition)
+    _queue: deque = field(default_factory=deque)
+    _data_before: dict[int, Any] = field(default_factory=dict)  # step -> prompt position before its batch
+    _slot: tuple[int, Any] | None = None  # (version, snapshot) published, not yet taken by the actor
+    _snapshot: Any = None  # the learner's copy buffer (handed over through the slot)
+    _thread: threading.Thread | None = None
+    _start = 0  # the step (and version) of the last (re)start
+    _next = 0  # the next step the actor collects
+    _busy = False
+    _stop = False
+    _error: BaseException | None = None
+    _stats: _Stats = field(default_factory=_Stats)
+
+    def __post_init__(self) -> None:
+        if self.max_staleness < 1:
+            raise ValueError(f"a pipeline needs max_staleness >= 1 (0: the synchronous loop), got {self.max_staleness}")
+        if self.actor.dist.active:
+            raise RunError(
+                "rollout.max_staleness > 0 runs in one process for now: with several processes the actor's "
+                "collectives would share the learner's process group. Use rollout.max_staleness: 0 with --nproc"
+            )
+
+    # ----------------------------------------------------------------- lifecycle
+    def start(self, model: Any, version: int) -> None:
+        """Take the learner's weights (``version`` updates) and start collecting at step ``version``."""
+        self._snapshot = frozen_copy(model)
+        self.pause(model, version)
+        self.resume()
+
+    def pause(self, model: Any, version: int) -> None:
+        """Bring the actor to rest with the learner's current weights (``version`` updates):
+        stop its thread after its current batch, drop the batches it generated ahead and
+        rewind the prompt stream to the batch of step ``version``. An actor at rest serves
+        evaluation and checkpoints; :meth:`resume` starts it again at step ``version``."""
+        self.close()
+        with self._cond:
+            self._stats.dropped += len(self._queue)
+            self._queue.clear()
+            first = self._data_before.get(version)
+            self._data_before.clear()
+            self._slot = None
+            self._start = self._next = version
+            self._stop, self._error = False, None
+        if first is not None:
+            self.actor.source.load_state_dict(first)
+        self._apply_now(model, version)
+
+    def resume(self) -> None:
+        """Start the actor's thread at the step of the last :meth:`pause`."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="grpo-actor", daemon=True)
+            self._thread.start()
+
+    def close(self) -> None:
+        """Stop the actor's thread after its current batch (an idle actor stops at once)."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
+
+    # ----------------------------------------------------------------- the learner's side
+    def take(self, step: int) -> tuple[Experience, dict[str, float]]:
+        """The batch of ``step`` (waiting for it), with the pipeline's metrics: its staleness,
+        the queue depth when it was taken, the seconds the learner waited for it and the
+        actor waited for weights since the last take, and the batches dropped by restarts."""
+        t0 = time.perf_counter()
+        with self._cond:
+            while not self._queue and self._error is None:
+                self._cond.wait()
+            if self._error is not None:
+                raise self._error
+            experience = self._queue.popleft()
+            depth = len(self._queue)
+            stats, self._stats = self._stats, _Stats()
+            self._data_before.pop(step - 1, None)
+        if experience.step != step:
+            raise RuntimeError(f"pipeline: expected the batch of step {step}, got step {experience.step}")
+        staleness = step - experience.version
+        if not 0 <= staleness <= self.max_staleness:
+            raise RuntimeError(f"pipeline: the batch of step {step} is {staleness} versions old "
+                               f"(bound {self.max_staleness})")
+        return experience, {
+            "async/staleness": float(staleness),
+            "async/queue_depth": float(depth),
+            "async/dropped_batches": float(stats.dropped),
+            "time/learner_wait": time.perf_counter() - t0,
+            "time/actor_wait": stats.actor_wait,
+        }
+
+    def publish(self, model: Any, version: int) -> None:
+        """The learner's weights after ``version`` updates, for the batch of step
+        ``version + max_staleness``: copied into the snapshot once the actor has taken the
+        previous one."""
+        with self._cond:
+            while self._slot is not None and self._error is None:
+                self._cond.wait()
+            if self._error is not None:
+                raise self._error
+        with torch.no_grad():
+            for mine, theirs in zip(self._snapshot.parameters(), _plain(model).parameters(), strict=True):
+                mine.copy_(theirs)
+        with self._cond:
+            self._slot = (version, self._snapshot)
+            self._cond.notify_all()
+
+    # ----------------------------------------------------------------- the actor's side
+    def _apply_now(self, weights: Any, version: int) -> None:
+        """Make the actor generate with ``weights`` (the learner's model or a snapshot)."""
+        if self.sampler is not None:
+            with torch.no_grad():
+                for mine, theirs in zip(self.sampler.parameters(), _plain(weights).parameters(), strict=True):
+                    mine.copy_(theirs)
+            self.actor.receive(self.sampler, version)
+        else:
+            self.actor.receive(weights, version)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    step = self._next
+                    need = sampled_version(step, self._start, self.max_staleness)
+                    waited = time.perf_counter()
+                    while not self._stop and self.actor.version < need and (self._slot is None or self._slot[0] < need):
+                        self._cond.wait()
+                    self._stats.actor_wait += time.perf_counter() - waited
+                    if self._stop:
+                        return
+                    slot = None
+                    if self.actor.version < need:
+                        slot, self._slot = self._slot, None
+                        self._cond.notify_all()
+                    self._data_before[step] = self.actor.source.state_dict()
+                    self._busy = True
+                    self._cond.notify_all()
+                if slot is not None:
+                    if slot[0] != need:
+                        raise RuntimeError(f"pipeline: step {step} needs version {need}, the slot holds {slot[0]}")
+                    self._apply_now(slot[1], slot[0])
+                experience = self.actor.collect(step)
+                self._behaviour_logprobs(experience)
+                with self._cond:
+                    self._queue.append(experience)
+                    self._next, self._busy = step + 1, False
+                    self._cond.notify_all()
+        except BaseException as exc:  # handed to the learner's thread, which raises it
+            with self._cond:
+                self._error, self._busy = exc, False
+                self._cond.notify_all()
+
+    def _behaviour_logprobs(self, experience: Experience) -> None:
+        """The sampler copy's log-probs of the batch, when the backend gave none: the
+        behaviour policy of the rollout correction."""
+        rollout = experience.scored.rollout
+        if self.sampler is None or rollout.sampling_logp is not None:
+            return
+        from grpo_core.train.learner import train_batch
+
+        batch = train_batch(rollout, mask_truncated=False)
+        micro = self.micro_batch_size or batch.mask.shape[0]
+        with torch.no_grad():
+            logp = batch_logprobs(forward_of(self.sampler), batch, micro, self.temperature, self.actor.autocast)
+        rollout.sampling_logp = logp.masked_fill(~batch.mask, 0.0)

@@ -1,0 +1,247 @@
+"""Asynchronous rollouts (``rollout.max_staleness``): the fixed schedule, the threaded
+pipeline against a one-thread reference of the same schedule, restarts and resumes, and the
+rest of the engine (multi-turn, dynamic sampling, LoRA, evaluation, failures) on top."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from grpo_core.cli import main
+from grpo_core.errors import RunError
+from grpo_core.spec import load_spec
+from grpo_core.testing import save_tiny_model
+from grpo_core.train.distributed import Dist
+from grpo_core.train.learner import train_batch
+from grpo_core.train.parallel import forward_of
+from grpo_core.train.pipeline import Pipeline, sampled_version
+from grpo_core.train.run import build_run
+from grpo_core.train.step import pipelined_step
+from grpo_core.train.update import batch_logprobs
+
+torch.set_num_threads(1)
+SPECS = Path(__file__).resolve().parents[2] / "specs"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def make_run(tiny_model, tmp_path, *overrides):
+    base = [f"model.path={tiny_model}", "tracking=[]", f"train.output_dir={tmp_path}", "train.progress=false",
+            "train.threads=1", "eval.every=0", "eval.at_start=false", "eval.at_end=false"]
+    return build_run(load_spec(SPECS / "tiny.yaml", [*base, *overrides]))
+
+
+def weights(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# ----------------------------------------------------------------------------- the schedule
+@given(st.integers(0, 50), st.integers(0, 50), st.integers(1, 8))
+def test_no_batch_is_sampled_more_than_k_versions_before_it_is_trained(step, start, k):
+    """Trained at version ``step`` (one update per step), sampled at ``max(start, step - k)``:
+    staleness in ``[0, k]``, exactly ``k`` once ``k`` steps past a restart, and never a
+    version the learner has not reached."""
+    if step < start:
+        return
+    version = sampled_version(step, start, k)
+    assert start <= version <= step
+    assert 0 <= step - version <= k
+    assert (step - version == k) == (step - start >= k)
+
+
+# ----------------------------------------------------------------------------- the pipeline
+def _reference(run, k: int, steps: int) -> tuple[dict, list[int], list[torch.Tensor]]:
+    """The schedule in one thread: keep every version's weights; the batch of step ``t`` is
+    sampled from version ``max(0, t - k)`` (loaded into the sampler copy), its sampler
+    log-probs computed with that copy, and trained on. Final weights, sampled versions, and
+    each batch's sampler log-probs."""
+    learner, actor = run.learner, run.actor
+    sampler = run.pipeline.sampler
+    versions = {0: weights(learner.model)}
+    sampled, sampler_logp = [], []
+    for t in range(steps):
+        v = sampled_version(t, 0, k)
+        sampler.load_state_dict(versions[v])
+        actor.version = v
+        experience = actor.collect(t)
+        batch = train_batch(experience.scored.rollout, mask_truncated=False)
+        micro = run.spec.train.micro_batch_size or batch.mask.shape[0]
+        logp = batch_logprobs(forward_of(sampler), batch, micro, run.spec.rollout.temperature, actor.autocast)
+        experience.scored.rollout.sampling_logp = logp.masked_fill(~batch.mask, 0.0)
+        learner.learn(experience)
+        versions[t + 1] = weights(learner.model)
+        sampled.append(experience.version)
+        sampler_logp.append(experience.scored.rollout.sampling_logp)
+    return versions[steps], sampled, sampler_logp
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_the_threaded_pipeline_trains_exactly_as_its_schedule_run_in_one_thread(tiny_model, tmp_path, k):
+    steps = 5
+    threaded = make_run(tiny_model, tmp_path / "a", f"rollout.max_staleness={k}", f"train.steps={steps}")
+    pipeline = threaded.pipeline
+    assert pipeline is not None and pipeline.sampler is not None  # hf generates from a copy of its own
+    assert threaded.actor.backend.model is pipeline.sampler
+    pipeline.start(threaded.model, 0)
+    metrics = []
+    try:
+        for t in range(steps):
+            metrics.append(pipelined_step(pipeline, threaded.learner, t).metrics)
+    finally:
+        pipeline.close()
+    alone = make_run(tiny_model, tmp_path / "b", f"rollout.max_staleness={k}", f"train.steps={steps}")
+    final, sampled, _ = _reference(alone, k, steps)
+
+    assert [m["async/staleness"] for m in metrics] == [t - v for t, v in enumerate(sampled)]
+    assert [m["async/staleness"] for m in metrics] == [min(t, k) for t in range(steps)]
+    got = weights(threaded.model)
+    assert got.keys() == final.keys()
+    for name in final:
+        assert torch.equal(got[name], final[name]), name
+    # the stale batches were corrected: the sampler's log-probs differ from the trainer's there
+    assert metrics[0]["rollout_correction/logp_diff"] == 0.0  # version 0 trained at version 0
+    assert metrics[-1]["rollout_correction/logp_diff"] > 0.0
+    for m in metrics:
+        assert {"async/queue_depth", "time/learner_wait", "time/actor_wait", "async/dropped_batches"} <= m.keys()
+
+
+def test_the_sampler_log_probs_are_those_of_the_version_the_batch_was_sampled_with(tiny_model, tmp_path):
+    """The behaviour policy of the correction: a batch sampled at version 1 carries version 1's
+    log-probs, not the learner's newer ones."""
+    run = make_run(tiny_model, tmp_path, "rollout.max_staleness=1", "train.steps=3")
+    _, sampled, sampler_logp = _reference(run, 1, 3)
+    assert sampled == [0, 0, 1]
+    again = make_run(tiny_model, tmp_path / "again", "rollout.max_staleness=1", "train.steps=3")
+    again.pipeline.start(again.model, 0)
+    try:
+        pipelined_step(again.pipeline, again.learner, 0)
+        pipelined_step(again.pipeline, again.learner, 1)
+        experience, _ = again.pipeline.take(2)
+    finally:
+        again.pipeline.close()
+    assert experience.version == 1
+    assert torch.equal(experience.scored.rollout.sampling_logp, sampler_logp[2])
+    batch = train_batch(experience.scored.rollout, mask_truncated=False)
+    newest = batch_logprobs(forward_of(again.model), batch, batch.mask.shape[0], 1.0, again.actor.autocast)
+    assert float((newest - sampler_logp[2])[batch.mask].abs().max()) > 1e-6
+
+
+def test_several_processes_are_refused_with_the_reason(tiny_model, tmp_path):
+    run = make_run(tiny_model, tmp_path, "rollout.max_staleness=1")
+    run.actor.dist = Dist(0, 2)
+    with pytest.raises(RunError, match=r"rollout.max_staleness > 0 runs in one process.*max_staleness: 0"):
+        Pipeline(run.actor, 1)
+
+
+def test_max_staleness_0_is_the_synchronous_loop(tiny_model, tmp_path):
+    run = make_run(tiny_model, tmp_path, "rollout.max_staleness=0")
+    assert run.pipeline is None and run.actor.backend.model is run.model
+
+
+# ----------------------------------------------------------------------------- whole runs
+def _grpo(spec_path: Path, out: Path, *sets: str, resume: bool = False) -> int:
+    args = [str(spec_path), "--set", f"train.output_dir={out}", *[x for s in sets for x in ("--set", s)]]
+    return main([*args, "--resume", "latest"] if resume else args)
+
+
+def test_a_resumed_asynchronous_run_trains_on_exactly_what_the_uninterrupted_run_did(
+        tmp_path, write_spec, kit):
+    """A checkpoint restarts the pipeline (the batches generated ahead are dropped and
+    regenerated from the checkpoint's weights), so resuming from it repeats the run."""
+    spec = write_spec(tmp_path, rollout={"max_staleness": 2}, train={"steps": 6},
+                      checkpoint={"every": 3, "keep": 5})
+    assert _grpo(spec, tmp_path / "whole") == 0
+    assert _grpo(spec, tmp_path / "cut", "train.steps=3") == 0
+    assert _grpo(spec, tmp_path / "cut", resume=True) == 0
+    whole, cut = kit.load_weights(tmp_path / "whole" / "final"), kit.load_weights(tmp_path / "cut" / "final")
+    for name in whole:
+        assert torch.equal(whole[name], cut[name]), name
+    rows = {r["step"]: r for r in kit.read_metrics(tmp_path / "whole" / "metrics.jsonl") if "loss" in r}
+    resumed = {r["step"]: r for r in kit.read_metrics(tmp_path / "cut" / "metrics.jsonl") if "loss" in r}
+    # staleness restarts at 0 after the checkpoint of step 3, in both runs
+    assert [rows[s]["async/staleness"] for s in range(1, 7)] == [0, 1, 2, 0, 1, 2]
+    for s in (4, 5, 6):
+        assert rows[s]["loss"] == resumed[s]["loss"] and rows[s]["reward"] == resumed[s]["reward"]
+
+
+def test_an_asynchronous_run_evaluates_the_current_policy_and_trains_on(tmp_path, write_spec, kit):
+    spec = write_spec(tmp_path, data={"eval_size": 4}, rollout={"max_staleness": 1}, train={"steps": 4},
+                      eval={"every": 2, "at_start": True, "at_end": True, "max_prompts": 2})
+    assert _grpo(spec, tmp_path / "out") == 0
+    rows = kit.read_metrics(tmp_path / "out" / "metrics.jsonl")
+    assert [r["step"] for r in rows if "eval/reward" in r] == [0, 2, 4]
+    steps = [r for r in rows if "loss" in r]
+    assert [r["async/staleness"] for r in steps] == [0, 1, 0, 1]  # the evaluation at step 2 restarted it
+
+
+def test_dynamic_sampling_and_lora_run_asynchronously(tmp_path, write_spec, kit):
+    spec = write_spec(
+        tmp_path, rollout={"max_staleness": 1}, train={"steps": 3},
+        algorithm={"dynamic_sampling": {"max_rounds": 2}}, model={"lora": {"r": 4, "alpha": 8}},
+    )
+    assert _grpo(spec, tmp_path / "out") == 0
+    steps = [r for r in kit.read_metrics(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
+    assert [r["async/staleness"] for r in steps] == [0, 1, 1]
+    assert all("dynamic_sampling/rounds" in r for r in steps)
+
+
+def test_multi_turn_episodes_run_asynchronously(tmp_path, write_spec, kit):
+    model = save_tiny_model(tmp_path / "model")
+    config = json.loads((model / "config.json").read_text())
+    config["max_position_embeddings"] = 2048  # room for the tools' schemas in the prompt
+    (model / "config.json").write_text(json.dumps(config))
+    spec = write_spec(
+        tmp_path, model={"path": str(model)},
+        rollout={"max_staleness": 1,
+                 "environment": {"name": "tools", "tools": ["calculator"], "max_turns": 2, "max_total_tokens": 16}},
+        train={"steps": 2},
+    )
+    assert _grpo(spec, tmp_path / "out") == 0
+    steps = [r for r in kit.read_metrics(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
+    assert [r["async/staleness"] for r in steps] == [0, 1]
+    assert all(r["env/turns_per_episode"] >= 1 for r in steps)
+
+
+FAILING_REWARD = """
+from pathlib import Path
+
+from grpo_core import hookimpl
+
+COUNT = Path(__file__).with_name("calls.txt")  # reward calls may run in worker processes
+
+
+def fails_third(prompts, completions, **kwargs):
+    calls = int(COUNT.read_text() if COUNT.exists() else "0") + 1
+    COUNT.write_text(str(calls))
+    if calls >= 3:
+        raise ValueError("third batch")
+    return [float(len(str(c)) % 3) for c in completions]
+
+
+@hookimpl
+def register_reward_functions(register):
+    register.add("fails_third", fails_third)
+"""
+
+
+def test_a_failure_in_the_actors_thread_stops_the_run_with_the_last_completed_step_saved(
+        tmp_path, write_spec, kit, capsys):
+    """The actor fails while collecting the batch of step 2 (ahead of the learner): the run
+    stops with exit 1, reports the reward, and the checkpoint of the last completed step
+    resumes at the batch that failed."""
+    (tmp_path / "failing.py").write_text(FAILING_REWARD)
+    spec = write_spec(tmp_path, plugins=["failing.py"], rewards=[{"name": "fails_third"}],
+                      rollout={"max_staleness": 1}, train={"steps": 4, "reward_errors": "raise"})
+    assert _grpo(spec, tmp_path / "out") == 1
+    err = capsys.readouterr().err
+    assert "fails_third" in err
+    saved = sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir())
+    assert saved and saved[-1].endswith("000002")
