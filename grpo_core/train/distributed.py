@@ -64,6 +64,7 @@ class Dist:
     rank: int = 0
     world: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    group: Any = None  # the process group of the collectives (None: the default one)
 
     @classmethod
     def from_env(cls, device: str = "auto") -> Dist:
@@ -106,14 +107,14 @@ class Dist:
 
     def barrier(self) -> None:
         if self.active:
-            self._dist().barrier()
+            self._dist().barrier(group=self.group)
 
     def sum_floats(self, values: Sequence[float]) -> list[float]:
         """Element-wise sum over processes (float64, so token counts stay exact)."""
         if not self.active:
             return [float(v) for v in values]
         buf = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self._comm_device())
-        self._dist().all_reduce(buf)
+        self._dist().all_reduce(buf, group=self.group)
         return buf.tolist()
 
     def any(self, flag: bool) -> bool:
@@ -124,7 +125,7 @@ class Dist:
         if not self.active:
             return [obj]
         out: list[Any] = [None] * self.world
-        self._dist().all_gather_object(out, obj)
+        self._dist().all_gather_object(out, obj, group=self.group)
         return out
 
     def sum_grads(self, params: Sequence[Tensor]) -> None:
@@ -138,7 +139,7 @@ class Dist:
             by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
         for grads in by_dtype.values():
             flat = torch.cat([g.reshape(-1) for g in grads])
-            self._dist().all_reduce(flat)
+            self._dist().all_reduce(flat, group=self.group)
             offset = 0
             for g in grads:
                 g.copy_(flat[offset: offset + g.numel()].view_as(g))
@@ -146,7 +147,17 @@ class Dist:
 
     def _comm_device(self) -> torch.device:
         # NCCL reduces CUDA tensors only; gloo CPU ones.
+        if self.group is not None and self._dist().get_backend(self.group) == "gloo":
+            return torch.device("cpu")
         return self.device if self.device.type == "cuda" else torch.device("cpu")
+
+    def side_group(self) -> Dist:
+        """This process group's processes in a group of their own (gloo), for collectives made
+        from another thread while the default group's run in this one (an asynchronous actor's
+        beside the learner's). Every process must call it, in the same order."""
+        if not self.active:
+            return self
+        return Dist(self.rank, self.world, self.device, group=self._dist().new_group(backend="gloo"))
 
     def combine_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         """One metrics dict from every process's, each metric reduced as :func:`reduction` says."""

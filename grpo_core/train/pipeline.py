@@ -42,12 +42,11 @@ from typing import Any
 
 import torch
 
-from grpo_core.errors import RunError
 from grpo_core.train.actor import Actor, Experience
 from grpo_core.train.parallel import forward_of
 from grpo_core.train.update import batch_logprobs
 
-__all__ = ["Pipeline", "frozen_copy", "sampled_version"]
+__all__ = ["Pipeline", "copy_weights", "frozen_copy", "sampled_version"]
 
 
 def sampled_version(step: int, start: int, max_staleness: int) -> int:
@@ -69,6 +68,14 @@ def frozen_copy(model: Any) -> Any:
     return copied
 
 
+def copy_weights(into: Any, model: Any) -> None:
+    """``model``'s parameters into the plain copy ``into``; a sharded (FSDP2) parameter is
+    gathered whole first (a collective: every process calls this)."""
+    with torch.no_grad():
+        for mine, theirs in zip(into.parameters(), _plain(model).parameters(), strict=True):
+            mine.copy_(theirs.full_tensor() if hasattr(theirs, "full_tensor") else theirs)
+
+
 @dataclass
 class _Stats:
     """What the step's metrics report about the pipeline (reset by :meth:`Pipeline.take`)."""
@@ -85,6 +92,7 @@ class Pipeline:
 
     actor: Actor
     max_staleness: int
+    snapshot: Any  # a whole, unsharded copy of the policy: the weights that cross from the learner
     sampler: Any = None  # the actor's own copy of the policy, for a backend that generates with the policy
     micro_batch_size: int | None = None
     temperature: float = 1.0
@@ -92,7 +100,6 @@ class Pipeline:
     _queue: deque = field(default_factory=deque)
     _data_before: dict[int, Any] = field(default_factory=dict)  # step -> prompt position before its batch
     _slot: tuple[int, Any] | None = None  # (version, snapshot) published, not yet taken by the actor
-    _snapshot: Any = None  # the learner's copy buffer (handed over through the slot)
     _thread: threading.Thread | None = None
     _start = 0  # the step (and version) of the last (re)start
     _next = 0  # the next step the actor collects
@@ -104,16 +111,13 @@ class Pipeline:
     def __post_init__(self) -> None:
         if self.max_staleness < 1:
             raise ValueError(f"a pipeline needs max_staleness >= 1 (0: the synchronous loop), got {self.max_staleness}")
-        if self.actor.dist.active:
-            raise RunError(
-                "rollout.max_staleness > 0 runs in one process for now: with several processes the actor's "
-                "collectives would share the learner's process group. Use rollout.max_staleness: 0 with --nproc"
-            )
+        # the actor's collectives (scoring failures, dynamic sampling's rounds) run in its thread
+        # while the learner's run in the caller's: each side gets a process group of its own
+        self.actor.dist = self.actor.dist.side_group()
 
     # ----------------------------------------------------------------- lifecycle
     def start(self, model: Any, version: int) -> None:
         """Take the learner's weights (``version`` updates) and start collecting at step ``version``."""
-        self._snapshot = frozen_copy(model)
         self.pause(model, version)
         self.resume()
 
@@ -192,20 +196,16 @@ class Pipeline:
                 self._cond.wait()
             if self._error is not None:
                 raise self._error
-        with torch.no_grad():
-            for mine, theirs in zip(self._snapshot.parameters(), _plain(model).parameters(), strict=True):
-                mine.copy_(theirs)
+        copy_weights(self.snapshot, model)
         with self._cond:
-            self._slot = (version, self._snapshot)
+            self._slot = (version, self.snapshot)
             self._cond.notify_all()
 
     # ----------------------------------------------------------------- the actor's side
     def _apply_now(self, weights: Any, version: int) -> None:
         """Make the actor generate with ``weights`` (the learner's model or a snapshot)."""
         if self.sampler is not None:
-            with torch.no_grad():
-                for mine, theirs in zip(self.sampler.parameters(), _plain(weights).parameters(), strict=True):
-                    mine.copy_(theirs)
+            copy_weights(self.sampler, weights)
             self.actor.receive(self.sampler, version)
         else:
             self.actor.receive(weights, version)

@@ -237,6 +237,12 @@ def _actor_and_learner(spec: Spec, model, tokenizer, rewards: list[RewardFn], sp
     pipeline between them when rollouts are asynchronous (``rollout.max_staleness``)."""
     algo, dist = spec.algorithm, strategy.dist
     env = spec.rollout.environment
+    backend = spec.rollout.build()
+    # Asynchronous rollouts: whole copies of the policy, made before the strategy shards it: the
+    # snapshot the learner's weights cross in, and for a backend that generates with the policy
+    # module, the weights the actor samples from while the learner's move.
+    snapshot = frozen_copy(model) if spec.rollout.max_staleness else None
+    sampler = frozen_copy(model) if snapshot is not None and backend.generates_with_policy else None
     kl = KLTerm.from_spec(algo.kl, model)
     # before the optimizer, which must hold the parameters the strategy trains (shards under fsdp2)
     strategy.setup(model, getattr(kl and kl.reference, "model", None))
@@ -249,9 +255,6 @@ def _actor_and_learner(spec: Spec, model, tokenizer, rewards: list[RewardFn], sp
         correction=algo.rollout_correction,
     )
     optimizer, scheduler = make_optimizer(model, spec.train, spec.train.steps * algo.mu * spec.train.mini_batches)
-    backend = spec.rollout.build()
-    # Asynchronous rollouts sample from weights of their own while the learner's move.
-    sampler = frozen_copy(model) if spec.rollout.max_staleness and backend.generates_with_policy else None
     backend.setup(model if sampler is None else sampler, tokenizer)
     estimator = algo.advantage.build()
     scorer = Scorer(
@@ -273,8 +276,8 @@ def _actor_and_learner(spec: Spec, model, tokenizer, rewards: list[RewardFn], sp
         greedy_baseline=estimator.needs_greedy_baseline,
     )
     pipeline = None
-    if spec.rollout.max_staleness:
-        pipeline = Pipeline(actor, spec.rollout.max_staleness, sampler=sampler,
+    if snapshot is not None:
+        pipeline = Pipeline(actor, spec.rollout.max_staleness, snapshot, sampler=sampler,
                             micro_batch_size=spec.train.micro_batch_size, temperature=spec.rollout.temperature)
     return actor, learner, pipeline
 

@@ -5,6 +5,9 @@ rest of the engine (multi-turn, dynamic sampling, LoRA, evaluation, failures) on
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,16 +16,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from grpo_core.cli import main
-from grpo_core.errors import RunError
 from grpo_core.spec import load_spec
 from grpo_core.testing import save_tiny_model
-from grpo_core.train.distributed import Dist
 from grpo_core.train.learner import train_batch
 from grpo_core.train.parallel import forward_of
-from grpo_core.train.pipeline import Pipeline, sampled_version
+from grpo_core.train.pipeline import sampled_version
 from grpo_core.train.run import build_run
 from grpo_core.train.step import pipelined_step
 from grpo_core.train.update import batch_logprobs
+
+from .conftest import CHILD_ENV
 
 torch.set_num_threads(1)
 SPECS = Path(__file__).resolve().parents[2] / "specs"
@@ -134,11 +137,38 @@ def test_the_sampler_log_probs_are_those_of_the_version_the_batch_was_sampled_wi
     assert float((newest - sampler_logp[2])[batch.mask].abs().max()) > 1e-6
 
 
-def test_several_processes_are_refused_with_the_reason(tiny_model, tmp_path):
-    run = make_run(tiny_model, tmp_path, "rollout.max_staleness=1")
-    run.actor.dist = Dist(0, 2)
-    with pytest.raises(RunError, match=r"rollout.max_staleness > 0 runs in one process.*max_staleness: 0"):
-        Pipeline(run.actor, 1)
+@pytest.mark.slow
+def test_two_processes_run_asynchronously_as_one_does(tmp_path, write_spec, kit):
+    """The actors of two processes collect in threads with a process group of their own
+    while the learners train: under FSDP2 (full weights gathered once per publish) the run
+    takes the steps one process takes; under DDP with dynamic sampling, whose rounds the
+    actors agree on through their group, it runs to the end within its staleness bound."""
+    spec = write_spec(
+        tmp_path, data={"eval_size": 4}, rollout={"max_staleness": 1, "prompts_per_generate": 1},
+        algorithm={"advantage": {"name": "grpo", "std_scope": "batch"}, "aggregation": {"name": "token-mean"}},
+        train={"steps": 4, "prompts_per_step": 4, "seed": 3},
+        eval={"every": 2, "at_start": False, "at_end": True, "max_prompts": 4},
+    )
+    env = {**os.environ, **CHILD_ENV}
+    env.pop("WORLD_SIZE", None)
+    runs = {
+        "one": [],
+        "fsdp2": ["--nproc", "2", "--set", "train.parallel.strategy=fsdp2"],
+        "ddp": ["--nproc", "2", "--set", "algorithm.dynamic_sampling.max_rounds=2"],
+    }
+    for out, extra in runs.items():
+        done = subprocess.run([sys.executable, "-m", "grpo_core.cli", "run", str(spec), *extra,
+                               "--set", f"train.output_dir={out}"], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, (out, done.stderr)
+    one, two = kit.load_weights(tmp_path / "one" / "final"), kit.load_weights(tmp_path / "fsdp2" / "final")
+    assert max(float((one[k].float() - two[k].float()).abs().max()) for k in one) < 5e-5
+    rows = {out: [r for r in kit.read_metrics(tmp_path / out / "metrics.jsonl") if "loss" in r] for out in runs}
+    for out in runs:
+        assert [r["async/staleness"] for r in rows[out]] == [0, 1, 0, 1], out
+    for r1, r2 in zip(rows["one"], rows["fsdp2"]):
+        assert r2["loss"] == pytest.approx(r1["loss"], rel=1e-3, abs=1e-6)
+    assert all(r["dynamic_sampling/groups_kept"] + r["dynamic_sampling/groups_filled"] == 4 for r in rows["ddp"])
 
 
 def test_max_staleness_0_is_the_synchronous_loop(tiny_model, tmp_path):
