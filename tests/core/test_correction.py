@@ -195,3 +195,51 @@ def test_a_rejected_row_adds_nothing_to_the_loss_or_gradient():
     same, same_grad, _, _ = run(shifted, RolloutCorrectionSection(level="off", reject={"low": 0.1, "high": 10.0}))
     plain, plain_grad, _, _ = run(batch, None)
     assert same == plain and torch.equal(same_grad, plain_grad)
+
+
+def test_mask_mode_is_areals_decoupled_ppo_objective_by_hand():
+    """Asynchronous rollouts (rollout.max_staleness): a behaviour policy pi_behav that lags the
+    proximal policy pi_prox (the learner's before the update). AReaL's decoupled PPO loss, per
+    token: w = pi_prox / pi_behav, tokens with w > C left out, times the clipped surrogate on
+    r = pi_theta / pi_prox; token-mean over the completion tokens. ``level: token, mode: mask,
+    cap: C`` gives exactly that loss and its gradient."""
+    torch.manual_seed(0)
+    model = build_model(build_tokenizer()).double()
+    registry = load_plugins(external=False).registry
+    batch = _batch()
+    stats = BatchStats(int(batch.mask.sum()), P * G, T)
+    eps, cap = 0.2, 1.5
+
+    def objective(correction):
+        return Objective(policy_loss=registry.get("policy_loss", "clip").build(),
+                         aggregator=registry.get("loss_aggregator", "token-mean").build(), kl=None,
+                         entropy_coef=0.0, early_stop_imp_ratio=None, temperature=1.0, max_length=T,
+                         correction=correction)
+
+    _, _, logp, _ = micro_batch_loss(forward_of(copy.deepcopy(model)), batch, torch.arange(P * G),
+                                     objective(None), stats)
+    gen = torch.Generator().manual_seed(1)
+    prox = (logp.detach() + 0.3 * torch.randn(logp.shape, generator=gen, dtype=F64)) * batch.mask
+    behav = (prox - 0.6 * torch.rand(logp.shape, generator=gen, dtype=F64)) * batch.mask  # w in [1, e^0.6]
+    lagged = copy.copy(batch)
+    lagged.old_logp, lagged.sampling_logp = prox, behav
+
+    engine_model = copy.deepcopy(model)
+    section = RolloutCorrectionSection(level="token", mode="mask", cap=cap)
+    loss, _, _, _ = micro_batch_loss(forward_of(engine_model), lagged, torch.arange(P * G), objective(section), stats)
+    loss.backward()
+
+    hand_model = copy.deepcopy(model)
+    _, _, theta, _ = micro_batch_loss(forward_of(hand_model), batch, torch.arange(P * G), objective(None), stats)
+    hand_model.zero_grad()
+    w = torch.exp(prox - behav)
+    keep = batch.mask & (w <= cap)
+    assert keep.sum() < batch.mask.sum()  # some tokens above the cap: the mask is exercised
+    ratio = torch.exp(theta - prox)
+    adv = batch.advantages
+    surrogate = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - eps, 1 + eps))
+    expected = (surrogate * w * keep).sum() / batch.mask.sum()
+    expected.backward()
+    assert float(loss) == pytest.approx(float(expected), rel=1e-12, abs=1e-15)
+    for mine, theirs in zip(engine_model.parameters(), hand_model.parameters()):
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-10, atol=1e-14)
