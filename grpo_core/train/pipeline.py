@@ -145,13 +145,16 @@ class Pipeline:
             self._thread = threading.Thread(target=self._run, name="grpo-actor", daemon=True)
             self._thread.start()
 
-    def close(self) -> None:
-        """Stop the actor's thread after its current batch (an idle actor stops at once)."""
+    def close(self, wait: bool = True) -> None:
+        """Stop the actor's thread after its current batch (an idle actor stops at once);
+        ``wait=False`` does not wait for that batch (an interrupted run leaves at once, the
+        thread being a daemon)."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
         if self._thread is not None:
-            self._thread.join()
+            if wait:
+                self._thread.join()
             self._thread = None
 
     @property

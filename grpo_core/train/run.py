@@ -515,7 +515,7 @@ def train(loaded: LoadedSpec, resume: str | None = None) -> int:
         raise
     finally:
         if run.pipeline is not None:
-            run.pipeline.close()
+            run.pipeline.close(wait=status != "KILLED")  # a second signal: no waiting for a batch
         if bar is not None:
             bar.close()
         run.log.finish(status)

@@ -166,3 +166,29 @@ def test_two_processes_each_push_into_their_engine(tmp_path, model_dir, strategy
     grpo_run([spec, "--nproc", "2"], tmp_path, timeout=300)
     assert_pushes_reached_the_engine(tmp_path / "out", [1, 2])
     assert max_change(tmp_path / "out", model_dir) > 1e-2
+
+
+def test_an_asynchronous_run_samples_each_batch_from_the_version_its_staleness_says(tmp_path, model_dir):
+    """rollout.max_staleness: 1 with the engine in the actor's thread. The weights crossing
+    through the snapshot are well formed (with lr 1e-12, below float32 resolution, every version is the same policy: the
+    engine matches the trainer at every step), and with updates a batch sampled at the
+    learner's own version (staleness 0: the first step, and the step after the evaluation at
+    step 2 restarted the pipeline with the current weights) matches the trainer, while one
+    sampled a version earlier does not (the rollout correction sees the lag)."""
+    still = write_spec(tmp_path / "still", model_dir, rollout={"max_staleness": 1}, train={"steps": 3, "lr": 1.0e-12})
+    grpo_run([still], tmp_path / "still")
+    rows = step_rows(tmp_path / "still" / "out")
+    assert [r["async/staleness"] for r in rows] == [0, 1, 1]
+    assert all(r["rollout_correction/logp_diff/max"] <= GAP for r in rows), rows
+
+    moving = write_spec(tmp_path / "moving", model_dir, rollout={"max_staleness": 1}, train={"steps": 4},
+                        data={"eval_size": 2}, eval={"every": 2, "at_start": False, "at_end": False})
+    grpo_run([moving], tmp_path / "moving")
+    out = tmp_path / "moving" / "out"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["async/staleness"] for r in rows if "async/staleness" in r] == [0, 1, 0, 1]
+    # a step whose advantages are all 0 takes no forward, so logs no gap: check those that do
+    gaps = {r["step"]: (r["async/staleness"], r["rollout_correction/logp_diff/max"]) for r in step_rows(out)}
+    assert 3 in gaps and any(staleness == 1 for staleness, _ in gaps.values()), gaps
+    for step, (staleness, gap) in gaps.items():
+        assert (gap <= GAP) if staleness == 0 else (gap > 1e-3), (step, gap)
