@@ -63,11 +63,26 @@ def run_one(spec: str, seed: int, k: int, threads: int, out: Path, extra: list[s
         "k": k, "seed": seed, "threads": threads, "wall_s": wall, "step_s": step,
         "learner_busy_s": step - wait, "learner_wait_s": wait,
         "generate_s": _median(steps, "time/generate"), "score_s": _median(steps, "time/score"),
+        "sampler_logprobs_s": _median(steps, "time/sampler_logprobs") if k else 0.0,
         "actor_wait_s": _median(steps, "time/actor_wait") if k else 0.0,
         "staleness_max": max((r.get("async/staleness", 0.0) for r in steps), default=0.0),
         "eval_accuracy": evals[-1]["eval/rewards/accuracy"] if evals else float("nan"),
         "eval_accuracy_start": evals[0]["eval/rewards/accuracy"] if evals else float("nan"),
     }
+
+
+def separate_devices(results: list[dict]) -> str:
+    """What the synchronous runs' phases would give with the actor and the learner on devices
+    of their own and k = 1: a step of max(actor, learner) instead of their sum."""
+    sync = [r for r in results if r["k"] == 0]
+    if not sync:
+        return ""
+    actor = statistics.mean(r["generate_s"] + r["score_s"] for r in sync)
+    step = statistics.mean(r["step_s"] for r in sync)
+    learner = step - actor
+    return (f"Synchronous step {step:.2f} s = actor (generate + score) {actor:.2f} s + learner {learner:.2f} s; "
+            f"with the two on separate devices (k = 1) a step would take max = {max(actor, learner):.2f} s "
+            f"({step / max(actor, learner, 1e-9):.2f}x).")
 
 
 def table(results: list[dict]) -> str:
@@ -112,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(run_one(args.spec, seed, 0, args.sync_threads, out, extra))
         results.append(run_one(args.spec, seed, args.k, args.async_threads, out, extra))
         (out / "results.json").write_text(json.dumps({"cpu": _cpu(), "runs": results}, indent=2))
-    text = f"CPU: {_cpu()}\n\n{table(results)}\n"
+    text = f"CPU: {_cpu()}\n\n{table(results)}\n\n{separate_devices(results)}\n"
     (out / "table.md").write_text(text)
     print(text)
     return 0

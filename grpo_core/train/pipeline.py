@@ -255,8 +255,10 @@ class Pipeline:
             return
         from grpo_core.train.learner import train_batch
 
+        t0 = time.perf_counter()
         batch = train_batch(rollout, mask_truncated=False)
         micro = self.micro_batch_size or batch.mask.shape[0]
         with torch.no_grad():
             logp = batch_logprobs(forward_of(self.sampler), batch, micro, self.temperature, self.actor.autocast)
         rollout.sampling_logp = logp.masked_fill(~batch.mask, 0.0)
+        experience.times["sampler_logprobs"] = time.perf_counter() - t0
