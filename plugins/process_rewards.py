@@ -222,7 +222,7 @@ class ProcessRewardModelOptions(Options):
         "step, each scored at its last token. Unset: the completion as generated, scored at step ends.",
     )
     batch_size: int = Field(8, ge=1, description="Completions per forward pass.")
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "float32", description="Weights' dtype, or auto (the checkpoint's)."
     )
     max_length: int | None = Field(

@@ -295,7 +295,7 @@ class RewardModelOptions(Options):
     batch_size: int = Field(
         8, ge=1, description="Completions scored per forward pass; an integer >= 1."
     )
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "float32",
         description="Weights' dtype: float32, bfloat16, float16, or auto (the checkpoint's).",
     )

@@ -42,7 +42,7 @@ class ParallelSection(Section):
         "memory (torch CPUOffloadPolicy); the optimizer step runs on the CPU. Least device memory, "
         "slowest step.",
     )
-    param_dtype: Literal["bfloat16", "float16", "float32"] | None = Field(
+    param_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
         None,
         description="fsdp2 mixed precision (torch MixedPrecisionPolicy.param_dtype): the dtype the "
         "weights are gathered and computed in; the shards and the optimizer keep model.dtype. "
@@ -50,7 +50,7 @@ class ParallelSection(Section):
         "replaces train.mixed_precision (autocast) under fsdp2, which casts per operation and would "
         "gather full-precision weights; the two are not combined.",
     )
-    reduce_dtype: Literal["bfloat16", "float32"] | None = Field(
+    reduce_dtype: Literal["float32", "bfloat16"] | None = Field(
         "float32",
         description="fsdp2: dtype of the gradient reduce-scatter (MixedPrecisionPolicy.reduce_dtype); "
         "float32 sums bf16 gradients without rounding each process's share. null: param_dtype.",

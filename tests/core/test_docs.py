@@ -213,3 +213,23 @@ def test_no_benchmark_row_is_copied_out_of_bench_readme():
               or page.parent == ROOT for line in page.read_text(encoding="utf-8").splitlines()
               if line.strip() in bench]
     assert copies == []
+
+
+def test_no_two_literal_types_list_the_same_values_in_another_order():
+    """``typing`` caches ``Literal[...] | None`` by the set of values, so of two fields listing the
+    same values in different orders, whichever module is imported first sets the order both
+    show: the generated reference would then depend on import order."""
+    import ast
+    import re
+
+    root = Path(__file__).resolve().parents[2]
+    seen: dict[frozenset, tuple[tuple, str]] = {}
+    for path in [*(root / "grpo_core").rglob("*.py"), *(root / "plugins").rglob("*.py")]:
+        for match in re.finditer(r"Literal\[([^\[\]]+)\]", path.read_text(encoding="utf-8")):
+            try:
+                values = ast.literal_eval(f"({match.group(1)},)")
+            except (ValueError, SyntaxError):
+                continue
+            where = f"{path.relative_to(root)}: Literal[{match.group(1)}]"
+            first = seen.setdefault(frozenset(values), (values, where))
+            assert first[0] == values, f"{where} lists the values of {first[1]} in another order"

@@ -342,7 +342,7 @@ def test_reward_model_missing_path_names_it(tmp_path):
 
 
 def test_reward_model_options_say_what_is_valid():
-    with pytest.raises(ValidationError, match="'float32', 'bfloat16', 'float16' or 'auto'"):
+    with pytest.raises(ValidationError, match="'auto', 'bfloat16', 'float16' or 'float32'"):
         RewardModelOptions(path="m", dtype="fp8")
     with pytest.raises(ValidationError, match="greater than or equal to 1"):
         RewardModelOptions(path="m", batch_size=0)
