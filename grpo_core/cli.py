@@ -281,10 +281,13 @@ def exit_process(code: int) -> None:
     returns, seen in ``/proc/self/task``), and a gloo thread that touches a Python object
     while the interpreter shuts down aborts the process (``terminate called without an active
     exception``, exit 134) after a run that finished. Everything a run keeps (checkpoints,
-    model, metrics, the tracker's run) is written and closed before ``main`` returns, so the
-    process flushes its output and leaves at once, as launchers' workers commonly do."""
+    model, metrics, the tracker's run) is written and closed before ``main`` returns; the
+    exit handlers still run (libraries' clean-ups, such as vLLM's shared-memory segments),
+    then the process flushes its output and leaves, as launchers' workers commonly do."""
+    import atexit
     import logging
 
+    atexit._run_exitfuncs()  # the interpreter is whole here: the abort happens after them
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

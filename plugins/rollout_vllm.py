@@ -10,6 +10,7 @@ Building the engine: :meth:`VLLMRollout.setup`; sampling and seeding: :func:`sam
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
 import dataclasses
@@ -285,6 +286,27 @@ def keep_torch_threads() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+_SHM = "/dev/shm"
+
+
+def _shared_memory() -> set[str]:
+    """The names of vLLM's CPU shared-memory segments (``...-cpushm_<rank>``) now present."""
+    try:
+        return {name for name in os.listdir(_SHM) if "-cpushm_" in name}
+    except OSError:
+        return set()
+
+
+def _unlink_shared_memory(names: set[str]) -> None:
+    """Remove the shared-memory segments this process's engine made (tensor parallelism on
+    the CPU). vLLM frees them in a C++ destructor at process exit, which a process of a
+    multi-process run skips (:func:`grpo_core.cli.exit_process`); left behind, their fixed
+    names make the next engine of the same layout fail with EEXIST."""
+    for name in names:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(_SHM, name))
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -373,8 +395,12 @@ class VLLMRollout:
                 "vllm rollout: this vLLM does not know %s (needs vLLM >= 0.10.2); sampling_logp "
                 "may then be raw log-probs at temperature 1", ", ".join(dropped),
             )
+        made = _shared_memory()
         with keep_torch_threads():
             self.llm = LLM(**kwargs)
+        made = _shared_memory() - made
+        if made and world > 1:
+            atexit.register(_unlink_shared_memory, made)
         self.sync_weights(model)
         self._sleep()
 

@@ -367,7 +367,15 @@ def test_a_greedy_baseline_estimator_takes_the_same_steps_on_two_processes_as_on
 _EXIT_PROBE = """
 import atexit, sys
 from grpo_core import cli
-atexit.register(lambda: print("finalized", flush=True))
+
+
+class Finalized:
+    def __del__(self):
+        print("finalized", flush=True)
+
+
+KEEP = Finalized()  # deleted with the module, during interpreter finalization
+atexit.register(lambda: print("exit handlers ran", flush=True))
 def main():
     print("run done", end="")  # unflushed: the exit must flush it
     sys.stderr.write("err line")
@@ -380,12 +388,13 @@ cli._entry()
 @pytest.mark.parametrize("world", ["1", "2"])
 def test_a_process_of_a_multi_process_run_leaves_without_finalization_after_flushing(world):
     """DDP's reducer keeps the gloo group's threads alive past ``destroy_process_group``; a
-    process of a several-process run therefore exits at once (no interpreter finalization, where
-    a gloo thread can abort it), but only after its output is flushed and with main's code.
-    A single process exits normally."""
+    process of a several-process run therefore skips interpreter finalization (where a gloo
+    thread can abort it), but only after its exit handlers ran and its output is flushed,
+    with main's code. A single process exits normally."""
     env = {**os.environ, **CHILD_ENV, "WORLD_SIZE": world}
     done = subprocess.run([sys.executable, "-c", _EXIT_PROBE], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 3
     assert done.stdout.startswith("run done")
     assert "err line" in done.stderr
+    assert "exit handlers ran" in done.stdout
     assert ("finalized" in done.stdout) == (world == "1")

@@ -160,12 +160,16 @@ def test_two_processes_each_push_into_their_engine(tmp_path, model_dir, strategy
     """``--nproc 2``. ddp: one engine per process (data parallel), each loaded by its own
     push. fsdp2 with ``tensor_parallel_size: 2``: one engine split over both processes, each
     holding half of it; the push first gathers the sharded policy (every process takes part)
-    and each process loads its half of every weight."""
+    and each process loads its half of every weight. The split engine's shared-memory segments
+    are gone after the run (their fixed names would make the next such run fail)."""
+    shm = Path("/dev/shm")
+    before = {p.name for p in shm.glob("*-cpushm_*")}
     spec = write_spec(tmp_path, model_dir, train={"parallel": {"strategy": strategy}},
                       rollout={"tensor_parallel_size": tp})
     grpo_run([spec, "--nproc", "2"], tmp_path, timeout=300)
     assert_pushes_reached_the_engine(tmp_path / "out", [1, 2])
     assert max_change(tmp_path / "out", model_dir) > 1e-2
+    assert {p.name for p in shm.glob("*-cpushm_*")} <= before
 
 
 def test_an_asynchronous_run_samples_each_batch_from_the_version_its_staleness_says(tmp_path, model_dir):
