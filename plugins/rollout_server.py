@@ -220,7 +220,13 @@ class VLLMServerRollout:
         self._push(model)
 
     def sync_weights(self, model: Any) -> None:
-        """Push the policy's weights to every live server, one sync in ``push_every``."""
+        """Push the policy's weights to every live server, one sync in ``push_every``.
+
+        A server that fails during the push is dropped; when none is left this does not
+        raise: the engine calls it after a step's update, and a failure there would lose
+        that completed step. The next ``generate`` (the next step, before its update)
+        raises the :class:`RunError`, and the engine's failure path checkpoints the last
+        completed step."""
         self.syncs += 1
         if self.syncs % self.options.push_every == 0:
             self._push(model)
@@ -296,18 +302,22 @@ class VLLMServerRollout:
                         by_dtype[client.dtype] = [(n, t.cpu() if self.backend == "gloo" else t) for n, t in cast]
                 version = self.version
                 self._each(lambda c: c.push(by_dtype[c.dtype], version, self.options.timeout_s),
-                           "failed during a weight push")
+                           "failed during a weight push", required=False)
         del weights
         _barrier()
 
-    def _each(self, action, what: str) -> None:
-        """Run ``action(client)`` on every live server at once; drop those that fail."""
+    def _each(self, action, what: str, *, required: bool = True) -> None:
+        """Run ``action(client)`` on every live server at once; drop those that fail. With
+        none left, a :class:`RunError` if ``required``, else a warning (the error comes
+        with the next rollout)."""
         live = self.failover.live()
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(live))) as pool:
             for future in [pool.submit(self._guard, u, action, what) for u in live]:
                 future.result()
         if not self.failover.live():
-            raise RunError(self.failover.failure())
+            if required:
+                raise RunError(self.failover.failure())
+            log.warning("%s; the next rollout will fail", self.failover.failure())
 
     def _guard(self, url: str, action, what: str) -> None:
         try:
