@@ -304,7 +304,8 @@ class VLLMServerRollout:
                 self._each(lambda c: c.push(by_dtype[c.dtype], version, self.options.timeout_s),
                            "failed during a weight push", required=False)
         del weights
-        _barrier()
+        for url, why in _from_rank0(self.failover.dropped).items():
+            self.failover.drop(url, why)
 
     def _each(self, action, what: str, *, required: bool = True) -> None:
         """Run ``action(client)`` on every live server at once; drop those that fail. With
@@ -332,13 +333,17 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _barrier() -> None:
-    """Every process of a multi-process learner waits for rank 0's push (before any of them
-    generates with the servers)."""
+def _from_rank0(dropped: dict[str, str]) -> dict[str, str]:
+    """Rank 0's dropped servers, received by every process of a multi-process learner once
+    rank 0's push is over: no process generates before the push, or on a server that missed
+    it. A single process gets its own back."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return dropped
+    box = [dict(dropped)]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _free_port(host: str) -> int:
