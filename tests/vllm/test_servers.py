@@ -27,7 +27,7 @@ from grpo_core.contracts import SamplingParams
 from grpo_core.testing import build_model, save_tiny_model
 
 from .conftest import HIDDEN
-from .test_runs import CHILD_ENV, GAP, SPEC, max_change, step_rows
+from .test_runs import CHILD_ENV, COUNTDOWN, GAP, SPEC, max_change, step_rows
 
 pytestmark = pytest.mark.vllm
 
@@ -191,27 +191,40 @@ LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
 @pytest.mark.parametrize(
     ("case", "args", "changes"),
     [
-        ("lora", [], {"model": {"lora": LORA}, "train": {"steps": 3, "lr": 5.0e-2}}),
-        ("fsdp2-2-processes", ["--nproc", "2"], {"train": {"steps": 2, "parallel": {"strategy": "fsdp2"}}}),
+        ("lora-multi-turn", [], {
+            "model": {"lora": LORA}, "train": {"steps": 3, "lr": 5.0e-2}, "plugins": ["countdown.py"],
+            "rollout": {"environment": {"name": "countdown", "max_turns": 3, "max_total_tokens": 48}},
+            "rewards": [{"name": "env_reward"}]}),
+        ("fsdp2-2-processes-sampled-eval", ["--nproc", "2"], {
+            "train": {"steps": 2, "parallel": {"strategy": "fsdp2"}}, "data": {"eval_size": 4},
+            "eval": {"at_end": True, "n": 2, "greedy": False}}),
     ],
-    ids=["lora", "fsdp2-2-processes"],
+    ids=["lora-multi-turn", "fsdp2-2-processes-sampled-eval"],
 )
 def test_a_run_trains_on_two_servers(servers, model_dir, tmp_path, case, args, changes):
     """grpo-run with rollout.name vllm-server: every step's sampler log-probs (the servers')
     equal the trainer's to 1e-4, so each update reached both servers before the next rollout.
-    lora: each push is the merged adapter. fsdp2 over two processes: every process gathers
-    the sharded weights once per push, the first one pushes, both generate on the servers."""
+    lora-multi-turn: each push is the merged adapter; two-turn episodes, the server generating
+    each turn after the environment's message. fsdp2 over two processes: every process gathers
+    the sharded weights once per push, the first one pushes, both generate on the servers; the
+    held-out evaluation samples there too."""
     changes = json.loads(json.dumps(changes))
     changes.setdefault("model", {})["path"] = str(model_dir)
-    spec = write_spec(tmp_path, model_dir, {"name": "vllm-server", "urls": [s.url for s in servers]}, **changes)
+    rollout = {"name": "vllm-server", "urls": [s.url for s in servers], **changes.pop("rollout", {})}
+    (tmp_path / "countdown.py").write_text(COUNTDOWN)
+    spec = write_spec(tmp_path, model_dir, rollout, **changes)
     done = run([spec, *args], tmp_path, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     rows = step_rows(tmp_path / "out")
     steps = changes["train"]["steps"]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert all(r["rollout_correction/logp_diff/max"] <= GAP for r in rows), rows
-    if case != "lora":  # (a LoRA run saves the adapter, not merged weights)
+    if case.startswith("lora"):
+        assert all(r["env/turns_per_episode"] == 2.0 and r["env/env_tokens"] > 0 for r in rows), rows
+    else:  # (a LoRA run saves the adapter, not merged weights)
         assert max_change(tmp_path / "out", model_dir) > 1e-2
+        final = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()][-1]
+        assert [k for k in final if k.startswith("eval/") and "@2" in k], final
 
 
 def test_a_hung_server_is_failed_over_with_the_same_batch(servers, tokenizer, prompts):
