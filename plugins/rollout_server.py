@@ -323,7 +323,7 @@ class VLLMServerRollout:
     def _guard(self, url: str, action, what: str) -> None:
         try:
             action(self.clients[url])
-        except (ServerFault, KeyError, TypeError, ValueError) as exc:
+        except ServerFault as exc:
             self.failover.drop(url, f"{what}: {exc}")
 
 

@@ -127,15 +127,24 @@ class ServerClient:
         """Check the server is up and ``grpo-run serve``'s; learn its model name, dtype and
         worker count."""
         models = self.call("GET", "/v1/models")
-        self.model = models["data"][0]["id"]
-        infos = self.call("POST", "/collective_rpc", {"method": "grpo_server_info"})
-        infos = infos.get("results", infos) if isinstance(infos, dict) else infos
-        if not infos or any(i.get("engine") != "TorchWeightTransferEngine" for i in infos):
+        try:
+            infos = self.call("POST", "/collective_rpc", {"method": "grpo_server_info"}, retries=0)
+        except ServerFault as exc:
+            raise ServerFault(f"{exc} (is it a grpo-run serve server? a plain vllm serve has no weight channel)") \
+                from exc
+        try:
+            self.model = models["data"][0]["id"]
+            infos = infos.get("results", infos) if isinstance(infos, dict) else infos
+            engines = [i.get("engine") for i in infos]
+            dtype = infos[0]["dtype"]
+        except (KeyError, IndexError, TypeError, AttributeError) as exc:
+            raise ServerFault(f"{self.url} gave an answer grpo-run serve does not give ({exc!r})") from exc
+        if engines != ["TorchWeightTransferEngine"] * len(engines):
             raise ServerFault(
-                f"{self.url} is not a grpo-run serve server (its workers' weight transfer engine: "
-                f"{[i.get('engine') for i in infos or []]}); start it with grpo-run serve"
+                f"{self.url} is not a grpo-run serve server (its workers' weight transfer engine: {engines}); "
+                "start it with grpo-run serve"
             )
-        self.dtype, self.workers = infos[0]["dtype"], len(infos)
+        self.dtype, self.workers = dtype, len(engines)
 
     def complete(self, body: dict[str, Any]) -> Output:
         return to_outputs(self.call("POST", "/v1/completions", body), self.url)

@@ -12,6 +12,7 @@ in ``tests/vllm/test_servers.py`` (marker ``vllm``).
 from __future__ import annotations
 
 import contextlib
+import http.server
 import io
 import json
 import socket
@@ -34,6 +35,7 @@ from grpo_core.cli import main
 from grpo_core.contracts import RolloutBackend, SamplingParams
 from grpo_core.errors import RunError
 from grpo_core.plugin_manager import load_plugins
+from grpo_core.testing import build_model, build_tokenizer
 
 
 def cli(*argv) -> tuple[int, str, str]:
@@ -191,6 +193,44 @@ def test_a_server_that_never_answers_times_out_within_the_bound():
         with pytest.raises(ServerFault, match="failed after 2 attempt.s.: ReadTimeout"):
             client.call("POST", "/v1/completions", {"prompt": [1]})
         assert time.monotonic() - start < 5
+
+
+class _PlainOpenAIServer(http.server.BaseHTTPRequestHandler):
+    """An OpenAI-style server without vLLM's development routes (as a plain ``vllm serve``)."""
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        body = json.dumps({"data": [{"id": "m"}]}).encode() if self.path == "/v1/models" else b""
+        self.send_response(200 if body else 404)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):  # noqa: N802
+        self.send_response(404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_server_without_the_weight_channel_is_refused_with_what_to_start():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _PlainOpenAIServer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        with pytest.raises(ServerFault) as info:
+            ServerClient(url, timeout_s=5, retries=0).connect()
+        assert f"POST {url}/collective_rpc failed after 1 attempt(s): HTTP 404" in str(info.value)
+        assert "is it a grpo-run serve server?" in str(info.value)
+        rollout = VLLMServerRollout(VLLMServerOptions(urls=[url], retries=0, timeout_s=5))
+        with pytest.raises(RunError, match=f"no rollout server is left \\({url}: did not answer as a grpo-run"):
+            tokenizer = build_tokenizer()
+            rollout.setup(build_model(tokenizer), tokenizer)
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 # --------------------------------------------------------------------------- weight channel

@@ -166,6 +166,11 @@ def test_two_servers_split_a_batch_and_sample_what_one_would(servers, tokenizer,
     torch.testing.assert_close(split.sampling_logp, single.sampling_logp, atol=1e-5, rtol=0)
     mask = split.completion_mask
     assert bool((split.sampling_logp[mask] < 0).all()) and bool((split.sampling_logp[~mask] == 0).all())
+    greedy = both.generate(prompts, 3, SamplingParams(max_new_tokens=6, greedy=True))
+    rows = greedy.completion_ids.view(len(prompts), 3, -1)
+    assert torch.equal(rows, rows[:, :1].expand_as(rows))  # one greedy completion, repeated G times
+    assert torch.equal(greedy.completion_ids, alone.generate(prompts, 3, SamplingParams(max_new_tokens=6,
+                                                                                        greedy=True)).completion_ids)
 
 
 def write_spec(folder: Path, model_dir: Path, rollout: dict, **changes) -> Path:
