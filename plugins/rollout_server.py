@@ -15,7 +15,7 @@ learner pushes the policy's weights to every server. Nothing here is a new proto
   broadcast over a ``torch.distributed`` group per server (gloo on the CPU, NCCL on GPUs;
   :mod:`grpo_plugins.weight_channel`), then ``/reset_prefix_cache``.
 
-The learner needs ``requests`` and PyTorch, not vLLM: this module imports, registers and
+The learner needs PyTorch and the standard library, not vLLM: this module imports, registers and
 validates specs without it.
 
 Several URLs are data-parallel generation: a step's prompts are split into contiguous,

@@ -1,7 +1,8 @@
 """The learner's side of one vLLM rollout server (``grpo-run serve``): vLLM's own HTTP
-routes, called with ``requests``, and the weight channel of :mod:`grpo_plugins.weight_channel`.
+routes, called with the standard library's ``urllib``, and the weight channel of
+:mod:`grpo_plugins.weight_channel`.
 
-Routes used (vLLM 0.32): ``/health``; ``/v1/completions`` (OpenAI's, prompts as token ids,
+Routes used (vLLM 0.32): ``/v1/models``; ``/v1/completions`` (OpenAI's, prompts as token ids,
 vLLM's sampling extras, ``return_token_ids``); ``/collective_rpc`` (the worker extension's
 ``grpo_server_info``); ``/init_weight_transfer_engine``, ``/start_weight_update``,
 ``/update_weights``, ``/finish_weight_update`` (vLLM's weight-transfer API);
@@ -11,9 +12,12 @@ vLLM's sampling extras, ``return_token_ids``); ``/collective_rpc`` (the worker e
 from __future__ import annotations
 
 import dataclasses
+import json
 import socket
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
@@ -102,22 +106,21 @@ class ServerClient:
     def call(self, method: str, path: str, body: Any = None, *, retries: int | None = None,
              timeout_s: float | None = None) -> Any:
         """The JSON answer of ``method path``; retried on a refused or timed-out connection
-        and on a server error (5xx), not on a refused request (4xx). One connection per call:
-        calls come from several threads at once."""
-        import requests
-
+        and on a server error (5xx), not on a refused request (4xx). One connection per call
+        (the standard library's ``urllib``): calls come from several threads at once."""
         tries = 1 + (self.retries if retries is None else retries)
         delay, last = self.backoff_s, ""
         for attempt in range(tries):
             try:
-                answer = requests.request(method, self.url + path, json=body, timeout=timeout_s or self.timeout_s)
-                if answer.status_code < 400:
-                    return answer.json() if answer.content else None
-                last = f"HTTP {answer.status_code}: {answer.text[:300]}"
-                if answer.status_code < 500:
+                return _request(method, self.url + path, body, timeout_s or self.timeout_s)
+            except urllib.error.HTTPError as exc:
+                last = f"HTTP {exc.code}: {exc.read()[:300].decode(errors='replace')}"
+                if exc.code < 500:
                     break  # the request is wrong: retrying cannot help
-            except requests.RequestException as exc:
-                last = f"{type(exc).__name__}: {exc}"
+            except (OSError, ValueError) as exc:  # refused, reset, timed out; an answer that is not JSON
+                cause = exc.reason if isinstance(exc, urllib.error.URLError) and isinstance(exc.reason, Exception) \
+                    else exc
+                last = f"{type(cause).__name__}: {cause}"
             if attempt + 1 < tries:
                 time.sleep(delay)
                 delay *= 2
@@ -190,6 +193,15 @@ class ServerClient:
         threading.Thread(target=run, name=f"grpo-server{path}", daemon=True).start()
         pending.timeout_s = timeout_s
         return pending
+
+
+def _request(method: str, url: str, body: Any, timeout_s: float) -> Any:
+    """One HTTP request with a JSON body (or none); its JSON answer, or None when empty."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout_s) as answer:
+        content = answer.read()
+    return json.loads(content) if content else None
 
 
 class _Pending:

@@ -178,7 +178,7 @@ def test_a_refused_server_fails_after_its_retries_naming_the_url():
     start = time.monotonic()
     with pytest.raises(ServerFault) as info:
         client.call("GET", "/health")
-    assert f"GET {url}/health failed after 3 attempt(s): ConnectionError" in str(info.value)
+    assert f"GET {url}/health failed after 3 attempt(s): ConnectionRefusedError" in str(info.value)
     assert time.monotonic() - start < 10
 
 
@@ -190,7 +190,7 @@ def test_a_server_that_never_answers_times_out_within_the_bound():
         url = f"http://127.0.0.1:{listener.getsockname()[1]}"
         client = ServerClient(url, timeout_s=0.5, retries=1, backoff_s=0.05)
         start = time.monotonic()
-        with pytest.raises(ServerFault, match="failed after 2 attempt.s.: ReadTimeout"):
+        with pytest.raises(ServerFault, match="failed after 2 attempt.s.: TimeoutError: timed out"):
             client.call("POST", "/v1/completions", {"prompt": [1]})
         assert time.monotonic() - start < 5
 

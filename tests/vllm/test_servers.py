@@ -287,6 +287,7 @@ def test_a_run_whose_last_server_dies_stops_with_its_last_step_checkpointed(serv
     done = run([spec], tmp_path, env={"KILL_AT": "2", "KILL_PGID": str(server.proc.pid)})
     assert done.returncode == 1, done.stderr[-4000:]
     assert "no rollout server is left" in done.stderr and server.url in done.stderr, done.stderr[-2000:]
+    assert "step 3 failed before its update; checkpoint of step 2" in done.stderr, done.stderr[-2000:]
     from grpo_core import checkpoint as ckpt
 
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
