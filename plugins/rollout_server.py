@@ -102,9 +102,10 @@ class VLLMServerOptions(Options):
         1,
         ge=1,
         description=(
-            "Push the policy's weights to the servers every n weight syncs (one per training step). "
-            "1 keeps the servers on the current policy; above 1 the servers sample with weights up to "
-            "n - 1 steps old and the rollout correction's importance ratio accounts for it."
+            "Push the policy's weights to the servers every n weight syncs (one per training step, and "
+            "one after a resume): at the first sync and every n-th after it. 1 keeps the servers on the "
+            "current policy; above 1 they sample with weights up to n - 1 steps old, which the rollout "
+            "correction's importance ratio accounts for; a resumed run's first sync pushes the resumed weights."
         ),
     )
     weight_backend: Literal["auto", "gloo", "nccl"] = Field(
@@ -220,7 +221,9 @@ class VLLMServerRollout:
         self._push(model)
 
     def sync_weights(self, model: Any) -> None:
-        """Push the policy's weights to every live server, one sync in ``push_every``.
+        """Push the policy's weights to every live server at syncs ``1, 1 + n, 1 + 2n, ...``
+        (``n = push_every``): the first sync pushes, so that after a resume (setup, then the
+        checkpoint loaded, then one sync) the servers get the resumed weights at once.
 
         A server that fails during the push is dropped; when none is left this does not
         raise: the engine calls it after a step's update, and a failure there would lose
@@ -228,7 +231,7 @@ class VLLMServerRollout:
         raises the :class:`RunError`, and the engine's failure path checkpoints the last
         completed step."""
         self.syncs += 1
-        if self.syncs % self.options.push_every == 0:
+        if (self.syncs - 1) % self.options.push_every == 0:
             self._push(model)
 
     def generate(self, prompt_ids: list[list[int]], group_size: int, sampling: SamplingParams) -> RolloutBatch:

@@ -132,18 +132,19 @@ def perturb(model, seed: int) -> None:
 def test_pushes_reach_every_server(servers, tokenizer):
     """Each server's log-probs of a fixed sequence differ from the learner's before a push
     (it serves other weights) and equal them to 1e-4 (float32) after each push; with
-    push_every 2, the first sync after setup leaves the servers one update behind."""
+    push_every 2, syncs 1 and 3 push (the first: a resumed run's) and sync 2 leaves the
+    servers one update behind."""
     seq = tokenizer("Think step by step. What is 12 * 7?")["input_ids"]
     model = build_model(tokenizer, seed=1, hidden_size=HIDDEN).float()
     assert all(gap(s, model, seq) > 1e-2 for s in servers)
     rollout = backend([s.url for s in servers], push_every=2, timeout_s=60)
     rollout.setup(model, tokenizer)
     assert all(gap(s, model, seq) <= GAP for s in servers)
-    perturb(model, 0)
-    rollout.sync_weights(model)  # sync 1 of 2: no push
-    assert all(gap(s, model, seq) > 1e-2 for s in servers)
-    rollout.sync_weights(model)  # sync 2: push
-    assert all(gap(s, model, seq) <= GAP for s in servers)
+    for sync, pushed in ((1, True), (2, False), (3, True)):
+        perturb(model, sync)
+        rollout.sync_weights(model)
+        gaps = [gap(s, model, seq) for s in servers]
+        assert all(g <= GAP for g in gaps) if pushed else all(g > 1e-2 for g in gaps), (sync, gaps)
     assert rollout.failover.dropped == {}
 
 
@@ -230,6 +231,22 @@ def test_a_run_trains_on_two_servers(servers, model_dir, tmp_path, case, args, c
         assert max_change(tmp_path / "out", model_dir) > 1e-2
         final = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()][-1]
         assert [k for k in final if k.startswith("eval/") and "@2" in k], final
+
+
+def test_push_every_two_lags_one_step_and_a_resume_pushes_the_resumed_weights(servers, model_dir, tmp_path):
+    """push_every 2: pushes at setup and at syncs 1, 3, ...: steps 1 and 2 sample with the
+    current policy, step 3 with the one of a step before (the sampler/trainer gap shows it);
+    a resumed run's first sync pushes the checkpoint's weights, so its step 4 samples with them."""
+    rollout = {"name": "vllm-server", "urls": [servers[0].url], "push_every": 2}
+    spec = write_spec(tmp_path, model_dir, rollout, train={"steps": 3}, checkpoint={"every": 1, "keep": 3})
+    done = run([spec], tmp_path)
+    assert done.returncode == 0, done.stderr[-4000:]
+    done = run([spec, "--set", "train.steps=4", "--resume"], tmp_path)
+    assert done.returncode == 0 and "(step 3)" in done.stderr, done.stderr[-4000:]
+    gaps = {r["step"]: r["rollout_correction/logp_diff/max"] for r in step_rows(tmp_path / "out")}
+    assert sorted(gaps) == [1, 2, 3, 4]
+    assert gaps[1] <= GAP and gaps[2] <= GAP and gaps[4] <= GAP, gaps
+    assert gaps[3] > 10 * GAP, gaps  # sampled with the weights of step 1's update, trained from step 2's
 
 
 def test_a_hung_server_is_failed_over_with_the_same_batch(servers, tokenizer, prompts):
