@@ -293,11 +293,16 @@ class VLLMServerRollout:
 
     def _push(self, model: Any) -> None:
         """Gather the weights once (every process: FSDP2's gathers are collectives), cast
-        to each server's dtype, and push them from rank 0 to every live server at once."""
+        to each server's dtype, and push them from rank 0 to every live server at once. Rank
+        0 holds one whole copy during the push (none more when the policy is already in the
+        servers' dtype on the CPU); the other processes keep nothing."""
         self.version += 1
         with torch.no_grad():
-            weights = list(policy_weights(model))
-            if self.pusher:
+            if not self.pusher:
+                for _ in policy_weights(model):  # take part in the gathers, keep nothing
+                    pass
+            else:
+                weights = list(policy_weights(model))
                 by_dtype: dict[str, list] = {}
                 for client in (self.clients[u] for u in self.failover.live()):
                     if client.dtype not in by_dtype:
@@ -306,7 +311,7 @@ class VLLMServerRollout:
                 version = self.version
                 self._each(lambda c: c.push(by_dtype[c.dtype], version, self.options.timeout_s),
                            "failed during a weight push", required=False)
-        del weights
+                del weights, by_dtype
         for url, why in _from_rank0(self.failover.dropped).items():
             self.failover.drop(url, why)
 
