@@ -80,6 +80,14 @@ class TorchWeightTransferEngine(WeightTransferEngine[TorchInitInfo, TorchUpdateI
         self.group: Any = None
 
     def init_transfer_engine(self, init_info: TorchInitInfo) -> None:
+        """Join the learner's group as rank ``rank_offset + worker rank`` (tensor/pipeline
+        parallel workers of one engine). A server with vLLM's internal data parallelism is
+        refused: start one server per replica (the learner splits prompts over servers)."""
+        if self.parallel_config.data_parallel_size > 1:
+            raise ValueError(
+                "grpo_torch weight transfer: --data-parallel-size > 1 is not supported; start one "
+                "grpo-run serve per replica and list every URL in rollout.urls"
+            )
         rank = init_info.rank_offset + self.parallel_config.rank
         self.group = open_group(
             init_info.host, init_info.port, rank, init_info.world_size, init_info.backend, init_info.timeout_s
