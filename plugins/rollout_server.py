@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import socket
+import uuid
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
@@ -203,6 +205,7 @@ class VLLMServerRollout:
         self.version = 0
         self.pusher = True
         self.backend = "gloo"
+        self.tag = _launch_tag()
 
     # ----------------------------------------------------------------- contract
     def setup(self, model: Any, tokenizer: Any) -> None:
@@ -293,14 +296,21 @@ class VLLMServerRollout:
 
     def _push(self, model: Any) -> None:
         """Gather the weights once (every process: FSDP2's gathers are collectives), cast
-        to each server's dtype, and push them from rank 0 to every live server at once. Rank
-        0 holds one whole copy during the push (none more when the policy is already in the
-        servers' dtype on the CPU); the other processes keep nothing."""
+        to each server's dtype, and push them from rank 0 to every live server at once, as
+        weight version ``<launch tag><n>``. Rank 0 holds one whole copy during the push
+        (none more when the policy is already in the servers' dtype on the CPU); the other
+        processes keep nothing and wait until their live servers report that version
+        (``/weight_info``), so none generates before the push or on a server that missed it.
+        No collective of the learner's process group is used: in asynchronous training this
+        runs in the actor's thread while the learner's runs its own."""
         self.version += 1
+        version = f"{self.tag}{self.version}"
         with torch.no_grad():
             if not self.pusher:
                 for _ in policy_weights(model):  # take part in the gathers, keep nothing
                     pass
+                self._each(lambda c: c.wait_for_version(version, self.options.timeout_s),
+                           "did not receive the first process's push", required=False)
             else:
                 weights = list(policy_weights(model))
                 by_dtype: dict[str, list] = {}
@@ -308,12 +318,9 @@ class VLLMServerRollout:
                     if client.dtype not in by_dtype:
                         cast = cast_weights(weights, getattr(torch, client.dtype))
                         by_dtype[client.dtype] = [(n, t.cpu() if self.backend == "gloo" else t) for n, t in cast]
-                version = self.version
                 self._each(lambda c: c.push(by_dtype[c.dtype], version, self.options.timeout_s),
                            "failed during a weight push", required=False)
                 del weights, by_dtype
-        for url, why in _from_rank0(self.failover.dropped).items():
-            self.failover.drop(url, why)
 
     def _each(self, action, what: str, *, required: bool = True) -> None:
         """Run ``action(client)`` on every live server at once; drop those that fail. With
@@ -341,17 +348,14 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _from_rank0(dropped: dict[str, str]) -> dict[str, str]:
-    """Rank 0's dropped servers, received by every process of a multi-process learner once
-    rank 0's push is over: no process generates before the push, or on a server that missed
-    it. A single process gets its own back."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return dropped
-    box = [dict(dropped)]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+def _launch_tag() -> str:
+    """A prefix of the weight versions pushed, the same in every process of one launch and
+    new at the next (a server may still hold the previous run's versions): the launcher's
+    rendezvous address and run id, or a random one for a single process."""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        keys = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+        return ":".join(os.environ.get(k, "") for k in keys) + "/"
+    return uuid.uuid4().hex[:12] + "/"
 
 
 def _free_port(host: str) -> int:

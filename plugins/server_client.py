@@ -5,7 +5,7 @@ routes, called with the standard library's ``urllib``, and the weight channel of
 Routes used (vLLM 0.32): ``/v1/models``; ``/v1/completions`` (OpenAI's, prompts as token ids,
 vLLM's sampling extras, ``return_token_ids``); ``/collective_rpc`` (the worker extension's
 ``grpo_server_info``); ``/init_weight_transfer_engine``, ``/start_weight_update``,
-``/update_weights``, ``/finish_weight_update`` (vLLM's weight-transfer API);
+``/update_weights``, ``/finish_weight_update``, ``/weight_info`` (vLLM's weight-transfer API);
 ``/reset_prefix_cache``. Nothing here imports vLLM.
 """
 
@@ -165,7 +165,7 @@ class ServerClient:
                 from exc
         joined.result()
 
-    def push(self, weights: list[tuple[str, Tensor]], version: int, timeout_s: float) -> None:
+    def push(self, weights: list[tuple[str, Tensor]], version: str, timeout_s: float) -> None:
         """One push: start, send every tensor while the server receives, finish (weight
         version ``version``), then reset the prefix cache computed with the old weights."""
         self.call("POST", "/start_weight_update", retries=0)
@@ -175,8 +175,22 @@ class ServerClient:
         except Exception as exc:
             raise ServerFault(f"{self.url}: the weight channel broke during a push: {exc}") from exc
         received.result()
-        self.call("POST", "/finish_weight_update", {"weight_version": str(version)}, retries=0)
+        self.call("POST", "/finish_weight_update", {"weight_version": version}, retries=0)
         self.call("POST", "/reset_prefix_cache")
+
+    def wait_for_version(self, version: str, timeout_s: float, poll_s: float = 0.05) -> None:
+        """Wait until the server's weight version (vLLM's ``/weight_info``) is ``version``:
+        another process's push has reached it."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            seen = (self.call("GET", "/weight_info") or {}).get("weight_version")
+            if seen == version:
+                return
+            if time.monotonic() > deadline:
+                raise ServerFault(
+                    f"{self.url} still holds weight version {seen!r}, not {version!r}, after {timeout_s:g} s"
+                )
+            time.sleep(poll_s)
 
     def _background(self, method: str, path: str, body: Any, timeout_s: float) -> _Pending:
         """Send a request that returns only once the collective it starts is over, on a

@@ -198,8 +198,10 @@ def test_a_server_that_never_answers_times_out_within_the_bound():
 class _PlainOpenAIServer(http.server.BaseHTTPRequestHandler):
     """An OpenAI-style server without vLLM's development routes (as a plain ``vllm serve``)."""
 
+    answers = {"/v1/models": {"data": [{"id": "m"}]}, "/weight_info": {"weight_version": "run/3"}}
+
     def do_GET(self):  # noqa: N802 (http.server's name)
-        body = json.dumps({"data": [{"id": "m"}]}).encode() if self.path == "/v1/models" else b""
+        body = json.dumps(self.answers[self.path]).encode() if self.path in self.answers else b""
         self.send_response(200 if body else 404)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -228,6 +230,21 @@ def test_a_server_without_the_weight_channel_is_refused_with_what_to_start():
         with pytest.raises(RunError, match=f"no rollout server is left \\({url}: did not answer as a grpo-run"):
             tokenizer = build_tokenizer()
             rollout.setup(build_model(tokenizer), tokenizer)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_another_process_waits_for_the_pushed_weight_version_within_the_bound():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _PlainOpenAIServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = ServerClient(f"http://127.0.0.1:{server.server_address[1]}", timeout_s=5, retries=0)
+        client.wait_for_version("run/3", timeout_s=1)
+        start = time.monotonic()
+        with pytest.raises(ServerFault, match="still holds weight version 'run/3', not 'run/4', after 0.3 s"):
+            client.wait_for_version("run/4", timeout_s=0.3)
+        assert time.monotonic() - start < 3
     finally:
         server.shutdown()
         server.server_close()
