@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -118,6 +119,25 @@ def backend(urls: list[str], **options):
     return VLLMServerRollout(VLLMServerOptions(urls=urls, **options))
 
 
+def in_thread(function, *args):
+    """``function(*args)`` run in another thread (bounded), its result or its exception."""
+    out: dict = {}
+
+    def target():
+        try:
+            out["value"] = function(*args)
+        except BaseException as exc:  # re-raised below
+            out["error"] = exc
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join(120)
+    assert not thread.is_alive()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
 def gap(server: Server, model, seq: list[int]) -> float:
     return float((server.logprobs(seq) - learner_logprobs(model, seq)).abs().max())
 
@@ -142,7 +162,7 @@ def test_pushes_reach_every_server(servers, tokenizer):
     assert all(gap(s, model, seq) <= GAP for s in servers)
     for sync, pushed in ((1, True), (2, False), (3, True)):
         perturb(model, sync)
-        rollout.sync_weights(model)
+        in_thread(rollout.sync_weights, model)  # as the actor thread of asynchronous training calls it
         gaps = [gap(s, model, seq) for s in servers]
         assert all(g <= GAP for g in gaps) if pushed else all(g > 1e-2 for g in gaps), (sync, gaps)
     assert rollout.failover.dropped == {}
@@ -150,13 +170,14 @@ def test_pushes_reach_every_server(servers, tokenizer):
 
 def test_two_servers_split_a_batch_and_sample_what_one_would(servers, tokenizer, prompts):
     """Both servers get requests, and the batch equals the one a single server gives for the
-    same seed and weights (seeds are per prompt, so who samples does not matter)."""
+    same seed and weights (seeds are per prompt, so who samples does not matter). The split
+    batch is generated in another thread, as asynchronous training's actor does."""
     model = build_model(tokenizer, seed=2, hidden_size=HIDDEN).float()
     both = backend([s.url for s in servers])
     both.setup(model, tokenizer)
     sampling = SamplingParams(max_new_tokens=6, seed=11)
     before = [s.finished_requests() for s in servers]
-    split = both.generate(prompts, 3, sampling)
+    split = in_thread(both.generate, prompts, 3, sampling)
     assert all(s.finished_requests() > b for s, b in zip(servers, before, strict=True))
     alone = backend([servers[0].url])
     alone.setup(model, tokenizer)
