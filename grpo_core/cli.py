@@ -18,7 +18,7 @@ import traceback
 
 from grpo_core.errors import GrpoError, UsageError, fault_text
 
-COMMANDS = ("run", "eval", "validate", "init", "runs", "plugins", "schema")
+COMMANDS = ("run", "eval", "validate", "init", "runs", "plugins", "schema", "serve")
 
 
 def _spec_args(p: argparse.ArgumentParser) -> None:
@@ -78,6 +78,9 @@ def _add_others(sub) -> None:
     plugins = sub.add_parser("plugins", help="list plugins and the components they register")
     plugins.add_argument("--json", action="store_true", help="print JSON")
     sub.add_parser("schema", help="print the JSON Schema of a spec, with every installed plugin's options")
+    from grpo_plugins.vllm_serve import add_serve_parser  # the vllm-server backend's server (vLLM's own)
+
+    add_serve_parser(sub)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -88,7 +91,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog="Exit codes: 0 ok, 1 runtime failure, 2 invalid spec or usage, 130 interrupted, 143 terminated.\n"
         "Commands: grpo-run SPEC (train; --dry-run: one rollout, no training), grpo-run eval SPEC,\n"
         "grpo-run validate SPEC, grpo-run init [--task math|tools|custom] [SPEC], grpo-run runs [FOLDER ...],\n"
-        "grpo-run plugins, grpo-run schema.",
+        "grpo-run plugins, grpo-run schema, grpo-run serve MODEL [-- VLLM ARGS] (a rollout server).",
     )
     sub = parser.add_subparsers(dest="command")
     _add_run(sub)
@@ -183,6 +186,15 @@ def _cmd_eval(args) -> int:
     return 0
 
 
+def _cmd_serve(args) -> int:
+    from grpo_plugins.vllm_serve import serve
+
+    try:
+        return serve(args)
+    except (ValueError, RuntimeError) as exc:
+        raise UsageError(str(exc)) from exc
+
+
 def _cmd_run(args) -> int:
     from grpo_core.checkpoint import claim_run_folder, run_folder
     from grpo_core.runlock import hold_run_folder
@@ -232,8 +244,14 @@ def _origin(exc: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
+    passthrough: list[str] = []
+    if argv[:1] == ["serve"]:  # what follows -- goes to vLLM unparsed
+        from grpo_plugins.vllm_serve import split_vllm_args
+
+        argv, passthrough = split_vllm_args(argv)
     try:
         args = parser.parse_args(_normalize(argv))
+        args.vllm_args = passthrough
     except SystemExit as exc:  # argparse already printed the usage message
         return int(exc.code or 0)
     if args.command is None:
@@ -241,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     handler = {
         "run": _cmd_run, "eval": _cmd_eval, "validate": _cmd_validate, "init": _cmd_init, "runs": _cmd_runs,
-        "plugins": _cmd_plugins, "schema": _cmd_schema,
+        "plugins": _cmd_plugins, "schema": _cmd_schema, "serve": _cmd_serve,
     }
     try:
         return handler[args.command](args)

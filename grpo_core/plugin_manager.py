@@ -46,6 +46,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "grpo_plugins.aggregators",
     "grpo_plugins.rollout_hf",
     "grpo_plugins.rollout_vllm",
+    "grpo_plugins.rollout_server",
     "grpo_plugins.rewards",
     "grpo_plugins.remote_rewards",
     "grpo_plugins.process_rewards",

@@ -1,0 +1,336 @@
+"""The ``vllm-server`` rollout backend against real rollout servers (``grpo-run serve``:
+vLLM's own OpenAI server with the ``grpo_torch`` weight channel), started here on
+127.0.0.1 on free ports and killed (their whole process group) at the end, even on failure.
+
+Two servers serve the whole module, in order: pushes (log-probs of a fixed sequence),
+a batch split across both, a ``grpo-run`` that trains on them, a hung server failed over,
+and last a run whose only server is killed mid-run (exit 1, last step checkpointed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from grpo_core.contracts import SamplingParams
+from grpo_core.testing import build_model, save_tiny_model
+
+from .conftest import HIDDEN
+from .test_runs import CHILD_ENV, COUNTDOWN, GAP, SPEC, max_change, step_rows
+
+pytestmark = pytest.mark.vllm
+
+START_S = 240  # two servers starting at once on two shared cores
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    """One ``grpo-run serve`` process group, its URL and log."""
+
+    def __init__(self, model_dir: Path, log: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        env = {**os.environ, **CHILD_ENV}
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "grpo_core.cli", "serve", str(model_dir), "--port", str(self.port),
+                 "--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--", "--max-num-seqs", "32"],
+                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            )
+
+    def wait(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"server exited ({self.proc.returncode}):\n{self.log.read_text()[-3000:]}")
+            with contextlib.suppress(requests.RequestException):
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            time.sleep(1)
+        pytest.fail(f"server {self.url} not up in {START_S} s:\n{self.log.read_text()[-3000:]}")
+
+    def signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, sig)
+
+    def stop(self) -> None:
+        self.signal(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=30)
+
+    def finished_requests(self) -> float:
+        text = requests.get(self.url + "/metrics", timeout=10).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("vllm:request_success_total{"))
+
+    def logprobs(self, seq: list[int]) -> torch.Tensor:
+        """The server's log-probs of ``seq[1:]`` given the tokens before each (prompt log-probs)."""
+        body = {"prompt": seq, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 1.0}
+        answer = requests.post(self.url + "/v1/completions", json=body, timeout=60).json()
+        rows = answer["choices"][0]["prompt_logprobs"]
+        return torch.tensor([rows[t][str(seq[t])]["logprob"] for t in range(1, len(seq))])
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("server-model") / "model", hidden_size=HIDDEN)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory, model_dir):
+    folder = tmp_path_factory.mktemp("servers")
+    started = [Server(model_dir, folder / f"server{k}.log") for k in range(2)]
+    try:
+        deadline = time.monotonic() + START_S
+        for server in started:
+            server.wait(deadline)
+        yield started
+    finally:
+        for server in started:
+            server.stop()
+
+
+def learner_logprobs(model, seq: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([seq])).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(seq[1:])[:, None])[:, 0]
+
+
+def backend(urls: list[str], **options):
+    from grpo_plugins.rollout_server import VLLMServerOptions, VLLMServerRollout
+
+    return VLLMServerRollout(VLLMServerOptions(urls=urls, **options))
+
+
+def in_thread(function, *args):
+    """``function(*args)`` run in another thread (bounded), its result or its exception."""
+    out: dict = {}
+
+    def target():
+        try:
+            out["value"] = function(*args)
+        except BaseException as exc:  # re-raised below
+            out["error"] = exc
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join(120)
+    assert not thread.is_alive()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def gap(server: Server, model, seq: list[int]) -> float:
+    return float((server.logprobs(seq) - learner_logprobs(model, seq)).abs().max())
+
+
+def perturb(model, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+
+
+def test_pushes_reach_every_server(servers, tokenizer):
+    """Each server's log-probs of a fixed sequence differ from the learner's before a push
+    (it serves other weights) and equal them to 1e-4 (float32) after each push; with
+    push_every 2, syncs 1 and 3 push (the first: a resumed run's) and sync 2 leaves the
+    servers one update behind."""
+    seq = tokenizer("Think step by step. What is 12 * 7?")["input_ids"]
+    model = build_model(tokenizer, seed=1, hidden_size=HIDDEN).float()
+    assert all(gap(s, model, seq) > 1e-2 for s in servers)
+    rollout = backend([s.url for s in servers], push_every=2, timeout_s=60)
+    rollout.setup(model, tokenizer)
+    assert all(gap(s, model, seq) <= GAP for s in servers)
+    for sync, pushed in ((1, True), (2, False), (3, True)):
+        perturb(model, sync)
+        in_thread(rollout.sync_weights, model)  # as the actor thread of asynchronous training calls it
+        gaps = [gap(s, model, seq) for s in servers]
+        assert all(g <= GAP for g in gaps) if pushed else all(g > 1e-2 for g in gaps), (sync, gaps)
+    assert rollout.failover.dropped == {}
+
+
+def test_two_servers_split_a_batch_and_sample_what_one_would(servers, tokenizer, prompts):
+    """Both servers get requests, and the batch equals the one a single server gives for the
+    same seed and weights (seeds are per prompt, so who samples does not matter). The split
+    batch is generated in another thread, as asynchronous training's actor does."""
+    model = build_model(tokenizer, seed=2, hidden_size=HIDDEN).float()
+    both = backend([s.url for s in servers])
+    both.setup(model, tokenizer)
+    sampling = SamplingParams(max_new_tokens=6, seed=11)
+    before = [s.finished_requests() for s in servers]
+    split = in_thread(both.generate, prompts, 3, sampling)
+    assert all(s.finished_requests() > b for s, b in zip(servers, before, strict=True))
+    alone = backend([servers[0].url])
+    alone.setup(model, tokenizer)
+    single = alone.generate(prompts, 3, sampling)
+    assert split.completion_ids.shape[0] == 3 * len(prompts)
+    assert torch.equal(split.completion_ids, single.completion_ids)
+    assert torch.equal(split.completion_mask, single.completion_mask)
+    torch.testing.assert_close(split.sampling_logp, single.sampling_logp, atol=1e-5, rtol=0)
+    mask = split.completion_mask
+    assert bool((split.sampling_logp[mask] < 0).all()) and bool((split.sampling_logp[~mask] == 0).all())
+    greedy = both.generate(prompts, 3, SamplingParams(max_new_tokens=6, greedy=True))
+    rows = greedy.completion_ids.view(len(prompts), 3, -1)
+    assert torch.equal(rows, rows[:, :1].expand_as(rows))  # one greedy completion, repeated G times
+    assert torch.equal(greedy.completion_ids, alone.generate(prompts, 3, SamplingParams(max_new_tokens=6,
+                                                                                        greedy=True)).completion_ids)
+
+
+def write_spec(folder: Path, model_dir: Path, rollout: dict, **changes) -> Path:
+    spec = json.loads(json.dumps(SPEC))
+    spec["model"] = {"path": str(model_dir)}
+    spec["rollout"] = {"group_size": 4, "max_new_tokens": 6, **rollout}
+    for section, values in changes.items():
+        spec[section] = {**spec.get(section, {}), **values} if isinstance(values, dict) else values
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "spec.yaml").write_text(json.dumps(spec), encoding="utf-8")
+    return folder / "spec.yaml"
+
+
+def run(args: list, cwd: Path, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    child = {**os.environ, **CHILD_ENV, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "grpo_core.cli", "run", *map(str, args)],
+                          cwd=cwd, env=child, capture_output=True, text=True, timeout=timeout)
+
+
+LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+
+
+@pytest.mark.parametrize(
+    ("case", "args", "changes"),
+    [
+        ("lora-multi-turn", [], {
+            "model": {"lora": LORA}, "train": {"steps": 3, "lr": 5.0e-2}, "plugins": ["countdown.py"],
+            "rollout": {"environment": {"name": "countdown", "max_turns": 3, "max_total_tokens": 48}},
+            "rewards": [{"name": "env_reward"}]}),
+        ("fsdp2-2-processes-sampled-eval", ["--nproc", "2"], {
+            "train": {"steps": 2, "parallel": {"strategy": "fsdp2"}}, "data": {"eval_size": 4},
+            "eval": {"at_end": True, "n": 2, "greedy": False}}),
+    ],
+    ids=["lora-multi-turn", "fsdp2-2-processes-sampled-eval"],
+)
+def test_a_run_trains_on_two_servers(servers, model_dir, tmp_path, case, args, changes):
+    """grpo-run with rollout.name vllm-server: every step's sampler log-probs (the servers')
+    equal the trainer's to 1e-4, so each update reached both servers before the next rollout.
+    lora-multi-turn: each push is the merged adapter; two-turn episodes, the server generating
+    each turn after the environment's message. fsdp2 over two processes: every process gathers
+    the sharded weights once per push, the first one pushes, both generate on the servers; the
+    held-out evaluation samples there too."""
+    changes = json.loads(json.dumps(changes))
+    changes.setdefault("model", {})["path"] = str(model_dir)
+    rollout = {"name": "vllm-server", "urls": [s.url for s in servers], **changes.pop("rollout", {})}
+    (tmp_path / "countdown.py").write_text(COUNTDOWN)
+    spec = write_spec(tmp_path, model_dir, rollout, **changes)
+    done = run([spec, *args], tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = step_rows(tmp_path / "out")
+    steps = changes["train"]["steps"]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert all(r["rollout_correction/logp_diff/max"] <= GAP for r in rows), rows
+    if case.startswith("lora"):
+        assert all(r["env/turns_per_episode"] == 2.0 and r["env/env_tokens"] > 0 for r in rows), rows
+    else:  # (a LoRA run saves the adapter, not merged weights)
+        assert max_change(tmp_path / "out", model_dir) > 1e-2
+        final = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()][-1]
+        assert [k for k in final if k.startswith("eval/") and "@2" in k], final
+
+
+def test_push_every_two_lags_one_step_and_a_resume_pushes_the_resumed_weights(servers, model_dir, tmp_path):
+    """push_every 2: pushes at setup and at syncs 1, 3, ...: steps 1 and 2 sample with the
+    current policy, step 3 with the one of a step before (the sampler/trainer gap shows it);
+    a resumed run's first sync pushes the checkpoint's weights, so its step 4 samples with them."""
+    rollout = {"name": "vllm-server", "urls": [servers[0].url], "push_every": 2}
+    spec = write_spec(tmp_path, model_dir, rollout, train={"steps": 3}, checkpoint={"every": 1, "keep": 3})
+    done = run([spec], tmp_path)
+    assert done.returncode == 0, done.stderr[-4000:]
+    done = run([spec, "--set", "train.steps=4", "--resume"], tmp_path)
+    assert done.returncode == 0 and "(step 3)" in done.stderr, done.stderr[-4000:]
+    gaps = {r["step"]: r["rollout_correction/logp_diff/max"] for r in step_rows(tmp_path / "out")}
+    assert sorted(gaps) == [1, 2, 3, 4]
+    assert gaps[1] <= GAP and gaps[2] <= GAP and gaps[4] <= GAP, gaps
+    assert gaps[3] > 10 * GAP, gaps  # sampled with the weights of step 1's update, trained from step 2's
+
+
+def test_a_hung_server_is_failed_over_with_the_same_batch(servers, tokenizer, prompts):
+    """A server that stops answering (SIGSTOP) is dropped after timeout_s and its prompts go
+    to the other; the batch is the one both would have given. Pushes then skip it."""
+    model = build_model(tokenizer, seed=3, hidden_size=HIDDEN).float()
+    rollout = backend([s.url for s in servers], timeout_s=5, retries=0)
+    rollout.setup(model, tokenizer)
+    sampling = SamplingParams(max_new_tokens=6, seed=5)
+    healthy = rollout.generate(prompts, 2, sampling)
+    servers[1].signal(signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        failed_over = rollout.generate(prompts, 2, sampling)
+        assert time.monotonic() - start < 60
+        assert list(rollout.failover.dropped) == [servers[1].url]
+        assert "timed out" in rollout.failover.dropped[servers[1].url].lower()
+        assert torch.equal(healthy.completion_ids, failed_over.completion_ids)
+        perturb(model, 1)
+        rollout.sync_weights(model)  # only the live server is pushed to
+        seq = prompts[2]
+        assert gap(servers[0], model, seq) <= GAP
+    finally:
+        servers[1].stop()
+
+
+KILLER = """
+import os, signal
+from pathlib import Path
+from grpo_core import hookimpl
+
+def killer(prompts, completions, **kwargs):
+    calls = Path("calls")
+    n = int(calls.read_text()) + 1 if calls.exists() else 1
+    calls.write_text(str(n))
+    if n == int(os.environ["KILL_AT"]):
+        os.killpg(int(os.environ["KILL_PGID"]), signal.SIGKILL)
+    return [float(len(c) % 3) for c in completions]
+
+@hookimpl
+def register_reward_functions(register):
+    register.add("killer", killer)
+"""
+
+
+def test_a_run_whose_last_server_dies_stops_with_its_last_step_checkpointed(servers, model_dir, tmp_path):
+    """The only server is killed (SIGKILL, from a reward function) during step 2: the run stops
+    with exit 1, a message naming the server's URL and what failed, and a checkpoint of the
+    last completed step."""
+    server = servers[0]
+    (tmp_path / "killer.py").write_text(KILLER)
+    spec = write_spec(tmp_path, model_dir, {"name": "vllm-server", "urls": [server.url], "timeout_s": 10,
+                                            "retries": 1},
+                      plugins=["killer.py"], rewards=[{"name": "killer"}], train={"steps": 4})
+    done = run([spec], tmp_path, env={"KILL_AT": "2", "KILL_PGID": str(server.proc.pid)})
+    assert done.returncode == 1, done.stderr[-4000:]
+    assert "no rollout server is left" in done.stderr and server.url in done.stderr, done.stderr[-2000:]
+    assert "step 3 failed before its update; checkpoint of step 2" in done.stderr, done.stderr[-2000:]
+    from grpo_core import checkpoint as ckpt
+
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    completed = [r["step"] for r in rows if "loss" in r]
+    assert completed == [1, 2], completed  # killed while step 2 was scored; step 3 found no server
+    folders = ckpt.list_checkpoints(tmp_path / "out" / "checkpoints")
+    assert folders, done.stderr[-2000:]
+    assert folders[-1].name == f"step-{max(completed):06d}", (folders, completed)
