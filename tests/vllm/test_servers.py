@@ -270,6 +270,27 @@ def test_push_every_two_lags_one_step_and_a_resume_pushes_the_resumed_weights(se
     assert gaps[3] > 10 * GAP, gaps  # sampled with the weights of step 1's update, trained from step 2's
 
 
+def test_an_asynchronous_run_generates_on_the_servers_from_the_actors_thread(servers, model_dir, tmp_path):
+    """rollout.max_staleness: 1 on two servers: the actor's thread generates on them and pushes
+    the snapshot of each version through the weight channel. A batch sampled at the learner's
+    own version (the first step, and the step after the evaluation at step 2 restarted the
+    pipeline with the current weights) matches the trainer to 1e-4; one sampled a version
+    earlier does not (the rollout correction sees the lag)."""
+    rollout = {"name": "vllm-server", "urls": [s.url for s in servers], "max_staleness": 1}
+    spec = write_spec(tmp_path, model_dir, rollout, train={"steps": 4}, data={"eval_size": 2},
+                      eval={"every": 2, "at_start": False, "at_end": False})
+    done = run([spec], tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines() if line]
+    assert [r["async/staleness"] for r in rows if "async/staleness" in r] == [0, 1, 0, 1]
+    # a step whose advantages are all 0 takes no forward, so logs no gap: check those that do
+    gaps = {r["step"]: (r["async/staleness"], r["rollout_correction/logp_diff/max"])
+            for r in step_rows(tmp_path / "out")}
+    assert any(staleness == 0 for staleness, _ in gaps.values()) and any(s == 1 for s, _ in gaps.values()), gaps
+    for step, (staleness, gap) in gaps.items():
+        assert (gap <= GAP) if staleness == 0 else (gap > 1e-3), (step, gap)
+
+
 def test_a_hung_server_is_failed_over_with_the_same_batch(servers, tokenizer, prompts):
     """A server that stops answering (SIGSTOP) is dropped after timeout_s and its prompts go
     to the other; the batch is the one both would have given. Pushes then skip it."""
@@ -334,3 +355,4 @@ def test_a_run_whose_last_server_dies_stops_with_its_last_step_checkpointed(serv
     folders = ckpt.list_checkpoints(tmp_path / "out" / "checkpoints")
     assert folders, done.stderr[-2000:]
     assert folders[-1].name == f"step-{max(completed):06d}", (folders, completed)
+
