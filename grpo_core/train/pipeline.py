@@ -103,7 +103,6 @@ class Pipeline:
     _thread: threading.Thread | None = None
     _start = 0  # the step (and version) of the last (re)start
     _next = 0  # the next step the actor collects
-    _busy = False
     _stop = False
     _error: BaseException | None = None
     _stats: _Stats = field(default_factory=_Stats)
@@ -225,26 +224,24 @@ class Pipeline:
                     self._stats.actor_wait += time.perf_counter() - waited
                     if self._stop:
                         return
-                    slot = None
-                    if self.actor.version < need:
-                        slot, self._slot = self._slot, None
-                        self._cond.notify_all()
+                    slot = self._slot if self.actor.version < need else None
                     self._data_before[step] = self.actor.source.state_dict()
-                    self._busy = True
-                    self._cond.notify_all()
                 if slot is not None:
                     if slot[0] != need:
                         raise RuntimeError(f"pipeline: step {step} needs version {need}, the slot holds {slot[0]}")
                     self._apply_now(slot[1], slot[0])
+                    with self._cond:  # only now may the learner write the next version into the snapshot
+                        self._slot = None
+                        self._cond.notify_all()
                 experience = self.actor.collect(step)
                 self._behaviour_logprobs(experience)
                 with self._cond:
                     self._queue.append(experience)
-                    self._next, self._busy = step + 1, False
+                    self._next = step + 1
                     self._cond.notify_all()
         except BaseException as exc:  # handed to the learner's thread, which raises it
             with self._cond:
-                self._error, self._busy = exc, False
+                self._error = exc
                 self._cond.notify_all()
 
     def _behaviour_logprobs(self, experience: Experience) -> None:
