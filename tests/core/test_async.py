@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,37 @@ def test_the_threaded_pipeline_trains_exactly_as_its_schedule_run_in_one_thread(
     assert metrics[-1]["rollout_correction/logp_diff"] > 0.0
     for m in metrics:
         assert {"async/queue_depth", "time/learner_wait", "time/actor_wait", "async/dropped_batches"} <= m.keys()
+
+
+def test_the_learner_never_writes_a_snapshot_the_actor_is_still_reading(tiny_model, tmp_path, monkeypatch):
+    """k = 2 and an actor slow to apply weights: the learner, done with step 1, waits to
+    publish version 2 while the actor takes version 1 out of the slot for batch 3. Had the
+    slot been freed before the actor's copy, version 2 would overwrite the snapshot first and
+    batch 3 would be sampled from the wrong weights: the run trains as its schedule says."""
+    from grpo_core.train import pipeline as pipeline_module
+
+    steps, k = 5, 2
+    threaded = make_run(tiny_model, tmp_path / "a", f"rollout.max_staleness={k}", f"train.steps={steps}")
+    real = pipeline_module.copy_weights
+
+    def slow_copy(into, model):
+        if into is threaded.pipeline.sampler:
+            time.sleep(0.3)
+        real(into, model)
+
+    monkeypatch.setattr(pipeline_module, "copy_weights", slow_copy)
+    threaded.pipeline.start(threaded.model, 0)
+    try:
+        for t in range(steps):
+            pipelined_step(threaded.pipeline, threaded.learner, t)
+    finally:
+        threaded.pipeline.close()
+    monkeypatch.setattr(pipeline_module, "copy_weights", real)
+    final, _, _ = _reference(make_run(tiny_model, tmp_path / "b", f"rollout.max_staleness={k}",
+                                      f"train.steps={steps}"), k, steps)
+    got = weights(threaded.model)
+    for name in final:
+        assert torch.equal(got[name], final[name]), name
 
 
 def test_the_sampler_log_probs_are_those_of_the_version_the_batch_was_sampled_with(tiny_model, tmp_path):
