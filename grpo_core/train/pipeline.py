@@ -197,7 +197,7 @@ class Pipeline:
             while self._slot is not None and self._error is None:
                 self._cond.wait()
             if self._error is not None:
-                raise self._error
+                return  # the actor failed: the next take raises it, before that step's update
         copy_weights(self.snapshot, model)
         with self._cond:
             self._slot = (version, self.snapshot)
@@ -222,8 +222,11 @@ class Pipeline:
                     while not self._stop and self.actor.version < need and (self._slot is None or self._slot[0] < need):
                         self._cond.wait()
                     self._stats.actor_wait += time.perf_counter() - waited
-                    if self._stop:
-                        return
+                    stopping = self._stop
+                # every process's actor starts this batch or none does: their collectives must pair up
+                if self.actor.dist.any(stopping):
+                    return
+                with self._cond:
                     slot = self._slot if self.actor.version < need else None
                     self._data_before[step] = self.actor.source.state_dict()
                 if slot is not None:

@@ -515,7 +515,9 @@ def train(loaded: LoadedSpec, resume: str | None = None) -> int:
         raise
     finally:
         if run.pipeline is not None:
-            run.pipeline.close(wait=status != "KILLED")  # a second signal: no waiting for a batch
+            # after a failure or a second signal, no waiting for the actor's batch (nor for another
+            # process's actor that will never join its collective)
+            run.pipeline.close(wait=status == "FINISHED")
         if bar is not None:
             bar.close()
         run.log.finish(status)
