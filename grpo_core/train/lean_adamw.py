@@ -17,6 +17,17 @@ a resumed run draws the same noise as an uninterrupted one.
 Large tensors are updated in slices of ``chunk`` elements so that the float32 working copies
 of ``m`` and ``v`` never exceed a few megabytes (an embedding matrix would otherwise need
 three float32 temporaries of its own size).
+
+Float32 parameters with float32 gradients (the usual case: mixed precision keeps float32
+weights) take the fast path. Slices of parameters, small ones packed together, fill batches of
+at most ``chunk`` elements; per batch the moments are widened into two float32 scratch buffers,
+torch's fused AdamW kernel updates parameters and moments in one pass, and the moments are
+rounded back. The rounding noise is one draw of ``chunk`` random integers per optimizer step,
+XORed with a random 16-bit constant per batch (a bijection of the 16-bit range, so every
+element's noise stays uniform, and fresh at every step). Drawing a random number per element
+was most of the old cost: on a 2-core EPYC a step over 135M parameters took 0.79 s against
+torch's fused AdamW's 0.065 s (``bench/optimizer.py``). Other dtypes (a bfloat16 model) take the
+slice-by-slice path with per-element noise.
 """
 
 from __future__ import annotations
@@ -56,6 +67,13 @@ def _noise_pair(n: int, device: torch.device, generator: torch.Generator) -> tup
     return bits.bitwise_and_(_LOW16), high
 
 
+def _fusable(p: Tensor) -> bool:
+    """Whether ``p`` takes the fused path: float32 weights and gradient, dense, contiguous, a
+    plain tensor (not a DTensor shard), and a torch with the fused AdamW kernel."""
+    return (hasattr(torch, "_fused_adamw_") and type(p.data) is Tensor and p.dtype == torch.float32
+            and p.grad.dtype == torch.float32 and p.is_contiguous() and p.grad.is_contiguous())
+
+
 class BF16StateAdamW(torch.optim.Optimizer):
     """AdamW with ``exp_avg`` and ``exp_avg_sq`` stored in bfloat16 (see the module text).
 
@@ -87,6 +105,7 @@ class BF16StateAdamW(torch.optim.Optimizer):
                 loss = closure()
         index = 0
         for group in self.param_groups:
+            fast = []
             for p in group["params"]:
                 index += 1
                 if p.grad is None:
@@ -96,10 +115,57 @@ class BF16StateAdamW(torch.optim.Optimizer):
                 state = self._state(p)
                 state["step"] += 1
                 t = int(state["step"].item())
+                if _fusable(p):
+                    fast.append((p, state, t, index))
+                    continue
                 generator = torch.Generator(device=p.device)
                 generator.manual_seed(seeds.stochastic_rounding(self.seed, t, index))
                 self._update(p, state, group, t, generator)
+            if fast:
+                self._fused_update(fast, group)
         return loss
+
+    def _fused_update(self, items: list[tuple[Tensor, dict, int, int]], group: dict) -> None:
+        """The fast path (module text): batches of slices through torch's fused AdamW kernel."""
+        (b1, b2) = group["betas"]
+        device = items[0][0].device
+        pieces = []  # (param slice, grad slice, bf16 m slice, bf16 v slice, step tensor)
+        for p, state, _t, _index in items:
+            flat_p, flat_g = p.detach().view(-1), p.grad.reshape(-1)
+            m_all, v_all = state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
+            for start in range(0, flat_p.numel(), self.chunk):
+                sl = slice(start, start + self.chunk)
+                pieces.append((flat_p[sl], flat_g[sl], m_all[sl], v_all[sl], state["step"]))
+        batches, size = [[]], 0
+        for piece in pieces:
+            if batches[-1] and size + piece[0].numel() > self.chunk:
+                batches.append([])
+                size = 0
+            batches[-1].append(piece)
+            size += piece[0].numel()
+        width = max(sum(x[0].numel() for x in b) for b in batches)
+        # one generator per step and group, seeded from the step and the group's first parameter
+        _p, _state, t, index = items[0]
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seeds.stochastic_rounding(self.seed, t, index))
+        noise_m, noise_v = _noise_pair(width, device, generator)
+        flips = torch.randint(0, _LOW16 + 1, (len(batches), 2), generator=generator, device=device).tolist()
+        m32 = torch.empty(width, dtype=torch.float32, device=device)
+        v32, bits = torch.empty_like(m32), torch.empty(width, dtype=torch.int32, device=device)
+        for batch, (flip_m, flip_v) in zip(batches, flips):
+            sizes = [x[0].numel() for x in batch]
+            n = sum(sizes)
+            ms, vs = list(m32[:n].split(sizes)), list(v32[:n].split(sizes))
+            torch._foreach_copy_(ms, [x[2] for x in batch])
+            torch._foreach_copy_(vs, [x[3] for x in batch])
+            torch._fused_adamw_([x[0] for x in batch], [x[1] for x in batch], ms, vs, [], [x[4] for x in batch],
+                                lr=group["lr"], beta1=b1, beta2=b2, weight_decay=group["weight_decay"],
+                                eps=group["eps"], amsgrad=False, maximize=False)
+            for work, noise, flip in ((m32, noise_m, flip_m), (v32, noise_v, flip_v)):
+                torch.bitwise_xor(noise[:n], flip, out=bits[:n])
+                work[:n].view(torch.int32).add_(bits[:n]).bitwise_and_(~_LOW16)  # exact in bf16 now
+            torch._foreach_copy_([x[2] for x in batch], ms)
+            torch._foreach_copy_([x[3] for x in batch], vs)
 
     def _update(self, p: Tensor, state: dict, group: dict, t: int, generator: torch.Generator) -> None:
         """The AdamW update of one parameter, slice by slice (float32 working copies)."""

@@ -11,6 +11,7 @@ import torch
 
 from grpo_core import checkpoint as ckpt
 from grpo_core.cli import main
+from grpo_core.train import lean_adamw
 from grpo_core.train.lean_adamw import BF16StateAdamW, _noise_pair, stochastic_round_bf16
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -33,26 +34,52 @@ def _reference(p0: list[float], grads: list[list[float]], lr, b1, b2, eps, wd) -
     return p
 
 
-@pytest.mark.parametrize("chunk", [3, 1 << 20])  # sliced updates agree with whole-tensor ones
-def test_matches_the_adamw_formula(chunk):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "sliced"])
+@pytest.mark.parametrize("chunk", [3, 7, 1 << 20])  # split across batches, packed in one, whole tensors
+def test_matches_the_adamw_formula(chunk, fused, monkeypatch):
     """Step 1 is the float32 formula (the moments are rounded only after use); later steps
     read moments stored in bfloat16 (8 significant bits), so each update carries at most
     ~1.5 bf16 ulps (2^-7 relative) of error: after 5 steps every coordinate is within
-    2% of lr per step of the float64 reference."""
+    2% of lr per step of the float64 reference. Both paths (the fused kernel over packed
+    slices, and the slice-by-slice one that bfloat16 weights take), over parameters of 10, 7
+    and 1 elements: with ``chunk`` 3 they are split across batches, with 7 the small ones
+    share a batch."""
+    if not fused:
+        monkeypatch.setattr(lean_adamw, "_fusable", lambda p: False)
     torch.manual_seed(0)
     lr, b1, b2, eps, wd = 0.01, 0.9, 0.999, 1e-8, 0.1
-    p0 = torch.randn(2, 5)
-    grads = [torch.randn(2, 5) for _ in range(5)]
-    p = torch.nn.Parameter(p0.clone())
-    opt = BF16StateAdamW([p], lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, chunk=chunk)
-    for t, g in enumerate(grads, start=1):
-        p.grad = g.clone()
+    shapes = [(2, 5), (7,), (1,)]
+    p0 = [torch.randn(shape) for shape in shapes]
+    grads = [[torch.randn(shape) for shape in shapes] for _ in range(5)]
+    params = [torch.nn.Parameter(x.clone()) for x in p0]
+    opt = BF16StateAdamW(params, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, chunk=chunk)
+    for t in range(1, 6):
+        for p, g in zip(params, grads[t - 1]):
+            p.grad = g.clone()
         opt.step()
-        ref = torch.tensor(_reference(p0.flatten().tolist(), [x.flatten().tolist() for x in grads[:t]],
-                                      lr, b1, b2, eps, wd), dtype=torch.float64).view(2, 5)
-        tol = 1e-6 if t == 1 else 0.02 * lr * t
-        assert torch.allclose(p.detach().double(), ref, atol=tol, rtol=0), (t, (p.detach().double() - ref).abs().max())
-    assert opt.state[p]["exp_avg"].dtype == torch.bfloat16 and opt.state[p]["exp_avg_sq"].dtype == torch.bfloat16
+        for i, p in enumerate(params):
+            ref = torch.tensor(_reference(p0[i].flatten().tolist(), [g[i].flatten().tolist() for g in grads[:t]],
+                                          lr, b1, b2, eps, wd), dtype=torch.float64).view(shapes[i])
+            tol = 1e-6 if t == 1 else 0.02 * lr * t
+            error = (p.detach().double() - ref).abs().max()
+            assert error <= tol, (t, i, error)
+    assert all(opt.state[p][k].dtype == torch.bfloat16 for p in params for k in ("exp_avg", "exp_avg_sq"))
+
+
+def test_float32_weights_take_the_fused_path_and_bfloat16_weights_the_sliced_one(monkeypatch):
+    """The fast path is the one float32 weights take (mixed precision's master weights)."""
+    calls = []
+    real = torch._fused_adamw_
+    monkeypatch.setattr(torch, "_fused_adamw_", lambda *a, **k: calls.append(len(a[0])) or real(*a, **k))
+    for dtype, expect in ((torch.float32, [2]), (torch.bfloat16, [])):
+        calls.clear()
+        params = [torch.nn.Parameter(torch.randn(4, dtype=dtype)), torch.nn.Parameter(torch.randn(3, dtype=dtype))]
+        for p in params:
+            p.grad = torch.ones_like(p)
+        before = [p.detach().clone() for p in params]
+        BF16StateAdamW(params, lr=0.1).step()
+        assert calls == expect  # one kernel call over both parameters' slices, or none
+        assert all(not torch.equal(p.detach(), b) for p, b in zip(params, before))
 
 
 def test_weight_decay_alone_shrinks_by_one_minus_lr_wd():
