@@ -29,9 +29,11 @@ The floor of generation (:func:`generation_floor`), for ``B = P*G`` rows and ``T
 - ``bandwidth``: ``T`` times the weights' bytes over the memory bandwidth measured with a
   large tensor copy (each decode step reads every weight once): the floor no batch size
   beats on this machine;
-- the ``hf`` backend's tokens per second (both ``decode`` modes) next to the floor's
-  ``B * T / measured`` (``lean`` with both samplers). Rows that end early make the backend's own count smaller than
-  ``B * T``, so its seconds per call are compared too. ``--profile`` prints the top of a
+- the ``hf`` backend's tokens per second next to the floor's ``B * T / measured``:
+  transformers ``generate``, the lean loop with both samplers (in the precision's dtype), and
+  the backend's defaults (``dtype: auto``, ``sampler: inverse-cdf``), whose bfloat16 copy gets
+  a floor of its own where the CPU has native bf16. Rows that end early make the backend's
+  own count smaller than ``B * T``, so its seconds per call are compared too. ``--profile`` prints the top of a
   cProfile of one ``hf`` backend call (the per-token Python overhead).
 
 With ``--precision bf16`` the forwards run under bf16 autocast and generation uses a
@@ -151,30 +153,47 @@ def cache_variants(model, ids, mask, group: int, tokens: int, reps: int, compile
 
 
 def report_generation(args, backend_for, gen_model, prompts, ids, mask) -> None:
-    """Print the generation floor and both ``hf`` decode modes against it."""
+    """Print the generation floor and the ``hf`` backend's variants against it: transformers
+    ``generate``, the lean loop with each sampler in the precision's dtype, and the backend's
+    defaults (``dtype: auto``: a bfloat16 copy with the decode attention where the CPU has
+    native bf16), with the floor of that copy too."""
     from grpo_core.contracts import SamplingParams
 
     P, G, T = args.prompts, args.group, args.tokens
-    floor = generation_floor(gen_model, ids, mask, P * G, T, args.reps)
     sampling = SamplingParams(max_new_tokens=T, seed=0)
-    print(f"generation floor, {P}x{G} rows x {T} tokens ({args.precision}, {args.threads} threads):")
-    print(f"  one decode step of {P * G} rows       {floor['decode_step'] * 1e3:8.1f} ms")
-    print(f"  prefill of {P} prompts                 {floor['prefill'] * 1e3:8.1f} ms")
-    print(f"  measured floor (prefill + T steps)    {floor['measured']:8.2f} s = "
-          f"{P * G * T / floor['measured']:7.1f} tokens/s")
-    print(f"  bandwidth floor ({floor['weight_bytes'] / 1e6:.0f} MB at {floor['bytes_per_s'] / 1e9:.1f} GB/s) "
-          f"{floor['bandwidth']:8.2f} s = {P * G * T / floor['bandwidth']:7.1f} tokens/s")
-    for decode, sampler in (("generate", "multinomial"), ("lean", "multinomial"), ("lean", "inverse-cdf")):
-        backend = backend_for(decode, sampler)
+    default = backend_for("lean", "inverse-cdf", "auto")
+    models = {args.precision: gen_model}
+    if default.model is not gen_model and next(default.model.parameters()).dtype == torch.bfloat16:
+        default._fill()
+        models["auto (bf16 copy)"] = default.model
+    floors = {}
+    for name, model in models.items():
+        floor = floors[name] = generation_floor(model, ids, mask, P * G, T, args.reps)
+        print(f"generation floor, {P}x{G} rows x {T} tokens ({name}, {args.threads} threads):")
+        print(f"  one decode step of {P * G} rows       {floor['decode_step'] * 1e3:8.1f} ms")
+        print(f"  prefill of {P} prompts                 {floor['prefill'] * 1e3:8.1f} ms")
+        print(f"  measured floor (prefill + T steps)    {floor['measured']:8.2f} s = "
+              f"{P * G * T / floor['measured']:7.1f} tokens/s")
+        print(f"  bandwidth floor ({floor['weight_bytes'] / 1e6:.0f} MB at {floor['bytes_per_s'] / 1e9:.1f} GB/s) "
+              f"{floor['bandwidth']:8.2f} s = {P * G * T / floor['bandwidth']:7.1f} tokens/s")
+    if "auto (bf16 copy)" in models:
+        default._release()
+    own = "bfloat16" if args.precision == "bf16" else None
+    variants = [("generate", "multinomial", own), ("lean", "multinomial", own), ("lean", "inverse-cdf", own),
+                ("lean", "inverse-cdf", "auto")]
+    for decode, sampler, dtype in variants:
+        backend = backend_for(decode, sampler, dtype)
         batch = backend.generate(prompts, G, sampling)
         count = int(batch.completion_mask.sum())
         seconds = timed(lambda b=backend: b.generate(prompts, G, sampling), args.reps)
-        print(f"  hf backend, {decode}, {sampler:11s}  {seconds:8.2f} s = {count / seconds:7.1f} tokens/s "
-              f"({count} of {P * G * T} tokens; {floor['measured'] / seconds:.2f} of the measured floor's time)")
+        label = f"{decode}, {sampler}, dtype {dtype}"
+        floor = floors["auto (bf16 copy)" if dtype == "auto" and "auto (bf16 copy)" in floors else args.precision]
+        print(f"  hf backend, {label:38s} {seconds:8.2f} s = {count / seconds:7.1f} tokens/s "
+              f"({count} of {P * G * T} tokens; {floor['measured'] / seconds:.2f} of its measured floor's time)")
         if args.profile:
             profile_call(lambda b=backend: b.generate(prompts, G, sampling))
     if args.cache_variants:
-        cache_variants(gen_model, ids, mask, G, T, args.reps, args.compile, backend_for("lean").pad_id)
+        cache_variants(gen_model, ids, mask, G, T, args.reps, args.compile, default.pad_id)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,8 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     P, G, T = args.prompts, args.group, args.tokens
 
-    def backend_for(decode: str, sampler: str = "multinomial") -> HFRollout:
-        made = HFRollout(HFRolloutOptions(dtype="bfloat16" if bf16 else None, decode=decode, sampler=sampler))
+    def backend_for(decode: str, sampler: str = "inverse-cdf", dtype: str | None = "precision") -> HFRollout:
+        dtype = ("bfloat16" if bf16 else None) if dtype == "precision" else dtype
+        options = {"sampler": sampler} if decode == "lean" else {}
+        made = HFRollout(HFRolloutOptions(dtype=dtype, decode=decode, **options))
         made.setup(model, tokenizer)
         return made
 

@@ -41,6 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--backend", choices=["hf", "vllm"])
     parser.add_argument("--model", help="a model folder instead of SmolLM2-135M-Instruct (GGUF)")
     parser.add_argument("--engine-dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--hf-dtype", default="auto", choices=["auto", "null", "bfloat16"],
+                        help="the hf backend's dtype option (auto: its default; null: the float32 policy itself)")
     parser.add_argument("--prompts", type=int, default=2, help="P (the quickstart's prompts_per_step)")
     parser.add_argument("--group-size", type=int, default=8, help="G")
     parser.add_argument("--max-new-tokens", type=int, default=32)
@@ -68,9 +70,9 @@ def gap_metrics(trainer: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor
 
 def _backend(args):
     if args.backend == "hf":
-        from grpo_plugins.rollout_hf import HFRollout
+        from grpo_plugins.rollout_hf import HFRollout, HFRolloutOptions
 
-        return HFRollout()
+        return HFRollout(HFRolloutOptions(dtype=None if args.hf_dtype == "null" else args.hf_dtype))
     from grpo_plugins.rollout_vllm import VLLMRollout, VLLMRolloutOptions
 
     length = 256 + args.max_new_tokens  # the prompts here are under 100 tokens
@@ -102,7 +104,7 @@ def run(args) -> dict[str, Any]:
         tokens.append(int(batch.completion_mask.sum()))
     row: dict[str, Any] = {
         "model": args.model or "SmolLM2-135M-Instruct",
-        "backend": args.backend if args.backend == "hf" else
+        "backend": f"hf, dtype {args.hf_dtype}" if args.backend == "hf" else
         f"vllm {args.engine_dtype}{' eager' if args.enforce_eager else ''}",
         "device": _device(), "P": args.prompts, "G": args.group_size, "max_new_tokens": args.max_new_tokens,
         "threads": torch.get_num_threads(), "setup_s": setup_s, "generate_s": statistics.median(times),

@@ -43,7 +43,13 @@ from pathlib import Path
 
 #: The former ``--config`` names, kept as presets: (precision, beta).
 PRESETS = {"bf16": ("bf16", 0.0), "fp32": ("fp32", 0.0), "beta": ("bf16", 0.04)}
-GRID = {"group_size": (8, 16), "tokens": (32, 128), "beta": (0.0, 0.04), "precision": ("fp32", "bf16")}
+#: The grids: issue 17's (2 prompts a step) and issue 29's (4 and 8 prompts a step, the KL on so that
+#: both tools forward every row).
+GRIDS = {
+    "17": {"prompts": (2,), "group_size": (8, 16), "tokens": (32, 128), "beta": (0.0, 0.04),
+           "precision": ("fp32", "bf16")},
+    "29": {"prompts": (4, 8), "group_size": (8,), "tokens": (32, 128), "beta": (0.04,), "precision": ("fp32", "bf16")},
+}
 PHASES = ("generate", "score", "logprobs", "forward_backward", "optimizer", "other")
 DEFAULT_SPEC = str(Path(__file__).resolve().parents[1] / "specs" / "quickstart.yaml")
 #: grpo-core's lean memory settings (--grpo-lean): AdamW moments in bf16, generation from the
@@ -150,6 +156,7 @@ def grpo_overrides(model: str, config: str, steps: int, threads: int, *, seed: i
         f"rollout.group_size={group_size}", f"train.prompts_per_step={prompts}",
         "algorithm.advantage.std=unbiased", "algorithm.advantage.eps=1.0e-4",
         "algorithm.aggregation.name=token-mean", "tracking=[]", "train.progress=false",
+        "rollout.mask_truncated_completions=false",  # TRL's default: truncated completions stay in the loss
         f"train.threads={threads}", f"train.seed={seed}",
         f"train.steps={steps}", f"rollout.max_new_tokens={tokens}", f"data.eval_size={eval_size}",
     ]
@@ -328,13 +335,14 @@ def _pair(record: dict, key: str, digits: int = 1) -> str:
 def markdown_table(records: list[dict]) -> str:
     """One row per setting: TRL / grpo-core (ratio) for the step and its phases, generated
     tokens per second, peak RSS, and the spread of grpo-core's step times."""
-    head = ("| G | tokens | beta | precision | step s | generate s | logprobs s | fwd+bwd s "
+    head = ("| P | G | tokens | beta | precision | step s | generate s | logprobs s | fwd+bwd s "
             "| tokens/s | peak RSS GB | steps (ours: min-max s) |")
-    lines = [head, "|" + "---|" * 11]
+    lines = [head, "|" + "---|" * 12]
     for r in records:
         s, steps = r["setting"], r["grpo-core"]["steps"][1:] or r["grpo-core"]["steps"]
         lines.append(
-            f"| {s['group_size']} | {s['tokens']} | {s['beta']} | {s['precision']} | {_pair(r, 'step')} "
+            f"| {s.get('prompts', 2)} | {s['group_size']} | {s['tokens']} | {s['beta']} | {s['precision']} "
+            f"| {_pair(r, 'step')} "
             f"| {_pair(r, 'generate')} | {_pair(r, 'logprobs')} | {_pair(r, 'forward_backward')} "
             f"| {_pair(r, 'tokens_per_s', 0)} | {_pair(r, 'rss', 2)} "
             f"| {len(r['grpo-core']['steps'])} ({min(steps):.1f}-{max(steps):.1f}) |"
@@ -352,26 +360,29 @@ def settings(a: argparse.Namespace, native: list[str]) -> list[dict]:
         return [int(x) for x in text.split(",")]
 
     precisions = a.precision.split(",")
-    groups, tokens, betas = ints(a.group_size), ints(a.tokens), floats(a.beta)
+    prompts, groups, tokens, betas = ints(a.prompts), ints(a.group_size), ints(a.tokens), floats(a.beta)
     if a.grid:
-        groups, tokens, betas = list(GRID["group_size"]), list(GRID["tokens"]), list(GRID["beta"])
-        precisions = [p for p in GRID["precision"] if p == "fp32" or native]
+        grid = GRIDS[a.grid]
+        prompts, groups, tokens, betas = (list(grid[k]) for k in ("prompts", "group_size", "tokens", "beta"))
+        precisions = [p for p in grid["precision"] if p == "fp32" or native]
     bad = [p for p in precisions if p not in ("fp32", "bf16")]
     if bad:
         sys.exit(f"--precision: {bad[0]!r} is not one of fp32, bf16")
-    return [{"group_size": g, "tokens": t, "beta": b, "precision": p}
-            for p, g, t, b in itertools.product(precisions, groups, tokens, betas)]
+    return [{"prompts": n, "group_size": g, "tokens": t, "beta": b, "precision": p}
+            for p, n, g, t, b in itertools.product(precisions, prompts, groups, tokens, betas)]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="grpo-core vs TRL GRPOTrainer, alternating steps")
     parser.add_argument("--config", choices=sorted(PRESETS), help="preset: sets --precision and --beta")
     parser.add_argument("--group-size", default="8", help="G, or a comma-separated list")
-    parser.add_argument("--prompts", type=int, default=2, help="prompts per step")
+    parser.add_argument("--prompts", default="2", help="prompts per step, or a list")
     parser.add_argument("--tokens", default="32", help="max new tokens, or a list")
     parser.add_argument("--beta", default="0", help="KL coefficient, or a list")
     parser.add_argument("--precision", default="bf16", help="fp32, bf16, or a list")
-    parser.add_argument("--grid", action="store_true", help="G 8,16 x tokens 32,128 x beta 0,0.04 x precisions")
+    parser.add_argument("--grid", nargs="?", const="17", choices=sorted(GRIDS),
+                        help="17: P 2 x G 8,16 x tokens 32,128 x beta 0,0.04 x precisions; "
+                        "29: P 4,8 x G 8 x tokens 32,128 x beta 0.04 x precisions")
     parser.add_argument("--results", help="append one JSON line per setting to this file")
     parser.add_argument("--table", metavar="RESULTS", help="print the markdown table of a results file and exit")
     parser.add_argument("--steps", type=int, default=20)
@@ -398,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cpu, native = cpu_info()
     print(f"CPU: {cpu}; native bf16: {', '.join(native) if native else 'no (bf16 is emulated)'}")
-    base = {"prompts": a.prompts, "steps": a.steps, "threads": a.threads, "eval_size": a.eval_size,
+    base = {"steps": a.steps, "threads": a.threads, "eval_size": a.eval_size,
             "seed": a.seed, "spec": a.spec, "grpo_set": (LEAN if a.grpo_lean else []) + a.grpo_set,
             "model": str(prepare_model(Path(a.model_dir)))}
     os.environ.setdefault("OMP_NUM_THREADS", str(a.threads))

@@ -1,5 +1,6 @@
 """Rollout backend ``hf``: transformers ``generate`` with the training model itself (or a
-copy of it in ``options.dtype``).
+copy of it in ``options.dtype``; by default a bfloat16 copy where the hardware computes in
+bfloat16 natively, :func:`auto_dtype`).
 
 Generation, seeding and stopping: :meth:`HFRollout.generate`; prompt prefill shared by the
 ``G`` completions of a prompt: :meth:`HFRollout._prefill`; sampling follows
@@ -44,11 +45,18 @@ class HFRolloutOptions(Options):
             "every one of the P*G rows; same tokens, less prefill compute."
         ),
     )
-    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
-        None,
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] | None = Field(
+        "auto",
         description=(
-            "Generate with a copy of the policy in this dtype, refreshed after every optimizer "
-            "step (bfloat16 halves memory traffic). null generates with the training model itself."
+            "Generate with a copy of the policy in this dtype (bfloat16 halves the bytes each "
+            "decode step reads, and bf16 matmuls are ~2x faster on CPUs with AVX512-BF16 or AMX). "
+            "null generates with the training model itself. auto: bfloat16 when the policy is "
+            "float32 with at least 50M parameters, decode is lean, the policy is not sharded, and the "
+            "device computes bfloat16 "
+            "natively (a CUDA GPU with bf16, a CPU with AVX512-BF16 or AMX); null otherwise. A copy "
+            "in another dtype than the policy's samples from a slightly different distribution: "
+            "the lean loop then returns each sampled token's log-prob (sampling_logp) and "
+            "algorithm.rollout_correction weights the loss by the trainer/sampler ratio."
         ),
     )
     decode: Literal["lean", "generate"] = Field(
@@ -61,14 +69,14 @@ class HFRolloutOptions(Options):
             "generate, which decodes every row until the last one ends."
         ),
     )
-    sampler: Literal["multinomial", "inverse-cdf"] = Field(
-        "multinomial",
+    sampler: Literal["inverse-cdf", "multinomial"] = Field(
+        "inverse-cdf",
         description=(
-            "How the lean loop draws a sampled token. multinomial: as generate does "
-            "(argmax of probs / Exponential(1) noise for every vocabulary entry), the same "
-            "tokens as generate under a seed. inverse-cdf: one uniform per row and the "
-            "cumulative distribution; the same distribution, other tokens, and about 20x "
-            "cheaper to draw at a 49k vocabulary. Only with decode: lean."
+            "How the lean loop draws a sampled token. inverse-cdf: one uniform per row and the "
+            "cumulative distribution, about 40x cheaper to draw at a 49k vocabulary than "
+            "multinomial: as generate does (argmax of probs / Exponential(1) noise for every "
+            "vocabulary entry), the same tokens as generate under a seed. Both draw from the "
+            "same distribution. decode: generate always draws as multinomial."
         ),
     )
     keep_copy: bool = Field(
@@ -92,7 +100,7 @@ class HFRolloutOptions(Options):
 
     @model_validator(mode="after")
     def _sampler_needs_the_lean_loop(self):
-        if self.sampler != "multinomial" and self.decode != "lean":
+        if "sampler" in self.model_fields_set and self.sampler != "multinomial" and self.decode != "lean":
             raise ValueError(f"sampler: {self.sampler} needs decode: lean (generate draws with multinomial)")
         return self
 
@@ -180,6 +188,35 @@ def _generation_config(sampling: SamplingParams, eos_ids: list[int], pad_id: int
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def native_bf16(device: torch.device) -> bool:
+    """Whether ``device`` computes bfloat16 natively: a CUDA GPU with bf16 support, or a CPU
+    with AVX512-BF16 or AMX tiles (torch's own probes)."""
+    if device.type == "cuda":
+        return bool(torch.cuda.is_bf16_supported())
+    if device.type != "cpu":
+        return False
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
+
+
+#: ``dtype: auto`` makes a bfloat16 copy only of models this large: below it a decode step is
+#: per-operation overhead more than matmuls, which a copy does not speed up.
+AUTO_MIN_PARAMETERS = 50_000_000
+
+
+def auto_dtype(model: torch.nn.Module, decode: str) -> torch.dtype | None:
+    """What ``dtype: auto`` generates in for ``model``: bfloat16 when its weights are float32
+    plain tensors (not fsdp2 shards), at least :data:`AUTO_MIN_PARAMETERS` of them, ``decode``
+    is the lean loop (which returns the sampler's log-probs for the rollout correction) and
+    the device has native bf16; else None (the policy itself)."""
+    weight = next(model.parameters())
+    if decode != "lean" or weight.dtype != torch.float32 or hasattr(weight, "full_tensor"):
+        return None
+    if sum(p.numel() for p in model.parameters()) < AUTO_MIN_PARAMETERS:
+        return None
+    return torch.bfloat16 if native_bf16(weight.device) else None
+
+
 def _empty_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """``model``'s modules and buffers (in ``dtype``) with empty parameters, tied ones still
     shared, built without a transient full copy of the weights (:meth:`HFRollout._fill`
@@ -214,13 +251,20 @@ class HFRollout:
     def setup(self, model: Any, tokenizer: Any) -> None:
         """Keep the policy model (or make the generation copy) and tokenizer; find the pad
         and EOS ids."""
+        from grpo_plugins.rollout_decode import use_decode_attention
+
         self.model, self.tokenizer, self._source = model, tokenizer, model
-        dtype = _DTYPES.get(self.options.dtype) if self.options.dtype else None
+        if self.options.dtype == "auto":
+            dtype = auto_dtype(model, self.options.decode)
+        else:
+            dtype = _DTYPES.get(self.options.dtype) if self.options.dtype else None
         if dtype is not None and dtype != next(model.parameters()).dtype:
             if any(hasattr(p, "full_tensor") for p in model.parameters()):  # DTensor shards (fsdp2)
                 raise RuntimeError("hf rollout: options.dtype makes a whole copy of the policy, which a "
                                    "sharded (fsdp2) run does not keep; drop rollout.options.dtype")
             self.model = _empty_copy(model, dtype)
+            if dtype != torch.float32:
+                use_decode_attention(self.model)
             if self.options.keep_copy:
                 self._fill()
         self.eos_ids, self.pad_id = special_ids(model, tokenizer, "hf")
@@ -246,13 +290,19 @@ class HFRollout:
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
     @contextlib.contextmanager
-    def _weights(self):
-        """The generation copy filled inside, when it is made per call; else nothing."""
-        per_call = self.model is not self._source and not self.options.keep_copy
+    def _weights(self, rows: int):
+        """The generation copy filled inside, when it is made per call, and its bfloat16 CPU
+        linear layers packed for oneDNN (:func:`~grpo_plugins.rollout_decode.packed_linears`)
+        for about ``rows`` rows; the policy itself as it is."""
+        from grpo_plugins.rollout_decode import packed_linears
+
+        copied = self.model is not self._source
+        per_call = copied and not self.options.keep_copy
         if per_call:
             self._fill()
         try:
-            yield
+            with packed_linears(self.model, rows) if copied else contextlib.nullcontext():
+                yield
         finally:
             if per_call:
                 self._release()
@@ -270,8 +320,10 @@ class HFRollout:
         ends at its first EOS id or at the token completing a stop string (transformers'
         ``StopStringCriteria``, matching tokens, the prompt's tail included).
 
-        Returns a :class:`RolloutBatch` of ``B = P * G`` rows, prompt-major, without
-        ``sampling_logp``: this backend samples from the very weights the trainer evaluates.
+        Returns a :class:`RolloutBatch` of ``B = P * G`` rows, prompt-major. ``sampling_logp``
+        is set when the lean loop samples from a copy in another dtype than the policy's
+        (the sampled tokens' log-probs under the distribution drawn from); else None: the
+        backend samples from the very weights the trainer evaluates.
         """
         if self.model is None:
             raise RuntimeError("hf rollout: setup(model, tokenizer) must be called before generate")
@@ -280,13 +332,13 @@ class HFRollout:
         ids, mask = (t.to(device) for t in left_pad(prompt_ids, self.pad_id))
         step = self.options.prompts_per_generate or len(prompt_ids)
         pieces = []
-        with self._weights(), _eval_mode(self.model), torch.inference_mode():
+        with self._weights(step * group_size), _eval_mode(self.model), torch.inference_mode():
             for start in range(0, len(prompt_ids), step):
                 part = slice(start, start + step)
                 seed = None if sampling.seed is None else sampling.seed + start
                 with _seeded(seed, device):
                     pieces.append(self._part_fn()(ids[part], mask[part], group_size, sampling))
-        completion_ids, completion_mask, truncated = self._assemble(pieces, sampling)
+        completion_ids, completion_mask, truncated, logp = self._assemble(pieces, sampling)
         return RolloutBatch(
             prompt_ids=ids.clone(),
             prompt_mask=mask.clone(),
@@ -294,7 +346,15 @@ class HFRollout:
             completion_mask=completion_mask,
             truncated=truncated,
             completions=self._decode(completion_ids, completion_mask, sampling.stop),
+            sampling_logp=logp,
         )
+
+    @property
+    def _returns_logp(self) -> bool:
+        """Whether the lean loop reports the sampled tokens' log-probs: when it samples from a
+        copy whose dtype differs from the policy's."""
+        return self.model is not self._source and (
+            next(self.model.parameters()).dtype != next(self._source.parameters()).dtype)
 
     # ----------------------------------------------------------------- internals
     def _stop_criterion(self, stop: tuple[str, ...]) -> Any | None:
@@ -341,10 +401,10 @@ class HFRollout:
 
     def _generate_part(
         self, ids: Tensor, mask: Tensor, group_size: int, sampling: SamplingParams
-    ) -> tuple[Tensor, Tensor]:
+    ) -> tuple[Tensor, Tensor, None]:
         """Generate for ``p`` prompts ``(p, L)``; returns completion ids ``(p*G, n)`` (tokens
-        after each row's end are arbitrary) and lengths ``long (p*G,)``, -1 where the row
-        did not end (EOS / stop string) within ``n`` tokens."""
+        after each row's end are arbitrary), lengths ``long (p*G,)``, -1 where the row
+        did not end (EOS / stop string) within ``n`` tokens, and no log-probs."""
         from transformers import StoppingCriteriaList
 
         first = int(mask.any(0).nonzero()[0])  # drop columns that are padding in every row
@@ -369,7 +429,7 @@ class HFRollout:
         if ends is None:  # generate produced nothing
             ends = torch.full((completions.shape[0],), -1, dtype=torch.long, device=out.device)
         lengths = torch.where(ends >= 0, ends - length, -1)
-        return completions, lengths
+        return completions, lengths, None
 
     # ----------------------------------------------------------------- lean decode
     def _part_fn(self):
@@ -382,9 +442,10 @@ class HFRollout:
 
     def _generate_part_lean(
         self, ids: Tensor, mask: Tensor, group_size: int, sampling: SamplingParams
-    ) -> tuple[Tensor, Tensor]:
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
         """:meth:`_generate_part` with :func:`~grpo_plugins.rollout_decode.lean_decode`:
-        the same prefill (shared by the group when allowed), then the lean loop."""
+        the same prefill (shared by the group when allowed), then the lean loop; with the
+        sampled tokens' log-probs when :attr:`_returns_logp`."""
         from grpo_plugins.rollout_decode import lean_decode
         from transformers import DynamicCache
 
@@ -400,31 +461,37 @@ class HFRollout:
         return lean_decode(
             self.model, ids.repeat_interleave(group_size, 0), mask.repeat_interleave(group_size, 0),
             cache, sampling, self.eos_ids, self.pad_id, self._stop_criterion(sampling.stop),
-            sampler=self.options.sampler,
+            sampler=self.options.sampler, with_logp=self._returns_logp,
         )
 
     def _assemble(
-        self, pieces: list[tuple[Tensor, Tensor]], sampling: SamplingParams
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """Right-padded ``(B, T)`` ids and mask and ``(B,)`` truncation flags from the parts,
+        self, pieces: list[tuple[Tensor, Tensor, Tensor | None]], sampling: SamplingParams
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """Right-padded ``(B, T)`` ids and mask, ``(B,)`` truncation flags and ``(B, T)``
+        float32 log-probs (0 on padding; None unless every part has them) from the parts,
         ``T`` trimmed to the longest row. Runs outside inference mode: the results are
         ordinary tensors that a training forward may save for backward."""
-        rows, lengths, truncated = [], [], []
-        for completions, ends in pieces:
-            for row, end in zip(completions, ends.tolist(), strict=True):
+        rows, logps, lengths, truncated = [], [], [], []
+        with_logp = all(piece[2] is not None for piece in pieces)
+        for completions, ends, part_logp in pieces:
+            for index, (row, end) in enumerate(zip(completions, ends.tolist(), strict=True)):
                 stopped = end >= 0
                 size = end if stopped else min(row.shape[0], sampling.max_new_tokens)
                 rows.append(row[:size].clone())
+                logps.append(part_logp[index, :size].clone() if with_logp else None)
                 lengths.append(size)
                 truncated.append(not stopped)
         width = max(lengths)
         device = pieces[0][0].device
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long, device=device)
         mask = torch.zeros((len(rows), width), dtype=torch.bool, device=device)
+        logp = torch.zeros((len(rows), width), dtype=torch.float32, device=device) if with_logp else None
         for index, row in enumerate(rows):
             ids[index, : row.shape[0]] = row
             mask[index, : row.shape[0]] = True
-        return ids, mask, torch.tensor(truncated, dtype=torch.bool, device=device)
+            if logp is not None:
+                logp[index, : row.shape[0]] = logps[index]
+        return ids, mask, torch.tensor(truncated, dtype=torch.bool, device=device), logp
 
     def _decode(self, ids: Tensor, mask: Tensor, stop: tuple[str, ...]) -> list[str]:
         """Completion texts (special tokens skipped), cut right after the first stop string."""

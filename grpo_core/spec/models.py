@@ -173,7 +173,13 @@ class TrainSection(Section):
         1, ge=1, description="Optimizer steps per pass over a rollout batch; must divide P (groups stay whole)."
     )
     micro_batch_size: int | None = Field(
-        None, ge=1, description="Rows per forward/backward (gradient accumulation); default: the whole mini-batch."
+        None, ge=1, description="Rows per forward/backward (gradient accumulation). null: whole groups, as many "
+        "as hold at most micro_batch_tokens prompt + completion positions (at least one group).",
+    )
+    micro_batch_tokens: int = Field(
+        4096, ge=1, description="With micro_batch_size null: the most positions (rows x (prompt + completion "
+        "width)) in one forward/backward, in whole groups. Bounds the activations a backward keeps whatever "
+        "prompts_per_step is; the gradient is the same (the loss's normalizers are the mini-batch's).",
     )
     lr: float = Field(1e-6, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")

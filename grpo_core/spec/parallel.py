@@ -78,7 +78,7 @@ def parallel_conflicts(spec, parallel: ParallelSection | None = None) -> list[st
     if spec.algorithm.kl.reference_dtype is not None:
         out.append("algorithm.kl.reference_dtype: a reference in its own dtype is not sharded yet; drop it "
                    "(under fsdp2 the reference follows train.parallel.param_dtype)")
-    if spec.train.optimizer.state_dtype != "float32":
+    if spec.train.optimizer.state_dtype == "bfloat16":  # auto is float32 under fsdp2
         out.append(f"train.optimizer.state_dtype: {spec.train.optimizer.state_dtype} moments are not "
                    "implemented for sharded (DTensor) parameters yet; use float32 (sharding already divides "
                    "the moments by the number of processes) or train.parallel.strategy: ddp")

@@ -23,7 +23,7 @@ from grpo_core.train.kl import KLTerm
 from grpo_core.train.parallel import Single
 from grpo_core.train.reasoning_steps import step_tensors
 from grpo_core.train.rollout import Scored
-from grpo_core.train.update import Objective, TrainBatch, batch_logprobs, update
+from grpo_core.train.update import Objective, TrainBatch, batch_logprobs, micro_batch_rows, update
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -36,6 +36,7 @@ class UpdateSettings:
     mu: int = 1
     mini_batches: int = 1
     micro_batch_size: int | None = None
+    micro_batch_tokens: int = 4096
     max_grad_norm: float | None = None
     mask_truncated: bool = False
 
@@ -43,7 +44,8 @@ class UpdateSettings:
     def from_spec(cls, spec) -> UpdateSettings:
         t = spec.train
         return cls(mu=spec.algorithm.mu, mini_batches=t.mini_batches, micro_batch_size=t.micro_batch_size,
-                   max_grad_norm=t.max_grad_norm, mask_truncated=spec.rollout.mask_truncated_completions)
+                   micro_batch_tokens=t.micro_batch_tokens, max_grad_norm=t.max_grad_norm,
+                   mask_truncated=spec.rollout.mask_truncated_completions)
 
 
 @dataclass
@@ -80,7 +82,7 @@ class Learner:
         when it is in the reward, and the advantages."""
         s, kl, scored = self.settings, self.kl, experience.scored
         batch = train_batch(scored.rollout, s.mask_truncated)
-        micro = s.micro_batch_size or batch.mask.shape[0]
+        micro = micro_batch_rows(batch, s.micro_batch_size, s.micro_batch_tokens)
         temperature = self.objective.temperature
         rewards, penalty, metrics = scored.scores.total.to(batch.mask.device), None, {}
         with timer("logprobs"):

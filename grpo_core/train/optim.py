@@ -24,7 +24,8 @@ def lr_factor(step: int, *, warmup: int, total: int, schedule: str) -> float:
 
 
 def make_optimizer(model, train: TrainSection, total_updates: int):
-    """AdamW with the moments in ``train.optimizer.state_dtype``, and its schedule.
+    """AdamW with the moments in ``train.optimizer.state_dtype`` (``auto`` decided here from the
+    mixed precision, the strategy and the weights' dtype), and its schedule.
 
     float32: torch's AdamW, fused (one kernel over all parameters) where torch supports it:
     about 10x faster than the per-tensor loop on a CPU, same update up to float rounding.
@@ -32,7 +33,10 @@ def make_optimizer(model, train: TrainSection, total_updates: int):
     """
     params = [p for p in model.parameters() if p.requires_grad]
     kwargs = dict(lr=train.lr, betas=tuple(train.adam_betas), eps=train.adam_eps, weight_decay=train.weight_decay)
-    if train.optimizer.state_dtype == "bfloat16":
+    weights = "float32" if params and params[0].dtype == torch.float32 else "other"
+    state_dtype = train.optimizer.resolved_state_dtype(
+        mixed_precision=train.mixed_precision, strategy=train.parallel.strategy, weights=weights)
+    if state_dtype == "bfloat16":
         optimizer = BF16StateAdamW(params, seed=train.seed, **kwargs)
     else:
         try:

@@ -44,7 +44,7 @@ import torch
 
 from grpo_core.train.actor import Actor, Experience
 from grpo_core.train.parallel import forward_of
-from grpo_core.train.update import batch_logprobs
+from grpo_core.train.update import batch_logprobs, micro_batch_rows
 
 __all__ = ["Pipeline", "copy_weights", "frozen_copy", "sampled_version"]
 
@@ -95,6 +95,7 @@ class Pipeline:
     snapshot: Any  # a whole, unsharded copy of the policy: the weights that cross from the learner
     sampler: Any = None  # the actor's own copy of the policy, for a backend that generates with the policy
     micro_batch_size: int | None = None
+    micro_batch_tokens: int = 4096
     temperature: float = 1.0
     _cond: threading.Condition = field(default_factory=threading.Condition)
     _queue: deque = field(default_factory=deque)
@@ -257,7 +258,7 @@ class Pipeline:
 
         t0 = time.perf_counter()
         batch = train_batch(rollout, mask_truncated=False)
-        micro = self.micro_batch_size or batch.mask.shape[0]
+        micro = micro_batch_rows(batch, self.micro_batch_size, self.micro_batch_tokens)
         with torch.no_grad():
             logp = batch_logprobs(forward_of(self.sampler), batch, micro, self.temperature, self.actor.autocast)
         rollout.sampling_logp = logp.masked_fill(~batch.mask, 0.0)

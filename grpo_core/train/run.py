@@ -278,7 +278,8 @@ def _actor_and_learner(spec: Spec, model, tokenizer, rewards: list[RewardFn], sp
     pipeline = None
     if snapshot is not None:
         pipeline = Pipeline(actor, spec.rollout.max_staleness, snapshot, sampler=sampler,
-                            micro_batch_size=spec.train.micro_batch_size, temperature=spec.rollout.temperature)
+                            micro_batch_size=spec.train.micro_batch_size,
+                            micro_batch_tokens=spec.train.micro_batch_tokens, temperature=spec.rollout.temperature)
     return actor, learner, pipeline
 
 

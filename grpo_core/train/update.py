@@ -108,6 +108,16 @@ def shares_prompts(batch: TrainBatch, rows: Tensor) -> bool:
     return whole and int(counts[0]) > 1
 
 
+def micro_batch_rows(batch: TrainBatch, micro_batch_size: int | None, micro_batch_tokens: int) -> int:
+    """Rows per forward: ``micro_batch_size``, or whole groups of ``batch`` holding at most
+    ``micro_batch_tokens`` prompt + completion positions (at least one group)."""
+    if micro_batch_size:
+        return micro_batch_size
+    group = batch.group_size
+    per_group = group * (batch.prompt_ids.shape[1] + batch.completion_ids.shape[1])
+    return group * max(1, micro_batch_tokens // max(per_group, 1))
+
+
 @torch.no_grad()
 def batch_logprobs(forward: Forward, batch: TrainBatch, micro_batch_size: int, temperature: float, autocast) -> Tensor:
     """Log-probs ``(B, T)`` of every row by the log-prob function ``forward``, without
@@ -237,8 +247,8 @@ def _backward_minibatch(learner: Learner, batch: TrainBatch, rows: Tensor, tally
     counts["rows"] += len(rows)
     counts["rows_skipped"] += len(rows) - len(active)
     sums = _MinibatchSums()
-    micros = [mb for mb in active.split(learner.settings.micro_batch_size or max(len(active), 1))
-              if bool(batch.mask[mb].any())]
+    size = micro_batch_rows(batch, learner.settings.micro_batch_size, learner.settings.micro_batch_tokens)
+    micros = [mb for mb in active.split(size) if bool(batch.mask[mb].any())]
 
     def idle(count: int, share: bool) -> None:
         _zero_gradient_passes(learner, forward, batch, rows[: batch.group_size] if share else rows[:1], count, share)

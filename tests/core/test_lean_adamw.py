@@ -134,6 +134,7 @@ def test_a_run_with_bf16_moments_trains_and_resumes_exactly(tmp_path, write_spec
     """4 steps straight (checkpoints at 2 and 4) against the same run resumed from step 2:
     the same weights bit for bit (the moments, their dtype and the rounding noise come back)."""
     spec = write_spec(tmp_path, train={"steps": 4, "seed": 3, "lr": 1e-3, "optimizer": {"state_dtype": "bfloat16"}},
+                      rollout={"sampler": "multinomial"},  # a draw whose groups' rewards differ: updates happen
                       checkpoint={"every": 2, "keep": 5})
     assert main([str(spec)]) == 0
     middle = tmp_path / "out" / "checkpoints" / "step-000002"
@@ -148,7 +149,7 @@ def test_a_run_with_bf16_moments_trains_and_resumes_exactly(tmp_path, write_spec
 
 
 @pytest.mark.parametrize(("value", "expect"), [
-    ("train.optimizer.state_dtype=int4", "'float32' or 'bfloat16'"),
+    ("train.optimizer.state_dtype=int4", "'auto', 'bfloat16' or 'float32'"),
     ("train.optimizer.name=sgd", "'adamw'"),
     ("train.optimizer.moments=bf16", "moments"),
 ])
@@ -174,3 +175,20 @@ def test_state_moves_between_float32_and_bf16_adamw():
     back = torch.optim.AdamW([p])
     back.load_state_dict(lean.state_dict())
     assert back.state[p]["exp_avg_sq"].dtype == torch.float32 and float(back.state[p]["step"]) == 2.0
+
+
+@pytest.mark.parametrize(("mixed", "strategy", "weights", "expect"), [
+    ("bf16", "ddp", torch.float32, BF16StateAdamW),  # a bf16 run: half the optimizer memory
+    ("no", "ddp", torch.float32, torch.optim.AdamW),  # a float32 run keeps float32 moments
+    ("fp16", "ddp", torch.float32, torch.optim.AdamW),
+    ("bf16", "fsdp2", torch.float32, torch.optim.AdamW),  # sharded moments are float32 (not implemented)
+    ("bf16", "ddp", torch.bfloat16, torch.optim.AdamW),  # bf16 weights: torch's AdamW in their dtype
+])
+def test_auto_state_dtype_is_bfloat16_in_a_bf16_run_with_float32_weights(mixed, strategy, weights, expect):
+    from grpo_core.spec.models import TrainSection
+    from grpo_core.train.optim import make_optimizer
+
+    train = TrainSection.model_validate({"mixed_precision": mixed, "parallel": {"strategy": strategy}})
+    assert train.optimizer.state_dtype == "auto"
+    optimizer, _ = make_optimizer(torch.nn.Linear(4, 3).to(weights), train, total_updates=10)
+    assert type(optimizer) is expect

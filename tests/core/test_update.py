@@ -120,6 +120,31 @@ def test_micro_batch_size_does_not_change_the_step(registry, base_model, aggrega
         assert max_diff(whole, split) < 1e-6, micro
 
 
+def test_micro_batches_by_token_budget_are_whole_groups_within_the_budget():
+    """null micro_batch_size: whole groups of G rows, each row prompt (5) + completion (6) = 11
+    positions, a group 44: a budget of 100 holds two groups; one below a group still takes one."""
+    from grpo_core.train.update import micro_batch_rows
+
+    batch = make_batch()
+    assert micro_batch_rows(batch, None, 100) == 2 * G
+    assert micro_batch_rows(batch, None, 44) == G and micro_batch_rows(batch, None, 43) == G
+    assert micro_batch_rows(batch, None, 10**6) == 10**6 // 44 * G  # past the batch: one forward
+    assert micro_batch_rows(batch, 5, 1) == 5  # an explicit size wins
+
+
+@pytest.mark.parametrize("budget", [1, 44, 100, 4096])  # one group a forward, two, everything
+def test_a_token_budget_does_not_change_the_step(registry, base_model, budget):
+    batch = make_batch(zero_groups=())
+    obj = objective(registry, aggregator="token-mean")
+    whole, _ = step(base_model, batch, obj, micro=P * G)
+    model = copy.deepcopy(base_model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    update(Learner(model, opt, sched, obj, UpdateSettings(micro_batch_tokens=budget)), batch)
+    assert max_diff(whole, model) < 1e-6
+    assert max_diff(whole, base_model) > 1e-5  # the step did something
+
+
 def test_kl_in_the_loss_uses_every_row_and_reports_kl(registry, base_model):
     batch = make_batch(zero_groups=(0,))
     from grpo_core.train.update import batch_logprobs

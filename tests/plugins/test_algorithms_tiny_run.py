@@ -42,7 +42,7 @@ def test_trains_on_the_tiny_spec(tiny_model, tmp_path, loss, kl, metric):
     spec.write_text(textwrap.dedent(f"""
         model: {{path: {tiny_model}}}
         data: {{name: arithmetic, train_size: 16, eval_size: 0}}
-        rollout: {{group_size: 4, max_new_tokens: 6}}
+        rollout: {{group_size: 4, max_new_tokens: 6, sampler: multinomial}}  # a seed whose groups' rewards differ
         rewards: [{{name: accuracy}}, {{name: format, pattern: "^\\\\s*\\\\d+", weight: 0.5}}]
         algorithm:
           kl: {{name: "{kl}", beta: 0.04}}

@@ -37,6 +37,9 @@ def model(tokenizer, prompts):
 
 
 def _generate(model, tokenizer, prompts, decode, sampling, group=6, **options):
+    """Generate on the float32 model itself (``dtype: null``) with generate's draw unless
+    ``options`` say otherwise: the lean loop against ``generate`` token for token."""
+    options = {"dtype": None, "sampler": "multinomial", **options} if decode == "lean" else {"dtype": None, **options}
     backend = HFRollout(HFRolloutOptions(decode=decode, **options))
     backend.setup(model, tokenizer)
     return backend.generate(prompts, group, sampling)
