@@ -177,7 +177,7 @@ class TrainSection(Section):
         "as hold at most micro_batch_tokens prompt + completion positions (at least one group).",
     )
     micro_batch_tokens: int = Field(
-        4096, ge=1, description="With micro_batch_size null: the most positions (rows x (prompt + completion "
+        2048, ge=1, description="With micro_batch_size null: the most positions (rows x (prompt + completion "
         "width)) in one forward/backward, in whole groups. Bounds the activations a backward keeps whatever "
         "prompts_per_step is; the gradient is the same (the loss's normalizers are the mini-batch's).",
     )

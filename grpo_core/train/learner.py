@@ -36,7 +36,7 @@ class UpdateSettings:
     mu: int = 1
     mini_batches: int = 1
     micro_batch_size: int | None = None
-    micro_batch_tokens: int = 4096
+    micro_batch_tokens: int = 2048
     max_grad_norm: float | None = None
     mask_truncated: bool = False
 

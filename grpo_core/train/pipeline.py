@@ -95,7 +95,7 @@ class Pipeline:
     snapshot: Any  # a whole, unsharded copy of the policy: the weights that cross from the learner
     sampler: Any = None  # the actor's own copy of the policy, for a backend that generates with the policy
     micro_batch_size: int | None = None
-    micro_batch_tokens: int = 4096
+    micro_batch_tokens: int = 2048
     temperature: float = 1.0
     _cond: threading.Condition = field(default_factory=threading.Condition)
     _queue: deque = field(default_factory=deque)
