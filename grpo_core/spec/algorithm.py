@@ -160,7 +160,8 @@ class RolloutCorrectionSection(Section):
     )
     normalize: bool = Field(
         False, description="Divide the weights by their mean over the kept tokens (level token) or kept completions "
-        "(level sequence) of each forward (the mini-batch when train.micro_batch_size is unset), so that they "
+        "(level sequence) of each forward (one micro-batch: train.micro_batch_size rows, or the whole groups "
+        "within train.micro_batch_tokens), so that they "
         "average 1 (verl's rollout_is_batch_normalize).",
     )
 

@@ -17,8 +17,8 @@ With ``d_t = logp_trainer_old - logp_sampler`` on the completion tokens:
   ``[low, high]`` gets ``w = 0`` (verl's ``rollout_rs``, ``seq_mean_k1`` / ``seq_sum_k1``);
 - ``normalize``: ``w / mean(w)``, the mean over the kept tokens (``token``) or kept rows
   (``sequence``) of the call, so that the kept weights average 1 (verl's
-  ``rollout_is_batch_normalize``). The call is one micro-batch: with ``train.micro_batch_size``
-  unset, the whole mini-batch.
+  ``rollout_is_batch_normalize``). The call is one micro-batch: ``train.micro_batch_size`` rows,
+  or with it unset the whole groups within ``train.micro_batch_tokens`` positions.
 
 Weights carry no gradient and are exactly 0 on padding.
 """
