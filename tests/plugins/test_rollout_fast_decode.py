@@ -30,25 +30,21 @@ from transformers.cache_utils import DynamicLayer
 
 from grpo_core.cli import main
 from grpo_core.contracts import SamplingParams
-from grpo_core.testing import build_model, build_tokenizer
+from grpo_core.testing import build_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-TEXTS = ["What is 3 + 4?", "Hi", "Think step by step. What is 12 * 7? Answer:"]
+TEXTS = ["What is 3 + 4?", "Hi", "Think step by step. What is 12 * 7? Answer:"]  # conftest's ragged prompts
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return build_tokenizer()
+def tok(tokenizer):  # tokenizer, prompts: tests/plugins/conftest.py
+    return tokenizer
 
 
 @pytest.fixture(scope="module")
 def policy(tok):
     return build_model(tok)  # 4 query heads on 2 key/value heads
-
-
-def _prompts(tok):
-    return [tok(t)["input_ids"] for t in TEXTS]
 
 
 # ------------------------------------------------------------------ decode attention
@@ -79,12 +75,11 @@ def test_decode_attention_is_sdpa_for_a_one_token_query(with_mask):
         assert torch.allclose(decode_attention(module, q, k2, v, mask, scaling=0.3)[0], ours, atol=1e-6)
 
 
-def test_a_model_on_decode_attention_gives_the_same_logits(policy, tok):
+def test_a_model_on_decode_attention_gives_the_same_logits(policy, tok, prompts):
     """The whole tiny model, prompts (sdpa) then decode steps (ours), left padding included."""
     fast = copy.deepcopy(policy)
     assert use_decode_attention(fast) and fast.config._attn_implementation == DECODE_ATTENTION
     assert policy.config._attn_implementation == "sdpa"  # the original is untouched
-    prompts = _prompts(tok)
     sampling = SamplingParams(max_new_tokens=6, seed=5)
     out = {}
     for name, model in (("sdpa", policy), ("decode", fast)):
@@ -204,7 +199,7 @@ def test_greedy_decoding_returns_no_log_probs(policy, tok):
     assert logp is None
 
 
-def test_a_bf16_copy_reports_its_log_probs_and_the_policy_itself_does_not(policy, tok):
+def test_a_bf16_copy_reports_its_log_probs_and_the_policy_itself_does_not(policy, tok, prompts):
     """A copy in another dtype gives ``sampling_logp`` (B, T), 0 on padding, within bf16
     rounding of the float32 policy's log-probs of the same tokens; the policy itself gives
     none (it samples from the weights the trainer evaluates)."""
@@ -213,7 +208,7 @@ def test_a_bf16_copy_reports_its_log_probs_and_the_policy_itself_does_not(policy
     sampling = SamplingParams(max_new_tokens=8, seed=4)
     copied = HFRollout(HFRolloutOptions(dtype="bfloat16"))
     copied.setup(policy, tok)
-    batch = copied.generate(_prompts(tok), 4, sampling)
+    batch = copied.generate(prompts, 4, sampling)
     assert batch.sampling_logp is not None and batch.sampling_logp.shape == batch.completion_ids.shape
     assert batch.sampling_logp.dtype == torch.float32
     assert torch.all(batch.sampling_logp[~batch.completion_mask] == 0)
@@ -226,7 +221,7 @@ def test_a_bf16_copy_reports_its_log_probs_and_the_policy_itself_does_not(policy
     assert float(gap.max()) > 0  # and they are the copy's, not the policy's
     plain = HFRollout(HFRolloutOptions(dtype=None))
     plain.setup(policy, tok)
-    assert plain.generate(_prompts(tok), 2, sampling).sampling_logp is None
+    assert plain.generate(prompts, 2, sampling).sampling_logp is None
 
 
 # ------------------------------------------------------------------ dtype: auto
@@ -251,7 +246,7 @@ def test_native_bf16_reads_the_cpu(monkeypatch):
     assert rollout_hf.native_bf16(torch.device("cpu"))
 
 
-def test_auto_generates_with_a_bf16_copy_on_decode_attention(monkeypatch, policy, tok):
+def test_auto_generates_with_a_bf16_copy_on_decode_attention(monkeypatch, policy, tok, prompts):
     monkeypatch.setattr(rollout_hf, "native_bf16", lambda device: True)
     monkeypatch.setattr(rollout_hf, "AUTO_MIN_PARAMETERS", 0)
     backend = HFRollout()  # the defaults
@@ -259,7 +254,7 @@ def test_auto_generates_with_a_bf16_copy_on_decode_attention(monkeypatch, policy
     assert backend.model is not policy and next(backend.model.parameters()).dtype == torch.bfloat16
     assert backend.model.config._attn_implementation == DECODE_ATTENTION
     assert backend.options.sampler == "inverse-cdf"
-    batch = backend.generate(_prompts(tok), 2, SamplingParams(max_new_tokens=5, seed=1))
+    batch = backend.generate(prompts, 2, SamplingParams(max_new_tokens=5, seed=1))
     assert batch.sampling_logp is not None
 
 
