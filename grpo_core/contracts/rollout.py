@@ -1,0 +1,178 @@
+"""The rollout contract: sampling settings, the batch a backend returns, the backend itself,
+and the checks and helpers every backend shares."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from grpo_core.contracts.episodes import Episodes
+
+
+# --------------------------------------------------------------------------- rollouts
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings shared by every rollout backend.
+
+    ``seed`` makes a rollout reproducible. A backend that seeds prompts separately uses
+    ``seed + i`` for the ``i``-th prompt of the call: the engine passes each process of a
+    multi-process run the step's seed plus the global index of its first prompt.
+    """
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: tuple[str, ...] = ()
+    greedy: bool = False
+    seed: int | None = None
+
+
+@dataclass
+class RolloutBatch:
+    """What a rollout backend returns for ``P`` prompts times ``G`` completions.
+
+    Attributes:
+        prompt_ids: ``long (P, L)`` left-padded prompt tokens (each prompt once).
+        prompt_mask: ``bool (P, L)``.
+        completion_ids: ``long (B, T)`` right-padded completion tokens, pad elsewhere.
+        completion_mask: ``bool (B, T)``: True up to and including the EOS token (or the
+            stop string's last token); False after it. For multi-turn episodes
+            (``episodes`` set) it has holes: True only on model-generated tokens, False on
+            the environment's tokens between turns and on padding.
+        truncated: ``bool (B,)``: the completion hit ``max_new_tokens`` without stopping.
+        sampling_logp: ``float (B, T)`` log-probs the sampler assigned, or ``None``.
+        completions: decoded completion text, ``B`` strings (for an episode: the whole
+            conversation after the prompt, environment turns included).
+        episodes: what the environment recorded for multi-turn rollouts, else ``None``.
+    """
+
+    prompt_ids: Tensor
+    prompt_mask: Tensor
+    completion_ids: Tensor
+    completion_mask: Tensor
+    truncated: Tensor
+    completions: list[str]
+    sampling_logp: Tensor | None = None
+    episodes: Episodes | None = None
+
+    @property
+    def group_size(self) -> int:
+        return self.completion_ids.shape[0] // self.prompt_ids.shape[0]
+
+
+def check_request(prompt_ids: Sequence[Sequence[int]], group_size: int, sampling: SamplingParams, backend: str) -> None:
+    """Refuse a ``generate`` request no backend can honour (no prompt, an empty prompt, a
+    group size below 1, impossible sampling settings), naming ``backend`` and what is valid."""
+    if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
+        raise ValueError(f"{backend} rollout: every prompt needs at least one token")
+    if group_size < 1:
+        raise ValueError(f"{backend} rollout: group_size must be >= 1, got {group_size}")
+    check_sampling(sampling, backend)
+
+
+def check_sampling(sampling: SamplingParams, backend: str) -> None:
+    """Refuse sampling settings no backend can honour, naming ``backend`` and what is valid."""
+    if sampling.max_new_tokens < 1:
+        raise ValueError(f"{backend} rollout: max_new_tokens must be >= 1, got {sampling.max_new_tokens}")
+    if not sampling.greedy and sampling.temperature <= 0:
+        raise ValueError(
+            f"{backend} rollout: temperature must be > 0 when sampling, got {sampling.temperature} "
+            "(use greedy: true for argmax decoding)"
+        )
+    if not 0 < sampling.top_p <= 1:
+        raise ValueError(f"{backend} rollout: top_p must be in (0, 1], got {sampling.top_p}")
+    if sampling.top_k < 0:
+        raise ValueError(f"{backend} rollout: top_k must be >= 0 (0 = off), got {sampling.top_k}")
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """``long (P, L)`` left-padded prompt ids and their ``bool (P, L)`` mask (CPU)."""
+    length = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), length), dtype=torch.bool)
+    for row, prompt in enumerate(prompts):
+        if len(prompt):
+            ids[row, length - len(prompt):] = torch.tensor(list(prompt), dtype=torch.long)
+            mask[row, length - len(prompt):] = True
+    return ids, mask
+
+
+def special_ids(model: Any, tokenizer: Any, backend: str) -> tuple[list[int], int]:
+    """EOS ids (the model's generation config, then the tokenizer) and the pad id (the
+    tokenizer's, the generation config's, else the first EOS) that rollout backends use."""
+    eos: list[int] = []
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (configured, getattr(tokenizer, "eos_token_id", None)):
+        for token in value if isinstance(value, (list, tuple)) else [value]:
+            if token is not None and int(token) not in eos:
+                eos.append(int(token))
+    if not eos:
+        raise ValueError(f"{backend} rollout: neither the model's generation config nor the tokenizer has an EOS token")
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
+    return eos, int(pad) if pad is not None else eos[0]
+
+
+def cut_after_stop(text: str, stop: Sequence[str]) -> str:
+    """``text`` up to and including the first of the ``stop`` strings it contains."""
+    ends = [text.find(s) + len(s) for s in stop if s and s in text]
+    return text[: min(ends)] if ends else text
+
+
+@runtime_checkable
+class RolloutBackend(Protocol):
+    """Generates completions and keeps its copy of the weights in step with the policy.
+
+    ``setup(model, tokenizer)`` is called once before the first rollout, with the policy
+    model (unwrapped) and its tokenizer. ``generate`` samples ``group_size`` completions
+    for each prompt. ``sync_weights(model)`` is called once per training step, after all of
+    the step's optimizer steps (``algorithm.mu`` times ``train.mini_batches`` of them), and
+    once after a resume, by every process (a sharded model is gathered while it runs); a
+    backend that generates with the training model itself makes it a no-op.
+
+    Attributes:
+        generates_with_policy: True for a backend that runs the policy module it was given
+            (the ``hf`` backend): the engine then makes a sharded (FSDP2) policy whole
+            around each rollout phase. Default False (a backend with its own copy).
+        device: the device of the tensors ``generate`` returns, or None for the CPU. The
+            engine builds the tensors of multi-turn episodes there.
+    """
+
+    generates_with_policy: bool = False
+    device: Any = None
+
+    def setup(self, model: Any, tokenizer: Any) -> None: ...
+
+    def generate(
+        self, prompt_ids: list[list[int]], group_size: int, sampling: SamplingParams
+    ) -> RolloutBatch: ...
+
+    def sync_weights(self, model: Any) -> None: ...
+
+
+def policy_copy(model: Any, *, dtype: torch.dtype | None = None, weights: bool = True) -> Any:
+    """A copy of the policy ``model`` that generates or scores and is never trained: the plain
+    module (without a ``DistributedDataParallel`` or ``torch.compile`` wrapper) in eval mode,
+    its parameters without gradients, in ``dtype`` when given. The engine makes every copy of
+    the policy with it (an asynchronous run's snapshot and sampler, the KL reference), and so
+    can a backend (the ``hf`` backend's bfloat16 generation copy).
+
+    ``weights=False`` copies the modules and buffers with empty parameters (tied ones still
+    shared), without a transient second copy of the weights: the caller fills them."""
+    plain = getattr(model, "module", getattr(model, "_orig_mod", model))
+    memo: dict[int, Any] = {}
+    if not weights:
+        memo = {id(p): torch.nn.Parameter(torch.empty(0, dtype=dtype or p.dtype, device=p.device), requires_grad=False)
+                for p in plain.parameters()}
+    copied = copy.deepcopy(plain, memo).eval()
+    if dtype is not None:
+        copied.to(dtype)
+    return copied.requires_grad_(False)
