@@ -97,7 +97,8 @@ class Log:
 
 
 def grpo_worker(a, model: str, log: Log) -> None:
-    from grpo_core.train.run import _step_and_record, build_run
+    from grpo_core.train.assemble import build_run
+    from grpo_core.train.run import _step_and_record
 
     folder = tempfile.mkdtemp(prefix="grpo-long-")
     run = build_run(load(a.spec, model, a.seed, a.steps, [*a.grpo_set, f"train.output_dir={folder}"]))

@@ -133,8 +133,8 @@ def main() -> int:
         import vs_trl
 
         from grpo_core.spec import load_spec
-        from grpo_core.train.run import build_run
-        from grpo_core.train.step import grpo_step
+        from grpo_core.train.assemble import build_run
+        from grpo_core.train.step import train_step
 
         held: dict = {}
         instrument(sampler, held)
@@ -151,7 +151,7 @@ def main() -> int:
             vs_trl.greedy_accuracy(run.model, run.tokenizer, eval_rows, 32)
         times = []
         for step in range(a.steps):
-            times.append(grpo_step(run.actor, run.learner, step).metrics["time/generate"])
+            times.append(train_step(run.feed, run.learner, step).metrics["time/generate"])
         with sampler.phase("greedy eval after"):
             vs_trl.greedy_accuracy(run.model, run.tokenizer, eval_rows, 32)
     print("overrides:", " ".join((vs_trl.LEAN if a.lean else []) + a.sets) or "(none)")

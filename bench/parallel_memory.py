@@ -1,7 +1,7 @@
 """Per-process memory and step time of SmolLM2-135M under ddp and fsdp2 (and fsdp2 with CPU
 offload) on 1, 2 and 4 processes (gloo on CPU, or NCCL on GPUs).
 
-Each configuration runs the real engine (``build_run`` + ``grpo_step``) in ``N`` processes
+Each configuration runs the real engine (``build_run`` + ``train_step``) in ``N`` processes
 launched by ``torchrun``, for ``--steps`` steps of the arithmetic task (4 prompts x G=4 per
 step, 16 new tokens, KL off, AdamW). Every process reports:
 
@@ -79,8 +79,8 @@ def worker(args) -> None:
     import torch
 
     from grpo_core.spec import load_spec
-    from grpo_core.train.run import build_run
-    from grpo_core.train.step import grpo_step
+    from grpo_core.train.assemble import build_run
+    from grpo_core.train.step import train_step
 
     torch.set_num_threads(args.threads)
     loaded = load_spec(json.loads(args.spec))
@@ -88,7 +88,7 @@ def worker(args) -> None:
     times = []
     for step in range(args.steps):
         t0 = time.perf_counter()
-        grpo_step(run.actor, run.learner, step)
+        train_step(run.feed, run.learner, step)
         times.append(time.perf_counter() - t0)
     row = {
         "state_MB": training_state_bytes(run.model, run.learner.optimizer) / 2**20,

@@ -17,8 +17,8 @@ import sys
 import time
 
 from grpo_core.spec import load_spec
-from grpo_core.train.run import build_run
-from grpo_core.train.step import grpo_step
+from grpo_core.train.assemble import build_run
+from grpo_core.train.step import train_step
 
 PHASES = ("generate", "score", "logprobs", "advantage", "forward_backward", "optimizer", "sync")
 
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{peak_rss_gb():.2f} GB)", flush=True)
     rows = []
     for step in range(args.steps):
-        metrics = grpo_step(run.actor, run.learner, step).metrics
+        metrics = train_step(run.feed, run.learner, step).metrics
         rows.append(metrics)
         print(f"step {step + 1}: {metrics['time/step']:.2f} s, reward {metrics.get('reward', float('nan')):.3f}, "
               f"skipped rows {metrics['perf/skipped_rows_frac']:.2f}, {rss_gb():.2f} GB resident after it "

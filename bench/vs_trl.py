@@ -167,8 +167,8 @@ def grpo_worker(conn, args: dict) -> None:
 
     torch.set_num_threads(args["threads"])
     from grpo_core.spec import load_spec
-    from grpo_core.train.run import build_run
-    from grpo_core.train.step import grpo_step
+    from grpo_core.train.assemble import build_run
+    from grpo_core.train.step import train_step
 
     overrides = grpo_overrides(
         args["model"], args["precision"], args["steps"], args["threads"], seed=args["seed"], tokens=args["tokens"],
@@ -180,7 +180,7 @@ def grpo_worker(conn, args: dict) -> None:
     conn.send({"accuracy_before": before})
     step = 0
     while conn.recv() == "step":
-        metrics = grpo_step(run.actor, run.learner, step).metrics
+        metrics = train_step(run.feed, run.learner, step).metrics
         step += 1
         phases = {p: metrics.get(f"time/{p}", 0.0) for p in PHASES if p != "other"}
         phases["other"] = metrics["time/step"] - sum(phases.values())

@@ -365,8 +365,10 @@ def due(step: int, every: int, every_minutes: float, saved_at: float) -> bool:
     return by_steps or by_time
 
 
-def load_model_weights(model, folder: Path) -> None:
-    """Load the checkpoint's weights (or adapter) into ``model`` in place."""
+def load_model_weights(model, folder: Path, load_state=None) -> None:
+    """Load the checkpoint's weights (or adapter) into ``model`` in place; whole weights go
+    through ``load_state(model, state)`` (the parallel strategy's
+    :meth:`~grpo_core.train.parallel.Single.load_model_state`, which checks that they fit)."""
     from safetensors.torch import load_file
 
     files = sorted((folder / "model").glob("*.safetensors"))
@@ -381,20 +383,18 @@ def load_model_weights(model, folder: Path) -> None:
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(str(f)))
-    from grpo_core.train.sharding import is_sharded, load_full_state_dict
+    try:
+        (load_state or load_whole_state)(model, state)
+    except ValueError as exc:
+        raise RunError(f"checkpoint {folder} does not fit the model ({exc})") from exc
 
-    if is_sharded(model):  # each process keeps its shard of the whole weights
-        unexpected = sorted(set(state) - set(model.state_dict()))
-        if unexpected:
-            raise RunError(f"checkpoint {folder} does not fit the model (unexpected {unexpected[:5]})")
-        load_full_state_dict(model, state)
-        return
+
+def load_whole_state(model, state: dict[str, torch.Tensor]) -> None:
+    """Load whole weights into an unsharded ``model``; ValueError naming what does not fit.
+    Tied weights (an output layer sharing the embedding) are saved once."""
     missing, unexpected = model.load_state_dict(state, strict=False)
-    # Tied weights (an output layer sharing the embedding) are saved once.
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded = {params[k].data_ptr() for k in state if k in params}
     missing = [m for m in missing if m in params and params[m].data_ptr() not in loaded]
     if missing or unexpected:
-        raise RunError(
-            f"checkpoint {folder} does not fit the model (missing {missing[:5]}, unexpected {unexpected[:5]})"
-        )
+        raise ValueError(f"missing {missing[:5]}, unexpected {unexpected[:5]}")

@@ -3,10 +3,11 @@
 An :class:`Actor` holds what generates and scores (the rollout backend, the multi-turn
 environment's runner, the reward functions, the sampling settings and the random streams
 they draw from, :mod:`grpo_core.train.seeds`) and the prompt stream. Its one product is an
-:class:`Experience`: the scored groups of a step, with the sampler's log-probs when the
-backend gives them, and the policy version they were sampled with. That value is all the
-learner (:mod:`grpo_core.train.learner`) sees of the actor, so a queue or a process boundary
-can stand between the two.
+:class:`~grpo_core.train.experience.Experience`: the scored groups of a step, with the
+sampler's log-probs when the backend gives them, the sampling temperature and the policy
+version they were sampled with. That value is all the learner (:mod:`grpo_core.train.learner`)
+sees of the actor, and it is defined on neither side, so a queue or a process boundary can
+stand between the two: a :mod:`feed <grpo_core.train.feed>` hands it over.
 
 The actor generates with the weights it was last given (:meth:`Actor.receive`), or, for a
 backend that generates with the policy module itself (``generates_with_policy``), with the
@@ -16,9 +17,8 @@ gathers it; one process needs nothing).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -31,8 +31,8 @@ from grpo_core.train.baseline import greedy_baseline_scores
 from grpo_core.train.data import Prompt, PromptSource
 from grpo_core.train.distributed import Dist
 from grpo_core.train.episodes import EpisodeRunner
+from grpo_core.train.experience import Experience, Scored, Timer
 from grpo_core.train.rollout import (
-    Scored,
     Scorer,
     concat_scored,
     generate_rollout,
@@ -40,21 +40,6 @@ from grpo_core.train.rollout import (
     select_groups,
     zero_spread_groups,
 )
-
-
-@dataclass
-class Timer:
-    """Seconds spent per named phase, summed over the phase's uses."""
-
-    phases: dict[str, float] = field(default_factory=dict)
-
-    @contextmanager
-    def __call__(self, name: str):
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - t0
 
 
 @dataclass(frozen=True)
@@ -77,27 +62,6 @@ class RolloutSettings:
         )
         return cls(group_size=r.group_size, prompts_per_step=spec.train.prompts_per_step, seed=spec.train.seed,
                    sampling=sampling, dynamic=spec.algorithm.dynamic_sampling)
-
-
-@dataclass
-class Experience:
-    """What passes from the actor to the learner: one step's scored groups.
-
-    ``scored`` holds this process's ``P`` prompts and their ``B = P*G`` rows (the rollout
-    with its sampler log-probs when the backend gives them, the rewards, the reasoning steps
-    when cut); ``version`` is the policy version the rows were sampled with (the number of
-    learner updates the actor's weights had seen); ``metrics`` what collecting measured
-    (dynamic sampling's counts); ``times`` its phases in seconds (``generate``, ``score``,
-    ``baseline``); ``baseline_scores`` the ``(B,)`` scores of one greedy completion of each
-    row's prompt when the estimator asks for them (ReMax), else None.
-    """
-
-    step: int
-    scored: Scored
-    version: int
-    metrics: dict[str, float] = field(default_factory=dict)
-    times: dict[str, float] = field(default_factory=dict)
-    baseline_scores: torch.Tensor | None = None
 
 
 @dataclass
@@ -150,7 +114,8 @@ class Actor:
                         self.backend, self._score_everywhere, scored.prompts, self.settings.group_size,
                         self.settings.sampling, self.autocast, self.episodes,
                     )
-        return Experience(step, scored, self.version, metrics, timer.phases, baseline)
+        return Experience(step, scored, self.version, self.settings.sampling.temperature, metrics, timer.phases,
+                          baseline)
 
     def rollout_round(self, step: int, timer: Timer, round_: int = 0) -> Scored:
         """Draw ``prompts_per_step`` prompts, keep this process's groups, generate ``G``

@@ -13,7 +13,8 @@ import torch
 
 from grpo_core.contracts import RolloutBatch, SamplingParams
 from grpo_core.train.data import Prompt
-from grpo_core.train.rollout import Scored, generate_rollout
+from grpo_core.train.experience import Scored
+from grpo_core.train.rollout import generate_rollout
 
 
 def greedy_baseline_scores(

@@ -4,8 +4,8 @@ held-out sets, without training, optimizer or trackers."""
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -13,13 +13,21 @@ import torch
 from grpo_core.errors import RunError, UsageError
 from grpo_core.spec import LoadedSpec, Spec
 from grpo_core.train import model as modeling
-from grpo_core.train.actor import Actor, RolloutSettings
-from grpo_core.train.data import PromptSource, check_columns
+from grpo_core.train.actor import Actor
+from grpo_core.train.assemble import (
+    build_actor,
+    build_episodes,
+    build_rewards,
+    build_scorer,
+    held_out_prompts,
+    load_rows,
+    prompt_budget,
+    required_columns,
+    seed_everything,
+)
+from grpo_core.train.data import check_columns
 from grpo_core.train.distributed import Dist
 from grpo_core.train.evaluate import EvalSet, evaluate_sets, load_eval_sets
-from grpo_core.train.reasoning_steps import split_steps
-from grpo_core.train.rollout import Scorer
-from grpo_core.train.run import build_episodes, build_rewards, seed_everything
 
 
 @dataclass
@@ -81,13 +89,8 @@ def build_eval_run(loaded: LoadedSpec, model_dir: str | None = None) -> EvalRun:
         torch.set_num_threads(spec.train.threads)
     splitter = spec.algorithm.step_splitter.build()
     rewards = build_rewards(spec, splitter)
-    try:
-        rows = spec.data.build().load("eval")
-    except RunError:
-        raise
-    except Exception as exc:
-        raise RunError(f"data: dataset '{spec.data.name}' failed to load: {type(exc).__name__}: {exc}") from exc
-    required = {c: f"reward function '{fn.name}'" for fn in rewards for c in fn.required_columns}
+    rows = load_rows(spec, "eval")
+    required = required_columns(rewards)
     check_columns(rows, {spec.data.prompt_column: "data.prompt_column", **required}, "held-out")
     if folder is None:
         base = spec.model.model_copy(update={"lora": None, "gradient_checkpointing": False})
@@ -96,16 +99,11 @@ def build_eval_run(loaded: LoadedSpec, model_dir: str | None = None) -> EvalRun:
     else:
         tokenizer, model = _load_saved(spec, loaded.base_dir, folder)
     model = model.to(dist.device).eval()
-    scorer = Scorer(rewards, spec.data.prompt_column, spec.train.reward_errors,
-                    split=partial(split_steps, splitter, spec.algorithm.step_splitter.name))
+    scorer = build_scorer(spec, rewards, splitter)
     episodes = build_episodes(spec, model, tokenizer, scorer)
     tools = episodes.tools if episodes is not None else None
-    env = spec.rollout.environment
-    context = getattr(model.config, "max_position_embeddings", None) or 10**9
-    longest = spec.rollout.max_new_tokens if env is None else env.max_total_tokens
-    max_prompt = spec.data.max_prompt_tokens or max(1, context - longest)
-    source = PromptSource(rows or [{}], tokenizer, spec.data, seed=0, max_tokens=max_prompt, shuffle=False, tools=tools)
-    eval_prompts = [p for p in map(source.render, rows) if p is not None][: spec.eval.max_prompts]
+    max_prompt = prompt_budget(spec, model)
+    eval_prompts = held_out_prompts(spec, rows, tokenizer, max_prompt, tools)
     eval_sets = load_eval_sets(spec, tokenizer, max_prompt, required, tools)
     if not eval_prompts and not any(s.prompts for s in eval_sets.values()):
         raise UsageError(f"{loaded.name}: the spec has no held-out prompts to evaluate on; give data a "
@@ -113,9 +111,7 @@ def build_eval_run(loaded: LoadedSpec, model_dir: str | None = None) -> EvalRun:
     backend = spec.rollout.build()
     backend.setup(model, tokenizer)
     sets = [EvalSet("eval/", eval_prompts, spec.data.prompt_column), *eval_sets.values()]
-    autocast = partial(modeling.autocast, spec.train.mixed_precision, dist.device)
-    actor = Actor(backend=backend, scorer=scorer, settings=RolloutSettings.from_spec(spec), dist=dist,
-                  autocast=autocast, episodes=episodes)
+    actor = build_actor(spec, backend, scorer, dist, episodes, weights=nullcontext, greedy_baseline=False)
     return EvalRun(spec, actor, sets)
 
 

@@ -4,7 +4,6 @@ engine reads ``algorithm.kl``."""
 
 from __future__ import annotations
 
-import copy
 import math
 import sys
 from contextlib import contextmanager
@@ -13,6 +12,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from grpo_core.contracts import policy_copy
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -28,10 +29,7 @@ class Reference:
         if self.uses_adapter and dtype is not None:
             raise ValueError("reference_dtype needs a reference copy; under LoRA the reference is the policy")
         if not self.uses_adapter:
-            self.model = copy.deepcopy(policy).eval()
-            self.model.requires_grad_(False)
-            if dtype is not None:
-                self.model.to(_DTYPES[dtype])
+            self.model = policy_copy(policy, dtype=_DTYPES[dtype] if dtype is not None else None)
         self.policy = policy
 
     @contextmanager

@@ -1,10 +1,11 @@
-"""The learner: an :class:`~grpo_core.train.actor.Experience` in, an optimizer step out.
+"""The learner: an :class:`~grpo_core.train.experience.Experience` in, an optimizer step out.
 
 A :class:`Learner` holds what trains (the policy, optimizer and schedule, the objective,
 the advantage estimator, the KL term with its reference, the fp16 scaler, the parallel
 strategy). ``learn`` prepares the batch (old and reference log-probs where needed, the KL
 in the reward, the advantages) and runs the update (:mod:`grpo_core.train.update`); its
-policy version then counts one more, and the new weights go back to the actor.
+policy version then counts one more, and the new weights go back to the actor. It knows the
+actor only by that value (:mod:`grpo_core.train.experience`).
 """
 
 from __future__ import annotations
@@ -17,12 +18,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from grpo_core.contracts import AdvantageEstimator, AdvantageInputs, RolloutBatch
-from grpo_core.train.actor import Experience, Timer
 from grpo_core.train.distributed import Dist, pad_cat
+from grpo_core.train.experience import Experience, Scored, Timer
 from grpo_core.train.kl import KLTerm
-from grpo_core.train.parallel import Single
+from grpo_core.train.parallel import Single, forward_of
 from grpo_core.train.reasoning_steps import step_tensors
-from grpo_core.train.rollout import Scored
 from grpo_core.train.update import Objective, TrainBatch, batch_logprobs, micro_batch_rows, update
 
 if TYPE_CHECKING:
@@ -81,9 +81,9 @@ class Learner:
         """The batch to update on: old and reference log-probs where needed, the KL penalty
         when it is in the reward, and the advantages."""
         s, kl, scored = self.settings, self.kl, experience.scored
-        batch = train_batch(scored.rollout, s.mask_truncated)
+        batch = train_batch(scored.rollout, s.mask_truncated, experience.temperature)
         micro = micro_batch_rows(batch, s.micro_batch_size, s.micro_batch_tokens)
-        temperature = self.objective.temperature
+        temperature = batch.temperature
         rewards, penalty, metrics = scored.scores.total.to(batch.mask.device), None, {}
         with timer("logprobs"):
             # the sampling policy's log-probs: the current ones serve only while no optimizer step
@@ -105,15 +105,26 @@ class Learner:
             batch.advantages = global_advantages(self.estimator, self.dist, inputs)
         return batch, metrics
 
+    def sampler_logprobs(self, sampler: torch.nn.Module, experience: Experience) -> torch.Tensor:
+        """``(B, T)``: the log-probs of ``experience``'s sampled tokens under ``sampler`` (a
+        plain, unsharded copy of the policy that generated them: an asynchronous run's), computed
+        as the learner computes its own (micro-batches, temperature, mixed precision), zero
+        outside the completion masks: the behaviour policy of the rollout correction."""
+        s = self.settings
+        batch = train_batch(experience.scored.rollout, False, experience.temperature)
+        micro = micro_batch_rows(batch, s.micro_batch_size, s.micro_batch_tokens)
+        logp = batch_logprobs(forward_of(sampler), batch, micro, batch.temperature, self.autocast)
+        return logp.masked_fill(~batch.mask, 0.0)
 
-def train_batch(rollout: RolloutBatch, mask_truncated: bool) -> TrainBatch:
-    """The rollout as a :class:`TrainBatch`; the loss mask drops truncated completions
-    when ``mask_truncated`` (``rollout.mask_truncated_completions``)."""
+
+def train_batch(rollout: RolloutBatch, mask_truncated: bool, temperature: float = 1.0) -> TrainBatch:
+    """The rollout (sampled at ``temperature``) as a :class:`TrainBatch`; the loss mask drops
+    truncated completions when ``mask_truncated`` (``rollout.mask_truncated_completions``)."""
     mask = rollout.completion_mask.bool()
     if mask_truncated:
         mask = mask & ~rollout.truncated.bool()[:, None]
     batch = TrainBatch(rollout.prompt_ids, rollout.prompt_mask.bool(), rollout.completion_ids, mask,
-                       torch.zeros(mask.shape, device=mask.device))
+                       torch.zeros(mask.shape, device=mask.device), temperature=temperature)
     if rollout.sampling_logp is not None:
         batch.sampling_logp = rollout.sampling_logp.to(mask.device, torch.float32)
     return batch

@@ -14,7 +14,8 @@ that several processes change about it is a method of the run's strategy:
 - ``grad_sync``: the context of one micro-batch's backward (DDP sums only on the last);
 - ``rollout_weights``: the context of a rollout phase (FSDP2 gathers the policy for a
   backend that generates with it);
-- ``model_state`` / ``optimizer_state``: what a checkpoint writes.
+- ``model_state`` / ``optimizer_state``: what a checkpoint writes, and
+  ``load_model_state`` / ``load_optimizer_state``: how a resumed run reads it back.
 
 Strategies: :class:`Single` (one process), :class:`DDP` (every process holds the whole
 model; gradients summed by ``DistributedDataParallel`` during backward) and :class:`FSDP2`
@@ -106,6 +107,22 @@ class Single:
         (``native``) or keyed by parameter name (``named``, gathered from shards)."""
         return optimizer.state_dict(), "native"
 
+    def load_model_state(self, model: Any, state: dict[str, torch.Tensor]) -> None:
+        """Load whole weights (what :meth:`model_state` or ``save_pretrained`` wrote) into
+        ``model``; ValueError naming what does not fit."""
+        from grpo_core.checkpoint import load_whole_state
+
+        load_whole_state(model, state)
+
+    def load_optimizer_state(self, model: Any, optimizer: torch.optim.Optimizer, saved: dict[str, Any],
+                             fmt: str) -> None:
+        """Load a checkpoint's optimizer state in format ``fmt`` (:meth:`optimizer_state`),
+        whichever strategy and process count wrote it."""
+        if fmt == "named":
+            sharding.load_optimizer_state(model, optimizer, saved)
+        else:
+            optimizer.load_state_dict(saved)
+
 
 class DDP(Single):
     """Every process holds the whole model; ``DistributedDataParallel`` sums gradient buckets
@@ -191,6 +208,19 @@ class FSDP2(Single):
 
     def optimizer_state(self, model: Any, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], str]:
         return sharding.optimizer_state(model, optimizer), "named"
+
+    def load_model_state(self, model: Any, state: dict[str, torch.Tensor]) -> None:
+        """Each process keeps its shard of the whole weights."""
+        unexpected = sorted(set(state) - set(model.state_dict()))
+        if unexpected:
+            raise ValueError(f"unexpected {unexpected[:5]}")
+        sharding.load_full_state_dict(model, state)
+
+    def load_optimizer_state(self, model: Any, optimizer: torch.optim.Optimizer, saved: dict[str, Any],
+                             fmt: str) -> None:
+        """A numbered state (from a ddp or one-process run) is re-keyed by name first."""
+        sharding.load_optimizer_state(model, optimizer, saved if fmt == "named" else
+                                      sharding.named_optimizer_state(model, saved))
 
 
 def _sum_hook(process_group, bucket):

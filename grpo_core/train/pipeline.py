@@ -23,30 +23,37 @@ computes the sampler's log-probs (``sampling_logp``) with that copy: the importa
 ``pi_prox / pi_behav`` of ``algorithm.rollout_correction`` then corrects for the lag (TIS by
 default; ``mode: mask`` is AReaL's decoupled PPO objective).
 
-Evaluation, checkpoints and the start of an iterative-GRPO iteration need the actor at rest
-with the current weights: there the pipeline :meth:`restarts <Pipeline.restart>`. The
-batches it generated ahead are dropped (``async/dropped_batches`` counts them), the prompt
-stream is rewound to the first untrained batch, and generation resumes from the current
-weights. A checkpoint is such a point, so a run resumed from one trains on exactly what the
-uninterrupted run trained on.
+It is the asynchronous :mod:`feed <grpo_core.train.feed>`: evaluation, checkpoints and the
+start of an iterative-GRPO iteration need the actor at rest with the current weights, and the
+loop asks for that with :meth:`Pipeline.at_rest`. The batches generated ahead are dropped
+(``async/dropped_batches`` counts them), the prompt stream is rewound to the first untrained
+batch, and generation resumes from the current weights. A checkpoint is such a point, so a
+run resumed from one trains on exactly what the uninterrupted run trained on.
+
+The pipeline's one job is the thread, the queue and the weight slot. What it is handed when
+the run is built: the actor (with a process group of its own for its collectives, which run
+in its thread while the learner's run in the caller's), the snapshot and sampler copies
+(:func:`~grpo_core.contracts.policy_copy`), and the function that computes the sampler's
+log-probs (the learner's, :meth:`~grpo_core.train.learner.Learner.sampler_logprobs`).
 """
 
 from __future__ import annotations
 
-import copy
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from grpo_core.train.actor import Actor, Experience
-from grpo_core.train.parallel import forward_of
-from grpo_core.train.update import batch_logprobs, micro_batch_rows
+from grpo_core.train.actor import Actor
+from grpo_core.train.experience import Experience
+from grpo_core.train.feed import kept_position
 
-__all__ = ["Pipeline", "copy_weights", "frozen_copy", "sampled_version"]
+__all__ = ["Pipeline", "copy_weights", "sampled_version"]
 
 
 def sampled_version(step: int, start: int, max_staleness: int) -> int:
@@ -58,14 +65,6 @@ def sampled_version(step: int, start: int, max_staleness: int) -> int:
 def _plain(model: Any) -> Any:
     """The module itself, without a ``DistributedDataParallel`` or ``torch.compile`` wrapper."""
     return getattr(model, "module", getattr(model, "_orig_mod", model))
-
-
-def frozen_copy(model: Any) -> Any:
-    """A copy of ``model`` (unwrapped) in eval mode, without gradients: a sampler's weights."""
-    copied = copy.deepcopy(_plain(model)).eval()
-    for p in copied.parameters():
-        p.requires_grad_(False)
-    return copied
 
 
 def copy_weights(into: Any, model: Any) -> None:
@@ -86,17 +85,16 @@ class _Stats:
 
 @dataclass
 class Pipeline:
-    """The actor's thread and the queue and weight slot between it and the learner; see the
-    module doc. ``micro_batch_size`` and ``temperature`` are those of the learner's log-probs
-    (the sampler's log-probs are computed the same way)."""
+    """The actor's thread and the queue and weight slot between it and the learner, an
+    asynchronous :mod:`feed <grpo_core.train.feed>`; see the module doc. ``behaviour``:
+    experience -> its sampler log-probs ``(B, T)``, computed in the actor's thread when the
+    backend gives none and there is a ``sampler`` copy."""
 
     actor: Actor
     max_staleness: int
     snapshot: Any  # a whole, unsharded copy of the policy: the weights that cross from the learner
     sampler: Any = None  # the actor's own copy of the policy, for a backend that generates with the policy
-    micro_batch_size: int | None = None
-    micro_batch_tokens: int = 2048
-    temperature: float = 1.0
+    behaviour: Callable[[Any, Experience], torch.Tensor] | None = None  # (sampler, experience) -> log-probs
     _cond: threading.Condition = field(default_factory=threading.Condition)
     _queue: deque = field(default_factory=deque)
     _data_before: dict[int, Any] = field(default_factory=dict)  # step -> prompt position before its batch
@@ -111,9 +109,6 @@ class Pipeline:
     def __post_init__(self) -> None:
         if self.max_staleness < 1:
             raise ValueError(f"a pipeline needs max_staleness >= 1 (0: the synchronous loop), got {self.max_staleness}")
-        # the actor's collectives (scoring failures, dynamic sampling's rounds) run in its thread
-        # while the learner's run in the caller's: each side gets a process group of its own
-        self.actor.dist = self.actor.dist.side_group()
 
     # ----------------------------------------------------------------- lifecycle
     def start(self, model: Any, version: int) -> None:
@@ -138,6 +133,26 @@ class Pipeline:
         if first is not None:
             self.actor.source.load_state_dict(first)
         self._apply_now(model, version)
+
+    @contextmanager
+    def at_rest(self, model: Any, version: int):
+        """The actor paused with the learner's weights (``version`` updates) for the duration,
+        then started again at step ``version``; free when it is not running. After an
+        exception inside, the actor stays stopped and the prompt stream is put back."""
+        if not self.running:
+            with kept_position(self.actor):
+                yield
+            return
+        self.pause(model, version)
+        with kept_position(self.actor):
+            yield
+        self.resume()  # not after an exception: a failing run leaves with the actor stopped
+
+    def stop(self, model: Any, version: int) -> None:
+        """Stop the actor at rest (the batches it generated ahead dropped, the prompts rewound
+        to the batch of step ``version``), if it runs."""
+        if self.running:
+            self.pause(model, version)
 
     def resume(self) -> None:
         """Start the actor's thread at the step of the last :meth:`pause`."""
@@ -252,14 +267,9 @@ class Pipeline:
         """The sampler copy's log-probs of the batch, when the backend gave none: the
         behaviour policy of the rollout correction."""
         rollout = experience.scored.rollout
-        if self.sampler is None or rollout.sampling_logp is not None:
+        if self.sampler is None or self.behaviour is None or rollout.sampling_logp is not None:
             return
-        from grpo_core.train.learner import train_batch
-
         t0 = time.perf_counter()
-        batch = train_batch(rollout, mask_truncated=False)
-        micro = micro_batch_rows(batch, self.micro_batch_size, self.micro_batch_tokens)
         with torch.no_grad():
-            logp = batch_logprobs(forward_of(self.sampler), batch, micro, self.temperature, self.actor.autocast)
-        rollout.sampling_logp = logp.masked_fill(~batch.mask, 0.0)
+            rollout.sampling_logp = self.behaviour(self.sampler, experience)
         experience.times["sampler_logprobs"] = time.perf_counter() - t0

@@ -12,8 +12,9 @@ import torch
 
 from grpo_core.contracts import Episodes, RolloutBatch, SamplingParams
 from grpo_core.train.data import Prompt
+from grpo_core.train.experience import Scored, Scores
 from grpo_core.train.reasoning_steps import StepLayout
-from grpo_core.train.scoring import RewardFn, Scores, score
+from grpo_core.train.scoring import RewardFn, score
 
 
 def as_completions(prompts: list[Prompt], rollout: RolloutBatch) -> tuple[list, list]:
@@ -53,16 +54,6 @@ class Scorer:
     on_error: str = "raise"
     split: Callable[[list], StepLayout] | None = None
     with_steps: bool = False
-
-
-@dataclass
-class Scored:
-    """``P`` prompts, their rollout (``B = P*G`` rows), its scores and, when cut, its steps."""
-
-    prompts: list[Prompt]
-    rollout: RolloutBatch
-    scores: Scores
-    layout: StepLayout | None = None
 
 
 def score_rollout(scorer: Scorer, prompts: list[Prompt], rollout: RolloutBatch) -> Scored:

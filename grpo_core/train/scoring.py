@@ -49,6 +49,7 @@ import torch
 from grpo_core.contracts import masked_fill_zero, reward_value
 from grpo_core.errors import RunError, fault_text
 from grpo_core.registry import conform
+from grpo_core.train.experience import Scores
 
 logger = logging.getLogger("grpo.scoring")
 
@@ -136,23 +137,6 @@ class RewardFn:
     @property
     def required_columns(self) -> list[str]:
         return list(self.fn.required_columns)
-
-
-@dataclass
-class Scores:
-    """Rewards of ``B`` completions.
-
-    ``total``: ``float (B,)`` weighted sum, NaN where every function said None.
-    ``per_function``: ``float (B, F)``, NaN where a function said None.
-    ``failed``: completions whose reward function raised and were scored None.
-    ``step_scores``: ``float (B, K)`` weighted step scores when steps were given, else None.
-    """
-
-    total: torch.Tensor
-    per_function: torch.Tensor
-    names: list[str]
-    failed: int = 0
-    step_scores: torch.Tensor | None = None  # float (B, K), NaN where no function scored
 
 
 class BadRewardValue(RunError):

@@ -206,16 +206,3 @@ def named_optimizer_state(model: Any, native: dict[str, Any]) -> dict[str, Any]:
     state = {names[i]: v for i, v in native["state"].items()}
     groups = [{**g, "params": [names[i] for i in g["params"]]} for g in native["param_groups"]]
     return {"state": state, "param_groups": groups}
-
-
-def restore_optimizer(model: Any, optimizer: torch.optim.Optimizer, state: dict[str, Any], sharded: bool) -> None:
-    """Load a checkpoint's optimizer state, whichever strategy and process count wrote it:
-    by parameter name (``optimizer_format: named``, from a sharded run) or PyTorch's own
-    numbered form (a ddp run)."""
-    saved = state["optimizer"]
-    if state.get("optimizer_format") == "named":
-        load_optimizer_state(model, optimizer, saved)
-    elif sharded:
-        load_optimizer_state(model, optimizer, named_optimizer_state(model, saved))
-    else:
-        optimizer.load_state_dict(saved)

@@ -1,8 +1,9 @@
-"""One GRPO training step: the actor collects a scored batch (rollout, score), the learner
-prepares it (log-probs, KL in the reward, advantages) and updates, and the new weights go
-back to the actor (sync). What passes from the actor to the learner is one
-:class:`~grpo_core.train.actor.Experience`: the batch, its sampler log-probs and the policy
-version it was sampled with."""
+"""One GRPO training step: the feed hands over a scored batch (rollout, score) that the actor
+collected, the learner prepares it (log-probs, KL in the reward, advantages) and updates, and
+the new weights go back through the feed (sync). What passes from the actor to the learner is
+one :class:`~grpo_core.train.experience.Experience`: the batch, its sampler log-probs and the
+policy version it was sampled with; the step is the same whichever feed
+(:mod:`grpo_core.train.feed`) carries it."""
 
 from __future__ import annotations
 
@@ -14,11 +15,11 @@ from typing import Any
 import torch
 
 from grpo_core.contracts import RolloutBatch
-from grpo_core.train.actor import Actor, Experience, Timer
 from grpo_core.train.episodes import episode_metrics
+from grpo_core.train.experience import Experience, Scored, Timer
+from grpo_core.train.feed import Feed
 from grpo_core.train.learner import Learner
-from grpo_core.train.pipeline import Pipeline
-from grpo_core.train.rollout import Scored, reward_means, zero_spread_groups
+from grpo_core.train.rollout import reward_means, zero_spread_groups
 from grpo_core.train.update import TrainBatch
 
 
@@ -88,30 +89,18 @@ def samples(scored: Scored, batch: TrainBatch) -> list[dict[str, Any]]:
 
 
 # ----------------------------------------------------------------------------- the step
-def grpo_step(actor: Actor, learner: Learner, step: int) -> StepResult:
-    """One step: the actor collects, the learner prepares and updates, the actor receives the
-    new weights; the step's metrics."""
+def train_step(feed: Feed, learner: Learner, step: int) -> StepResult:
+    """One step: the feed hands over the experience of ``step``, the learner prepares and
+    updates, the feed takes the new weights; the step's metrics (the feed's own among them:
+    an asynchronous feed's staleness and waits, whose ``generate`` and ``score`` times are the
+    actor's, spent while the learner trained on earlier batches)."""
     t_start = time.perf_counter()
-    experience = actor.collect(step)
+    experience, feed_metrics = feed.take(step)
     batch, metrics, learner_times = learner.learn(experience)
     timer = Timer({**experience.times, **learner_times})
     with timer("sync"):
-        actor.receive(learner.model, learner.version)
-    return _result(experience, batch, metrics, timer, learner, t_start)
-
-
-def pipelined_step(pipeline: Pipeline, learner: Learner, step: int) -> StepResult:
-    """One step of an asynchronous run (``rollout.max_staleness > 0``): the learner takes the
-    batch the actor's thread collected for ``step`` (sampled up to ``max_staleness`` versions
-    ago), prepares and updates, and publishes the new weights to the actor. The ``generate``
-    and ``score`` times are the actor's, spent while the learner trained on earlier batches."""
-    t_start = time.perf_counter()
-    experience, pipeline_metrics = pipeline.take(step)
-    batch, metrics, learner_times = learner.learn(experience)
-    timer = Timer({**experience.times, **learner_times})
-    with timer("sync"):
-        pipeline.publish(learner.model, learner.version)
-    metrics.update(pipeline_metrics)
+        feed.publish(learner.model, learner.version)
+    metrics.update(feed_metrics)
     return _result(experience, batch, metrics, timer, learner, t_start)
 
 

@@ -40,7 +40,9 @@ class TrainBatch:
 
     ``mask`` is the loss mask (completion tokens, minus truncated completions when the
     spec says so); ``old_logp`` is None when ``mu == 1`` with one mini-batch (the detached
-    current log-probs serve); ``ref_logp`` is None unless the KL is in the loss.
+    current log-probs serve); ``ref_logp`` is None unless the KL is in the loss;
+    ``temperature`` is the one the rows were sampled at: every log-prob of the batch divides
+    the logits by it.
     """
 
     prompt_ids: Tensor  # long (P, L)
@@ -51,6 +53,7 @@ class TrainBatch:
     old_logp: Tensor | None = None  # float (B, T)
     ref_logp: Tensor | None = None  # float (B, T)
     sampling_logp: Tensor | None = None  # float (B, T): the sampler's, when the backend gives them
+    temperature: float = 1.0
 
     @property
     def group_size(self) -> int:
@@ -66,7 +69,6 @@ class Objective:
     kl: KLTerm | None  # the KL term when the KL is in the loss, else None
     entropy_coef: float
     early_stop_imp_ratio: float | None
-    temperature: float
     max_length: int
     correction: Any = None  # a RolloutCorrectionSection, or None: no sampler/trainer correction
 
@@ -209,7 +211,7 @@ def micro_batch_loss(
     with_entropy = objective.entropy_coef > 0
     with autocast():
         logp, entropy = forward_logprobs(
-            forward, batch, rows, with_entropy=with_entropy, temperature=objective.temperature,
+            forward, batch, rows, with_entropy=with_entropy, temperature=batch.temperature,
             share_prompt=share_prompt,
         )
     logp = logp.float()
@@ -276,7 +278,7 @@ def _zero_gradient_passes(learner: Learner, forward: Forward, batch: TrainBatch,
     for _ in range(count):
         with learner.autocast():
             logp, _ = forward_logprobs(forward, batch, rows, with_entropy=False,
-                                       temperature=learner.objective.temperature,
+                                       temperature=batch.temperature,
                                        mask=torch.zeros_like(batch.mask[rows]), share_prompt=share)
         (logp.float().sum() * 0.0).backward()
 

@@ -19,11 +19,12 @@ from hypothesis import strategies as st
 from grpo_core.cli import main
 from grpo_core.spec import load_spec
 from grpo_core.testing import save_tiny_model
+from grpo_core.train.assemble import build_run
+from grpo_core.train.feed import SyncFeed
 from grpo_core.train.learner import train_batch
 from grpo_core.train.parallel import forward_of
 from grpo_core.train.pipeline import sampled_version
-from grpo_core.train.run import build_run
-from grpo_core.train.step import pipelined_step
+from grpo_core.train.step import train_step
 from grpo_core.train.update import batch_logprobs
 
 from .conftest import CHILD_ENV
@@ -68,7 +69,7 @@ def _reference(run, k: int, steps: int) -> tuple[dict, list[int], list[torch.Ten
     log-probs computed with that copy, and trained on. Final weights, sampled versions, and
     each batch's sampler log-probs."""
     learner, actor = run.learner, run.actor
-    sampler = run.pipeline.sampler
+    sampler = run.feed.sampler
     versions = {0: weights(learner.model)}
     sampled, sampler_logp = [], []
     for t in range(steps):
@@ -91,14 +92,14 @@ def _reference(run, k: int, steps: int) -> tuple[dict, list[int], list[torch.Ten
 def test_the_threaded_pipeline_trains_exactly_as_its_schedule_run_in_one_thread(tiny_model, tmp_path, k):
     steps = 5
     threaded = make_run(tiny_model, tmp_path / "a", f"rollout.max_staleness={k}", f"train.steps={steps}")
-    pipeline = threaded.pipeline
+    pipeline = threaded.feed
     assert pipeline is not None and pipeline.sampler is not None  # hf generates from a copy of its own
     assert threaded.actor.backend.model is pipeline.sampler
     pipeline.start(threaded.model, 0)
     metrics = []
     try:
         for t in range(steps):
-            metrics.append(pipelined_step(pipeline, threaded.learner, t).metrics)
+            metrics.append(train_step(pipeline, threaded.learner, t).metrics)
     finally:
         pipeline.close()
     alone = make_run(tiny_model, tmp_path / "b", f"rollout.max_staleness={k}", f"train.steps={steps}")
@@ -129,17 +130,17 @@ def test_the_learner_never_writes_a_snapshot_the_actor_is_still_reading(tiny_mod
     real = pipeline_module.copy_weights
 
     def slow_copy(into, model):
-        if into is threaded.pipeline.sampler:
+        if into is threaded.feed.sampler:
             time.sleep(0.3)
         real(into, model)
 
     monkeypatch.setattr(pipeline_module, "copy_weights", slow_copy)
-    threaded.pipeline.start(threaded.model, 0)
+    threaded.feed.start(threaded.model, 0)
     try:
         for t in range(steps):
-            pipelined_step(threaded.pipeline, threaded.learner, t)
+            train_step(threaded.feed, threaded.learner, t)
     finally:
-        threaded.pipeline.close()
+        threaded.feed.close()
     monkeypatch.setattr(pipeline_module, "copy_weights", real)
     final, _, _ = _reference(make_run(tiny_model, tmp_path / "b", f"rollout.max_staleness={k}",
                                       f"train.steps={steps}"), k, steps)
@@ -155,13 +156,13 @@ def test_the_sampler_log_probs_are_those_of_the_version_the_batch_was_sampled_wi
     _, sampled, sampler_logp = _reference(run, 1, 3)
     assert sampled == [0, 0, 1]
     again = make_run(tiny_model, tmp_path / "again", "rollout.max_staleness=1", "train.steps=3")
-    again.pipeline.start(again.model, 0)
+    again.feed.start(again.model, 0)
     try:
-        pipelined_step(again.pipeline, again.learner, 0)
-        pipelined_step(again.pipeline, again.learner, 1)
-        experience, _ = again.pipeline.take(2)
+        train_step(again.feed, again.learner, 0)
+        train_step(again.feed, again.learner, 1)
+        experience, _ = again.feed.take(2)
     finally:
-        again.pipeline.close()
+        again.feed.close()
     assert experience.version == 1
     assert torch.equal(experience.scored.rollout.sampling_logp, sampler_logp[2])
     batch = train_batch(experience.scored.rollout, mask_truncated=False)
@@ -205,7 +206,28 @@ def test_two_processes_run_asynchronously_as_one_does(tmp_path, write_spec, kit)
 
 def test_max_staleness_0_is_the_synchronous_loop(tiny_model, tmp_path):
     run = make_run(tiny_model, tmp_path, "rollout.max_staleness=0")
-    assert run.pipeline is None and run.actor.backend.model is run.model
+    assert isinstance(run.feed, SyncFeed) and run.actor.backend.model is run.model
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_a_failure_at_rest_leaves_the_actor_stopped_and_the_prompts_where_they_stood(tiny_model, tmp_path, k):
+    """An error inside ``run.at_rest()`` (a full disk while checkpointing, a reward model that
+    fails to fit at an iteration start) does not start the actor's thread again, and prompts
+    drawn inside are given back, so the failed step's checkpoint resumes exactly."""
+    run = make_run(tiny_model, tmp_path, f"rollout.max_staleness={k}", "train.steps=4")
+    run.feed.start(run.model, 0)
+    try:
+        train_step(run.feed, run.learner, 0)
+        run.step = 1
+        with pytest.raises(OSError, match="disk full"):
+            with run.at_rest():
+                before = run.prompts.state_dict()
+                run.prompts.next(2)
+                raise OSError("disk full")
+        assert run.prompts.state_dict() == before
+        assert not getattr(run.feed, "running", False)
+    finally:
+        run.feed.close()
 
 
 # ----------------------------------------------------------------------------- whole runs

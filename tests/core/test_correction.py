@@ -172,7 +172,7 @@ def test_a_rejected_row_adds_nothing_to_the_loss_or_gradient():
         m = copy.deepcopy(model)
         obj = Objective(policy_loss=registry.get("policy_loss", "clip").build(),
                         aggregator=registry.get("loss_aggregator", "seq-mean-token-mean").build(), kl=None,
-                        entropy_coef=0.0, early_stop_imp_ratio=None, temperature=1.0, max_length=T,
+                        entropy_coef=0.0, early_stop_imp_ratio=None, max_length=T,
                         correction=correction)
         loss, metrics, logp, _ = micro_batch_loss(forward_of(m), b, torch.arange(P * G), obj, stats)
         loss.backward()
@@ -213,7 +213,7 @@ def test_mask_mode_is_areals_decoupled_ppo_objective_by_hand():
     def objective(correction):
         return Objective(policy_loss=registry.get("policy_loss", "clip").build(),
                          aggregator=registry.get("loss_aggregator", "token-mean").build(), kl=None,
-                         entropy_coef=0.0, early_stop_imp_ratio=None, temperature=1.0, max_length=T,
+                         entropy_coef=0.0, early_stop_imp_ratio=None, max_length=T,
                          correction=correction)
 
     _, _, logp, _ = micro_batch_loss(forward_of(copy.deepcopy(model)), batch, torch.arange(P * G),

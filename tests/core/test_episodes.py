@@ -267,7 +267,7 @@ def _engine_gradient(model, batch: TrainBatch, aggregation: str) -> dict[str, to
     registry = load_plugins(external=False).registry
     objective = Objective(policy_loss=registry.get("policy_loss", "clip").build(),
                           aggregator=registry.get("loss_aggregator", aggregation).build(), kl=None,
-                          entropy_coef=0.0, early_stop_imp_ratio=None, temperature=1.0, max_length=16)
+                          entropy_coef=0.0, early_stop_imp_ratio=None, max_length=16)
     trained = copy.deepcopy(model)
     opt = torch.optim.SGD(trained.parameters(), lr=1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)

@@ -16,9 +16,9 @@ from grpo_core.cli import main
 from grpo_core.contracts import RolloutBatch
 from grpo_core.errors import RunError
 from grpo_core.testing import build_tokenizer, save_tiny_model
+from grpo_core.train.experience import Scored
 from grpo_core.train.learner import advantage_inputs
 from grpo_core.train.reasoning_steps import split_steps
-from grpo_core.train.rollout import Scored
 from grpo_core.train.scoring import RewardFn, score
 
 torch.set_num_threads(1)

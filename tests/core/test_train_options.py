@@ -11,9 +11,9 @@ import torch
 
 from grpo_core.spec import load_spec
 from grpo_core.testing import save_tiny_model
+from grpo_core.train.assemble import build_run
 from grpo_core.train.optim import lr_factor
-from grpo_core.train.run import build_run
-from grpo_core.train.step import grpo_step
+from grpo_core.train.step import train_step
 
 torch.set_num_threads(1)
 SPECS = Path(__file__).resolve().parents[2] / "specs"
@@ -31,7 +31,7 @@ def make_run(tiny_model, tmp_path, *overrides):
 
 
 def run_step(run, step):
-    result = grpo_step(run.actor, run.learner, step)
+    result = train_step(run.feed, run.learner, step)
     return result.metrics, result.samples
 
 
@@ -127,7 +127,7 @@ def test_bf16_reference_copy_trains_and_is_refused_where_it_cannot_work(tiny_mod
     (["train.mini_batches=2"], True),  # the second mini-batch runs after an optimizer step
 ])
 def test_old_logprobs_are_computed_exactly_when_the_policy_moves_before_use(tiny_model, tmp_path, overrides, needs_old):
-    from grpo_core.train.actor import Timer
+    from grpo_core.train.experience import Timer
     from grpo_core.train.parallel import forward_of
     from grpo_core.train.update import batch_logprobs
 
@@ -138,6 +138,28 @@ def test_old_logprobs_are_computed_exactly_when_the_policy_moves_before_use(tiny
     if needs_old:
         expected = batch_logprobs(forward_of(run.model), batch, batch.mask.shape[0], 1.0, run.learner.autocast)
         assert torch.equal(batch.old_logp, expected)
+
+
+def test_the_learner_scores_a_batch_at_the_temperature_it_was_sampled_at(tiny_model, tmp_path):
+    """The actor owns the sampling temperature and the experience carries it: the learner's
+    log-probs divide the logits by it, so with a bfloat16 generation copy the sampler's
+    log-probs and the trainer's differ by rounding only, and by far more at temperature 1."""
+    from grpo_core.train.experience import Timer
+    from grpo_core.train.parallel import forward_of
+    from grpo_core.train.update import batch_logprobs
+
+    run = make_run(tiny_model, tmp_path, "rollout.temperature=0.5", "rollout.dtype=bfloat16",
+                   "algorithm.mu=2")
+    experience = run.actor.collect(0)
+    assert experience.temperature == 0.5
+    sampled = experience.scored.rollout.sampling_logp
+    assert sampled is not None  # the bf16 copy's own log-probs
+    batch, _ = run.learner.prepare(experience, Timer())
+    assert batch.temperature == 0.5
+    mask = batch.mask
+    at_one = batch_logprobs(forward_of(run.model), batch, batch.mask.shape[0], 1.0, run.learner.autocast)
+    gap = (batch.old_logp - sampled)[mask].abs().mean()
+    assert gap < 0.1 * (at_one - sampled)[mask].abs().mean()
 
 
 @pytest.mark.parametrize("mask_truncated", [True, False])

@@ -68,7 +68,7 @@ class NoSkip:
 def objective(registry, loss=None, aggregator="seq-mean-token-mean", **kw) -> Objective:
     loss = loss or registry.get("policy_loss", "clip").build()
     agg = registry.get("loss_aggregator", aggregator).build()
-    defaults = dict(kl=None, entropy_coef=0.0, early_stop_imp_ratio=None, temperature=1.0, max_length=T)
+    defaults = dict(kl=None, entropy_coef=0.0, early_stop_imp_ratio=None, max_length=T)
     defaults.update(kw)
     return Objective(policy_loss=loss, aggregator=agg, **defaults)
 

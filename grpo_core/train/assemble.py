@@ -1,0 +1,214 @@
+"""Building a run from a validated spec: the data, the model, the learner, the actor and the
+feed between them (:func:`build_run`). Nothing here trains; the loop is
+:mod:`grpo_core.train.run`.
+
+Every component is made once, here, from the spec's validated sections; the objects the loop
+then holds read no spec value of their own. Copies of the policy are all made with
+:func:`~grpo_core.contracts.policy_copy`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+
+from grpo_core import checkpoint as ckpt
+from grpo_core.contracts import Tracker, policy_copy, special_ids
+from grpo_core.errors import RunError
+from grpo_core.spec import LoadedSpec, Spec
+from grpo_core.spec.parallel import parallel_conflicts
+from grpo_core.tracking import RunLog
+from grpo_core.train import model as modeling
+from grpo_core.train.actor import Actor, RolloutSettings
+from grpo_core.train.data import Prompt, PromptSource, check_columns
+from grpo_core.train.distributed import Dist, check_layout, parallel_from_launcher
+from grpo_core.train.episodes import EpisodeRunner
+from grpo_core.train.evaluate import load_eval_sets
+from grpo_core.train.feed import Feed, SyncFeed
+from grpo_core.train.iterative import build_iterative
+from grpo_core.train.kl import KLTerm
+from grpo_core.train.learner import Learner, UpdateSettings
+from grpo_core.train.optim import make_optimizer
+from grpo_core.train.parallel import Single, strategy_for
+from grpo_core.train.pipeline import Pipeline
+from grpo_core.train.reasoning_steps import split_steps
+from grpo_core.train.rollout import Scorer
+from grpo_core.train.scoring import RewardFn
+from grpo_core.train.state import Run
+from grpo_core.train.update import Objective
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def build_rewards(spec: Spec, splitter: Any) -> list[RewardFn]:
+    """The spec's reward functions, labelled ``name`` (``name#i`` when a name is listed twice)."""
+    names = [slot.name for slot in spec.rewards]
+    cut = partial(split_steps, splitter, spec.algorithm.step_splitter.name)
+    out = []
+    for slot in spec.rewards:
+        label = slot.name if names.count(slot.name) == 1 else f"{slot.name}#{len(out)}"
+        out.append(RewardFn.of(label, slot.weight, slot.build(), splitter=cut,
+                               concurrency=slot.concurrency, timeout=slot.call_timeout))
+    return out
+
+
+def build_scorer(spec: Spec, rewards: list[RewardFn], splitter: Any, with_steps: bool = False) -> Scorer:
+    """How the actor calls the reward functions (``train.reward_errors``, the step splitter)."""
+    return Scorer(rewards, spec.data.prompt_column, spec.train.reward_errors,
+                  split=partial(split_steps, splitter, spec.algorithm.step_splitter.name), with_steps=with_steps)
+
+
+def load_rows(spec: Spec, split: str) -> list[dict]:
+    """The rows of ``split`` (``train`` or ``eval``) of the spec's dataset; a failure names it."""
+    try:
+        return spec.data.build().load(split)
+    except RunError:
+        raise
+    except Exception as exc:
+        raise RunError(f"data: dataset '{spec.data.name}' failed to load: {type(exc).__name__}: {exc}") from exc
+
+
+def required_columns(rewards: list[RewardFn]) -> dict[str, str]:
+    """Each dataset column a reward function needs, with who needs it."""
+    return {c: f"reward function '{fn.name}'" for fn in rewards for c in fn.required_columns}
+
+
+def build_episodes(spec: Spec, model, tokenizer, scorer: Scorer) -> EpisodeRunner | None:
+    """The multi-turn runner of ``rollout.environment``, or None."""
+    slot = spec.rollout.environment
+    if slot is None:
+        return None
+    if scorer.with_steps or any(fn.takes_steps for fn in scorer.rewards):
+        raise RunError("rollout.environment: process supervision (step scores) is not supported on "
+                       "multi-turn episodes; use outcome rewards")
+    eos_ids, pad_id = special_ids(model, tokenizer, "environment")
+    return EpisodeRunner(slot.build(), tokenizer, max_turns=slot.max_turns,
+                         max_total_tokens=slot.max_total_tokens, eos_ids=eos_ids, pad_id=pad_id)
+
+
+def prompt_budget(spec: Spec, model) -> int:
+    """The longest prompt in tokens: ``data.max_prompt_tokens``, else what the model's context
+    leaves after the longest completion (or episode)."""
+    env = spec.rollout.environment
+    context = getattr(model.config, "max_position_embeddings", None) or 10**9
+    longest = spec.rollout.max_new_tokens if env is None else env.max_total_tokens
+    return spec.data.max_prompt_tokens or max(1, context - longest)
+
+
+def held_out_prompts(spec: Spec, rows: list[dict], tokenizer, max_tokens: int, tools) -> list[Prompt]:
+    """The default held-out set: ``rows`` rendered, unrenderable ones left out, at most
+    ``eval.max_prompts``."""
+    source = PromptSource(rows or [{}], tokenizer, spec.data, seed=0, max_tokens=max_tokens, shuffle=False,
+                          tools=tools)
+    return [p for p in map(source.render, rows) if p is not None][: spec.eval.max_prompts]
+
+
+def build_learner(spec: Spec, model, tokenizer, strategy: Single) -> Learner:
+    """The learner of ``model``: the objective, optimizer and schedule, the advantage estimator
+    and the KL term; ``model`` (and the KL's reference copy) wrapped or sharded by
+    ``strategy`` before the optimizer is made, which must hold what the strategy trains."""
+    algo, dist, env = spec.algorithm, strategy.dist, spec.rollout.environment
+    kl = KLTerm.from_spec(algo.kl, model)
+    strategy.setup(model, getattr(kl and kl.reference, "model", None))
+    objective = Objective(
+        policy_loss=algo.policy_loss.build(), aggregator=algo.aggregation.build(),
+        kl=kl if kl is not None and kl.in_loss else None,
+        entropy_coef=algo.entropy_coef, early_stop_imp_ratio=algo.early_stop_imp_ratio,
+        max_length=spec.rollout.max_new_tokens if env is None else env.max_total_tokens,
+        correction=algo.rollout_correction,
+    )
+    optimizer, scheduler = make_optimizer(model, spec.train, spec.train.steps * algo.mu * spec.train.mini_batches)
+    return Learner(
+        model=model, optimizer=optimizer, scheduler=scheduler, objective=objective,
+        settings=UpdateSettings.from_spec(spec), estimator=algo.advantage.build(), kl=kl, tokenizer=tokenizer,
+        strategy=strategy, autocast=partial(modeling.autocast, spec.train.mixed_precision, dist.device),
+        scaler=torch.amp.GradScaler(dist.device.type) if spec.train.mixed_precision == "fp16" else None,
+    )
+
+
+def build_actor(spec: Spec, backend, scorer: Scorer, dist: Dist, episodes: EpisodeRunner | None, weights,
+                greedy_baseline: bool) -> Actor:
+    """The actor of the spec's rollout settings, with no prompt source yet."""
+    return Actor(
+        backend=backend, scorer=scorer, settings=RolloutSettings.from_spec(spec), dist=dist,
+        autocast=partial(modeling.autocast, spec.train.mixed_precision, dist.device), episodes=episodes,
+        weights=weights, greedy_baseline=greedy_baseline,
+    )
+
+
+def _actor_and_feed(spec: Spec, model, tokenizer, backend, learner: Learner, scorer: Scorer, snapshot, sampler
+                    ) -> tuple[Actor, Feed]:
+    """The actor, set up on the policy (or on the ``sampler`` copy of an asynchronous run whose
+    backend generates with the policy module), and the feed that hands its experience over:
+    synchronous, or the pipeline when ``rollout.max_staleness > 0`` (then the actor's
+    collectives get a process group of their own: they run in its thread)."""
+    strategy, k = learner.strategy, spec.rollout.max_staleness
+    backend.setup(model if sampler is None else sampler, tokenizer)
+    actor = build_actor(
+        spec, backend, scorer, strategy.dist.side_group() if k else strategy.dist,
+        build_episodes(spec, model, tokenizer, scorer),
+        partial(strategy.rollout_weights, backend) if sampler is None else contextlib.nullcontext,
+        learner.estimator.needs_greedy_baseline,
+    )
+    if not k:
+        return actor, SyncFeed(actor)
+    return actor, Pipeline(actor, k, snapshot, sampler=sampler,
+                           behaviour=learner.sampler_logprobs if sampler is not None else None)
+
+
+def build_run(loaded: LoadedSpec, dist: Dist | None = None) -> Run:
+    """The run of ``loaded``: every component built, nothing trained yet."""
+    spec = loaded.spec
+    dist = dist or Dist.from_env(spec.train.device)
+    check_layout(spec, dist.world)
+    parallel = parallel_from_launcher(spec.train.parallel)
+    if parallel_conflicts(spec, parallel):
+        raise RunError("accelerate's FSDP config selects fsdp2, but " + "; ".join(parallel_conflicts(spec, parallel)))
+    seed_everything(spec.train.seed)
+    if spec.train.threads:
+        torch.set_num_threads(spec.train.threads)
+    output_dir = ckpt.run_folder(loaded)
+    output_dir.mkdir(parents=True, exist_ok=True)
+
+    splitter = spec.algorithm.step_splitter.build()
+    rewards = build_rewards(spec, splitter)
+    train_rows, eval_rows = load_rows(spec, "train"), load_rows(spec, "eval")
+    needed = {spec.data.prompt_column: "data.prompt_column"}
+    needed.update({c: who for c, who in required_columns(rewards).items() if c not in needed})
+    check_columns(train_rows, needed, "training")
+    check_columns(eval_rows, needed, "held-out")
+
+    tokenizer = modeling.load_tokenizer(spec.model, loaded.base_dir)
+    model = modeling.load_policy(spec.model, loaded.base_dir, tokenizer).to(dist.device)
+    # Asynchronous rollouts: whole copies of the policy, made before the strategy shards it: the
+    # snapshot the learner's weights cross in, and for a backend that generates with the policy
+    # module, the weights the actor samples from while the learner's move.
+    backend, k = spec.rollout.build(), spec.rollout.max_staleness
+    snapshot = policy_copy(model) if k else None
+    sampler = policy_copy(model) if k and backend.generates_with_policy else None
+    learner = build_learner(spec, model, tokenizer, strategy_for(dist, parallel))
+    scorer = build_scorer(spec, rewards, splitter, with_steps=learner.estimator.needs_step_scores)
+    actor, feed = _actor_and_feed(spec, model, tokenizer, backend, learner, scorer, snapshot, sampler)
+
+    max_prompt = prompt_budget(spec, model)
+    tools = actor.episodes.tools if actor.episodes is not None else None
+    actor.source = PromptSource(train_rows, tokenizer, spec.data, seed=spec.train.seed, max_tokens=max_prompt,
+                                tools=tools)
+    reference = learner.kl.reference if learner.kl is not None else None
+    trackers: dict[str, Tracker] = {slot.name: slot.build() for slot in spec.tracking}
+    return Run(
+        spec=spec, loaded=loaded, output_dir=output_dir, actor=actor, learner=learner, feed=feed,
+        eval_prompts=held_out_prompts(spec, eval_rows, tokenizer, max_prompt, tools),
+        log=RunLog(trackers, output_dir, enabled=dist.is_main),
+        iterative=build_iterative(spec, rewards, reference),
+        eval_sets=load_eval_sets(spec, tokenizer, max_prompt, required_columns(rewards), tools),
+    )

@@ -1,0 +1,150 @@
+"""The run's record: what a step uses (the actor, the learner and the feed between them), the
+held-out data, the loop's counters, and what a checkpoint saves and restores of it all."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from grpo_core import checkpoint as ckpt
+from grpo_core.contracts import Stateful
+from grpo_core.spec import LoadedSpec, Spec
+from grpo_core.tracking import RunLog
+from grpo_core.train.actor import Actor
+from grpo_core.train.data import Prompt, PromptSource
+from grpo_core.train.distributed import Dist
+from grpo_core.train.evaluate import EvalSet
+from grpo_core.train.feed import Feed
+from grpo_core.train.iterative import IterativeStage
+from grpo_core.train.learner import Learner
+
+
+@dataclass
+class Run:
+    """A run: the actor and learner a step uses and the feed between them, the held-out data,
+    and the loop's own state. Built by :func:`grpo_core.train.assemble.build_run`."""
+
+    spec: Spec
+    loaded: LoadedSpec
+    output_dir: Path
+    actor: Actor
+    learner: Learner
+    feed: Feed  # SyncFeed, or the Pipeline under rollout.max_staleness > 0
+    eval_prompts: list[Prompt]
+    log: RunLog
+    iterative: IterativeStage | None = None  # the iteration stage of iterative GRPO
+    eval_sets: dict[str, EvalSet] = field(default_factory=dict)  # the named sets of eval.sets
+    step: int = 0
+    nonfinite_streak: int = 0
+    last_eval: dict[str, float] = field(default_factory=dict)
+    saved_step: int | None = None  # the step of the last checkpoint this process wrote
+    saved_at: float = field(default_factory=time.monotonic)  # when it was written (or the run began)
+    trajectory: str = field(default_factory=ckpt.new_trajectory)  # this line of steps' id
+
+    def at_rest(self):
+        """The context in which the actor is idle with the learner's current weights and the
+        prompt stream stands at the first untrained batch (the feed's ``at_rest``): around
+        evaluations, checkpoints and the start of an iteration."""
+        return self.feed.at_rest(self.model, self.learner.version)
+
+    @property
+    def has_eval(self) -> bool:
+        """Some held-out set has prompts: the default one or a named one."""
+        return bool(self.eval_prompts) or any(s.prompts for s in self.eval_sets.values())
+
+    @property
+    def model(self):
+        return self.learner.model
+
+    @property
+    def tokenizer(self):
+        return self.learner.tokenizer
+
+    @property
+    def prompts(self) -> PromptSource:
+        """The training prompts (the actor draws them)."""
+        return self.actor.source
+
+    @property
+    def dist(self) -> Dist:
+        return self.learner.dist
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.output_dir / "checkpoints"
+
+    def stateful(self) -> dict[str, Any]:
+        """Components that carry state across steps (:class:`~grpo_core.contracts.Stateful`)."""
+        named = {"rollout": self.actor.backend, "advantage": self.learner.estimator}
+        named.update({f"rewards.{fn.name}": fn.fn for fn in self.actor.scorer.rewards})
+        named.update({f"tracking.{name}": tracker for name, tracker in self.log.trackers.items()})
+        named["kl"] = self.learner.kl
+        named["iterative"] = self.iterative
+        return {k: v for k, v in named.items() if isinstance(v, Stateful)}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything but the weights; the prompt position is the actor's, so the actor must be
+        at rest (:meth:`at_rest`)."""
+        learner = self.learner
+        optimizer, optimizer_format = learner.strategy.optimizer_state(learner.model, learner.optimizer)
+        return {
+            "step": self.step,
+            "trajectory": self.trajectory,
+            "run_id": self.log.run_id,
+            "optimizer": optimizer,
+            "optimizer_format": optimizer_format,
+            "scheduler": learner.scheduler.state_dict(),
+            "rng": ckpt.rng_state(),
+            "data": self.prompts.state_dict(),
+            "nonfinite_streak": self.nonfinite_streak,
+            "last_eval": dict(self.last_eval),
+            "components": {k: v.state_dict() for k, v in self.stateful().items()},
+            "scaler": learner.scaler.state_dict() if learner.scaler is not None else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        learner = self.learner
+        self.step = learner.version = int(state["step"])
+        learner.strategy.load_optimizer_state(self.model, learner.optimizer, state["optimizer"],
+                                              state.get("optimizer_format", "native"))
+        learner.scheduler.load_state_dict(state["scheduler"])
+        self.prompts.load_state_dict(state["data"])
+        self.nonfinite_streak = int(state.get("nonfinite_streak", 0))
+        self.last_eval = dict(state.get("last_eval", {}))
+        for key, component in self.stateful().items():
+            if key in state.get("components", {}):
+                component.load_state_dict(state["components"][key])
+        if learner.scaler is not None and state.get("scaler"):
+            learner.scaler.load_state_dict(state["scaler"])
+        ckpt.set_rng_state(state["rng"])
+
+    def restore(self, found: ckpt.Loaded) -> None:
+        """Continue from the checkpoint ``found``: its weights (through the strategy, which
+        loads what it saved), its state, and the line of steps that follows it."""
+        ckpt.load_model_weights(self.model, found.folder, self.learner.strategy.load_model_state)
+        self.load_state_dict(found.state)
+        self.trajectory = ckpt.trajectory_after_resume(self.checkpoint_dir, found)
+        self.log.rewind(self.step)
+
+    def save_checkpoint(self) -> Path:
+        """Checkpoint the current step (call it with the actor at rest, :meth:`at_rest`); a step
+        this process already saved is not written twice. With several processes the main one
+        writes and the others wait for it; a sharded model's weights and optimizer state are
+        gathered by every process."""
+        folder = self.checkpoint_dir / f"{ckpt.PREFIX}{self.step:06d}"
+        if self.saved_step == self.step and folder.is_dir():
+            return folder
+        sharded = self.learner.strategy.sharded
+        weights = self.learner.strategy.model_state(self.model)
+        state = self.state_dict() if sharded or self.dist.is_main else None
+        if self.dist.is_main:
+            folder = ckpt.write_checkpoint(
+                self.checkpoint_dir, self.step, self.model, state, self.spec.checkpoint.keep,
+                self.trajectory, weights=weights,
+            )
+        self.dist.barrier()
+        self.saved_step = self.step
+        self.saved_at = time.monotonic()
+        return folder
