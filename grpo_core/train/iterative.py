@@ -23,7 +23,7 @@ from typing import Any
 
 from grpo_core.contracts import RewardExample, TrainableReward
 from grpo_core.errors import RunError
-from grpo_core.spec.models import IterativeSection
+from grpo_core.spec.iterative import IterativeSection
 from grpo_core.train import seeds
 from grpo_core.train.actor import Actor
 from grpo_core.train.rollout import Scorer, as_completions
