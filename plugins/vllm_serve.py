@@ -1,4 +1,6 @@
-"""``grpo-run serve``: start a vLLM rollout server for the ``vllm-server`` rollout backend.
+"""``grpo-run serve``: start a vLLM rollout server for the ``vllm-server`` rollout backend. This
+plugin registers the command (``register_commands``); everything after ``--`` goes to vLLM
+unparsed (the command's ``passthrough``).
 
 It is vLLM's own OpenAI-compatible API server (``vllm serve``), started with what the
 backend needs and nothing home-made:
@@ -29,7 +31,10 @@ import json
 import os
 import sys
 
-__all__ = ["WORKER_EXTENSION", "add_serve_parser", "serve", "serve_command", "split_vllm_args"]
+from grpo_core import hookimpl
+from grpo_core.errors import UsageError
+
+__all__ = ["WORKER_EXTENSION", "configure", "register_commands", "run", "serve", "serve_command"]
 
 WORKER_EXTENSION = "grpo_plugins.server_worker.WeightChannelExtension"
 ENTRY = "vllm.entrypoints.launchers.api_server.entry"
@@ -37,44 +42,36 @@ ENTRY = "vllm.entrypoints.launchers.api_server.entry"
 OWN_FLAGS = ("--worker-extension-cls", "--weight-transfer-config", "--model", "--host", "--port", "--dtype")
 
 
-def add_serve_parser(sub) -> None:
-    """The ``serve`` subcommand's arguments (``grpo-run serve --help``)."""
-    serve_p = sub.add_parser(
-        "serve",
-        help="start a vLLM rollout server for rollout.name: vllm-server (vLLM's own server, plus the weight channel)",
-        description="Start vLLM's OpenAI-compatible server for MODEL, ready to receive the learner's weights "
-        "(rollout.name: vllm-server). Arguments after -- go to vLLM unchanged (any vLLM engine argument, "
-        "e.g. -- --tensor-parallel-size 2 --gpu-memory-utilization 0.9).",
-    )
-    serve_p.add_argument("model", help="model folder or Hub name (the learner's base model: same architecture)")
-    serve_p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    serve_p.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000)")
-    serve_p.add_argument(
+DESCRIPTION = (
+    "Start vLLM's OpenAI-compatible server for MODEL, ready to receive the learner's weights "
+    "(rollout.name: vllm-server). Arguments after -- go to vLLM unchanged (any vLLM engine argument, "
+    "e.g. -- --tensor-parallel-size 2 --gpu-memory-utilization 0.9)."
+)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """The ``serve`` command's arguments (``grpo-run serve --help``); vLLM's own come after ``--``."""
+    parser.add_argument("model", help="model folder or Hub name (the learner's base model: same architecture)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000)")
+    parser.add_argument(
         "--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
         help="dtype of the server's weights; pushes are cast to it (default: auto, from the model's config)",
     )
-    serve_p.add_argument("--max-model-len", type=int, default=None, help="longest prompt plus completion")
-    serve_p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (faster start)")
-    serve_p.add_argument("--seed", type=int, default=0, help="the engine's seed, for requests without one")
-    serve_p.add_argument(
+    parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt plus completion")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (faster start)")
+    parser.add_argument("--seed", type=int, default=0, help="the engine's seed, for requests without one")
+    parser.add_argument(
         "--dry-run", action="store_true", help="print the command and environment that would be run, and exit"
     )
-    serve_p.set_defaults(vllm_args=[])
-
-
-def split_vllm_args(argv: list[str]) -> tuple[list[str], list[str]]:
-    """``grpo-run serve``'s own arguments and vLLM's (those after the first ``--``)."""
-    if "--" not in argv:
-        return argv, []
-    cut = argv.index("--")
-    return argv[:cut], argv[cut + 1 :]
 
 
 def serve_command(args: argparse.Namespace, python: str = sys.executable) -> tuple[list[str], dict[str, str]]:
-    """The command line and the environment additions of the vLLM server for ``args``."""
+    """The command line and the environment additions of the vLLM server for ``args``
+    (``args.passthrough``: vLLM's own arguments, those after ``--``)."""
     if args.port < 1 or args.port > 65535:
         raise ValueError(f"serve: --port must be in 1..65535, got {args.port}")
-    extra = list(args.vllm_args)
+    extra = list(args.passthrough)
     for flag in extra:
         name = flag.split("=", 1)[0]
         if name in OWN_FLAGS:
@@ -118,3 +115,20 @@ def serve(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     os.execve(argv[0], argv, {**os.environ, **env})
     return 1  # pragma: no cover (execve does not return)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``grpo-run serve``: :func:`serve`, a bad argument or a missing vLLM being a usage error (exit 2)."""
+    try:
+        return serve(args)
+    except (ValueError, RuntimeError) as exc:
+        raise UsageError(str(exc)) from exc
+
+
+@hookimpl
+def register_commands(register) -> None:
+    register.add(
+        "serve",
+        help="start a vLLM rollout server for rollout.name: vllm-server (vLLM's own server, plus the weight channel)",
+        description=DESCRIPTION, configure=configure, run=run, passthrough=True,
+    )

@@ -25,13 +25,14 @@ import torch
 from grpo_plugins.rollout_server import Failover, VLLMServerOptions, VLLMServerRollout, assign_prompts, check_url
 from grpo_plugins.server_client import ServerClient, ServerFault, completion_body, to_outputs
 from grpo_plugins.vllm_io import outputs_to_batch, sampling_kwargs
-from grpo_plugins.vllm_serve import WORKER_EXTENSION, serve_command, split_vllm_args
+from grpo_plugins.vllm_serve import WORKER_EXTENSION, serve_command
 from grpo_plugins.weight_channel import open_group, receive_tensors, send_tensors, update_info
 from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from grpo_core.cli import main
+from grpo_core.commands import command_parser, split_passthrough
 from grpo_core.contracts import RolloutBackend, SamplingParams
 from grpo_core.errors import RunError
 from grpo_core.plugin_manager import load_plugins
@@ -287,15 +288,12 @@ def test_the_weight_channel_refuses_an_unknown_backend():
 
 # --------------------------------------------------------------------------- grpo-run serve
 def _serve_args(*argv):
-    import argparse
-
-    from grpo_plugins.vllm_serve import add_serve_parser
-
-    parser = argparse.ArgumentParser()
-    add_serve_parser(parser.add_subparsers(dest="command"))
-    own, extra = split_vllm_args(["serve", *argv])
-    args = parser.parse_args(own)
-    args.vllm_args = extra
+    """``grpo-run serve ARGV`` parsed as the CLI parses it: the registered command's parser,
+    what follows ``--`` left in ``args.passthrough``."""
+    command = load_plugins(external=False).commands["serve"]
+    own, extra = split_passthrough(list(argv))
+    args = command_parser(command).parse_args(own)
+    args.passthrough = extra
     return args
 
 
