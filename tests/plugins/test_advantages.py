@@ -9,7 +9,7 @@ import pytest
 import torch
 from grpo_plugins import advantages as adv
 from grpo_plugins.aggregators import seq_mean_token_mean, token_mean
-from grpo_plugins.policy_losses import ppo_clip_loss
+from grpo_plugins.losses.clip import ppo_clip_loss
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError

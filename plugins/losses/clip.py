@@ -1,19 +1,8 @@
-"""Built-in policy losses: ``clip`` (PPO clipped surrogate, asymmetric eps, dual clip) and
-``gspo`` (sequence-level ratio).
-
-Each maps :class:`~grpo_core.contracts.PolicyLossInputs` (``logp``, ``old_logp``,
-``advantages``, ``mask``, all ``(B, T)``) to a per-token loss to *minimise*, exactly zero
-on padding, plus per-token metrics ``(B, T)`` (zero on padding; the engine averages them
-over the mini-batch's tokens and max-reduces names ending in ``/max``):
-
-- ``ratio``, ``ratio/max``: the importance ratio pi / pi_old the loss used;
-- ``clip/low``: 1 where the lower clip is active (ratio < 1 - eps_low and A < 0);
-- ``clip/high``: 1 where the upper clip is active (ratio > 1 + eps_high and A > 0);
-- ``clip/region``: either of the two; ``clip/dual`` (``clip`` with ``dual_clip`` only):
-  1 where the dual clip caps the loss.
-
-Inputs on padding are replaced by 0 before any arithmetic, so inf/NaN there reach
-neither the loss nor the gradient.
+"""Policy losses ``clip`` and ``gspo``: PPO's clipped surrogate on the token ratio (with
+asymmetric eps and an optional dual clip: DeepSeekMath's GRPO loss) and on the sequence-level,
+length-normalized ratio (GSPO, Zheng et al., https://arxiv.org/abs/2507.18071). Metrics: those
+of :mod:`grpo_plugins.losses`, plus ``clip/dual`` (``clip`` with ``dual_clip`` only): 1 where
+the dual clip caps the loss; ``gspo``'s ``ratio`` is the sequence ratio on each of its tokens.
 """
 
 from __future__ import annotations
@@ -21,27 +10,34 @@ from __future__ import annotations
 import math
 
 import torch
+from grpo_plugins.losses.common import (
+    CLAMP_DESCRIPTION,
+    BoundPolicyLoss,
+    clamp_symmetric,
+    clip_metrics,
+    log_ratio,
+    ratio_metrics,
+)
 from pydantic import Field, field_validator
 from torch import Tensor
 
 from grpo_core import hookimpl
-from grpo_core.contracts import PolicyLossInputs, PolicyLossOutput, masked_fill_zero
+from grpo_core.contracts import PolicyLossOutput, masked_fill_zero
 from grpo_core.options import Options
 
-__all__ = ["ClipOptions", "GSPOOptions", "ppo_clip_loss", "gspo_loss"]
+__all__ = [
+    "ClipOptions", "ClipPolicyLoss", "GSPOOptions", "GSPOPolicyLoss", "RatioClipOptions", "clip_ratio_metrics",
+    "clipped_surrogate", "gspo_loss", "ppo_clip_loss", "sequence_log_ratio",
+]
 
 
 # --------------------------------------------------------------------------- options
-class _RatioClipOptions(Options):
+class RatioClipOptions(Options):
     """Clip range and log-ratio guard shared by ``clip`` and ``gspo``."""
 
     eps_low: float
     eps_high: float | None
-    log_ratio_clamp: float | None = Field(
-        20.0,
-        description="Clamp log(pi/pi_old) to [-c, c] before exp, so it cannot overflow (a clamped token "
-        "gets no gradient); a positive number or null. Default 20, as verl.",
-    )
+    log_ratio_clamp: float | None = Field(20.0, description=CLAMP_DESCRIPTION)
 
     @field_validator("eps_low")
     @classmethod
@@ -53,24 +49,13 @@ class _RatioClipOptions(Options):
             )
         return value
 
-    @field_validator("eps_high")
+    @field_validator("eps_high", "log_ratio_clamp")
     @classmethod
-    def _check_eps_high(cls, value: float | None) -> float | None:
+    def _check_positive(cls, value: float | None, info) -> float | None:
         if value is not None and not 0.0 < value < math.inf:
-            raise ValueError(
-                f"eps_high must be a positive finite number (the ratio is clipped above at "
-                f"1 + eps_high) or null for eps_high = eps_low; got {value!r}"
-            )
-        return value
-
-    @field_validator("log_ratio_clamp")
-    @classmethod
-    def _check_clamp(cls, value: float | None) -> float | None:
-        if value is not None and not 0.0 < value < math.inf:
-            raise ValueError(
-                f"log_ratio_clamp must be a positive finite number (clamp to [-c, c]) or "
-                f"null for no clamp; got {value!r}"
-            )
+            valid = {"eps_high": "(the ratio is clipped above at 1 + eps_high) or null for eps_high = eps_low",
+                     "log_ratio_clamp": "(clamp to [-c, c]) or null for no clamp"}[info.field_name]
+            raise ValueError(f"{info.field_name} must be a positive finite number {valid}; got {value!r}")
         return value
 
     @property
@@ -79,7 +64,7 @@ class _RatioClipOptions(Options):
         return self.eps_low if self.eps_high is None else self.eps_high
 
 
-class ClipOptions(_RatioClipOptions):
+class ClipOptions(RatioClipOptions):
     """Options of ``clip``."""
 
     eps_low: float = Field(
@@ -110,7 +95,7 @@ class ClipOptions(_RatioClipOptions):
         return value
 
 
-class GSPOOptions(_RatioClipOptions):
+class GSPOOptions(RatioClipOptions):
     """Options of ``gspo``."""
 
     log_ratio_clamp: float | None = Field(
@@ -132,8 +117,8 @@ class GSPOOptions(_RatioClipOptions):
     )
 
 
-# --------------------------------------------------------------------------- helpers
-def _clipped_surrogate(ratio: Tensor, clipped: Tensor, advantages: Tensor) -> Tensor:
+# --------------------------------------------------------------------------- the clipped surrogate
+def clipped_surrogate(ratio: Tensor, clipped: Tensor, advantages: Tensor) -> Tensor:
     """``max(-A*ratio, -A*clipped)``; ties go to the unclipped term, so at ratio 1 the
     gradient is the vanilla policy gradient."""
     unclipped_loss = -advantages * ratio
@@ -141,37 +126,26 @@ def _clipped_surrogate(ratio: Tensor, clipped: Tensor, advantages: Tensor) -> Te
     return torch.where(clipped_loss > unclipped_loss, clipped_loss, unclipped_loss)
 
 
-def _ratio_metrics(
+def clip_ratio_metrics(
     ratio: Tensor, advantages: Tensor, mask: Tensor, eps_low: float, eps_high: float
 ) -> dict[str, Tensor]:
-    """The conventional per-token metrics ``(B, T)``, detached, zero on padding."""
+    """The ratio and clip metrics of a PPO clip at ``[1 - eps_low, 1 + eps_high]``: a token is
+    clipped below where ratio < 1 - eps_low and A < 0, above where ratio > 1 + eps_high and A > 0."""
     ratio = ratio.detach()
     low = mask & (ratio < 1.0 - eps_low) & (advantages < 0)
     high = mask & (ratio > 1.0 + eps_high) & (advantages > 0)
-    shown = masked_fill_zero(ratio, mask)
-    return {
-        "ratio": shown,
-        "ratio/max": shown,
-        "clip/low": low.to(ratio.dtype),
-        "clip/high": high.to(ratio.dtype),
-        "clip/region": (low | high).to(ratio.dtype),
-    }
-
-
-def _clamp(x: Tensor, bound: float | None) -> Tensor:
-    return x if bound is None else x.clamp(-bound, bound)
+    return {**ratio_metrics(ratio, mask), **clip_metrics(low, high, ratio.dtype)}
 
 
 # --------------------------------------------------------------------------- clip
+class ClipPolicyLoss(BoundPolicyLoss):
+    """PPO clipped surrogate with asymmetric eps and optional dual clip (DeepSeekMath's GRPO loss)."""
+
+
+@ClipPolicyLoss.binds
 def ppo_clip_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    eps_low: float = 0.2,
-    eps_high: float | None = None,
-    dual_clip: float | None = None,
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
+    eps_low: float = 0.2, eps_high: float | None = None, dual_clip: float | None = None,
     log_ratio_clamp: float | None = 20.0,
 ) -> PolicyLossOutput:
     """PPO clipped surrogate, per token (Schulman et al., https://arxiv.org/abs/1707.06347;
@@ -197,10 +171,9 @@ def ppo_clip_loss(
     """
     eps_high = eps_low if eps_high is None else eps_high
     advantages = masked_fill_zero(advantages, mask)
-    log_ratio = masked_fill_zero(logp, mask) - masked_fill_zero(old_logp, mask)
-    ratio = torch.exp(_clamp(log_ratio, log_ratio_clamp))
-    loss = _clipped_surrogate(ratio, ratio.clamp(1.0 - eps_low, 1.0 + eps_high), advantages)
-    metrics = _ratio_metrics(ratio, advantages, mask, eps_low, eps_high)
+    ratio = torch.exp(clamp_symmetric(log_ratio(logp, old_logp, mask), log_ratio_clamp))
+    loss = clipped_surrogate(ratio, ratio.clamp(1.0 - eps_low, 1.0 + eps_high), advantages)
+    metrics = clip_ratio_metrics(ratio, advantages, mask, eps_low, eps_high)
     if dual_clip is not None:
         cap = -dual_clip * advantages
         capped = mask & (advantages < 0) & (cap < loss)
@@ -209,46 +182,23 @@ def ppo_clip_loss(
     return PolicyLossOutput(masked_fill_zero(loss, mask), metrics)
 
 
-class ClipPolicyLoss:
-    """PPO clipped surrogate with asymmetric eps and optional dual clip (DeepSeekMath's GRPO loss)."""
-
-    zero_advantage_is_zero_loss = True
-
-    def __init__(self, options: ClipOptions):
-        self.options = options
-
-    def __call__(self, inputs: PolicyLossInputs) -> PolicyLossOutput:
-        o = self.options
-        return ppo_clip_loss(
-            inputs.logp,
-            inputs.old_logp,
-            inputs.advantages,
-            inputs.mask,
-            eps_low=o.eps_low,
-            eps_high=o.high,
-            dual_clip=o.dual_clip,
-            log_ratio_clamp=o.log_ratio_clamp,
-        )
-
-
 # --------------------------------------------------------------------------- gspo
 def sequence_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
     """``log s_i = 1/|o_i| sum_t (logp_it - old_logp_it)`` over valid tokens: ``(B,)``;
     0 for rows without tokens."""
-    diff = masked_fill_zero(logp, mask) - masked_fill_zero(old_logp, mask)
+    diff = log_ratio(logp, old_logp, mask)
     lengths = mask.sum(dim=1).clamp(min=1).to(diff.dtype)
     return diff.sum(dim=1) / lengths
 
 
+class GSPOPolicyLoss(BoundPolicyLoss):
+    """GSPO: clipped surrogate on the sequence-level (length-normalized) ratio (https://arxiv.org/abs/2507.18071)."""
+
+
+@GSPOPolicyLoss.binds
 def gspo_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    eps_low: float = 3e-4,
-    eps_high: float | None = 4e-4,
-    log_ratio_clamp: float | None = 20.0,
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
+    eps_low: float = 3e-4, eps_high: float | None = 4e-4, log_ratio_clamp: float | None = 20.0,
 ) -> PolicyLossOutput:
     """GSPO: group sequence policy optimization (Zheng et al., https://arxiv.org/abs/2507.18071).
 
@@ -279,31 +229,10 @@ def gspo_loss(
     log_s = sequence_log_ratio(logp.detach(), old_logp, mask)
     safe_logp = masked_fill_zero(logp, mask)
     # clamp the token form, not the detached log s_i: where the clamp is active it cuts the gradient
-    ratio = torch.exp(_clamp(log_s[:, None] + safe_logp - safe_logp.detach(), log_ratio_clamp))
-    loss = _clipped_surrogate(ratio, ratio.clamp(1.0 - eps_low, 1.0 + eps_high), advantages)
-    metrics = _ratio_metrics(ratio, advantages, mask, eps_low, eps_high)
+    ratio = torch.exp(clamp_symmetric(log_s[:, None] + safe_logp - safe_logp.detach(), log_ratio_clamp))
+    loss = clipped_surrogate(ratio, ratio.clamp(1.0 - eps_low, 1.0 + eps_high), advantages)
+    metrics = clip_ratio_metrics(ratio, advantages, mask, eps_low, eps_high)
     return PolicyLossOutput(masked_fill_zero(loss, mask), metrics)
-
-
-class GSPOPolicyLoss:
-    """GSPO: clipped surrogate on the sequence-level (length-normalized) ratio (https://arxiv.org/abs/2507.18071)."""
-
-    zero_advantage_is_zero_loss = True
-
-    def __init__(self, options: GSPOOptions):
-        self.options = options
-
-    def __call__(self, inputs: PolicyLossInputs) -> PolicyLossOutput:
-        o = self.options
-        return gspo_loss(
-            inputs.logp,
-            inputs.old_logp,
-            inputs.advantages,
-            inputs.mask,
-            eps_low=o.eps_low,
-            eps_high=o.high,
-            log_ratio_clamp=o.log_ratio_clamp,
-        )
 
 
 @hookimpl

@@ -1,5 +1,6 @@
-"""Policy losses: the vanilla policy gradient at ratio 1, where clipping zeroes the
-gradient, dual clip, asymmetric eps, metrics by hand, and GSPO's sequence ratio."""
+"""``clip`` and ``gspo``: the vanilla policy gradient at ratio 1, where clipping zeroes the gradient,
+dual clip, asymmetric eps, the metrics by hand, the log-ratio clamp; GSPO's sequence ratio by hand,
+its token form against the sequence objective, whole sequences clipped, the clamp cutting the gradient."""
 
 from __future__ import annotations
 
@@ -7,52 +8,24 @@ import math
 
 import pytest
 import torch
-from grpo_plugins import policy_losses as pl
 from grpo_plugins.aggregators import seq_mean_token_mean, token_mean
-from hypothesis import given, settings
+from grpo_plugins.losses.clip import ClipOptions, ClipPolicyLoss, GSPOOptions, GSPOPolicyLoss, sequence_log_ratio
+from hypothesis import given
 from hypothesis import strategies as st
-from pydantic import ValidationError
 
 from grpo_core.contracts import BatchStats, PolicyLossInputs
-from grpo_core.plugin_manager import load_plugins
 
-F64 = torch.float64
-NAN = float("nan")
-FAST = settings(max_examples=40, deadline=None)
+from .conftest import F64, FAST, NAN, batches, grad_of, per_token_grad
 
 
 def clip(**options):
-    return pl.ClipPolicyLoss(pl.ClipOptions(**options))
+    return ClipPolicyLoss(ClipOptions(**options))
 
 
 def gspo(**options):
-    return pl.GSPOPolicyLoss(pl.GSPOOptions(**options))
+    return GSPOPolicyLoss(GSPOOptions(**options))
 
 
-@st.composite
-def batches(draw):
-    """(logp leaf (B, T), advantages (B, T), mask (B, T)) with ragged rows, some empty."""
-    rows = draw(st.integers(1, 5))
-    length = draw(st.integers(1, 5))
-    lengths = draw(st.lists(st.integers(0, length), min_size=rows, max_size=rows))
-    seed = draw(st.integers(0, 2**31 - 1))
-    gen = torch.Generator().manual_seed(seed)
-    mask = torch.arange(length)[None, :] < torch.tensor(lengths)[:, None]
-    logp = -torch.rand(rows, length, generator=gen, dtype=F64) * 3
-    per_row = draw(st.booleans())
-    adv = torch.randn(rows, 1 if per_row else length, generator=gen, dtype=F64).expand(rows, length)
-    adv = torch.where(mask, adv, 0.0)
-    return logp, adv, mask
-
-
-def grad_of(loss_fn, logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    leaf = logp.detach().clone().requires_grad_(True)
-    loss = loss_fn(leaf)
-    (grad,) = torch.autograd.grad(loss, leaf)
-    return loss.detach(), grad
-
-
-# --------------------------------------------------------------------------- clip: ratio 1
 @FAST
 @given(
     batches(),
@@ -74,17 +47,6 @@ def test_clip_at_ratio_one_is_vanilla_policy_gradient(batch, aggregate, options)
     _, expected_grad = grad_of(vanilla, logp)
     torch.testing.assert_close(grad, expected_grad, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(value, aggregate(-adv, mask, stats), rtol=1e-12, atol=1e-12)
-
-
-# --------------------------------------------------------------------------- clip: trust region
-def per_token_grad(loss, log_ratio, adv):
-    """Gradient of each token's loss w.r.t. its logp, for ``logp - old_logp = log_ratio``."""
-    old = torch.zeros_like(log_ratio)
-    leaf = log_ratio.clone().requires_grad_(True)
-    mask = torch.ones_like(log_ratio, dtype=torch.bool)
-    out = loss(PolicyLossInputs(leaf, old, adv, mask))
-    (grad,) = torch.autograd.grad(out.loss.sum(), leaf)
-    return out, grad
 
 
 @FAST
@@ -157,43 +119,6 @@ def test_clip_metrics_by_hand():
     assert all(v.shape == (1, 6) and not v.requires_grad for v in out.metrics.values())
 
 
-@pytest.mark.parametrize(
-    "loss", [clip(), clip(dual_clip=3.0), gspo()], ids=["clip", "dual", "gspo"]
-)
-def test_padding_inf_nan_never_leaks(loss):
-    logp = torch.tensor(
-        [[-0.5, -math.inf, NAN], [-1.0, math.inf, -math.inf]], dtype=F64, requires_grad=True
-    )
-    old = torch.tensor([[-0.6, NAN, -math.inf], [-1.1, -math.inf, NAN]], dtype=F64)
-    adv = torch.tensor([[1.0, NAN, math.inf], [-1.0, 2.0, NAN]], dtype=F64)
-    mask = torch.tensor([[True, False, False], [True, False, False]])
-    out = loss(PolicyLossInputs(logp, old, adv, mask))
-    assert (
-        torch.equal(out.loss[~mask], torch.zeros(4, dtype=F64)) and torch.isfinite(out.loss).all()
-    )
-    (grad,) = torch.autograd.grad(out.loss.sum(), logp)
-    assert torch.isfinite(grad).all() and torch.equal(grad[~mask], torch.zeros(4, dtype=F64))
-    for name, value in out.metrics.items():
-        assert torch.equal(value[~mask], torch.zeros(4, dtype=F64)), name
-
-
-@pytest.mark.parametrize(
-    "loss", [clip(), clip(dual_clip=2.0), gspo()], ids=["clip", "dual", "gspo"]
-)
-def test_zero_advantage_is_zero_loss(loss):
-    assert type(loss).zero_advantage_is_zero_loss is True
-    logp = torch.tensor([[-0.1, -4.0, -2.0]], dtype=F64, requires_grad=True)
-    old = torch.tensor([[-3.0, -0.5, -2.0]], dtype=F64)  # ratios far from 1
-    out = loss(
-        PolicyLossInputs(
-            logp, old, torch.zeros(1, 3, dtype=F64), torch.ones(1, 3, dtype=torch.bool)
-        )
-    )
-    assert torch.equal(out.loss, torch.zeros(1, 3, dtype=F64))
-    (grad,) = torch.autograd.grad(out.loss.sum(), logp)
-    assert torch.equal(grad, torch.zeros(1, 3, dtype=F64))
-
-
 def test_log_ratio_clamp_keeps_float32_finite():
     logp = torch.tensor([[0.0]], requires_grad=True)
     old = torch.tensor([[-200.0]])
@@ -204,6 +129,10 @@ def test_log_ratio_clamp_keeps_float32_finite():
         PolicyLossInputs(logp, old, adv, torch.ones(1, 1, dtype=torch.bool))
     )
     assert math.isinf(unclamped.loss.item())
+
+
+def test_clip_option_defaults():
+    assert ClipOptions().high == 0.2 and ClipOptions(eps_high=0.28).high == 0.28
 
 
 # --------------------------------------------------------------------------- gspo
@@ -223,7 +152,7 @@ def test_gspo_empty_row_has_log_ratio_zero_not_nan():
     logp = torch.tensor([[-1.0, -2.0], [NAN, -math.inf]], dtype=F64)
     old = torch.tensor([[-1.5, -2.5], [-1.0, -1.0]], dtype=F64)
     mask = torch.tensor([[True, True], [False, False]])
-    assert pl.sequence_log_ratio(logp, old, mask).tolist() == [0.5, 0.0]
+    assert sequence_log_ratio(logp, old, mask).tolist() == [0.5, 0.0]
 
 
 @FAST
@@ -292,56 +221,6 @@ def test_gspo_clips_whole_sequences():
     torch.testing.assert_close(out.loss[0], torch.full((2,), -1.05, dtype=F64))
 
 
-# --------------------------------------------------------------------------- registration
-def test_policy_losses_registered_and_buildable():
-    registry = load_plugins(external=False).registry
-    logp = torch.tensor([[-0.5, -1.0]], dtype=F64)
-    batch = PolicyLossInputs(
-        logp, logp - 0.01, torch.ones(1, 2, dtype=F64), torch.ones(1, 2, dtype=torch.bool)
-    )
-    for name, impl, options in [
-        ("clip", pl.ClipPolicyLoss, pl.ClipOptions),
-        ("gspo", pl.GSPOPolicyLoss, pl.GSPOOptions),
-    ]:
-        component = registry.get("policy_loss", name)
-        assert component.impl is impl and component.options is options
-        assert component.plugin == "grpo_plugins.policy_losses"
-        out = component.build(options())(batch)
-        assert out.loss.shape == (1, 2) and (out.loss != 0).all()
-        assert {"ratio", "ratio/max", "clip/low", "clip/high", "clip/region"} <= set(out.metrics)
-
-
-def test_option_defaults():
-    assert pl.ClipOptions().high == 0.2 and pl.ClipOptions(eps_high=0.28).high == 0.28
-    g = pl.GSPOOptions()
-    assert (g.eps_low, g.eps_high, g.high) == (3e-4, 4e-4, 4e-4)
-    assert pl.GSPOOptions(eps_high=None).high == 3e-4
-
-
-@pytest.mark.parametrize(
-    "model, kwargs, message",
-    [
-        (pl.ClipOptions, {"eps": 0.2}, "Extra inputs are not permitted"),
-        (pl.GSPOOptions, {"dual_clip": 3.0}, "Extra inputs are not permitted"),
-        (pl.ClipOptions, {"eps_low": 0.0}, "eps_low must be in \\(0, 1\\)"),
-        (pl.ClipOptions, {"eps_low": 1.0}, "eps_low must be in \\(0, 1\\)"),
-        (pl.GSPOOptions, {"eps_high": -1e-4}, "eps_high must be a positive finite number.*or null"),
-        (pl.ClipOptions, {"dual_clip": 1.0}, "dual_clip must be a finite number > 1.*or null"),
-        (
-            pl.ClipOptions,
-            {"log_ratio_clamp": 0.0},
-            "log_ratio_clamp must be a positive finite number",
-        ),
-    ],
-)
-def test_options_invalid_values_say_what_is_valid(model, kwargs, message):
-    with pytest.raises(ValidationError, match=message):
-        model(**kwargs)
-
-
-
-
-# --------------------------------------------------------------------------- gspo: the clamp cuts the gradient
 @pytest.mark.parametrize("dtype", [F64, torch.float32])
 def test_gspo_log_ratio_clamp_cuts_the_gradient_like_clip(dtype):
     """Issue 28's row: one token, logp 0, old_logp -15, A = -1, log_ratio_clamp 10. Before the
@@ -364,5 +243,11 @@ def test_gspo_log_ratio_clamp_cuts_the_gradient_like_clip(dtype):
 
 
 def test_gspo_clamp_description_says_the_gradient_is_cut():
-    text = pl.GSPOOptions.model_fields["log_ratio_clamp"].description
+    text = GSPOOptions.model_fields["log_ratio_clamp"].description
     assert "token-form" in text and "no gradient" in text
+
+
+def test_gspo_option_defaults():
+    g = GSPOOptions()
+    assert (g.eps_low, g.eps_high, g.high) == (3e-4, 4e-4, 4e-4)
+    assert GSPOOptions(eps_high=None).high == 3e-4

@@ -1,18 +1,22 @@
-"""Built-in policy losses of the entropy-mechanism paper: ``clip-cov`` and ``kl-cov`` (Cui et
-al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models",
+"""Policy losses of the entropy-mechanism paper: ``clip-cov`` and ``kl-cov`` (Cui et al. 2025,
+"The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models",
 https://arxiv.org/abs/2505.22617).
 
 Both act on the few tokens whose centred covariance between log-prob and advantage,
 ``cov_t = (A_t - mean(A)) * (logp_t - mean(logp))`` (means over the valid tokens, ``logp``
 detached), is highest: the tokens that drive the policy entropy down.
 
-Where the batch is: the policy-loss contract is called once per forward (a micro-batch), and
-the selection, the means and the number of tokens ``N`` are those of that call, as in the
-paper's code and verl. With ``train.micro_batch_size`` unset each mini-batch is one call, so the
-selection is over the whole mini-batch (the paper's setting); with a micro-batch size the
-selection is per micro-batch and, unlike every other loss here, the gradient then depends on it.
-For the same reason neither loss declares ``zero_advantage_is_zero_loss``: skipping rows would
-change the means. Under data parallelism each process selects among its own tokens.
+Where the batch is: the policy-loss contract is called once per forward, that is once per
+micro-batch, and the selection, the means and the number of tokens ``N`` are those of that
+call, as in the paper's code and verl. A micro-batch is ``train.micro_batch_size`` rows when
+that is set; by default (``micro_batch_size: null``) it is as many whole groups as hold at most
+``train.micro_batch_tokens`` prompt + completion positions (2048 by default), at least one
+group. A mini-batch is therefore one call only when it fits in one micro-batch (rows times the
+prompt + completion width within ``micro_batch_tokens``, or at most ``micro_batch_size`` rows):
+then the selection is over the whole mini-batch (the paper's setting). Otherwise it is per
+micro-batch and, unlike the other built-in losses, the gradient depends on the micro-batch
+size. For the same reason neither loss declares ``zero_advantage_is_zero_loss``: skipping rows
+would change the means. Under data parallelism each process selects among its own tokens.
 """
 
 from __future__ import annotations
@@ -20,15 +24,19 @@ from __future__ import annotations
 import math
 
 import torch
-from grpo_plugins.policy_losses import ClipOptions, _clamp, ppo_clip_loss
+from grpo_plugins.losses.clip import ClipOptions, ppo_clip_loss
+from grpo_plugins.losses.common import BoundPolicyLoss, clamp_symmetric, log_ratio, ratio_metrics
 from pydantic import Field, field_validator, model_validator
 from torch import Tensor
 
 from grpo_core import hookimpl
-from grpo_core.contracts import PolicyLossInputs, PolicyLossOutput, masked_fill_zero
+from grpo_core.contracts import PolicyLossOutput, masked_fill_zero
 from grpo_core.options import Options
 
-__all__ = ["ClipCovOptions", "KLCovOptions", "centred_covariance", "clip_cov_loss", "kl_cov_loss"]
+__all__ = [
+    "ClipCovOptions", "ClipCovPolicyLoss", "KLCovOptions", "KLCovPolicyLoss", "centred_covariance", "clip_cov_loss",
+    "kl_cov_loss",
+]
 
 
 def _fraction(name: str, value: float) -> float:
@@ -113,38 +121,35 @@ def _count(ratio: float, mask: Tensor) -> int:
     return max(1, int(ratio * int(mask.sum())))
 
 
+class ClipCovPolicyLoss(BoundPolicyLoss):
+    """Clip-Cov: PPO clip, plus the gradient cut on a few random high-covariance tokens (entropy-mechanism paper)."""
+
+    zero_advantage_is_zero_loss = False  # skipping rows would move the covariance's means
+
+
+@ClipCovPolicyLoss.binds
 def clip_cov_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    eps_low: float = 0.2,
-    eps_high: float | None = None,
-    dual_clip: float | None = None,
-    log_ratio_clamp: float | None = 20.0,
-    clip_cov_ratio: float = 2e-4,
-    clip_cov_lb: float = 1.0,
-    clip_cov_ub: float = 5.0,
-    generator: torch.Generator | None = None,
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
+    clip_cov_ratio: float = 2e-4, clip_cov_lb: float = 1.0, clip_cov_ub: float = 5.0,
+    generator: torch.Generator | None = None, **clip_options: float | None,
 ) -> PolicyLossOutput:
     """Clip-Cov (https://arxiv.org/abs/2505.22617): PPO's clipped surrogate
-    (:func:`grpo_plugins.policy_losses.ppo_clip_loss`), then ``max(1, floor(r N))`` tokens drawn
+    (:func:`grpo_plugins.losses.clip.ppo_clip_loss`), then ``max(1, floor(r N))`` tokens drawn
     uniformly at random among the valid tokens with ``lb < cov_t < ub`` that PPO has not
     already clipped have their loss, and so their gradient, set to 0.
 
     Args:
         logp, old_logp, advantages: ``float (B, T)``; mask: ``bool (B, T)``.
-        eps_low, eps_high, dual_clip, log_ratio_clamp: as ``clip``.
         clip_cov_ratio: ``r`` in (0, 1]; clip_cov_lb, clip_cov_ub: the covariance window.
         generator: the random draw's generator (None: torch's global one, seeded by the run).
+        clip_options: ``eps_low``, ``eps_high``, ``dual_clip``, ``log_ratio_clamp``, as ``clip``
+            (:func:`~grpo_plugins.losses.clip.ppo_clip_loss`, whose defaults apply).
 
     Returns:
         ``loss (B, T)`` zero on padding and on the cut tokens; ``clip``'s metrics plus
         ``cov/selected`` (1 on the cut tokens) and ``cov`` (``cov_t``).
     """
-    out = ppo_clip_loss(logp, old_logp, advantages, mask, eps_low=eps_low, eps_high=eps_high,
-                        dual_clip=dual_clip, log_ratio_clamp=log_ratio_clamp)
+    out = ppo_clip_loss(logp, old_logp, advantages, mask, **clip_options)
     cov = centred_covariance(logp, advantages, mask)
     eligible = mask & (out.metrics["clip/region"] == 0) & (cov > clip_cov_lb) & (cov < clip_cov_ub)
     flat = torch.nonzero(eligible.reshape(-1)).squeeze(1)
@@ -158,15 +163,16 @@ def clip_cov_loss(
     return PolicyLossOutput(masked_fill_zero(out.loss, ~selected), metrics)
 
 
+class KLCovPolicyLoss(BoundPolicyLoss):
+    """KL-Cov: unclipped surrogate plus an |log ratio| penalty on the top-covariance tokens (entropy paper)."""
+
+    zero_advantage_is_zero_loss = False  # the penalty does not vanish with A, and the means would move
+
+
+@KLCovPolicyLoss.binds
 def kl_cov_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    kl_cov_ratio: float = 2e-4,
-    kl_coef: float = 1.0,
-    log_ratio_clamp: float | None = 20.0,
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
+    kl_cov_ratio: float = 2e-4, kl_coef: float = 1.0, log_ratio_clamp: float | None = 20.0,
 ) -> PolicyLossOutput:
     """KL-Cov (https://arxiv.org/abs/2505.22617): the unclipped surrogate
     ``-r_t A_t`` on every token, plus ``kl_coef * |logp_t - old_logp_t|`` on the
@@ -183,48 +189,18 @@ def kl_cov_loss(
         ``cov`` and ``cov/abs_log_ratio`` (``|logp - old_logp|``).
     """
     advantages = masked_fill_zero(advantages, mask)
-    log_ratio = masked_fill_zero(logp, mask) - masked_fill_zero(old_logp, mask)
-    ratio = torch.exp(_clamp(log_ratio, log_ratio_clamp))
+    log_ratio_t = log_ratio(logp, old_logp, mask)
+    ratio = torch.exp(clamp_symmetric(log_ratio_t, log_ratio_clamp))
     cov = centred_covariance(logp, advantages, mask)
     ranked = torch.where(mask, cov, -math.inf).reshape(-1)
     top = torch.topk(ranked, min(_count(kl_cov_ratio, mask), int(mask.sum()))).indices
     selected = torch.zeros_like(mask).reshape(-1)
     selected[top] = True
     selected = selected.reshape(mask.shape) & mask
-    loss = -advantages * ratio + torch.where(selected, kl_coef * log_ratio.abs(), 0.0)
-    shown = masked_fill_zero(ratio.detach(), mask)
-    metrics = {"ratio": shown, "ratio/max": shown, "cov/selected": selected.to(cov.dtype), "cov": cov,
-               "cov/abs_log_ratio": masked_fill_zero(log_ratio.detach().abs(), mask)}
+    loss = -advantages * ratio + torch.where(selected, kl_coef * log_ratio_t.abs(), 0.0)
+    metrics = {**ratio_metrics(ratio, mask), "cov/selected": selected.to(cov.dtype), "cov": cov,
+               "cov/abs_log_ratio": masked_fill_zero(log_ratio_t.detach().abs(), mask)}
     return PolicyLossOutput(masked_fill_zero(loss, mask), metrics)
-
-
-class ClipCovPolicyLoss:
-    """Clip-Cov: PPO clip, plus the gradient cut on a few random high-covariance tokens (entropy-mechanism paper)."""
-
-    zero_advantage_is_zero_loss = False  # skipping rows would move the covariance's means
-
-    def __init__(self, options: ClipCovOptions):
-        self.options = options
-
-    def __call__(self, inputs: PolicyLossInputs) -> PolicyLossOutput:
-        o = self.options
-        return clip_cov_loss(inputs.logp, inputs.old_logp, inputs.advantages, inputs.mask, eps_low=o.eps_low,
-                             eps_high=o.high, dual_clip=o.dual_clip, log_ratio_clamp=o.log_ratio_clamp,
-                             clip_cov_ratio=o.clip_cov_ratio, clip_cov_lb=o.clip_cov_lb, clip_cov_ub=o.clip_cov_ub)
-
-
-class KLCovPolicyLoss:
-    """KL-Cov: unclipped surrogate plus an |log ratio| penalty on the top-covariance tokens (entropy paper)."""
-
-    zero_advantage_is_zero_loss = False  # the penalty does not vanish with A, and the means would move
-
-    def __init__(self, options: KLCovOptions):
-        self.options = options
-
-    def __call__(self, inputs: PolicyLossInputs) -> PolicyLossOutput:
-        o = self.options
-        return kl_cov_loss(inputs.logp, inputs.old_logp, inputs.advantages, inputs.mask,
-                           kl_cov_ratio=o.kl_cov_ratio, kl_coef=o.kl_coef, log_ratio_clamp=o.log_ratio_clamp)
 
 
 @hookimpl
