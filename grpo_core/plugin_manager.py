@@ -39,8 +39,10 @@ ENTRY_POINT_GROUP = "grpo"
 
 #: Built-in plugin modules, registered like any other plugin.
 DEFAULT_PLUGINS: tuple[str, ...] = (
-    "grpo_plugins.advantages",
-    "grpo_plugins.advantages_ext",
+    "grpo_plugins.advantages.grpo",
+    "grpo_plugins.advantages.process",
+    "grpo_plugins.advantages.reinforce",
+    "grpo_plugins.advantages.passk",
     "grpo_plugins.kl",
     "grpo_plugins.losses.clip",
     "grpo_plugins.losses.trust_region",

@@ -154,7 +154,7 @@ def test_same_name_as_a_builtin_names_the_builtin_module():
         )
     message = str(info.value)
     assert "advantage estimator 'grpo' is registered twice" in message
-    assert "'grpo_plugins.advantages'" in message and "'Shadow'" in message
+    assert "'grpo_plugins.advantages.grpo'" in message and "'Shadow'" in message
 
 
 def test_same_name_twice_in_one_plugin_is_an_error():

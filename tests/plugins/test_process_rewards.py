@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from grpo_plugins.advantages import process_advantages
+from grpo_plugins.advantages.process import process_advantages
 from grpo_plugins.datasets import ArithmeticDataset, MultiStepArithmeticOptions
 from grpo_plugins.process_rewards import (
     ArithmeticStepsOptions,
