@@ -234,7 +234,7 @@ def test_installed_plugin_clashing_with_a_builtin_names_both(fake_dist, all_inst
     fake_dist("fake-dist", "fakeep", _reward_plugin("accuracy"))
     with pytest.raises(PluginError) as info:
         load_plugins()
-    assert "reward function 'accuracy' is registered twice: by plugin 'grpo_plugins.rewards' " \
+    assert "reward function 'accuracy' is registered twice: by plugin 'grpo_plugins.rewards.answers' " \
            "and by plugin 'fakeep'" in str(info.value)
 
 

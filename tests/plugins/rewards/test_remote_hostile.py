@@ -12,7 +12,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from grpo_plugins.remote_rewards import RemoteOptions, RemoteReward
+from grpo_plugins.rewards.remote import RemoteOptions, RemoteReward
 from pydantic import ValidationError
 
 from grpo_core.errors import RunError

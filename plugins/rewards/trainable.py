@@ -20,7 +20,8 @@ import random
 from pathlib import Path
 from typing import Any
 
-from grpo_plugins.rewards import RewardModelOptions, RewardModelReward, resolve_device
+from grpo_plugins.rewards.common import resolve_device
+from grpo_plugins.rewards.model import RewardModelOptions, RewardModelReward
 from pydantic import Field, model_validator
 
 from grpo_core import hookimpl

@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from grpo_plugins.remote_rewards import RemoteOptions, RemoteReward
+from grpo_plugins.rewards.remote import RemoteOptions, RemoteReward
 
 from grpo_core.errors import RunError
 from grpo_core.plugin_manager import load_plugins
@@ -164,7 +164,7 @@ def test_a_missing_secret_variable_and_a_bad_url_are_clear_errors(monkeypatch):
 
 def test_remote_is_a_registered_reward(server):
     component = load_plugins().registry.find("reward_function", "remote")
-    assert component.plugin == "grpo_plugins.remote_rewards"
+    assert component.plugin == "grpo_plugins.rewards.remote"
     fn = component.build(RemoteOptions(url=server.url))
     assert fn(["p"], ["four"]) == [4.0]
 
@@ -175,7 +175,7 @@ def test_a_training_run_scores_with_the_remote_reward(server, tmp_path, monkeypa
     from grpo_core.testing import save_tiny_model
 
     monkeypatch.chdir(tmp_path)
-    spec = Path(__file__).resolve().parents[2] / "specs" / "tiny.yaml"
+    spec = Path(__file__).resolve().parents[3] / "specs" / "tiny.yaml"
     model = save_tiny_model(tmp_path / "model")
     remote_slot = json.dumps({"name": "remote", "url": server.url, "concurrency": 2, "call_timeout": 30, "weight": 0.1})
     code = main([str(spec), "--set", f"model.path={model}", "--set", f"train.output_dir={tmp_path / 'out'}",

@@ -1,4 +1,4 @@
-"""Process rewards (grpo_plugins.process_rewards) and the multi-step arithmetic task."""
+"""Process rewards (grpo_plugins.rewards.process) and the multi-step arithmetic task."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from grpo_plugins.advantages.process import process_advantages
 from grpo_plugins.datasets import ArithmeticDataset, MultiStepArithmeticOptions
-from grpo_plugins.process_rewards import (
+from grpo_plugins.rewards.process import (
     ArithmeticStepsOptions,
     ArithmeticStepsReward,
     ProcessRewardModel,
@@ -145,7 +145,7 @@ def test_the_multi_step_task_asks_for_one_step_per_line():
 def test_builtins_are_registered():
     registry = load_plugins(external=False).registry
     assert (
-        registry.get("reward_function", "arithmetic-steps").plugin == "grpo_plugins.process_rewards"
+        registry.get("reward_function", "arithmetic-steps").plugin == "grpo_plugins.rewards.process"
     )
     assert (
         registry.get("reward_function", "process_reward_model").options is ProcessRewardModelOptions

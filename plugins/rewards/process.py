@@ -14,10 +14,11 @@ import re
 import threading
 from typing import Any, Literal
 
-from grpo_plugins.rewards import completion_text, resolve_device
+from grpo_plugins.rewards.common import resolve_device
 from pydantic import Field, model_validator
 
 from grpo_core import hookimpl
+from grpo_core.contracts import completion_text
 from grpo_core.errors import RunError
 from grpo_core.options import Options
 from grpo_core.spec import SpecPath
