@@ -1,7 +1,7 @@
 """``grpo-run`` subcommands from plugins (the ``register_commands`` hook, :mod:`grpo_core.commands`):
 an inline plugin class registering a command, name clashes, arguments after ``--`` left to the
 command, and the CLI with an installed plugin's command (``fake_dist``: tests/core/conftest.py).
-The real ``serve`` command's arguments are tested in tests/plugins/test_rollout_server.py."""
+The real ``serve`` command's arguments are tested in tests/plugins/vllm/test_serve.py."""
 
 from __future__ import annotations
 

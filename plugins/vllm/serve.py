@@ -5,9 +5,9 @@ unparsed (the command's ``passthrough``).
 It is vLLM's own OpenAI-compatible API server (``vllm serve``), started with what the
 backend needs and nothing home-made:
 
-- ``--worker-extension-cls grpo_plugins.server_worker.WeightChannelExtension`` and
+- ``--worker-extension-cls grpo_plugins.vllm.worker.WeightChannelExtension`` and
   ``--weight-transfer-config '{"backend": "grpo_torch"}'``: vLLM's weight-transfer routes
-  drive the ``grpo_torch`` engine (:mod:`grpo_plugins.server_worker`), which receives the
+  drive the ``grpo_torch`` engine (:mod:`grpo_plugins.vllm.worker`), which receives the
   learner's weights over a ``torch.distributed`` group (gloo on the CPU, NCCL on GPUs);
 - ``VLLM_SERVER_DEV_MODE=1``: vLLM serves those routes, ``/reset_prefix_cache`` and
   ``/collective_rpc`` only in this mode. They let anyone who reaches the port replace the
@@ -36,7 +36,7 @@ from grpo_core.errors import UsageError
 
 __all__ = ["WORKER_EXTENSION", "configure", "register_commands", "run", "serve", "serve_command"]
 
-WORKER_EXTENSION = "grpo_plugins.server_worker.WeightChannelExtension"
+WORKER_EXTENSION = "grpo_plugins.vllm.worker.WeightChannelExtension"
 ENTRY = "vllm.entrypoints.launchers.api_server.entry"
 #: Flags ``grpo-run serve`` sets itself; given again after ``--`` they would contradict it.
 OWN_FLAGS = ("--worker-extension-cls", "--weight-transfer-config", "--model", "--host", "--port", "--dtype")

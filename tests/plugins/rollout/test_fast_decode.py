@@ -13,16 +13,17 @@ import math
 
 import pytest
 import torch
-from grpo_plugins import rollout_hf
-from grpo_plugins.rollout_decode import (
+from grpo_plugins.rollout import decode as decode_module
+from grpo_plugins.rollout.decode import (
     DECODE_ATTENTION,
     SlabLayer,
+    auto_dtype,
     decode_attention,
     lean_decode,
     use_decode_attention,
     use_slabs,
 )
-from grpo_plugins.rollout_hf import HFRollout, HFRolloutOptions, auto_dtype
+from grpo_plugins.rollout.hf import HFRollout, HFRolloutOptions
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache
@@ -98,7 +99,7 @@ def test_a_model_on_decode_attention_gives_the_same_logits(policy, tok, prompts)
 def test_packed_linears_give_the_same_logits_and_are_undone(policy, tok):
     """A bfloat16 CPU model's linear layers on oneDNN-packed weights: the same logits (oneDNN
     runs the same bf16 matmul), and the plain layers back afterwards."""
-    from grpo_plugins.rollout_decode import packed_linears
+    from grpo_plugins.rollout.decode import packed_linears
 
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch has no oneDNN")  # every torch CPU wheel has it
@@ -168,7 +169,7 @@ def test_the_lean_loop_returns_the_log_prob_of_each_drawn_token(policy, tok, sam
     """Each drawn token's log-prob is the model's log-softmax of the warped logits (the
     distribution it was drawn from), recomputed here with one full forward: to 1e-4. Zero
     after a row's end."""
-    from grpo_plugins.rollout_decode import warpers
+    from grpo_plugins.rollout.decode import warpers
 
     prompt = torch.tensor([tok(TEXTS[0])["input_ids"]] * 4)
     mask = torch.ones_like(prompt, dtype=torch.bool)
@@ -233,22 +234,22 @@ def test_a_bf16_copy_reports_its_log_probs_and_the_policy_itself_does_not(policy
     (True, 0, "lean", torch.bfloat16, None),  # the policy is bf16 already
 ])
 def test_auto_dtype(monkeypatch, tok, native, size, decode, weights, expect):
-    monkeypatch.setattr(rollout_hf, "native_bf16", lambda device: native)
-    monkeypatch.setattr(rollout_hf, "AUTO_MIN_PARAMETERS", size)
+    monkeypatch.setattr(decode_module, "native_bf16", lambda device: native)
+    monkeypatch.setattr(decode_module, "AUTO_MIN_PARAMETERS", size)
     assert auto_dtype(build_model(tok).to(weights), decode) == expect
 
 
 def test_native_bf16_reads_the_cpu(monkeypatch):
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
-    assert not rollout_hf.native_bf16(torch.device("cpu"))
+    assert not decode_module.native_bf16(torch.device("cpu"))
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
-    assert rollout_hf.native_bf16(torch.device("cpu"))
+    assert decode_module.native_bf16(torch.device("cpu"))
 
 
 def test_auto_generates_with_a_bf16_copy_on_decode_attention(monkeypatch, policy, tok, prompts):
-    monkeypatch.setattr(rollout_hf, "native_bf16", lambda device: True)
-    monkeypatch.setattr(rollout_hf, "AUTO_MIN_PARAMETERS", 0)
+    monkeypatch.setattr(decode_module, "native_bf16", lambda device: True)
+    monkeypatch.setattr(decode_module, "AUTO_MIN_PARAMETERS", 0)
     backend = HFRollout()  # the defaults
     backend.setup(policy, tok)
     assert backend.model is not policy and next(backend.model.parameters()).dtype == torch.bfloat16
@@ -276,8 +277,8 @@ def test_a_run_on_a_bf16_copy_weights_the_loss_by_the_rollout_correction(tmp_pat
     sampler/trainer gap and the truncated-IS weights, which are near 1 and not all 1."""
     from grpo_core.testing import save_tiny_model
 
-    monkeypatch.setattr(rollout_hf, "native_bf16", lambda device: True)
-    monkeypatch.setattr(rollout_hf, "AUTO_MIN_PARAMETERS", 0)
+    monkeypatch.setattr(decode_module, "native_bf16", lambda device: True)
+    monkeypatch.setattr(decode_module, "AUTO_MIN_PARAMETERS", 0)
     model = save_tiny_model(tmp_path / "model")
     (tmp_path / "varied.py").write_text(VARIED)
     spec = tmp_path / "spec.yaml"

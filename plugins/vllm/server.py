@@ -1,19 +1,19 @@
 """Rollout backend ``vllm-server``: generation on vLLM rollout servers in other processes or
-on other machines (``grpo-run serve``, :mod:`grpo_plugins.vllm_serve`), addressed by URL.
+on other machines (``grpo-run serve``, :mod:`grpo_plugins.vllm.serve`), addressed by URL.
 
 The split of work follows TRL's ``vllm_mode="server"`` and verl's rollout workers: the
 learner trains, the servers generate, and after each update (or every ``push_every``) the
 learner pushes the policy's weights to every server. Nothing here is a new protocol:
 
 - generation is vLLM's OpenAI-compatible ``/v1/completions``, one request per prompt with
-  ``n = G`` samples and that prompt's seed (:func:`~grpo_plugins.vllm_io.request_seed`, the
+  ``n = G`` samples and that prompt's seed (:func:`~grpo_plugins.vllm.io.request_seed`, the
   colocated ``vllm`` backend's), token ids in and out and the sampler's log-probs, made
   into the same :class:`~grpo_core.contracts.RolloutBatch` by
-  :func:`~grpo_plugins.vllm_io.outputs_to_batch`;
+  :func:`~grpo_plugins.vllm.io.outputs_to_batch`;
 - a push is vLLM's weight-transfer API (``/start_weight_update``, ``/update_weights``,
   ``/finish_weight_update``) driving the server's ``grpo_torch`` engine, with the tensors
   broadcast over a ``torch.distributed`` group per server (gloo on the CPU, NCCL on GPUs;
-  :mod:`grpo_plugins.weight_channel`), then ``/reset_prefix_cache``.
+  :mod:`grpo_plugins.vllm.channel`), then ``/reset_prefix_cache``.
 
 The learner needs PyTorch and the standard library, not vLLM: this module imports, registers and
 validates specs without it.
@@ -39,10 +39,9 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import torch
-from grpo_plugins.rollout_vllm import cast_weights
-from grpo_plugins.server_client import ServerClient, ServerFault, completion_body, local_address
-from grpo_plugins.vllm_io import outputs_to_batch, repeat_greedy, request_seed
-from grpo_plugins.weights import policy_weights
+from grpo_plugins.rollout.weights import cast_weights, policy_weights
+from grpo_plugins.vllm.client import ServerClient, ServerFault, local_address
+from grpo_plugins.vllm.io import completion_body, outputs_to_batch, repeat_greedy, request_seed
 from pydantic import Field, field_validator
 
 from grpo_core import hookimpl
@@ -52,7 +51,7 @@ from grpo_core.options import Options
 
 __all__ = ["Failover", "VLLMServerOptions", "VLLMServerRollout", "assign_prompts", "check_url"]
 
-log = logging.getLogger("grpo.rollout.vllm_server")
+log = logging.getLogger("grpo.rollout.vllm-server")
 NAME = "vllm-server"
 
 
@@ -366,10 +365,5 @@ def _free_port(host: str) -> int:
 
 @hookimpl
 def register_rollout_backends(register) -> None:
-    """Register the ``vllm-server`` rollout backend."""
-    register.add(
-        NAME,
-        VLLMServerRollout,
-        options=VLLMServerOptions,
-        description="vLLM rollout servers (grpo-run serve) addressed by URL; weights pushed over torch.distributed",
-    )
+    register.add(NAME, VLLMServerRollout, options=VLLMServerOptions, description="vLLM rollout servers "
+                 "(grpo-run serve) addressed by URL; weights pushed over torch.distributed")

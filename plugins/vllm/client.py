@@ -1,6 +1,7 @@
 """The learner's side of one vLLM rollout server (``grpo-run serve``): vLLM's own HTTP
 routes, called with the standard library's ``urllib``, and the weight channel of
-:mod:`grpo_plugins.weight_channel`.
+:mod:`grpo_plugins.vllm.channel`. The requests it sends are made by
+:func:`grpo_plugins.vllm.io.completion_body`.
 
 Routes used (vLLM 0.32): ``/v1/models``; ``/v1/completions`` (OpenAI's, prompts as token ids,
 vLLM's sampling extras, ``return_token_ids``); ``/collective_rpc`` (the worker extension's
@@ -18,16 +19,12 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
 from typing import Any
 
-from grpo_plugins.vllm_io import sampling_kwargs
-from grpo_plugins.weight_channel import open_group, send_tensors, update_info
+from grpo_plugins.vllm.channel import open_group, send_tensors, update_info
 from torch import Tensor
 
-from grpo_core.contracts import SamplingParams
-
-__all__ = ["Completion", "ServerClient", "ServerFault", "completion_body", "local_address", "to_outputs"]
+__all__ = ["Completion", "ServerClient", "ServerFault", "local_address", "to_outputs"]
 
 
 class ServerFault(Exception):
@@ -45,22 +42,10 @@ def local_address(url_host: str) -> str:
             return "127.0.0.1"
 
 
-def completion_body(
-    prompt: list[int], group_size: int, sampling: SamplingParams, eos_ids: Sequence[int], seed: int | None,
-    model: str,
-) -> dict[str, Any]:
-    """The ``/v1/completions`` request of one prompt: the same sampling parameters as the
-    colocated backend's (:func:`~grpo_plugins.vllm_io.sampling_kwargs`), token ids in and
-    out, the sampled token's log-prob per position."""
-    body = sampling_kwargs(sampling, group_size, eos_ids, seed)
-    body.update(model=model, prompt=list(prompt), return_token_ids=True, stream=False)
-    return body
-
-
 @dataclasses.dataclass
 class Completion:
     """One completion of a server's answer, with the attributes
-    :func:`~grpo_plugins.vllm_io.outputs_to_batch` reads from vLLM's own outputs."""
+    :func:`~grpo_plugins.vllm.io.outputs_to_batch` reads from vLLM's own outputs."""
 
     index: int
     token_ids: list[int]

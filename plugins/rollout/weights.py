@@ -1,19 +1,22 @@
 """The policy's weights as an inference engine wants them: the base model's parameter
 names, with a LoRA adapter (peft) merged in, ``W + scaling * B @ A`` per layer, computed
-from the state dict so that the training model itself is never modified.
+from the state dict so that the training model itself is never modified
+(:func:`policy_weights`), and cast to the engine's dtype (:func:`cast_weights`).
 
-Used by the ``vllm`` rollout backend for its weight sync; any backend that keeps its own
-copy of the weights (another engine, a server) can use it the same way.
+Used by the ``vllm`` and ``vllm-server`` rollout backends (:mod:`grpo_plugins.vllm`) for their
+weight sync; any backend that keeps its own copy of the weights (another engine, a server)
+can use it the same way. A helper, not a plugin: it registers nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+import torch
 from torch import Tensor
 
-__all__ = ["vllm_weight_name", "lora_layout", "merge_lora", "policy_weights"]
+__all__ = ["cast_weights", "vllm_weight_name", "lora_layout", "merge_lora", "policy_weights"]
 
 
 _WRAPPERS = ("_orig_mod.", "_checkpoint_wrapped_module.")  # torch.compile, activation checkpointing
@@ -113,3 +116,10 @@ def policy_weights(model: Any) -> Iterator[tuple[str, Tensor]]:
     else:  # sharded (fsdp2) tensors are gathered one at a time, every process in step
         for name, tensor in state.items():
             yield vllm_weight_name(name), tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def cast_weights(weights: Iterable[tuple[str, Tensor]], dtype: torch.dtype) -> list[tuple[str, Tensor]]:
+    """``weights`` with every floating tensor in ``dtype``: the engine's, so that vLLM's
+    loaders copy without a per-tensor dtype conversion (and its warning); integer tensors
+    (buffers) are kept as they are."""
+    return [(name, t.to(dtype) if t.is_floating_point() else t) for name, t in weights]

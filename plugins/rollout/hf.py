@@ -1,11 +1,11 @@
 """Rollout backend ``hf``: transformers ``generate`` with the training model itself (or a
 copy of it in ``options.dtype``; by default a bfloat16 copy where the hardware computes in
-bfloat16 natively, :func:`auto_dtype`).
+bfloat16 natively, :func:`~grpo_plugins.rollout.decode.auto_dtype`).
 
 Generation, seeding and stopping: :meth:`HFRollout.generate`; prompt prefill shared by the
 ``G`` completions of a prompt: :meth:`HFRollout._prefill`; sampling follows
 :class:`~grpo_core.contracts.SamplingParams` only (:func:`_generation_config`). The decode
-itself is the lean loop of :mod:`grpo_plugins.rollout_decode` (``decode: lean``, the
+itself is the lean loop of :mod:`grpo_plugins.rollout.decode` (``decode: lean``, the
 default: :meth:`HFRollout._generate_part_lean`) or transformers ``generate``
 (:meth:`HFRollout._generate_part`).
 """
@@ -13,7 +13,6 @@ default: :meth:`HFRollout._generate_part_lean`) or transformers ``generate``
 from __future__ import annotations
 
 import contextlib
-import copy
 from typing import Any, Literal
 
 import torch
@@ -62,7 +61,7 @@ class HFRolloutOptions(Options):
     decode: Literal["lean", "generate"] = Field(
         "lean",
         description=(
-            "lean: the backend's own decode loop (plugins/rollout_decode.py), which drops a "
+            "lean: the backend's own decode loop (plugins/rollout/decode.py), which drops a "
             "row from the batch (and its KV cache) as soon as it ends and has no per-token "
             "overhead beyond the forward, the sampling and the stop check; same tokens as "
             "generate under a fixed seed, up to float rounding. generate: transformers "
@@ -188,44 +187,6 @@ def _generation_config(sampling: SamplingParams, eos_ids: list[int], pad_id: int
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def native_bf16(device: torch.device) -> bool:
-    """Whether ``device`` computes bfloat16 natively: a CUDA GPU with bf16 support, or a CPU
-    with AVX512-BF16 or AMX tiles (torch's own probes)."""
-    if device.type == "cuda":
-        return bool(torch.cuda.is_bf16_supported())
-    if device.type != "cpu":
-        return False
-    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
-
-
-#: ``dtype: auto`` makes a bfloat16 copy only of models this large: below it a decode step is
-#: per-operation overhead more than matmuls, which a copy does not speed up.
-AUTO_MIN_PARAMETERS = 50_000_000
-
-
-def auto_dtype(model: torch.nn.Module, decode: str) -> torch.dtype | None:
-    """What ``dtype: auto`` generates in for ``model``: bfloat16 when its weights are float32
-    plain tensors (not fsdp2 shards), at least :data:`AUTO_MIN_PARAMETERS` of them, ``decode``
-    is the lean loop (which returns the sampler's log-probs for the rollout correction) and
-    the device has native bf16; else None (the policy itself)."""
-    weight = next(model.parameters())
-    if decode != "lean" or weight.dtype != torch.float32 or hasattr(weight, "full_tensor"):
-        return None
-    if sum(p.numel() for p in model.parameters()) < AUTO_MIN_PARAMETERS:
-        return None
-    return torch.bfloat16 if native_bf16(weight.device) else None
-
-
-def _empty_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """``model``'s modules and buffers (in ``dtype``) with empty parameters, tied ones still
-    shared, built without a transient full copy of the weights (:meth:`HFRollout._fill`
-    gives it weights)."""
-    memo = {id(p): torch.nn.Parameter(torch.empty(0, dtype=dtype, device=p.device), requires_grad=False)
-            for p in model.parameters()}
-    return copy.deepcopy(model, memo).to(dtype).eval()
-
-
 class HFRollout:
     """Generates with transformers ``generate`` on the training model, or on a copy of it in
     ``options.dtype``: cast from the training weights for each call and freed after, or kept
@@ -251,7 +212,7 @@ class HFRollout:
     def setup(self, model: Any, tokenizer: Any) -> None:
         """Keep the policy model (or make the generation copy) and tokenizer; find the pad
         and EOS ids."""
-        from grpo_plugins.rollout_decode import use_decode_attention
+        from grpo_plugins.rollout.decode import auto_dtype, empty_copy, use_decode_attention
 
         self.model, self.tokenizer, self._source = model, tokenizer, model
         if self.options.dtype == "auto":
@@ -262,7 +223,7 @@ class HFRollout:
             if any(hasattr(p, "full_tensor") for p in model.parameters()):  # DTensor shards (fsdp2)
                 raise RuntimeError("hf rollout: options.dtype makes a whole copy of the policy, which a "
                                    "sharded (fsdp2) run does not keep; drop rollout.options.dtype")
-            self.model = _empty_copy(model, dtype)
+            self.model = empty_copy(model, dtype)
             if dtype != torch.float32:
                 use_decode_attention(self.model)
             if self.options.keep_copy:
@@ -292,9 +253,9 @@ class HFRollout:
     @contextlib.contextmanager
     def _weights(self, rows: int):
         """The generation copy filled inside, when it is made per call, and its bfloat16 CPU
-        linear layers packed for oneDNN (:func:`~grpo_plugins.rollout_decode.packed_linears`)
+        linear layers packed for oneDNN (:func:`~grpo_plugins.rollout.decode.packed_linears`)
         for about ``rows`` rows; the policy itself as it is."""
-        from grpo_plugins.rollout_decode import packed_linears
+        from grpo_plugins.rollout.decode import packed_linears
 
         copied = self.model is not self._source
         per_call = copied and not self.options.keep_copy
@@ -443,10 +404,10 @@ class HFRollout:
     def _generate_part_lean(
         self, ids: Tensor, mask: Tensor, group_size: int, sampling: SamplingParams
     ) -> tuple[Tensor, Tensor, Tensor | None]:
-        """:meth:`_generate_part` with :func:`~grpo_plugins.rollout_decode.lean_decode`:
+        """:meth:`_generate_part` with :func:`~grpo_plugins.rollout.decode.lean_decode`:
         the same prefill (shared by the group when allowed), then the lean loop; with the
         sampled tokens' log-probs when :attr:`_returns_logp`."""
-        from grpo_plugins.rollout_decode import lean_decode
+        from grpo_plugins.rollout.decode import lean_decode
         from transformers import DynamicCache
 
         first = int(mask.any(0).nonzero()[0])  # drop columns that are padding in every row
@@ -505,10 +466,5 @@ class HFRollout:
 
 @hookimpl
 def register_rollout_backends(register) -> None:
-    """Register the ``hf`` rollout backend."""
-    register.add(
-        "hf",
-        HFRollout,
-        options=HFRolloutOptions,
-        description="transformers generate on the training model (KV cache, shared prefill)",
-    )
+    register.add("hf", HFRollout, options=HFRolloutOptions,
+                 description="transformers generate on the training model (KV cache, shared prefill)")

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from grpo_plugins.rollout_hf import HFRollout, HFRolloutOptions
+from grpo_plugins.rollout.hf import HFRollout, HFRolloutOptions
 from pydantic import ValidationError
 
 from grpo_core.contracts import RolloutBackend, SamplingParams
@@ -243,7 +243,7 @@ def test_errors_name_the_problem(model, tokenizer, prompts):
 def test_generation_copy_in_another_dtype_follows_the_policy():
     """With ``dtype`` and ``keep_copy`` the backend generates with its own resident copy,
     which sync_weights refreshes."""
-    from grpo_plugins.rollout_hf import HFRollout, HFRolloutOptions
+    from grpo_plugins.rollout.hf import HFRollout, HFRolloutOptions
 
     from grpo_core.contracts import SamplingParams
     from grpo_core.testing import build_model, build_tokenizer

@@ -11,7 +11,7 @@ import copy
 
 import pytest
 import torch
-from grpo_plugins.rollout_hf import HFRollout, HFRolloutOptions
+from grpo_plugins.rollout.hf import HFRollout, HFRolloutOptions
 from pydantic import ValidationError
 
 from grpo_core.contracts import SamplingParams
@@ -115,7 +115,7 @@ def test_decode_option_is_validated():
 
 
 def test_inverse_cdf_picks_the_token_whose_interval_holds_u():
-    from grpo_plugins.rollout_decode import inverse_cdf
+    from grpo_plugins.rollout.decode import inverse_cdf
 
     probs = torch.tensor([[0.0, 0.25, 0.0, 0.5, 0.25]] * 6)
     uniforms = torch.tensor([0.0, 0.2499, 0.25, 0.7499, 0.75, 1.0 - 2**-24])

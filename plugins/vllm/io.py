@@ -1,5 +1,6 @@
-"""What the ``vllm`` rollout backend sends vLLM and makes of its answers: the sampling
-parameters of one request (:func:`sampling_kwargs`, seeds by :func:`request_seed`) and the
+"""What the ``vllm`` and ``vllm-server`` rollout backends send vLLM and make of its answers: the
+sampling parameters of one request (:func:`sampling_kwargs`, seeds by :func:`request_seed`), as
+the body of a server's ``/v1/completions`` request (:func:`completion_body`), and the
 :class:`~grpo_core.contracts.RolloutBatch` of its outputs (:func:`outputs_to_batch`).
 
 Plain Python on vLLM's output attributes: nothing here imports vLLM.
@@ -15,7 +16,7 @@ import torch
 
 from grpo_core.contracts import RolloutBatch, SamplingParams, cut_after_stop, left_pad
 
-__all__ = ["outputs_to_batch", "repeat_greedy", "request_seed", "sampling_kwargs"]
+__all__ = ["completion_body", "outputs_to_batch", "repeat_greedy", "request_seed", "sampling_kwargs"]
 
 
 # --------------------------------------------------------------------------- sampling
@@ -65,6 +66,18 @@ def sampling_kwargs(
         "logprobs": 0,  # the sampled token's log-prob only
         "skip_special_tokens": True,
     }
+
+
+def completion_body(
+    prompt: list[int], group_size: int, sampling: SamplingParams, eos_ids: Sequence[int], seed: int | None,
+    model: str,
+) -> dict[str, Any]:
+    """The ``/v1/completions`` request of one prompt: the same sampling parameters as the
+    colocated backend's (:func:`sampling_kwargs`), token ids in and
+    out, the sampled token's log-prob per position."""
+    body = sampling_kwargs(sampling, group_size, eos_ids, seed)
+    body.update(model=model, prompt=list(prompt), return_token_ids=True, stream=False)
+    return body
 
 
 # --------------------------------------------------------------------------- outputs

@@ -14,7 +14,7 @@ is drawn with the rule ``torch.multinomial(probs, 1)`` uses on CPU for one sampl
 probabilities, drawn every step for all ``B`` rows as ``generate`` does (finished rows
 included) and indexed by the rows still alive. Under a fixed seed the two therefore draw
 the same noise for the same row and step, and give the same tokens up to float rounding
-of the forward at a different batch size (see ``tests/plugins/test_rollout_decode.py``).
+of the forward at a different batch size (see ``tests/plugins/rollout/test_decode.py``).
 
 That draw costs ``B * V`` exponentials per step (32 ms for 32 rows of SmolLM2's 49k
 vocabulary on two cores, half a bf16 decode step there). ``sampler: inverse-cdf`` (the default)
@@ -37,11 +37,16 @@ Two more things keep the per-token cost near the model's matmuls:
 - :func:`packed_linears`: on a CPU, the bfloat16 copy's linear layers run oneDNN's matmul
   on weights reordered once per generate call into its blocked layout (the same results to
   the bit; the matmuls were 63% of a bfloat16 generate call and run 1.2-1.6x faster packed).
+
+The generation copy itself: whether ``dtype: auto`` makes one (:func:`auto_dtype`, on a device
+with native bfloat16, :func:`native_bf16`) and its empty shell (:func:`empty_copy`), which the
+``hf`` backend (:mod:`grpo_plugins.rollout.hf`) fills with the training weights.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 from functools import partial
 from typing import Any
@@ -53,7 +58,7 @@ from transformers.cache_utils import DynamicLayer
 from grpo_core.contracts import SamplingParams
 
 __all__ = ["lean_decode", "warpers", "inverse_cdf", "decode_attention", "use_decode_attention", "SlabLayer",
-           "use_slabs", "packed_linears"]
+           "use_slabs", "packed_linears", "auto_dtype", "empty_copy", "native_bf16"]
 
 
 def warpers(sampling: SamplingParams):
@@ -358,3 +363,42 @@ def packed_linears(model: torch.nn.Module, rows: int):
     finally:
         for module in done:
             del module.forward, module._grpo_packed
+
+
+# ------------------------------------------------------------------ the generation copy
+def native_bf16(device: torch.device) -> bool:
+    """Whether ``device`` computes bfloat16 natively: a CUDA GPU with bf16 support, or a CPU
+    with AVX512-BF16 or AMX tiles (torch's own probes)."""
+    if device.type == "cuda":
+        return bool(torch.cuda.is_bf16_supported())
+    if device.type != "cpu":
+        return False
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
+
+
+#: ``dtype: auto`` makes a bfloat16 copy only of models this large: below it a decode step is
+#: per-operation overhead more than matmuls, which a copy does not speed up.
+AUTO_MIN_PARAMETERS = 50_000_000
+
+
+def auto_dtype(model: torch.nn.Module, decode: str) -> torch.dtype | None:
+    """What ``dtype: auto`` generates in for ``model``: bfloat16 when its weights are float32
+    plain tensors (not fsdp2 shards), at least :data:`AUTO_MIN_PARAMETERS` of them, ``decode``
+    is the lean loop (which returns the sampler's log-probs for the rollout correction) and
+    the device has native bf16; else None (the policy itself)."""
+    weight = next(model.parameters())
+    if decode != "lean" or weight.dtype != torch.float32 or hasattr(weight, "full_tensor"):
+        return None
+    if sum(p.numel() for p in model.parameters()) < AUTO_MIN_PARAMETERS:
+        return None
+    return torch.bfloat16 if native_bf16(weight.device) else None
+
+
+def empty_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """``model``'s modules and buffers (in ``dtype``) with empty parameters, tied ones still
+    shared, built without a transient full copy of the weights (the backend gives it weights
+    before each generate call, or once with ``keep_copy``)."""
+    memo = {id(p): torch.nn.Parameter(torch.empty(0, dtype=dtype, device=p.device), requires_grad=False)
+            for p in model.parameters()}
+    return copy.deepcopy(model, memo).to(dtype).eval()
