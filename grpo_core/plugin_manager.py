@@ -62,9 +62,11 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "grpo_plugins.rewards.trainable",
     "grpo_plugins.datasets",
     "grpo_plugins.step_splitters",
-    "grpo_plugins.trackers",
-    "grpo_plugins.trackers_ext",
-    "grpo_plugins.environments",
+    "grpo_plugins.trackers.mlflow",
+    "grpo_plugins.trackers.console",
+    "grpo_plugins.trackers.wandb",
+    "grpo_plugins.trackers.tensorboard",
+    "grpo_plugins.environments.tools",
 )
 
 

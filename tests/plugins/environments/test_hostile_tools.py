@@ -8,7 +8,7 @@ import argparse
 import sys
 
 import pytest
-from grpo_plugins.environments import ToolsEnvironment, ToolsOptions, parse_tool_calls
+from grpo_plugins.environments.tools import ToolsEnvironment, ToolsOptions, parse_tool_calls
 
 
 def echo(text: str) -> str:

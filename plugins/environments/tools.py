@@ -1,4 +1,4 @@
-"""Built-in environments: ``tools``, function calling with plain Python functions.
+"""Environment ``tools``: function calling with plain Python functions.
 
 A tool is a plain function with type hints and a Google-style docstring (``Args:``), as
 transformers' chat templates accept them (``apply_chat_template(..., tools=[fn])``); its
@@ -44,7 +44,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Literal
 
-from grpo_plugins.calculator import calculator
+from grpo_plugins.environments.calculator import calculator
 from pydantic import Field
 
 from grpo_core import hookimpl

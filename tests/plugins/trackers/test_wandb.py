@@ -1,44 +1,18 @@
-"""The ``wandb`` and ``tensorboard`` trackers (grpo_plugins.trackers_ext), for real and
-offline: W&B in offline mode writes its run folder, read back record by record from the
-``.wandb`` file; TensorBoard's event files are read back with its own EventAccumulator."""
+"""The ``wandb`` tracker, for real and offline: W&B in offline mode writes its run folder, read back
+record by record from the ``.wandb`` file; a resume continues the checkpointed run."""
 
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from grpo_plugins.trackers_ext import (
-    TensorBoardOptions,
-    TensorBoardTracker,
-    WandbOptions,
-    WandbTracker,
-    markdown_table,
-)
+from grpo_plugins.trackers.wandb import WandbOptions, WandbTracker
 
-from grpo_core.errors import SpecError
-from grpo_core.spec import load_spec
-
-ROWS = [
-    {"prompt": "What is 2 + 3?", "completion": "5 | five\nyes", "reward": 1.0},
-    {"prompt": "What is 2 + 3?", "completion": "6", "reward": 0.0},
-]
+from .conftest import events
 
 
-def _events(tracker, spec_file: Path) -> None:
-    """The events a run sends, in a run's order."""
-    assert tracker.start("unit-run") is None  # no run id to mix up with MLflow's
-    tracker.log_params({"train.lr": 0.001, "model.path": "tiny"})
-    tracker.log_artifact(str(spec_file))
-    tracker.log_metrics({"reward": 0.25, "kl": 0.5}, 1)
-    tracker.log_metrics({"reward": 0.75, "kl": 0.25}, 2)
-    tracker.log_table("completions", ROWS, 2)
-    tracker.finish("FINISHED")
-
-
-# --------------------------------------------------------------------------- W&B
 def read_wandb_records(path: Path) -> list:
     """The protobuf records of a ``.wandb`` file: a ``:W&B`` header (7 bytes), then
     LevelDB-log framed records (4-byte checksum, 2-byte length, 1-byte type) in 32 KiB blocks."""
@@ -100,7 +74,7 @@ def test_wandb_offline_run_folder_holds_params_metrics_table_and_spec(wandb_env,
     spec_file = tmp_path / "spec.resolved.yaml"
     spec_file.write_text("train:\n  lr: 0.001\n", encoding="utf-8")
     tracker = WandbTracker(WandbOptions(mode="offline", project="unit", dir=wandb_env))
-    _events(tracker, spec_file)
+    events(tracker, spec_file)
     assert tracker.failures == 0
 
     (run_dir,) = (wandb_env / "wandb").glob("offline-run-*")
@@ -143,56 +117,3 @@ def test_wandb_resume_continues_the_checkpointed_run_id(wandb_env, tmp_path):
     runs = [r.run.run_id for r in records if r.HasField("run")]
     steps = {int(i.value_json) for r in records if r.HasField("history") for i in r.history.item if _key(i) == "_step"}
     assert set(runs) == {state["id"]} and len(runs) == 2 and steps == {1, 2}
-
-
-# --------------------------------------------------------------------------- TensorBoard
-def test_tensorboard_event_files_read_back_with_its_own_reader(tmp_path):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    spec_file = tmp_path / "spec.resolved.yaml"
-    spec_file.write_text("train:\n  lr: 0.001\n", encoding="utf-8")
-    tracker = TensorBoardTracker(TensorBoardOptions(log_dir=tmp_path / "tb"))
-    _events(tracker, spec_file)
-    assert tracker.failures == 0
-
-    acc = EventAccumulator(str(tmp_path / "tb" / "unit-run"))
-    acc.Reload()
-    assert [(e.step, e.value) for e in acc.Scalars("reward")] == [(1, 0.25), (2, 0.75)]
-    assert [(e.step, e.value) for e in acc.Scalars("kl")] == [(1, 0.5), (2, 0.25)]
-
-    def text(tag: str) -> tuple[int, str]:
-        (event,) = acc.Tensors(tag)
-        return event.step, event.tensor_proto.string_val[0].decode()
-
-    step, table = text("completions/text_summary")
-    assert step == 2 and "| prompt | completion | reward |" in table and "5 \\| five<br>yes" in table
-    assert "    train:" in text("files/spec.resolved.yaml/text_summary")[1]
-    assert "| train.lr | 0.001 |" in text("params/text_summary")[1]
-    assert text("status/text_summary")[1] == "FINISHED"
-
-
-def test_markdown_table_escapes_cells_and_cuts_long_ones():
-    table = markdown_table([{"a": "x|y\nz", "b": "w" * 20}], limit=5)
-    assert table.splitlines() == ["| a | b |", "|---|---|", "| x\\|y<br>z | wwwww |"]
-    assert markdown_table([]) == ""
-
-
-# --------------------------------------------------------------------------- lean core
-@pytest.mark.parametrize("package", ["wandb", "tensorboard"])
-def test_a_tracker_without_its_package_fails_validation_naming_the_install(package, monkeypatch, tmp_path):
-    # sys.modules[name] = None is Python's own way of making a package absent.
-    monkeypatch.setitem(sys.modules, package, None)
-    spec = {"model": {"path": "m"}, "rewards": [{"name": "accuracy"}], "tracking": [{"name": package}]}
-    with pytest.raises(SpecError) as err:
-        load_spec(spec)
-    assert f"spec.tracking.0: tracker '{package}' needs the {package} package" in str(err.value)
-    assert f"pip install 'grpo-core[{package}]'" in str(err.value)
-
-
-def test_importing_the_plugins_imports_neither_package():
-    import subprocess
-
-    code = ("import sys; from grpo_core.plugin_manager import load_plugins; load_plugins(); "
-            "print(sorted(m for m in ('wandb', 'tensorboard') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"

@@ -1,4 +1,4 @@
-"""The calculator tool (grpo_plugins.calculator): Python's arithmetic on what it accepts,
+"""The calculator tool (grpo_plugins.environments.calculator): Python's arithmetic on what it accepts,
 a refusal naming the culprit for everything else, and bounded work per call."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 import time
 
 import pytest
-from grpo_plugins.calculator import MAX_EXPONENT, CalculatorError, calculator, evaluate
+from grpo_plugins.environments.calculator import MAX_EXPONENT, CalculatorError, calculator, evaluate
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -1,10 +1,10 @@
-"""The tools environment (grpo_plugins.environments): parsing calls, plain functions as
+"""The tools environment (grpo_plugins.environments.tools): parsing calls, plain functions as
 tools, how tools reach the prompt, and the env_reward reward."""
 
 from __future__ import annotations
 
 import pytest
-from grpo_plugins.environments import ToolsOptions, env_reward, parse_tool_calls, tool_success, tools_environment
+from grpo_plugins.environments.tools import ToolsOptions, env_reward, parse_tool_calls, tool_success, tools_environment
 
 from grpo_core.contracts import completion_text
 from grpo_core.errors import PluginError, RunError

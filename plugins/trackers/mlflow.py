@@ -1,15 +1,11 @@
-"""Built-in trackers: ``mlflow`` (the default) and ``console``.
-
-Trackers never raise for a failure of their own backend: the engine also writes every
-metric to ``metrics.jsonl`` in the run folder, so nothing is lost when a server is down.
-"""
+"""Tracker ``mlflow`` (the default): params, metrics, the spec, completion tables and, on request,
+the final model, logged to MLflow; what cannot be sent while the server is down is kept, and
+checkpointed, until it answers."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import sys
 import time
 import uuid
 import warnings
@@ -19,6 +15,8 @@ from pydantic import Field
 
 from grpo_core import hookimpl
 from grpo_core.options import Options
+
+__all__ = ["MLflowOptions", "MLflowTracker"]
 
 log = logging.getLogger("grpo.tracking")
 
@@ -290,50 +288,6 @@ def _log_pyfunc(uri: str, run_id: str, folder: str, registered: str | None) -> s
     return info.model_uri
 
 
-class ConsoleOptions(Options):
-    every: int = Field(1, ge=1, description="Print metrics every N steps.")
-    keys: list[str] | None = Field(
-        None, description="Metric names to print; default: reward, kl, loss, eval metrics and step time."
-    )
-
-
-_DEFAULT_KEYS = ("reward", "reward_std", "kl", "loss", "completions/mean_length", "time/step")
-
-
-class ConsoleTracker:
-    """Prints one line of metrics per step to stderr (a plain-text log of the run)."""
-
-    def __init__(self, options: ConsoleOptions):
-        self.options = options
-
-    def start(self, run_name: str, resume_id: str | None = None) -> str | None:
-        return None
-
-    def log_params(self, params: dict[str, Any]) -> None:
-        pass
-
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        keys = self.options.keys
-        if keys is None:
-            keys = [k for k in metrics if k in _DEFAULT_KEYS or k.startswith("eval/")]
-        if step % self.options.every and not any(k.startswith("eval/") for k in metrics):
-            return
-        shown = " ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics)
-        if shown:
-            print(f"[step {step}] {shown}", file=sys.stderr, flush=True)
-
-    def log_artifact(self, path: str) -> None:
-        pass
-
-    def log_table(self, name: str, rows: list[dict[str, Any]], step: int) -> None:
-        if rows:
-            print(f"[step {step}] {name}: {json.dumps(rows[0], ensure_ascii=False)[:300]}", file=sys.stderr)
-
-    def finish(self, status: str) -> None:
-        pass
-
-
 @hookimpl
 def register_trackers(register):
     register.add("mlflow", MLflowTracker, options=MLflowOptions)
-    register.add("console", ConsoleTracker, options=ConsoleOptions)
