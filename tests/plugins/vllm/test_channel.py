@@ -13,7 +13,7 @@ from grpo_plugins.vllm.channel import open_group, receive_tensors, send_tensors,
 from .conftest import free_port
 
 
-def test_the_weight_channel_carries_every_tensor_exactly():
+def test_the_channel_carries_every_tensor_exactly():
     """A real gloo group of two members (the learner, rank 0, and one receiver), as a server's
     worker joins it: the payload describes the tensors, the receiver gets them bit for bit."""
     weights = [("a.weight", torch.randn(3, 4)), ("b.bias", torch.arange(5, dtype=torch.float64)),
@@ -42,6 +42,6 @@ def test_the_weight_channel_carries_every_tensor_exactly():
         assert received.dtype == sent.dtype and torch.equal(received, sent)
 
 
-def test_the_weight_channel_refuses_an_unknown_backend():
+def test_the_channel_refuses_an_unknown_backend():
     with pytest.raises(ValueError, match="backend must be one of gloo, nccl, got 'mpi'"):
         open_group("127.0.0.1", 1, 0, 2, "mpi")

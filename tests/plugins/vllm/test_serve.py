@@ -32,7 +32,7 @@ def _serve_args(*argv):
     return args
 
 
-def test_serve_starts_vllms_server_with_the_weight_channel():
+def test_serve_starts_vllms_server_ready_for_weight_pushes():
     argv, env = serve_command(_serve_args("m", "--port", "8011", "--dtype", "float32", "--", "--max-num-seqs", "8"),
                               python="py")
     assert argv[:3] == ["py", "-m", "vllm.entrypoints.launchers.api_server.entry"]

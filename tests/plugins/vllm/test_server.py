@@ -124,7 +124,7 @@ def test_failover_moves_a_dropped_servers_prompts_to_the_live_ones_in_turn():
                        "http://b:2: ConnectTimeout: refused; http://c:3: timed out)")
 
 
-def test_a_server_without_the_weight_channel_is_refused_with_what_to_start():
+def test_a_plain_openai_server_is_refused_with_what_to_start():
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), PlainOpenAIServer)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
