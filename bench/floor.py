@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from grpo_plugins.rollout_hf import HFRollout, HFRolloutOptions
+    from grpo_plugins.rollout.hf import HFRollout, HFRolloutOptions
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from vs_trl import prepare_model, task_rows
 

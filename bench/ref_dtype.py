@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
 
     from floor import timed
-    from grpo_plugins.rollout_hf import HFRollout
+    from grpo_plugins.rollout.hf import HFRollout
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from vs_trl import prepare_model, task_rows
 

@@ -157,7 +157,7 @@ def _agreement(model, batch, temperature: float) -> dict[str, float]:
 
 
 def run(args) -> dict[str, Any]:
-    from grpo_plugins.rollout_vllm import VLLMRollout, VLLMRolloutOptions
+    from grpo_plugins.vllm.colocated import VLLMRollout, VLLMRolloutOptions
 
     from grpo_core.contracts import SamplingParams
 

@@ -70,10 +70,10 @@ def gap_metrics(trainer: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor
 
 def _backend(args):
     if args.backend == "hf":
-        from grpo_plugins.rollout_hf import HFRollout, HFRolloutOptions
+        from grpo_plugins.rollout.hf import HFRollout, HFRolloutOptions
 
         return HFRollout(HFRolloutOptions(dtype=None if args.hf_dtype == "null" else args.hf_dtype))
-    from grpo_plugins.rollout_vllm import VLLMRollout, VLLMRolloutOptions
+    from grpo_plugins.vllm.colocated import VLLMRollout, VLLMRolloutOptions
 
     length = 256 + args.max_new_tokens  # the prompts here are under 100 tokens
     return VLLMRollout(VLLMRolloutOptions(dtype=args.engine_dtype, max_model_len=length, seed=args.seed,

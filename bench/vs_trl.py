@@ -118,7 +118,7 @@ def accuracy_reward():
 def greedy_accuracy(model, tokenizer, rows, max_new_tokens: int, batch: int = 25) -> float:
     """Held-out greedy accuracy, with the same code for both tools."""
     import torch
-    from grpo_plugins.rollout_hf import HFRollout
+    from grpo_plugins.rollout.hf import HFRollout
 
     from grpo_core.contracts import SamplingParams
 

@@ -1,5 +1,6 @@
 """``grpo-run``: train from a spec (or dry-run it), evaluate a model, validate a spec, write a
-starter spec, list runs and plugins, print the JSON Schema.
+starter spec, list runs and plugins, print the JSON Schema; and the commands plugins add
+(:mod:`grpo_core.commands`, e.g. ``grpo-run serve`` of the vLLM plugins).
 
 Exit codes: 0 success, 1 runtime failure, 2 invalid spec or usage (or a fresh run in a
 folder holding another run, or any run in a folder a live run holds), 130 interrupted
@@ -15,10 +16,10 @@ import json
 import os
 import sys
 import traceback
+from collections.abc import Mapping
 
+from grpo_core.commands import BUILTIN_COMMANDS, Command, split_passthrough
 from grpo_core.errors import GrpoError, UsageError, fault_text
-
-COMMANDS = ("run", "eval", "validate", "init", "runs", "plugins", "schema", "serve")
 
 
 def _spec_args(p: argparse.ArgumentParser) -> None:
@@ -78,12 +79,17 @@ def _add_others(sub) -> None:
     plugins = sub.add_parser("plugins", help="list plugins and the components they register")
     plugins.add_argument("--json", action="store_true", help="print JSON")
     sub.add_parser("schema", help="print the JSON Schema of a spec, with every installed plugin's options")
-    from grpo_plugins.vllm_serve import add_serve_parser  # the vllm-server backend's server (vLLM's own)
-
-    add_serve_parser(sub)
 
 
-def _parser() -> argparse.ArgumentParser:
+def _add_plugin_commands(sub, commands: Mapping[str, Command]) -> None:
+    for command in commands.values():
+        command.configure(sub.add_parser(command.name, help=command.help, description=command.description))
+
+
+def _parser(commands: Mapping[str, Command] | None = None) -> argparse.ArgumentParser:
+    """grpo-run's own commands, then ``commands`` (those plugins register)."""
+    commands = commands or {}
+    added = ", ".join(f"grpo-run {name} ({command.plugin})" for name, command in commands.items())
     parser = argparse.ArgumentParser(
         prog="grpo-run",
         description="Train a causal LM with GRPO from a YAML spec.",
@@ -91,17 +97,29 @@ def _parser() -> argparse.ArgumentParser:
         epilog="Exit codes: 0 ok, 1 runtime failure, 2 invalid spec or usage, 130 interrupted, 143 terminated.\n"
         "Commands: grpo-run SPEC (train; --dry-run: one rollout, no training), grpo-run eval SPEC,\n"
         "grpo-run validate SPEC, grpo-run init [--task math|tools|custom] [SPEC], grpo-run runs [FOLDER ...],\n"
-        "grpo-run plugins, grpo-run schema, grpo-run serve MODEL [-- VLLM ARGS] (a rollout server).",
+        "grpo-run plugins, grpo-run schema." + (f"\nCommands of plugins: {added}." if added else ""),
     )
     sub = parser.add_subparsers(dest="command")
     _add_run(sub)
     _add_others(sub)
+    _add_plugin_commands(sub, commands)
     return parser
 
 
-def _normalize(argv: list[str]) -> list[str]:
+def _plugin_commands(argv: list[str]) -> dict[str, Command]:
+    """The commands plugins register, when the command line may name one (its first word is
+    not one of grpo-run's own commands: a plugin command, a spec, ``--help``, nothing);
+    else none, and no plugin is loaded for the parser."""
+    if argv and argv[0] in BUILTIN_COMMANDS:
+        return {}
+    from grpo_core.plugin_manager import load_plugins
+
+    return load_plugins().commands
+
+
+def _normalize(argv: list[str], commands: Mapping[str, Command]) -> list[str]:
     """``grpo-run SPEC ...`` means ``grpo-run run SPEC ...``."""
-    if argv and argv[0] not in COMMANDS and not argv[0].startswith("-"):
+    if argv and argv[0] not in BUILTIN_COMMANDS and argv[0] not in commands and not argv[0].startswith("-"):
         return ["run", *argv]
     return argv
 
@@ -146,7 +164,8 @@ def _cmd_plugins(args) -> int:
     if args.json:
         payload = [
             {"name": i.name, "source": i.source, "distribution": i.distribution,
-             "version": i.version, "location": i.location, "components": i.components}
+             "version": i.version, "location": i.location, "components": i.components,
+             "commands": i.commands}
             for i in plugins.info.values()
         ]
         print(json.dumps(payload, indent=2))
@@ -156,8 +175,10 @@ def _cmd_plugins(args) -> int:
         print(f"{info.name}  ({info.source}: {dist})")
         for kind, names in info.components.items():
             print(f"  {KINDS[kind].label}: {', '.join(names)}")
+        if info.commands:
+            print(f"  commands: {', '.join(f'grpo-run {name}' for name in info.commands)}")
         hooks = [h.name for h in plugins.manager.get_hookcallers(plugins.manager.get_plugin(key)) or []]
-        if not info.components and hooks:
+        if not info.components and not info.commands and hooks:
             print(f"  hooks: {', '.join(hooks)} (registered nothing)")
     return 0
 
@@ -184,15 +205,6 @@ def _cmd_eval(args) -> int:
     else:
         print(format_table(metrics, list(loaded.spec.eval.sets)))
     return 0
-
-
-def _cmd_serve(args) -> int:
-    from grpo_plugins.vllm_serve import serve
-
-    try:
-        return serve(args)
-    except (ValueError, RuntimeError) as exc:
-        raise UsageError(str(exc)) from exc
 
 
 def _cmd_run(args) -> int:
@@ -243,26 +255,31 @@ def _origin(exc: BaseException) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = _parser()
-    passthrough: list[str] = []
-    if argv[:1] == ["serve"]:  # what follows -- goes to vLLM unparsed
-        from grpo_plugins.vllm_serve import split_vllm_args
-
-        argv, passthrough = split_vllm_args(argv)
     try:
-        args = parser.parse_args(_normalize(argv))
-        args.vllm_args = passthrough
+        commands = _plugin_commands(argv)
+    except GrpoError as exc:  # a plugin that fails to load: no parser without it
+        print(f"grpo-run: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    parser = _parser(commands)
+    command = commands.get(argv[0]) if argv else None
+    passthrough: list[str] = []
+    if command is not None and command.passthrough:  # what follows -- is the command's, unparsed
+        argv, passthrough = split_passthrough(argv)
+    try:
+        args = parser.parse_args(_normalize(argv, commands))
     except SystemExit as exc:  # argparse already printed the usage message
         return int(exc.code or 0)
     if args.command is None:
         parser.print_help()
         return 2
+    if command is not None and command.passthrough:
+        args.passthrough = passthrough
     handler = {
         "run": _cmd_run, "eval": _cmd_eval, "validate": _cmd_validate, "init": _cmd_init, "runs": _cmd_runs,
-        "plugins": _cmd_plugins, "schema": _cmd_schema, "serve": _cmd_serve,
+        "plugins": _cmd_plugins, "schema": _cmd_schema,
     }
     try:
-        return handler[args.command](args)
+        return handler[args.command](args) if command is None else command.run(args)
     except GrpoError as exc:
         print(f"grpo-run: error: {exc}", file=sys.stderr)
         return exc.exit_code

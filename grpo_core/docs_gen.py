@@ -5,9 +5,10 @@ Three pages under ``docs/reference/``, none written by hand:
 - ``spec.md``: every section and key of a spec, with its type, default and description,
   walked from the pydantic models of :mod:`grpo_core.spec`;
 - ``plugins.md``: every built-in plugin by kind, with its description and its options model
-  (from the registry of ``load_plugins(external=False)``);
+  (from the registry of ``load_plugins(external=False)``), and the ``grpo-run`` commands the
+  built-in plugins add, with their ``--help``;
 - ``api.md``: the public plugin surface (``grpo_core.hookimpl``, :mod:`grpo_core.contracts`,
-  :mod:`grpo_core.groups`), signatures and docstrings.
+  :mod:`grpo_core.groups`, the registrar of :mod:`grpo_core.commands`), signatures and docstrings.
 
 The pages are committed; ``tests/core/test_docs.py`` regenerates them into a temporary folder
 and fails, naming this command, when they differ. ``python -m grpo_core.docs_gen OUT`` writes
@@ -180,7 +181,8 @@ def plugins_page() -> str:
     from grpo_core.options import Options
     from grpo_core.plugin_manager import load_plugins
 
-    registry = load_plugins(external=False).registry
+    plugins = load_plugins(external=False)
+    registry = plugins.registry
     out = [_HEADER.format(command=COMMAND, source="the registry of `load_plugins(external=False)`"),
            "# Built-in plugins\n\n",
            "Every component the built-in plugins register, by kind, as `grpo-run plugins` lists them. "
@@ -203,7 +205,26 @@ def plugins_page() -> str:
             if doc and options.__doc__ not in (Options.__doc__, BaseModel.__doc__):
                 out.append(f"Options (`{options.__name__}`): {doc}\n\n")
             out.append(fields_table(options))
+    out.extend(_commands_section(plugins.commands))
     return "".join(out)
+
+
+#: The width of a command's ``--help`` in the reference (argparse otherwise takes the terminal's).
+HELP_WIDTH = 100
+
+
+def _commands_section(commands: dict[str, Any]) -> list[str]:
+    """The ``grpo-run`` commands the built-in plugins add, each with its ``--help``."""
+    from grpo_core.commands import COMMANDS_HOOK, command_parser
+
+    out = ["\n## Commands {#commands}\n\n",
+           f"`grpo-run` subcommands that plugins add, registered with `{COMMANDS_HOOK}` "
+           "([`CommandRegistrar`](api.md#commandregistrar)); `grpo-run --help` lists them with grpo-run's own.\n"]
+    for name, command in commands.items():
+        out.append(f"\n### `grpo-run {name}` {{#{_anchor('command-' + name)}}}\n\n")
+        out.append(f"{_rst_to_md(command.help)} *(plugin `{command.plugin}`)*\n\n")
+        out.append("```text\n" + command_parser(command, width=HELP_WIDTH).format_help() + "```\n")
+    return out
 
 
 # ----------------------------------------------------------------------------- api.md
@@ -239,12 +260,13 @@ def _member(obj: Any, name: str, level: str) -> list[str]:
 
 
 def api_page() -> str:
-    """``hookimpl`` and the ``__all__`` of :mod:`grpo_core.contracts` and :mod:`grpo_core.groups`."""
+    """``hookimpl``, the ``__all__`` of :mod:`grpo_core.contracts` and :mod:`grpo_core.groups`, and
+    the command registrar of :mod:`grpo_core.commands`."""
     import grpo_core
-    from grpo_core import contracts, groups
+    from grpo_core import commands, contracts, groups
 
-    out = [_HEADER.format(command=COMMAND, source="the docstrings of `grpo_core`, `grpo_core.contracts` and "
-                          "`grpo_core.groups`"),
+    out = [_HEADER.format(command=COMMAND, source="the docstrings of `grpo_core`, `grpo_core.contracts`, "
+                          "`grpo_core.groups` and `grpo_core.commands`"),
            "# Plugin API\n\n",
            "What a plugin imports. How to write one, hook by hook: [Contributing](../contributing.md).\n",
            "\n## `grpo_core.hookimpl`\n\n",
@@ -252,9 +274,12 @@ def api_page() -> str:
            "`register_<kind>s(register)` function with it. The hooks:\n\n"]
     for entry in KINDS.values():
         out.append(f"- `{entry.hook}(register)`: contract [`{entry.contract}`](#{_anchor(entry.contract)})\n")
-    for module in (contracts, groups):
+    out.append(f"- `{commands.COMMANDS_HOOK}(register)`: `grpo-run` subcommands, registrar "
+               f"[`CommandRegistrar`](#{_anchor('CommandRegistrar')})\n")
+    for module, names in ((contracts, contracts.__all__), (groups, groups.__all__),
+                          (commands, ["CommandRegistrar", "Command"])):
         out.append(f"\n## `{module.__name__}`\n\n{_doc(module)}\n")
-        for name in module.__all__:
+        for name in names:
             out.extend(_member(getattr(module, name), name, "###"))
     assert grpo_core.hookimpl is not None  # the surface documented above exists
     return "".join(out)

@@ -12,6 +12,10 @@ The component's own contract (arguments, tensor shapes, optional flags) is in
 :mod:`grpo_core.contracts`; every built component is checked against it
 (:func:`grpo_core.registry.conform`). :data:`grpo_core.kinds.KINDS` lists the kinds with
 their hooks and contracts.
+
+One more hook adds ``grpo-run`` subcommands rather than components:
+``register_commands(register)`` (:mod:`grpo_core.commands`).
+
 Hooks gain arguments over time; they never lose or rename one (added since 0.1 unless
 stated otherwise).
 """
@@ -23,6 +27,7 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:  # pragma: no cover
+    from grpo_core.commands import CommandRegistrar
     from grpo_core.registry import Registrar
 
 PROJECT = "grpo"
@@ -121,4 +126,20 @@ def register_environments(register: Registrar) -> None:
 
     Each component follows :class:`~grpo_core.contracts.Environment`. Selected by
     ``rollout.environment.name``.
+    """
+
+
+@hookspec
+def register_commands(register: CommandRegistrar) -> None:
+    """Register ``grpo-run`` subcommands; called once each time the plugins are loaded
+    (:func:`grpo_core.plugin_manager.load_plugins`, which also fills the registry). ``grpo-run``
+    loads them before it parses a command line whose first word is not one of its own commands
+    (a plugin's command, a spec, ``--help``); ``grpo-run plugins`` and the docs list them.
+
+    ``register`` is a :class:`~grpo_core.commands.CommandRegistrar`:
+    ``register.add(name, help=..., configure=fn(parser), run=fn(args) -> int, passthrough=False)``
+    adds ``grpo-run NAME``, with the arguments ``configure`` puts on its ``argparse`` parser;
+    ``run`` receives the parsed arguments and returns the exit code. A name that is one of
+    grpo-run's own commands, or that another plugin registered, is an error naming both.
+    Added in 0.2.
     """

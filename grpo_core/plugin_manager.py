@@ -21,14 +21,16 @@ import os
 import re
 import sys
 import traceback
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType, ModuleType
+from typing import Any
 
 import pluggy
 
 from grpo_core import hookspecs
+from grpo_core.commands import COMMANDS_HOOK, Command, CommandRegistrar, collect_commands
 from grpo_core.errors import PluginError, did_you_mean, fault_text
 from grpo_core.kinds import KINDS
 from grpo_core.registry import Registrar, Registry
@@ -37,25 +39,34 @@ ENTRY_POINT_GROUP = "grpo"
 
 #: Built-in plugin modules, registered like any other plugin.
 DEFAULT_PLUGINS: tuple[str, ...] = (
-    "grpo_plugins.advantages",
-    "grpo_plugins.advantages_ext",
+    "grpo_plugins.advantages.grpo",
+    "grpo_plugins.advantages.process",
+    "grpo_plugins.advantages.reinforce",
+    "grpo_plugins.advantages.passk",
     "grpo_plugins.kl",
-    "grpo_plugins.policy_losses",
-    "grpo_plugins.policy_losses_ext",
-    "grpo_plugins.policy_losses_cov",
+    "grpo_plugins.losses.clip",
+    "grpo_plugins.losses.trust_region",
+    "grpo_plugins.losses.policy_gradient",
+    "grpo_plugins.losses.cov",
     "grpo_plugins.aggregators",
-    "grpo_plugins.rollout_hf",
-    "grpo_plugins.rollout_vllm",
-    "grpo_plugins.rollout_server",
-    "grpo_plugins.rewards",
-    "grpo_plugins.remote_rewards",
-    "grpo_plugins.process_rewards",
-    "grpo_plugins.trainable_rewards",
+    "grpo_plugins.rollout.hf",
+    "grpo_plugins.vllm.colocated",
+    "grpo_plugins.vllm.server",
+    "grpo_plugins.vllm.serve",
+    "grpo_plugins.rewards.answers",
+    "grpo_plugins.rewards.format",
+    "grpo_plugins.rewards.length",
+    "grpo_plugins.rewards.model",
+    "grpo_plugins.rewards.remote",
+    "grpo_plugins.rewards.process",
+    "grpo_plugins.rewards.trainable",
     "grpo_plugins.datasets",
     "grpo_plugins.step_splitters",
-    "grpo_plugins.trackers",
-    "grpo_plugins.trackers_ext",
-    "grpo_plugins.environments",
+    "grpo_plugins.trackers.mlflow",
+    "grpo_plugins.trackers.console",
+    "grpo_plugins.trackers.wandb",
+    "grpo_plugins.trackers.tensorboard",
+    "grpo_plugins.environments.tools",
 )
 
 
@@ -69,15 +80,18 @@ class PluginInfo:
     version: str | None = None
     location: str | None = None
     components: dict[str, list[str]] = field(default_factory=dict)
+    commands: list[str] = field(default_factory=list)
 
 
 @dataclass
 class Plugins:
-    """A loaded plugin manager, what each plugin is, and the registry they filled."""
+    """A loaded plugin manager, what each plugin is, the registry they filled and the
+    ``grpo-run`` subcommands they added (by name)."""
 
     manager: pluggy.PluginManager
     info: dict[str, PluginInfo]
     registry: Registry
+    commands: dict[str, Command] = field(default_factory=dict)
 
 
 def _env_names(var: str) -> set[str] | None:
@@ -178,7 +192,7 @@ def _check_pending(pm: pluggy.PluginManager) -> None:
     try:
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
-        known = [entry.hook for entry in KINDS.values()]
+        known = [entry.hook for entry in KINDS.values()] + [COMMANDS_HOOK]
         plugin = pm.get_name(exc.plugin) or repr(exc.plugin)
         match = re.search(r"unknown hook '([^']+)'", str(exc))
         hook = match.group(1) if match else "?"
@@ -227,28 +241,42 @@ class _Running:
         return self.plugin_of(reversed(frames)) or "?"
 
 
-def _fill_registry(pm: pluggy.PluginManager, info: dict[str, PluginInfo]) -> Registry:
-    """Call every ``register_<kind>s`` hook once, then add what was registered to one
-    registry in plugin load order (built-ins, entry points, files, objects), whatever
-    order pluggy called the implementations in: listings and duplicate-name errors do
-    not depend on ``tryfirst``."""
-    registry = Registry()
+def _call_hook(pm: pluggy.PluginManager, hook: str, make_registrar: Callable[[Callable[[], str]], Any]) -> list:
+    """Call ``hook`` once for all plugins with one registrar; what they added, in plugin load
+    order (built-ins, entry points, files, objects), whatever order pluggy called the
+    implementations in: listings and duplicate-name errors do not depend on ``tryfirst``."""
+    caller = getattr(pm.hook, hook)
+    running = _Running(caller.get_hookimpls())
+    registrar = make_registrar(running.now)
+    try:
+        caller(register=registrar)
+    except (PluginError, KeyboardInterrupt):
+        raise
+    except BaseException as exc:
+        raise PluginError(f"plugin '{running.failed(exc)}' failed in {hook}: {fault_text(exc)}") from exc
     load_order = {name: index for index, (name, _) in enumerate(pm.list_name_plugin())}
+    return sorted(registrar.added, key=lambda added: load_order.get(added.plugin, len(load_order)))
+
+
+def _fill_registry(pm: pluggy.PluginManager, info: dict[str, PluginInfo]) -> Registry:
+    """Call every ``register_<kind>s`` hook once and add what was registered to one registry."""
+    registry = Registry()
     for kind, entry in KINDS.items():
-        caller = getattr(pm.hook, entry.hook)
-        running = _Running(caller.get_hookimpls())
-        registrar = Registrar(kind, running.now)
-        try:
-            caller(register=registrar)
-        except (PluginError, KeyboardInterrupt):
-            raise
-        except BaseException as exc:
-            raise PluginError(f"plugin '{running.failed(exc)}' failed in {entry.hook}: {fault_text(exc)}") from exc
-        for component in sorted(registrar.added, key=lambda c: load_order.get(c.plugin, len(load_order))):
+        for component in _call_hook(pm, entry.hook, lambda now, kind=kind: Registrar(kind, now)):
             registry.add(component)
             if component.plugin in info:
                 info[component.plugin].components.setdefault(kind, []).append(component.name)
     return registry
+
+
+def _fill_commands(pm: pluggy.PluginManager, info: dict[str, PluginInfo]) -> dict[str, Command]:
+    """Call ``register_commands`` once; the commands by name (a name taken twice, or one of
+    grpo-run's own, is a :class:`PluginError` naming both)."""
+    found = collect_commands(_call_hook(pm, COMMANDS_HOOK, CommandRegistrar))
+    for command in found.values():
+        if command.plugin in info:
+            info[command.plugin].commands.append(command.name)
+    return found
 
 
 def load_plugins(
@@ -271,4 +299,4 @@ def load_plugins(
         _register(pm, obj, name, f'plugin "{name}"')
         info[name] = PluginInfo(name, "object")
     _check_pending(pm)
-    return Plugins(pm, info, _fill_registry(pm, info))
+    return Plugins(pm, info, _fill_registry(pm, info), _fill_commands(pm, info))

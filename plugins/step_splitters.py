@@ -5,7 +5,7 @@ A component is a :class:`grpo_core.contracts.StepSplitter`: ``split(text)`` retu
 built-in cuts the text at the matches of a separator regular expression, strips the
 blanks around every piece and drops empty pieces, so ``"a\\n\\nb\\n"`` has the steps
 ``"a"`` and ``"b"`` under ``newline``. Which completion token a step ends at is the
-engine's job (:mod:`grpo_core.train.steps`).
+engine's job (:mod:`grpo_core.train.reasoning_steps`).
 """
 
 from __future__ import annotations

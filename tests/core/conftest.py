@@ -1,5 +1,7 @@
 """Shared fixtures of the fault tests (test_faults, test_resume, test_tracking_outage):
-a tiny model, MLflow stores, specs written to disk, and ``grpo-run`` in a real subprocess."""
+a tiny model, MLflow stores, specs written to disk, and ``grpo-run`` in a real subprocess;
+and of the plugin-loading tests (test_plugin_manager, test_commands): an installed
+distribution with an entry point (``fake_dist``)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -208,3 +211,29 @@ def kit():
     return types.SimpleNamespace(
         read_metrics=read_metrics, last_step=last_step, merge=merge, load_weights=load_weights
     )
+
+
+@pytest.fixture
+def fake_dist(tmp_path, monkeypatch):
+    """``fake_dist(dist, entry_point, source)``: an installed distribution ``dist`` whose
+    entry point ``entry_point`` (group ``grpo``) is a module with ``source``."""
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    modules: list[str] = []
+
+    def make(dist: str, entry_point: str, source: str, version: str = "1.2.3") -> str:
+        module = f"fake_grpo_{dist.replace('-', '_')}_{abs(hash(str(tmp_path))) % 10**8}"
+        (site / f"{module}.py").write_text(textwrap.dedent(source), encoding="utf-8")
+        info = site / f"{dist.replace('-', '_')}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n", encoding="utf-8"
+        )
+        (info / "entry_points.txt").write_text(f"[grpo]\n{entry_point} = {module}\n", encoding="utf-8")
+        modules.append(module)
+        return module
+
+    yield make
+    for module in modules:
+        sys.modules.pop(module, None)

@@ -225,6 +225,7 @@ def test_plugins_lists_every_plugin_with_version_distribution_and_components():
     assert list(blocks) == list(DEFAULT_PLUGINS)
     for name, info in plugins.info.items():
         expected = [f"{KINDS[kind].label}: {', '.join(names)}" for kind, names in info.components.items()]
+        expected += [f"commands: grpo-run {', grpo-run '.join(info.commands)}"] if info.commands else []
         assert [line for line in blocks[name] if not line.startswith("hooks:")] == expected
     listed = {n for lines in blocks.values() for line in lines for n in line.split(": ", 1)[1].split(", ")}
     for kind in KINDS:
@@ -240,10 +241,11 @@ def test_plugins_json():
     payload = json.loads(out)
     assert [p["name"] for p in payload] == list(DEFAULT_PLUGINS)
     for entry in payload:
-        assert set(entry) == {"name", "source", "distribution", "version", "location", "components"}
+        assert set(entry) == {"name", "source", "distribution", "version", "location", "components", "commands"}
         expected = ("builtin", "grpo-core", grpo_core.__version__)
         assert (entry["source"], entry["distribution"], entry["version"]) == expected
         assert entry["components"] == plugins.info[entry["name"]].components
+        assert entry["commands"] == plugins.info[entry["name"]].commands
     by_kind = {}
     for entry in payload:
         for kind, names in entry["components"].items():

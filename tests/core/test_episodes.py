@@ -17,7 +17,7 @@ from dataclasses import replace
 import pytest
 import torch
 from grpo_plugins.environments import ToolsOptions, tools_environment
-from grpo_plugins.rollout_hf import HFRollout
+from grpo_plugins.rollout.hf import HFRollout
 
 from grpo_core.contracts import Observation, RolloutBatch, SamplingParams, special_ids
 from grpo_core.plugin_manager import load_plugins

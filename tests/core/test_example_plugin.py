@@ -120,7 +120,7 @@ def test_grpo_run_plugins_lists_it_when_load_plugins_is_unset(example_plugin):
     result = grpo_run("plugins")
     assert result.returncode == 0, result.stderr
     assert LISTING in result.stdout
-    assert "grpo_plugins.rewards  (builtin: grpo-core" in result.stdout
+    assert "grpo_plugins.rewards.answers  (builtin: grpo-core" in result.stdout
 
 
 def test_grpo_run_plugins_json_lists_it_by_distribution_name(example_plugin):
@@ -130,7 +130,7 @@ def test_grpo_run_plugins_json_lists_it_by_distribution_name(example_plugin):
     assert entry == {
         "name": "example", "source": "entry point", "distribution": DIST, "version": "0.1.0",
         "location": "grpo_example_plugin",
-        "components": {"advantage_estimator": ["sign"], "reward_function": ["length_penalty"]},
+        "components": {"advantage_estimator": ["sign"], "reward_function": ["length_penalty"]}, "commands": [],
     }
 
 

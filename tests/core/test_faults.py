@@ -155,7 +155,7 @@ from pydantic import Field
 from grpo_core import hookimpl
 from grpo_core.contracts import PolicyLossOutput
 from grpo_core.options import Options
-from grpo_plugins.policy_losses import ppo_clip_loss
+from grpo_plugins.losses.clip import ppo_clip_loss
 
 class NanOptions(Options):
     nan_loss: list[int] = Field(default_factory=list, description="Steps whose loss is NaN.")

@@ -253,7 +253,7 @@ def _shard(model):
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_gathered_weights_feed_vllm_and_generation_as_the_unsharded_model(group, tied):
-    from grpo_plugins.weights import policy_weights
+    from grpo_plugins.rollout.weights import policy_weights
 
     tok = build_tokenizer()
     plain, model = build_model(tok, tied=tied), build_model(tok, tied=tied)

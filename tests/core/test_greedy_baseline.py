@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from grpo_plugins.rollout_hf import HFRollout, HFRolloutOptions
+from grpo_plugins.rollout.hf import HFRollout, HFRolloutOptions
 
 from grpo_core.cli import main
 from grpo_core.contracts import SamplingParams

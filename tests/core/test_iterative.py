@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from grpo_plugins.trainable_rewards import (
+from grpo_plugins.rewards.trainable import (
     TrainableRewardModel,
     TrainableRewardModelOptions,
     class_weights,

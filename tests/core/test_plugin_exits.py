@@ -68,7 +68,7 @@ def register_reward_functions(register):
 ESTIMATOR = '''
 import sys
 from grpo_core import hookimpl
-from grpo_plugins.advantages import GRPOAdvantage, GRPOOptions
+from grpo_plugins.advantages.grpo import GRPOAdvantage, GRPOOptions
 
 class QuittingAdvantage(GRPOAdvantage):
     calls = 0

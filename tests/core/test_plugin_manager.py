@@ -23,6 +23,7 @@ import pytest
 import grpo_core
 from grpo_core import hookimpl
 from grpo_core.cli import main
+from grpo_core.commands import COMMANDS_HOOK
 from grpo_core.errors import PluginError, SpecError
 from grpo_core.kinds import KINDS
 from grpo_core.plugin_manager import DEFAULT_PLUGINS, load_plugins
@@ -49,32 +50,6 @@ def shout(options):
 def register_reward_functions(register):
     register.add("{name}", shout, options=ShoutOptions)
 '''
-
-
-@pytest.fixture
-def fake_dist(tmp_path, monkeypatch):
-    """``fake_dist(dist, entry_point, source)``: an installed distribution ``dist`` whose
-    entry point ``entry_point`` (group ``grpo``) is a module with ``source``."""
-    site = tmp_path / "site"
-    site.mkdir()
-    monkeypatch.syspath_prepend(str(site))
-    modules: list[str] = []
-
-    def make(dist: str, entry_point: str, source: str, version: str = "1.2.3") -> str:
-        module = f"fake_grpo_{dist.replace('-', '_')}_{abs(hash(str(tmp_path))) % 10**8}"
-        (site / f"{module}.py").write_text(textwrap.dedent(source), encoding="utf-8")
-        info = site / f"{dist.replace('-', '_')}-{version}.dist-info"
-        info.mkdir()
-        (info / "METADATA").write_text(
-            f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n", encoding="utf-8"
-        )
-        (info / "entry_points.txt").write_text(f"[grpo]\n{entry_point} = {module}\n", encoding="utf-8")
-        modules.append(module)
-        return module
-
-    yield make
-    for module in modules:
-        sys.modules.pop(module, None)
 
 
 def write(path: Path, text: str) -> Path:
@@ -259,7 +234,7 @@ def test_installed_plugin_clashing_with_a_builtin_names_both(fake_dist, all_inst
     fake_dist("fake-dist", "fakeep", _reward_plugin("accuracy"))
     with pytest.raises(PluginError) as info:
         load_plugins()
-    assert "reward function 'accuracy' is registered twice: by plugin 'grpo_plugins.rewards' " \
+    assert "reward function 'accuracy' is registered twice: by plugin 'grpo_plugins.rewards.answers' " \
            "and by plugin 'fakeep'" in str(info.value)
 
 
@@ -374,7 +349,8 @@ def test_contributing_has_a_runnable_plugin_per_hook(tmp_path):
     text = CONTRIBUTING.read_text(encoding="utf-8")
     sections = re.findall(r"^### `(register_\w+)\(register\)`\n(.*?)(?=^##)", text, re.S | re.M)
     hooks = [hook for hook, _ in sections]
-    assert set(hooks) >= DESIGN_HOOKS and set(hooks) == {k.hook for k in KINDS.values()}  # every hook, none invented
+    every_hook = {k.hook for k in KINDS.values()} | {COMMANDS_HOOK}
+    assert set(hooks) >= DESIGN_HOOKS and set(hooks) == every_hook  # every hook, none invented
     files = []
     for hook, body in sections:
         (code,) = re.findall(r"```python\n(.*?)```", body, re.S)
@@ -382,8 +358,11 @@ def test_contributing_has_a_runnable_plugin_per_hook(tmp_path):
     plugins = load_plugins(files, external=False)
     kind_of = {entry.hook: kind for kind, entry in KINDS.items()}
     for (hook, _), path in zip(sections, files):
-        components = plugins.info[str(path.resolve())].components
-        assert list(components) == [kind_of[hook]], hook
+        info = plugins.info[str(path.resolve())]
+        if hook == COMMANDS_HOOK:
+            assert info.commands and not info.components, hook
+        else:
+            assert list(info.components) == [kind_of[hook]] and not info.commands, hook
     for script in re.findall(r"python (bench/\S+\.py)", text):
         assert (CONTRIBUTING.parent / script).is_file(), script
 

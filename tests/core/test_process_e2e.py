@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from grpo_plugins.advantages import GRPOAdvantage, GRPOOptions, ProcessAdvantage, ProcessOptions
+from grpo_plugins.advantages.grpo import GRPOAdvantage, GRPOOptions
+from grpo_plugins.advantages.process import ProcessAdvantage, ProcessOptions
 from grpo_plugins.step_splitters import SeparatorSplitter
 
 from grpo_core.cli import main

@@ -13,6 +13,7 @@ import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
 from grpo_core import hookimpl, hookspecs
+from grpo_core.commands import COMMANDS_HOOK
 from grpo_core.errors import PluginError
 from grpo_core.kinds import KINDS
 from grpo_core.options import Options
@@ -59,7 +60,7 @@ def test_one_hook_per_kind_named_register_kinds():
         for name, fn in inspect.getmembers(hookspecs, inspect.isfunction)
         if getattr(fn, "grpo_spec", None) is not None
     }
-    assert specs == {kind.hook for kind in KINDS.values()}
+    assert specs == {kind.hook for kind in KINDS.values()} | {COMMANDS_HOOK}  # and one hook for commands
     assert set(KINDS) >= {  # the design's eight kinds (more may come)
         "advantage_estimator", "kl_penalty", "policy_loss", "loss_aggregator",
         "rollout_backend", "reward_function", "dataset", "tracker",
@@ -78,6 +79,9 @@ def test_one_hook_per_kind_named_register_kinds():
         assert list(inspect.signature(fn).parameters) == ["register"]
         assert fn.__doc__ and "called once" in fn.__doc__
         assert entry.label and callable(entry.protocol)  # one table: hook, words, contract
+    commands = getattr(hookspecs, COMMANDS_HOOK)
+    assert list(inspect.signature(commands).parameters) == ["register"]
+    assert "called once" in commands.__doc__ and "Added in" in commands.__doc__
 
 
 # --------------------------------------------------------------------------- add
@@ -150,7 +154,7 @@ def test_same_name_as_a_builtin_names_the_builtin_module():
         )
     message = str(info.value)
     assert "advantage estimator 'grpo' is registered twice" in message
-    assert "'grpo_plugins.advantages'" in message and "'Shadow'" in message
+    assert "'grpo_plugins.advantages.grpo'" in message and "'Shadow'" in message
 
 
 def test_same_name_twice_in_one_plugin_is_an_error():

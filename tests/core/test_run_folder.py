@@ -83,7 +83,7 @@ FLAKY = '''
 import errno, os
 import torch
 from grpo_core import hookimpl
-from grpo_plugins.advantages import GRPOAdvantage, GRPOOptions
+from grpo_plugins.advantages.grpo import GRPOAdvantage, GRPOOptions
 
 calls = []
 

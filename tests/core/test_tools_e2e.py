@@ -47,7 +47,7 @@ def register_environments(register):
 def test_the_tools_spec_validates_without_loading_a_model():
     spec = load_spec(SPECS / "tools.yaml", external_plugins=False).spec
     env = spec.rollout.environment
-    assert env.name == "tools" and env.component.plugin == "grpo_plugins.environments"
+    assert env.name == "tools" and env.component.plugin == "grpo_plugins.environments.tools"
     assert env.options.tools == ["calculator"] and env.max_turns == 3 and env.max_total_tokens == 160
     assert spec.data.options.operations == ("*",) and spec.data.options.min_value == 100
     assert [r.name for r in spec.rewards] == ["accuracy", "tool_success"]

@@ -327,7 +327,7 @@ class Proxy:
 
 
 def _tracker(uri: str, **options):
-    from grpo_plugins.trackers import MLflowOptions, MLflowTracker
+    from grpo_plugins.trackers.mlflow import MLflowOptions, MLflowTracker
 
     return MLflowTracker(MLflowOptions(experiment="t", tracking_uri=uri, retry_every=0, **options))
 

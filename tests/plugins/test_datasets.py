@@ -120,7 +120,7 @@ def test_arithmetic_plain_prompts_and_custom_instruction():
 
 
 def test_arithmetic_rows_score_with_the_accuracy_reward():
-    from grpo_plugins.rewards import AccuracyOptions, AccuracyReward
+    from grpo_plugins.rewards.answers import AccuracyOptions, AccuracyReward
 
     rows = ArithmeticDataset(ArithmeticOptions(train_size=4, eval_size=0)).load("train")
     reward = AccuracyReward(AccuracyOptions())

@@ -14,8 +14,8 @@ import copy
 
 import pytest
 import torch
-from grpo_plugins.rollout_hf import HFRollout
-from grpo_plugins.rollout_vllm import VLLMRollout, VLLMRolloutOptions
+from grpo_plugins.rollout.hf import HFRollout
+from grpo_plugins.vllm.colocated import VLLMRollout, VLLMRolloutOptions
 
 from grpo_core.contracts import SamplingParams
 from grpo_core.testing import build_model

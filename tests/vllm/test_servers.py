@@ -114,7 +114,7 @@ def learner_logprobs(model, seq: list[int]) -> torch.Tensor:
 
 
 def backend(urls: list[str], **options):
-    from grpo_plugins.rollout_server import VLLMServerOptions, VLLMServerRollout
+    from grpo_plugins.vllm.server import VLLMServerOptions, VLLMServerRollout
 
     return VLLMServerRollout(VLLMServerOptions(urls=urls, **options))
 

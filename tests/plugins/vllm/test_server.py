@@ -1,0 +1,143 @@
+"""The ``vllm-server`` rollout backend's pure pieces, in the main environment (no vLLM):
+registration and options, the split of a step's prompts over servers, the failover bookkeeping
+and its error, and a server that is not a ``grpo-run serve`` one.
+
+The servers themselves (vLLM, the weight push, failover of a real server, a run) are tested in
+``tests/vllm/test_servers.py`` (marker ``vllm``)."""
+
+from __future__ import annotations
+
+import contextlib
+import http.server
+import io
+import sys
+import threading
+
+import pytest
+from grpo_plugins.vllm.client import ServerClient, ServerFault
+from grpo_plugins.vllm.server import Failover, VLLMServerOptions, VLLMServerRollout, assign_prompts, check_url
+from hypothesis import given
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from grpo_core.cli import main
+from grpo_core.contracts import RolloutBackend
+from grpo_core.errors import RunError
+from grpo_core.plugin_manager import load_plugins
+from grpo_core.testing import build_model, build_tokenizer
+
+from .conftest import PlainOpenAIServer
+
+
+def cli(*argv) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in argv])
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_registered_as_a_builtin_without_importing_vllm():
+    plugins = load_plugins(external=False)
+    component = plugins.registry.get("rollout_backend", "vllm-server")
+    assert component.plugin == "grpo_plugins.vllm.server"
+    assert component.impl is VLLMServerRollout and component.options is VLLMServerOptions
+    assert isinstance(VLLMServerRollout(VLLMServerOptions(urls=["http://127.0.0.1:1"])), RolloutBackend)
+    assert "vllm" not in sys.modules  # the learner's side needs requests and torch only
+
+
+def test_option_defaults():
+    options = VLLMServerOptions(urls=["http://10.0.0.2:8000/"])
+    assert options.urls == ["http://10.0.0.2:8000"]
+    assert (options.timeout_s, options.retries, options.push_every) == (120.0, 2, 1)
+    assert (options.weight_backend, options.weight_host, options.weight_port) == ("auto", None, 0)
+
+
+@pytest.mark.parametrize(
+    ("values", "field", "says"),
+    [
+        ({"urls": []}, "urls", "at least 1"),
+        ({"urls": ["localhost:8000"]}, "urls", "write http://HOST:PORT"),
+        ({"urls": ["http://127.0.0.1"]}, "urls", "write http://HOST:PORT"),
+        ({"urls": ["ftp://127.0.0.1:21"]}, "urls", "write http://HOST:PORT"),
+        ({"urls": ["http://a:1", "http://a:1/"]}, "urls", "http://a:1 is listed more than once"),
+        ({"urls": ["http://a:1"], "push_every": 0}, "push_every", "greater than or equal to 1"),
+        ({"urls": ["http://a:1"], "timeout_s": 0}, "timeout_s", "greater than 0"),
+        ({"urls": ["http://a:1"], "timeout_s": float("inf")}, "timeout_s", "finite"),
+        ({"urls": ["http://a:1"], "retries": -1}, "retries", "greater than or equal to 0"),
+        ({"urls": ["http://a:1"], "weight_backend": "mpi"}, "weight_backend", "'auto', 'gloo' or 'nccl'"),
+        ({"urls": ["http://a:1"], "weight_port": 70000}, "weight_port", "less than or equal to 65535"),
+        ({"urls": ["http://a:1"], "url": "http://b:2"}, "url", "Extra inputs are not permitted"),
+    ],
+)
+def test_invalid_option_names_its_field_and_what_is_valid(values, field, says):
+    with pytest.raises(ValidationError) as info:
+        VLLMServerOptions(**values)
+    (error,) = info.value.errors()
+    assert error["loc"][0] == field
+    assert says in error["msg"], error["msg"]
+
+
+def test_check_url_keeps_a_path_prefix_and_refuses_a_query():
+    assert check_url("https://h.example:443/vllm/") == "https://h.example:443/vllm"
+    with pytest.raises(ValueError, match="write http://HOST:PORT"):
+        check_url("http://h:80/?x=1")
+
+
+def test_cli_validate_reports_the_yaml_path(tmp_path):
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("model: {path: some/model}\nrewards: [{name: accuracy}]\n"
+                    "rollout: {name: vllm-server, urls: [localhost]}\n")
+    code, out, err = cli("validate", spec)
+    assert code == 2 and out == ""
+    assert "spec.rollout.urls" in err and "write http://HOST:PORT" in err, err
+
+
+@given(st.integers(0, 200), st.integers(1, 17))
+def test_assign_prompts_gives_contiguous_near_equal_parts(n_prompts, n_servers):
+    owners = assign_prompts(n_prompts, n_servers)
+    assert len(owners) == n_prompts
+    assert owners == sorted(owners)  # contiguous, in server order
+    sizes = [owners.count(s) for s in range(n_servers)]
+    assert max(sizes) - min(sizes) <= 1
+    assert sizes == sorted(sizes, reverse=True)  # the larger parts first
+
+
+def test_assign_prompts_exact_case():
+    assert assign_prompts(7, 3) == [0, 0, 0, 1, 1, 2, 2]
+    with pytest.raises(ValueError, match="at least one server"):
+        assign_prompts(3, 0)
+
+
+def test_failover_moves_a_dropped_servers_prompts_to_the_live_ones_in_turn():
+    urls = ["http://a:1", "http://b:2", "http://c:3"]
+    failover = Failover(urls)
+    failover.drop("http://b:2", "ConnectTimeout: refused")
+    failover.drop("http://b:2", "a second reason is not recorded")
+    assert failover.live() == ["http://a:1", "http://c:3"]
+    assert failover.reassign([4, 5, 6]) == {4: "http://a:1", 5: "http://c:3", 6: "http://a:1"}
+    failover.drop("http://a:1", "HTTP 500")
+    failover.drop("http://c:3", "timed out")
+    with pytest.raises(RunError) as info:
+        failover.reassign([4])
+    message = str(info.value)
+    assert message == ("vllm-server rollout: no rollout server is left (http://a:1: HTTP 500; "
+                       "http://b:2: ConnectTimeout: refused; http://c:3: timed out)")
+
+
+def test_a_plain_openai_server_is_refused_with_what_to_start():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), PlainOpenAIServer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        with pytest.raises(ServerFault) as info:
+            ServerClient(url, timeout_s=5, retries=0).connect()
+        assert f"POST {url}/collective_rpc failed after 1 attempt(s): HTTP 404" in str(info.value)
+        assert "is it a grpo-run serve server?" in str(info.value)
+        rollout = VLLMServerRollout(VLLMServerOptions(urls=[url], retries=0, timeout_s=5))
+        with pytest.raises(RunError, match=f"no rollout server is left \\({url}: did not answer as a grpo-run"):
+            tokenizer = build_tokenizer()
+            rollout.setup(build_model(tokenizer), tokenizer)
+    finally:
+        server.shutdown()
+        server.server_close()
