@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import socket
 import threading
 import time
 import urllib.error
 import urllib.request
 from typing import Any
 
-from grpo_plugins.vllm.channel import open_group, send_tensors, update_info
+from grpo_plugins.vllm.channel import local_address, open_group, send_tensors, update_info
 from torch import Tensor
 
 __all__ = ["Completion", "ServerClient", "ServerFault", "local_address", "to_outputs"]
@@ -29,17 +28,6 @@ __all__ = ["Completion", "ServerClient", "ServerFault", "local_address", "to_out
 
 class ServerFault(Exception):
     """A server did not answer (refused, timed out, an HTTP error, a broken weight channel)."""
-
-
-def local_address(url_host: str) -> str:
-    """This machine's address on the route to ``url_host`` (what a server there can reach
-    the learner's weight channel at); no packet is sent."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        try:
-            sock.connect((url_host, 9))
-            return sock.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"
 
 
 @dataclasses.dataclass
