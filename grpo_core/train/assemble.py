@@ -168,7 +168,7 @@ def _actor_and_feed(spec: Spec, model, tokenizer, backend, learner: Learner, sco
 def build_run(loaded: LoadedSpec, dist: Dist | None = None) -> Run:
     """The run of ``loaded``: every component built, nothing trained yet."""
     spec = loaded.spec
-    dist = dist or Dist.from_env(spec.train.device)
+    dist = dist or Dist.from_env(spec.train.device, spec.train.parallel.timeout_s)
     check_layout(spec, dist.world)
     parallel = parallel_from_launcher(spec.train.parallel)
     if parallel_conflicts(spec, parallel):
