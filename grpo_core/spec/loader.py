@@ -34,7 +34,12 @@ class LoadedSpec:
         return self.spec.run_name or (self.path.stem if self.path else "run")
 
     def command(self, *extra: str) -> str:
-        """The ``grpo-run`` command line that loads this same spec, plus ``extra`` arguments."""
+        """The ``grpo-run`` command line that loads this same spec, plus ``extra`` arguments. A
+        spec given as a mapping (from Python) has no file: the command names the resolved spec
+        its run wrote into the run folder, overrides included."""
+        if self.path is None:
+            folder = Path(self.spec.train.output_dir or Path("runs") / self.name)
+            return shlex.join(["grpo-run", str(folder / "spec.resolved.yaml"), *extra])
         parts = ["grpo-run", str(self.path)]
         for assignment in self.overrides:
             parts += ["--set", assignment]

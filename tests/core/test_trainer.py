@@ -205,3 +205,14 @@ def test_grpo_run_resume_of_a_python_run_says_what_it_needs(tmp_path, write_spec
     err = capsys.readouterr().err
     assert "reward function 'digits'" in err and "test_trainer.digits" in err
     assert "dataset 'python' (4 rows in memory" in err and "train(resume='latest')" in err
+
+
+def test_a_run_from_a_mapping_names_its_resolved_spec_as_the_resume_command(tmp_path, tiny_model_dir):
+    from .conftest import BASE_SPEC, merge
+
+    spec = merge({"model": {"path": str(tiny_model_dir)}, **BASE_SPEC}, {"train": {"output_dir": str(tmp_path / "o")}})
+    trainer = Trainer(spec)
+    assert trainer.loaded.command("--resume") == f"grpo-run {tmp_path / 'o' / 'spec.resolved.yaml'} --resume"
+    trainer.train()
+    assert main([str(tmp_path / "o" / "spec.resolved.yaml"), "--set", "train.steps=5", "--resume"]) == 0
+    assert max(r["step"] for r in read_metrics(tmp_path / "o" / "metrics.jsonl")) == 5
