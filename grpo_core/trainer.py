@@ -6,7 +6,7 @@ A notebook builds it from a spec (a YAML path, a mapping, or a validated
 callables (TRL's signature, sync or ``async``), datasets (``datasets.Dataset``, a list of
 dicts, a pandas DataFrame), an environment, trackers, a loaded model and tokenizer, and
 callbacks. Each object is registered under a name in the same registry as the plugins, so the
-spec names it, validation checks it (a reward with a bad signature is refused by name) and the
+spec names it, validation checks it (an object that breaks its contract is refused by name) and the
 run folder records it (``python_objects.json``, beside the resolved spec), so that
 ``grpo-run --resume`` can say what a run started here needs.
 """

@@ -216,3 +216,19 @@ def test_a_run_from_a_mapping_names_its_resolved_spec_as_the_resume_command(tmp_
     trainer.train()
     assert main([str(tmp_path / "o" / "spec.resolved.yaml"), "--set", "train.steps=5", "--resume"]) == 0
     assert max(r["step"] for r in read_metrics(tmp_path / "o" / "metrics.jsonl")) == 5
+
+
+def test_the_readmes_python_example_runs(tmp_path, write_spec, monkeypatch, capsys):
+    """The README's Python block, run as written but for the spec (the tiny model for the
+    quickstart's SmolLM2, a short run): every name and argument it uses exists and works."""
+    import re
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("## From Python"):]
+    (code,) = re.findall(r"```python\n(.*?)```", section[: section.index("\n## ", 3)], re.S)
+    spec = write_spec(tmp_path, train={"steps": 1}, eval={"at_start": False, "at_end": False})
+    assert '"specs/quickstart.yaml"' in code and '{"train.steps": 20}' in code
+    code = code.replace('"specs/quickstart.yaml"', repr(str(spec))).replace('{"train.steps": 20}', "{}")
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "README.md", "exec"), {})
+    assert capsys.readouterr().out.startswith("finished ")
