@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import threading
 from pathlib import Path
@@ -16,7 +17,7 @@ from grpo_core import Callback, Trainer
 from grpo_core.cli import main
 from grpo_core.errors import GrpoError, PluginError, SpecError, UsageError
 
-from .conftest import read_metrics
+from .conftest import BASE_SPEC, merge, read_metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -208,8 +209,6 @@ def test_grpo_run_resume_of_a_python_run_says_what_it_needs(tmp_path, write_spec
 
 
 def test_a_run_from_a_mapping_names_its_resolved_spec_as_the_resume_command(tmp_path, tiny_model_dir):
-    from .conftest import BASE_SPEC, merge
-
     spec = merge({"model": {"path": str(tiny_model_dir)}, **BASE_SPEC}, {"train": {"output_dir": str(tmp_path / "o")}})
     trainer = Trainer(spec)
     assert trainer.loaded.command("--resume") == f"grpo-run {tmp_path / 'o' / 'spec.resolved.yaml'} --resume"
@@ -232,3 +231,37 @@ def test_the_readmes_python_example_runs(tmp_path, write_spec, monkeypatch, caps
     monkeypatch.chdir(tmp_path)
     exec(compile(code, "README.md", "exec"), {})
     assert capsys.readouterr().out.startswith("finished ")
+
+
+class Echo:
+    """A two-turn environment: it answers the model's first turn with a user message, and its
+    reward is whether that turn held a digit."""
+
+    tools: list = []
+    stop = ()
+
+    def reset(self, row):
+        return {"turn": 0}
+
+    def step(self, state, text):
+        from grpo_core.contracts import Observation
+
+        state["turn"] += 1
+        if state["turn"] == 1:
+            return Observation([{"role": "user", "content": "again"}], reward=float(any(c.isdigit() for c in text)))
+        return Observation(done=True)
+
+
+def test_an_environment_object_runs_multi_turn_episodes(tmp_path, tiny_model_dir):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    config["max_position_embeddings"] = 1024  # room for the second turn's chat template
+    (model / "config.json").write_text(json.dumps(config))
+    spec = merge({"model": {"path": str(model)}, **BASE_SPEC},
+                 {"rollout": {"environment": {"max_turns": 2, "max_total_tokens": 24}}, "train": {"steps": 2}})
+    result = Trainer(spec, {"train.output_dir": str(tmp_path / "o")}, environment=Echo()).train()
+    assert result.status == "finished"
+    assert all(row["env/turns_per_episode"] >= 1 for row in result.history)
+    record = json.loads((tmp_path / "o" / "python_objects.json").read_text())
+    assert record["environment"]["Echo"]["object"].endswith("test_trainer.Echo")
