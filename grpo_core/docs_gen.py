@@ -1,6 +1,6 @@
 """The documentation's reference pages, written from the code: ``python -m grpo_core.docs_gen``.
 
-Three pages under ``docs/reference/``, none written by hand:
+Four pages under ``docs/reference/``, none written by hand:
 
 - ``spec.md``: every section and key of a spec, with its type, default and description,
   walked from the pydantic models of :mod:`grpo_core.spec`;
@@ -8,7 +8,8 @@ Three pages under ``docs/reference/``, none written by hand:
   (from the registry of ``load_plugins(external=False)``), and the ``grpo-run`` commands the
   built-in plugins add, with their ``--help``;
 - ``api.md``: the public plugin surface (``grpo_core.hookimpl``, :mod:`grpo_core.contracts`,
-  :mod:`grpo_core.groups`, the registrar of :mod:`grpo_core.commands`), signatures and docstrings.
+  :mod:`grpo_core.groups`, the registrar of :mod:`grpo_core.commands`), signatures and docstrings;
+- ``python.md``: the Python door (:mod:`grpo_core.trainer`), signatures and docstrings.
 
 The pages are committed; ``tests/core/test_docs.py`` regenerates them into a temporary folder
 and fails, naming this command, when they differ. ``python -m grpo_core.docs_gen OUT`` writes
@@ -285,7 +286,22 @@ def api_page() -> str:
     return "".join(out)
 
 
-PAGES: dict[str, Callable[[], str]] = {"spec.md": spec_page, "plugins.md": plugins_page, "api.md": api_page}
+def python_page() -> str:
+    """The Python door: the ``__all__`` of :mod:`grpo_core.trainer`."""
+    from grpo_core import trainer
+
+    out = [_HEADER.format(command=COMMAND, source="the docstrings of `grpo_core.trainer`"),
+           "# Python API\n\n",
+           "`from grpo_core import Trainer, TrainResult, Callback`. How to use them: "
+           "[Training from Python](../python-api.md).\n",
+           f"\n## `{trainer.__name__}`\n\n{_doc(trainer)}\n"]
+    for name in trainer.__all__:
+        out.extend(_member(getattr(trainer, name), name, "###"))
+    return "".join(out)
+
+
+PAGES: dict[str, Callable[[], str]] = {"spec.md": spec_page, "plugins.md": plugins_page, "api.md": api_page,
+                                       "python.md": python_page}
 
 
 def generate(out_dir: Path) -> list[Path]:

@@ -165,8 +165,9 @@ def _actor_and_feed(spec: Spec, model, tokenizer, backend, learner: Learner, sco
                            behaviour=learner.sampler_logprobs if sampler is not None else None)
 
 
-def build_run(loaded: LoadedSpec, dist: Dist | None = None) -> Run:
-    """The run of ``loaded``: every component built, nothing trained yet."""
+def build_run(loaded: LoadedSpec, dist: Dist | None = None, *, model=None, tokenizer=None) -> Run:
+    """The run of ``loaded``: every component built, nothing trained yet. ``model`` and
+    ``tokenizer``: objects to train instead of loading ``model.path`` (the Python trainer's)."""
     spec = loaded.spec
     dist = dist or Dist.from_env(spec.train.device)
     check_layout(spec, dist.world)
@@ -187,8 +188,10 @@ def build_run(loaded: LoadedSpec, dist: Dist | None = None) -> Run:
     check_columns(train_rows, needed, "training")
     check_columns(eval_rows, needed, "held-out")
 
-    tokenizer = modeling.load_tokenizer(spec.model, loaded.base_dir)
-    model = modeling.load_policy(spec.model, loaded.base_dir, tokenizer).to(dist.device)
+    tokenizer = (modeling.load_tokenizer(spec.model, loaded.base_dir) if tokenizer is None
+                 else modeling.prepare_tokenizer(tokenizer))
+    model = (modeling.load_policy(spec.model, loaded.base_dir, tokenizer) if model is None
+             else modeling.prepare_policy(model, spec.model, tokenizer)).to(dist.device)
     # Asynchronous rollouts: whole copies of the policy, made before the strategy shards it: the
     # snapshot the learner's weights cross in, and for a backend that generates with the policy
     # module, the weights the actor samples from while the learner's move.

@@ -53,6 +53,11 @@ def load_tokenizer(section: ModelSection, base_dir: Path):
         tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
     except Exception as exc:
         raise RunError(f"model: cannot load the tokenizer from {where}: {type(exc).__name__}: {exc}") from exc
+    return prepare_tokenizer(tokenizer)
+
+
+def prepare_tokenizer(tokenizer):
+    """A pad token (the EOS token when there is none) and left padding, as generation needs."""
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
@@ -96,6 +101,14 @@ def load_policy(section: ModelSection, base_dir: Path, tokenizer):
         raise RunError(f"model: cannot load {where}: {type(exc).__name__}: {exc}") from exc
     if section.gguf_file:
         model = _plain_copy(model)
+    return prepare_policy(model, section, tokenizer)
+
+
+def prepare_policy(model, section: ModelSection, tokenizer):
+    """A loaded causal LM made the trainable policy: its generation config's pad and EOS ids
+    from the tokenizer, gradient checkpointing and a LoRA adapter as ``section`` says, in
+    training mode. A model passed from Python (``grpo_core.Trainer(model=...)``) goes through
+    here as one loaded from ``model.path`` does."""
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     if model.generation_config.eos_token_id is None:
         model.generation_config.eos_token_id = tokenizer.eos_token_id
