@@ -130,6 +130,14 @@ def register_environments(register: Registrar) -> None:
 
 
 @hookspec
+def register_agents(register: Registrar) -> None:
+    """Register agents: programs that run an episode against the policy through an
+    OpenAI-compatible endpoint the run serves (:class:`~grpo_core.contracts.Agent`); called
+    once when the registry is built. Selected by ``rollout.agent.name``. Added in 0.2.
+    """
+
+
+@hookspec
 def register_commands(register: CommandRegistrar) -> None:
     """Register ``grpo-run`` subcommands; called once each time the plugins are loaded
     (:func:`grpo_core.plugin_manager.load_plugins`, which also fills the registry). ``grpo-run``

@@ -149,6 +149,7 @@ class _Objects:
     rewards: list[tuple[str, Callable]] = field(default_factory=list)
     datasets: dict[str, MemoryDataset] = field(default_factory=dict)
     environments: list[tuple[str, Any]] = field(default_factory=list)
+    agents: list[tuple[str, Any]] = field(default_factory=list)
     trackers: list[tuple[str, Any]] = field(default_factory=list)
 
     @hookimpl
@@ -167,6 +168,11 @@ class _Objects:
             register.add(name, env, description="an environment passed to grpo_core.Trainer")
 
     @hookimpl
+    def register_agents(self, register) -> None:
+        for name, agent in self.agents:
+            register.add(name, agent, description="an agent passed to grpo_core.Trainer")
+
+    @hookimpl
     def register_trackers(self, register) -> None:
         for name, tracker in self.trackers:
             register.add(name, tracker, description="a tracker passed to grpo_core.Trainer")
@@ -180,6 +186,8 @@ class _Objects:
             out["dataset"] = {n: {"rows": len(d.train), "eval_rows": len(d.eval)} for n, d in self.datasets.items()}
         if self.environments:
             out["environment"] = {n: _where(e) for n, e in self.environments}
+        if self.agents:
+            out["agent"] = {n: _where(a) for n, a in self.agents}
         if self.trackers:
             out["tracker"] = {n: _where(t) for n, t in self.trackers}
         return out
@@ -188,11 +196,11 @@ class _Objects:
 def _own_fields(section: Any, model: str) -> dict[str, Any]:
     """The keys of a slot's data that belong to the slot itself (``prompt_column``...), not to
     the plugin it names: what stays when an in-memory object replaces that plugin."""
-    from grpo_core.spec import models
+    from grpo_core.spec import episodes, models
 
     if not isinstance(section, Mapping):
         return {}
-    fields = getattr(models, model).model_fields
+    fields = getattr(models if hasattr(models, model) else episodes, model).model_fields
     return {k: v for k, v in section.items() if k in fields and k != "name"}
 
 
@@ -236,6 +244,9 @@ class Trainer:
             replaces the spec's dataset, keeping its ``data`` options (prompt column, ...).
         eval_dataset: the held-out rows, or ``{name: rows}`` for named sets (``eval.sets``).
         environment: a multi-turn environment object (``rollout.environment``).
+        agent: an agent (a function or coroutine function of a
+            :class:`~grpo_core.contracts.AgentEpisode`) that runs each episode against the
+            OpenAI-compatible endpoint the run serves (``rollout.agent``).
         trackers: tracker objects, added to the spec's ``tracking``.
         callbacks: :class:`Callback` objects or functions (``on_step``).
         plugins: further plugin objects or modules (classes with ``@hookimpl`` methods).
@@ -244,7 +255,8 @@ class Trainer:
     def __init__(self, spec: Any = None, overrides: Mapping[str, Any] | Iterable[str] | None = None, *,
                  model: Any = None, tokenizer: Any = None, reward_funcs: Any = None,
                  reward_weights: list[float] | None = None, train_dataset: Any = None, eval_dataset: Any = None,
-                 environment: Any = None, trackers: Any = None, callbacks: Any = None, plugins: Iterable = ()):
+                 environment: Any = None, agent: Any = None, trackers: Any = None, callbacks: Any = None,
+                 plugins: Iterable = ()):
         self.model, self.tokenizer = model, tokenizer
         self.hooks = _hooks(callbacks)
         self._objects = _Objects()
@@ -252,6 +264,11 @@ class Trainer:
         self._run = None
         data, self._path, base_dir = _source(spec)
         self._patch(data, reward_funcs, reward_weights, train_dataset, eval_dataset, environment, trackers)
+        if agent is not None:
+            name = _name_of(agent, "agent")
+            self._objects.agents.append((name, agent))
+            rollout = data.setdefault("rollout", {})
+            rollout["agent"] = {**_own_fields(rollout.get("agent"), "AgentSlot"), "name": name}
         self.loaded = _load(data, _override_list(overrides), [self._objects, *self._extra_plugins], self._path,
                             base_dir)
 

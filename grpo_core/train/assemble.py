@@ -25,6 +25,7 @@ from grpo_core.spec.parallel import parallel_conflicts
 from grpo_core.tracking import RunLog
 from grpo_core.train import model as modeling
 from grpo_core.train.actor import Actor, RolloutSettings
+from grpo_core.train.agents import AgentRunner
 from grpo_core.train.data import Prompt, PromptSource, check_columns
 from grpo_core.train.distributed import Dist, check_layout, parallel_from_launcher
 from grpo_core.train.episodes import EpisodeRunner
@@ -82,15 +83,19 @@ def required_columns(rewards: list[RewardFn]) -> dict[str, str]:
     return {c: f"reward function '{fn.name}'" for fn in rewards for c in fn.required_columns}
 
 
-def build_episodes(spec: Spec, model, tokenizer, scorer: Scorer) -> EpisodeRunner | None:
-    """The multi-turn runner of ``rollout.environment``, or None."""
-    slot = spec.rollout.environment
+def build_episodes(spec: Spec, model, tokenizer, scorer: Scorer) -> EpisodeRunner | AgentRunner | None:
+    """The multi-turn runner of ``rollout.environment`` or ``rollout.agent``, or None."""
+    slot = spec.rollout.environment or spec.rollout.agent
     if slot is None:
         return None
+    where = "rollout.environment" if spec.rollout.environment is not None else "rollout.agent"
     if scorer.with_steps or any(fn.takes_steps for fn in scorer.rewards):
-        raise RunError("rollout.environment: process supervision (step scores) is not supported on "
+        raise RunError(f"{where}: process supervision (step scores) is not supported on "
                        "multi-turn episodes; use outcome rewards")
-    eos_ids, pad_id = special_ids(model, tokenizer, "environment")
+    eos_ids, pad_id = special_ids(model, tokenizer, where.split(".")[1])
+    if spec.rollout.agent is not None:
+        return AgentRunner(slot.build(), slot, tokenizer, eos_ids=eos_ids, pad_id=pad_id,
+                           max_n=spec.rollout.group_size, chat_template_kwargs=dict(spec.data.chat_template_kwargs))
     return EpisodeRunner(slot.build(), tokenizer, max_turns=slot.max_turns,
                          max_total_tokens=slot.max_total_tokens, eos_ids=eos_ids, pad_id=pad_id)
 
@@ -98,10 +103,8 @@ def build_episodes(spec: Spec, model, tokenizer, scorer: Scorer) -> EpisodeRunne
 def prompt_budget(spec: Spec, model) -> int:
     """The longest prompt in tokens: ``data.max_prompt_tokens``, else what the model's context
     leaves after the longest completion (or episode)."""
-    env = spec.rollout.environment
     context = getattr(model.config, "max_position_embeddings", None) or 10**9
-    longest = spec.rollout.max_new_tokens if env is None else env.max_total_tokens
-    return spec.data.max_prompt_tokens or max(1, context - longest)
+    return spec.data.max_prompt_tokens or max(1, context - spec.rollout.episode_tokens)
 
 
 def held_out_prompts(spec: Spec, rows: list[dict], tokenizer, max_tokens: int, tools) -> list[Prompt]:
@@ -116,14 +119,14 @@ def build_learner(spec: Spec, model, tokenizer, strategy: Single) -> Learner:
     """The learner of ``model``: the objective, optimizer and schedule, the advantage estimator
     and the KL term; ``model`` (and the KL's reference copy) wrapped or sharded by
     ``strategy`` before the optimizer is made, which must hold what the strategy trains."""
-    algo, dist, env = spec.algorithm, strategy.dist, spec.rollout.environment
+    algo, dist = spec.algorithm, strategy.dist
     kl = KLTerm.from_spec(algo.kl, model)
     strategy.setup(model, getattr(kl and kl.reference, "model", None))
     objective = Objective(
         policy_loss=algo.policy_loss.build(), aggregator=algo.aggregation.build(),
         kl=kl if kl is not None and kl.in_loss else None,
         entropy_coef=algo.entropy_coef, early_stop_imp_ratio=algo.early_stop_imp_ratio,
-        max_length=spec.rollout.max_new_tokens if env is None else env.max_total_tokens,
+        max_length=spec.rollout.episode_tokens,
         correction=algo.rollout_correction,
     )
     optimizer, scheduler = make_optimizer(model, spec.train, spec.train.steps * algo.mu * spec.train.mini_batches)

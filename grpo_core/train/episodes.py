@@ -100,7 +100,10 @@ class TurnRenderer:
 
 
 @dataclass
-class _Episode:
+class EpisodeRecord:
+    """One episode as it runs: its tokens after the prompt (the model's under ``mask``), the
+    sampler's log-probs of them, the conversation after the prompt, its counts."""
+
     prompt_ids: list[int]
     state: Any
     ids: list[int] = field(default_factory=list)
@@ -142,7 +145,8 @@ class EpisodeRunner:
         """``G = group_size`` episodes of each of the ``P`` prompts (:class:`Prompt`);
         a :class:`RolloutBatch` of ``B = P*G`` rows whose mask has holes."""
         stop = tuple(dict.fromkeys((*sampling.stop, *getattr(self.environment, "stop", ()))))
-        episodes = [_Episode(list(p.ids), self.environment.reset(p.row)) for p in prompts for _ in range(group_size)]
+        episodes = [EpisodeRecord(list(p.ids), self.environment.reset(p.row))
+                    for p in prompts for _ in range(group_size)]
         with_logp = True
         for turn in range(self.max_turns):
             live = [e for e in episodes if not e.done]
@@ -160,7 +164,7 @@ class EpisodeRunner:
                 self._turn(episode, batch, row)
         return self._assemble(prompts, episodes, backend, with_logp)
 
-    def _turn(self, e: _Episode, batch: RolloutBatch, row: int) -> None:
+    def _turn(self, e: EpisodeRecord, batch: RolloutBatch, row: int) -> None:
         """Append one model turn (row ``row`` of ``batch``) and the environment's answer."""
         n = int(batch.completion_mask[row].sum())
         new = batch.completion_ids[row, :n].tolist()
@@ -191,31 +195,40 @@ class EpisodeRunner:
         e.extend(ids, False)
         e.messages.extend(obs.messages)
 
-    def _assemble(self, prompts: list, episodes: list[_Episode], backend: Any, with_logp: bool) -> RolloutBatch:
-        width = max(1, max(len(e.ids) for e in episodes))
-        rows = len(episodes)
-        ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((rows, width), dtype=torch.bool)
-        logp = torch.zeros((rows, width), dtype=torch.float32) if with_logp else None
-        for i, e in enumerate(episodes):
-            ids[i, : len(e.ids)] = torch.tensor(e.ids, dtype=torch.long)
-            mask[i, : len(e.ids)] = torch.tensor(e.mask, dtype=torch.bool)
-            if logp is not None:
-                logp[i, : len(e.ids)] = torch.tensor(e.logp, dtype=torch.float32)
-        device = _device_of(backend)
-        prompt_ids, prompt_mask = left_pad([p.ids for p in prompts], self.pad_id)
-        record = Episodes(
-            messages=[e.messages for e in episodes], env_rewards=[e.reward for e in episodes],
-            turns=torch.tensor([e.turns for e in episodes]), tool_calls=torch.tensor([e.tool_calls for e in episodes]),
-            tool_errors=torch.tensor([e.tool_errors for e in episodes]),
-            lengths=torch.tensor([len(e.ids) for e in episodes]),
-        )
-        return RolloutBatch(
-            prompt_ids.to(device), prompt_mask.to(device), ids.to(device), mask.to(device),
-            torch.tensor([e.truncated for e in episodes], device=device),
-            self.tokenizer.batch_decode([e.ids for e in episodes], skip_special_tokens=False),
-            None if logp is None else logp.to(device), episodes=record,
-        )
+    def _assemble(self, prompts: list, episodes: list[EpisodeRecord], backend: Any, with_logp: bool) -> RolloutBatch:
+        return episodes_batch([p.ids for p in prompts], episodes, self.tokenizer, self.pad_id, _device_of(backend),
+                              with_logp)
+
+
+def episodes_batch(prompts: list[list[int]], episodes: list[EpisodeRecord], tokenizer: Any, pad_id: int,
+                   device: torch.device, with_logp: bool, failed: list[bool] | None = None) -> RolloutBatch:
+    """The :class:`RolloutBatch` of ``B = P*G`` episodes (prompt-major) after the ``P``
+    prompts' token ids: each episode's tokens are its completion, the model's under the mask,
+    the rest context; ``failed`` marks episodes an agent failed."""
+    width = max(1, max(len(e.ids) for e in episodes))
+    rows = len(episodes)
+    ids = torch.full((rows, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((rows, width), dtype=torch.bool)
+    logp = torch.zeros((rows, width), dtype=torch.float32) if with_logp else None
+    for i, e in enumerate(episodes):
+        ids[i, : len(e.ids)] = torch.tensor(e.ids, dtype=torch.long)
+        mask[i, : len(e.ids)] = torch.tensor(e.mask, dtype=torch.bool)
+        if logp is not None:
+            logp[i, : len(e.ids)] = torch.tensor(e.logp, dtype=torch.float32)
+    prompt_ids, prompt_mask = left_pad(prompts, pad_id)
+    record = Episodes(
+        messages=[e.messages for e in episodes], env_rewards=[e.reward for e in episodes],
+        turns=torch.tensor([e.turns for e in episodes]), tool_calls=torch.tensor([e.tool_calls for e in episodes]),
+        tool_errors=torch.tensor([e.tool_errors for e in episodes]),
+        lengths=torch.tensor([len(e.ids) for e in episodes]),
+        failed=None if failed is None else torch.tensor(failed, dtype=torch.bool),
+    )
+    return RolloutBatch(
+        prompt_ids.to(device), prompt_mask.to(device), ids.to(device), mask.to(device),
+        torch.tensor([e.truncated for e in episodes], device=device),
+        tokenizer.batch_decode([e.ids for e in episodes], skip_special_tokens=False),
+        None if logp is None else logp.to(device), episodes=record,
+    )
 
 
 def _device_of(backend: Any) -> torch.device:
@@ -241,4 +254,6 @@ def episode_metrics(episodes: Episodes, mask: torch.Tensor, prefix: str = "") ->
     }
     if calls.sum() > 0:
         out["env/tool_success_rate"] = float(1 - errors.sum() / calls.sum())
+    if episodes.failed is not None:
+        out["env/failed_episodes"] = float(episodes.failed.float().mean())
     return {f"{prefix}{k}": v for k, v in out.items()}
