@@ -24,7 +24,10 @@ gets it appended.
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import json
+import threading
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -116,6 +119,7 @@ class EpisodeRecord:
     reward: float | None = None
     done: bool = False
     truncated: bool = False
+    last_eos: bool = False  # the last model turn ended with an EOS token
 
     def extend(self, ids: list[int], trained: bool, logp: list[float] | None = None) -> None:
         self.ids += ids
@@ -160,12 +164,16 @@ class EpisodeRunner:
             else:
                 batch = backend.generate([e.prompt_ids + e.ids for e in live], 1, params)
             with_logp = with_logp and batch.sampling_logp is not None
-            for row, episode in enumerate(live):
-                self._turn(episode, batch, row)
+            answered = [(row, e, text) for row, e in enumerate(live)
+                        if (text := self._model_turn(e, batch, row)) is not None]
+            observations = self._steps([(e.state, text) for _, e, text in answered])
+            for (row, e, _), obs in zip(answered, observations):
+                self._observe(e, obs, bool(batch.truncated[row]))
         return self._assemble(prompts, episodes, backend, with_logp)
 
-    def _turn(self, e: EpisodeRecord, batch: RolloutBatch, row: int) -> None:
-        """Append one model turn (row ``row`` of ``batch``) and the environment's answer."""
+    def _model_turn(self, e: EpisodeRecord, batch: RolloutBatch, row: int) -> str | None:
+        """Append one model turn (row ``row`` of ``batch``); its text for the environment, or
+        None when the episode's token budget ran out inside it (the episode is over)."""
         n = int(batch.completion_mask[row].sum())
         new = batch.completion_ids[row, :n].tolist()
         room = self.max_total_tokens - len(e.ids)
@@ -176,19 +184,49 @@ class EpisodeRunner:
         text = self.tokenizer.decode(new, skip_special_tokens=True) if cut else batch.completions[row]
         e.messages.append({"role": "assistant", "content": text})
         e.turns += 1
-        if cut:  # the episode's token budget ran out inside this turn
+        e.last_eos = bool(new) and new[-1] in self.eos_ids
+        if cut:
             e.done = e.truncated = True
-            return
-        obs = self.environment.step(e.state, text)  # a turn cut at max_new_tokens is answered too
+            return None
+        return text  # a turn cut at max_new_tokens is answered too
+
+    def _steps(self, calls: list[tuple[Any, str]]) -> list[Any]:
+        """The environment's answers to every episode's turn: one after the other, or for an
+        environment whose ``step`` is a coroutine function, awaited together (in an event loop
+        of a helper thread, so that a caller inside a running loop, a notebook, is served)."""
+        step = self.environment.step
+        if not (inspect.iscoroutinefunction(step) or inspect.iscoroutinefunction(inspect.unwrap(step))):
+            return [step(state, text) for state, text in calls]
+
+        async def together() -> list[Any]:
+            return await asyncio.gather(*(step(state, text) for state, text in calls))
+
+        box: dict[str, Any] = {}
+
+        def work() -> None:
+            try:
+                box["value"] = asyncio.run(together())
+            except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
+                box["error"] = exc
+
+        worker = threading.Thread(target=work, name="grpo-env-steps", daemon=True)
+        worker.start()
+        worker.join()
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    def _observe(self, e: EpisodeRecord, obs: Any, cut_at_max_new_tokens: bool) -> None:
+        """Append the environment's answer to the episode's last model turn."""
         e.tool_calls += int(obs.tool_calls)
         e.tool_errors += int(obs.tool_errors)
         if obs.reward is not None:
             e.reward = float(obs.reward)
         if obs.done or e.turns >= self.max_turns:
             e.done = True
-            e.truncated = bool(batch.truncated[row])  # the last turn did not end by itself
+            e.truncated = cut_at_max_new_tokens  # the last turn did not end by itself
             return
-        ids = self.renderer.observation_ids(list(obs.messages), bool(new) and new[-1] in self.eos_ids)
+        ids = self.renderer.observation_ids(list(obs.messages), e.last_eos)
         if len(e.ids) + len(ids) >= self.max_total_tokens:  # no room left for another model token
             e.done = e.truncated = True
             return

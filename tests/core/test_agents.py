@@ -270,3 +270,60 @@ def test_the_learner_sees_the_episode_prompt_shared_by_its_group(long_model, tmp
     assert "alpha" not in prompt and "omega" not in prompt and "alpha" in first_row
     batch, _ = run.learner.prepare(experience, Timer())
     assert batch.mask.sum() == rollout.completion_mask.sum()
+
+
+class SlowEcho:
+    """An in-process environment whose step waits (a remote tool): the user answers the
+    first turn, the second ends the episode. It counts the steps in flight at once."""
+
+    tools: list = []
+    stop = ()
+
+    def __init__(self):
+        self.in_flight = self.most = 0
+
+    def reset(self, row):
+        return {"turn": 0}
+
+    def _enter(self):
+        self.in_flight += 1
+        self.most = max(self.most, self.in_flight)
+
+    def _answer(self, state):
+        from grpo_core.contracts import Observation
+
+        state["turn"] += 1
+        if state["turn"] == 1:
+            return Observation([{"role": "user", "content": "and then?"}])
+        return Observation(done=True)
+
+    def step(self, state, text):
+        self._enter()
+        time.sleep(0.05)
+        self.in_flight -= 1
+        return self._answer(state)
+
+
+class AsyncSlowEcho(SlowEcho):
+    async def step(self, state, text):
+        import asyncio
+
+        self._enter()
+        await asyncio.sleep(0.05)
+        self.in_flight -= 1
+        return self._answer(state)
+
+
+def test_an_async_environment_steps_its_episodes_together(long_model, tmp_path):
+    """The same episodes as a synchronous environment's, token for token, with the 16 steps
+    of a turn awaited together instead of one after the other."""
+    rollouts, envs = [], (SlowEcho(), AsyncSlowEcho())
+    for env in envs:
+        spec = _spec(long_model, tmp_path / type(env).__name__, group_size=8, max_new_tokens=4,
+                     environment={"max_turns": 2, "max_total_tokens": 64})
+        rollouts.append(Trainer(spec, environment=env)._build().actor.collect(0).scored.rollout)
+    sync, together = rollouts
+    assert torch.equal(sync.completion_ids, together.completion_ids)
+    assert torch.equal(sync.completion_mask, together.completion_mask)
+    assert together.episodes.turns.tolist() == [2] * 16
+    assert (envs[0].most, envs[1].most) == (1, 16)
