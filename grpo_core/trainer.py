@@ -243,10 +243,12 @@ class Trainer:
         train_dataset: the training rows (``datasets.Dataset``, DataFrame, list of dicts);
             replaces the spec's dataset, keeping its ``data`` options (prompt column, ...).
         eval_dataset: the held-out rows, or ``{name: rows}`` for named sets (``eval.sets``).
-        environment: a multi-turn environment object (``rollout.environment``).
+        environment: a multi-turn environment object (``rollout.environment``; with
+            ``rollout.routing``, registered under its class name for a route to name).
         agent: an agent (a function or coroutine function of a
             :class:`~grpo_core.contracts.AgentEpisode`) that runs each episode against the
-            OpenAI-compatible endpoint the run serves (``rollout.agent``).
+            OpenAI-compatible endpoint the run serves (``rollout.agent``; with ``rollout.routing``,
+            registered under its name for a route to name).
         trackers: tracker objects, added to the spec's ``tracking``.
         callbacks: :class:`Callback` objects or functions (``on_step``).
         plugins: further plugin objects or modules (classes with ``@hookimpl`` methods).
@@ -264,11 +266,12 @@ class Trainer:
         self._run = None
         data, self._path, base_dir = _source(spec)
         self._patch(data, reward_funcs, reward_weights, train_dataset, eval_dataset, environment, trackers)
-        if agent is not None:
+        if agent is not None:  # under rollout.routing, registered for the routes to name
             name = _name_of(agent, "agent")
             self._objects.agents.append((name, agent))
             rollout = data.setdefault("rollout", {})
-            rollout["agent"] = {**_own_fields(rollout.get("agent"), "AgentSlot"), "name": name}
+            if rollout.get("routing") is None:
+                rollout["agent"] = {**_own_fields(rollout.get("agent"), "AgentSlot"), "name": name}
         self.loaded = _load(data, _override_list(overrides), [self._objects, *self._extra_plugins], self._path,
                             base_dir)
 
@@ -319,11 +322,13 @@ class Trainer:
             prompt_column = data.get("data", {}).get("prompt_column", "prompt")
             data.setdefault("eval", {}).setdefault("sets", {})[set_name] = {
                 "data": {"name": registered, "prompt_column": prompt_column}, "split": "train"}
-        if environment is not None:
+        routed = isinstance(data.get("rollout"), Mapping) and data["rollout"].get("routing") is not None
+        if environment is not None:  # under rollout.routing, registered for the routes to name
             name = _name_of(environment, "environment")
             self._objects.environments.append((name, environment))
-            rollout = data.setdefault("rollout", {})
-            rollout["environment"] = {**_own_fields(rollout.get("environment"), "EnvironmentSlot"), "name": name}
+            if not routed:
+                rollout = data.setdefault("rollout", {})
+                rollout["environment"] = {**_own_fields(rollout.get("environment"), "EnvironmentSlot"), "name": name}
         for name, tracker in _named(trackers, "trackers"):
             self._objects.trackers.append((name, tracker))
             data["tracking"] = [*(data.get("tracking") or []), {"name": name}] if "tracking" in data else [

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from grpo_core.spec.slots import Slot
+from grpo_core.spec.slots import Section, Slot
 
 
 class EnvironmentSlot(Slot):
@@ -48,4 +48,33 @@ class AgentSlot(Slot):
         20.0, ge=0, le=10_000, allow_inf_nan=False,
         description="How long a request waits for other episodes' requests to join its generate call (every "
         "running episode waiting ends the wait sooner).",
+    )
+
+
+class RouteSection(Section):
+    """Where the rows of one route run: an environment or an agent."""
+
+    environment: EnvironmentSlot | None = Field(None, description="An in-process environment for these rows.")
+    agent: AgentSlot | None = Field(None, description="An agent for these rows.")
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.environment is None) == (self.agent is None):
+            raise ValueError("a route runs its rows with an environment or an agent: set exactly one")
+        return self
+
+    @property
+    def source(self) -> EnvironmentSlot | AgentSlot:
+        return self.environment or self.agent
+
+
+class RoutingSection(Section):
+    """Episodes that differ per dataset row: a column of each row names its route, and each
+    route runs its rows with its own environment or agent (tools shown in a row's prompt are
+    its route's)."""
+
+    column: str = Field("environment", description="The dataset column whose value names a row's route.")
+    routes: dict[str, RouteSection] = Field(
+        min_length=1, description="Route name -> {environment: {...}} or {agent: {...}}; a row whose column "
+        "names none of them stops the run, naming the row's value and the routes.",
     )

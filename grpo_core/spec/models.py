@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from grpo_core.spec.algorithm import AlgorithmSection
-from grpo_core.spec.episodes import AgentSlot, EnvironmentSlot
+from grpo_core.spec.episodes import AgentSlot, EnvironmentSlot, RoutingSection
 from grpo_core.spec.export import ExportSection
 from grpo_core.spec.iterative import IterativeSection
 from grpo_core.spec.optimizer import OptimizerSection
@@ -125,6 +125,10 @@ class RolloutSlot(Slot):
         None, description="Episodes run by an agent program against an OpenAI-compatible endpoint the run serves "
         "(instead of environment); unset: no agent.",
     )
+    routing: RoutingSection | None = Field(
+        None, description="Episodes that differ per row: a column names each row's route, each route an "
+        "environment or agent (instead of environment and agent).",
+    )
     max_staleness: int = Field(
         0, ge=0, description="Asynchronous rollouts: the actor generates the batches of the next k steps while the "
         "learner trains, and the batch of step t is sampled with the policy after max(r, t - k) updates (r: the last "
@@ -136,14 +140,17 @@ class RolloutSlot(Slot):
 
     @model_validator(mode="after")
     def _one_episode_source(self):
-        if self.environment is not None and self.agent is not None:
-            raise ValueError("rollout.environment and rollout.agent both run the episodes: set one of them")
+        given = [k for k in ("environment", "agent", "routing") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"rollout.{given[0]} and rollout.{given[1]} both run the episodes: set one of them")
         return self
 
     @property
     def episode_tokens(self) -> int:
         """The longest completion a row can hold, in tokens: an episode's budget (model and
         environment tokens after the prompt) when episodes are multi-turn, else max_new_tokens."""
+        if self.routing is not None:
+            return max(route.source.max_total_tokens for route in self.routing.routes.values())
         source = self.environment or self.agent
         return self.max_new_tokens if source is None else source.max_total_tokens
 

@@ -39,6 +39,7 @@ from grpo_core.train.parallel import Single, strategy_for
 from grpo_core.train.pipeline import Pipeline
 from grpo_core.train.reasoning_steps import split_steps
 from grpo_core.train.rollout import Scorer
+from grpo_core.train.routes import RoutedRunner
 from grpo_core.train.scoring import RewardFn
 from grpo_core.train.state import Run
 from grpo_core.train.update import Objective
@@ -83,21 +84,52 @@ def required_columns(rewards: list[RewardFn]) -> dict[str, str]:
     return {c: f"reward function '{fn.name}'" for fn in rewards for c in fn.required_columns}
 
 
-def build_episodes(spec: Spec, model, tokenizer, scorer: Scorer) -> EpisodeRunner | AgentRunner | None:
-    """The multi-turn runner of ``rollout.environment`` or ``rollout.agent``, or None."""
-    slot = spec.rollout.environment or spec.rollout.agent
-    if slot is None:
+def build_episodes(spec: Spec, model, tokenizer, scorer: Scorer) -> EpisodeRunner | AgentRunner | RoutedRunner | None:
+    """The multi-turn runner of ``rollout.environment``, ``rollout.agent`` or
+    ``rollout.routing``, or None."""
+    r = spec.rollout
+    if r.environment is None and r.agent is None and r.routing is None:
         return None
-    where = "rollout.environment" if spec.rollout.environment is not None else "rollout.agent"
+    where = "rollout.environment" if r.environment else "rollout.agent" if r.agent else "rollout.routing"
     if scorer.with_steps or any(fn.takes_steps for fn in scorer.rewards):
         raise RunError(f"{where}: process supervision (step scores) is not supported on "
                        "multi-turn episodes; use outcome rewards")
     eos_ids, pad_id = special_ids(model, tokenizer, where.split(".")[1])
-    if spec.rollout.agent is not None:
-        return AgentRunner(slot.build(), slot, tokenizer, eos_ids=eos_ids, pad_id=pad_id,
-                           max_n=spec.rollout.group_size, chat_template_kwargs=dict(spec.data.chat_template_kwargs))
-    return EpisodeRunner(slot.build(), tokenizer, max_turns=slot.max_turns,
-                         max_total_tokens=slot.max_total_tokens, eos_ids=eos_ids, pad_id=pad_id)
+
+    def runner(slot):
+        if slot.kind == "agent":
+            return AgentRunner(slot.build(), slot, tokenizer, eos_ids=eos_ids, pad_id=pad_id, max_n=r.group_size,
+                               chat_template_kwargs=dict(spec.data.chat_template_kwargs))
+        return EpisodeRunner(slot.build(), tokenizer, max_turns=slot.max_turns,
+                             max_total_tokens=slot.max_total_tokens, eos_ids=eos_ids, pad_id=pad_id)
+
+    if r.routing is not None:
+        return RoutedRunner(r.routing.column, {name: runner(route.source) for name, route in r.routing.routes.items()})
+    return runner(r.environment or r.agent)
+
+
+def check_routes(spec: Spec, rows: list[dict]) -> None:
+    """Every row names a route of ``rollout.routing`` (when set): a bad value is found before
+    the model loads, with how many rows hold it."""
+    routing = spec.rollout.routing
+    if routing is None:
+        return
+    values: dict[Any, int] = {}
+    for row in rows:
+        value = row.get(routing.column)
+        if value not in routing.routes:
+            values[value] = values.get(value, 0) + 1
+    if values:
+        found = ", ".join(f"{v!r} ({n} rows)" for v, n in values.items())
+        raise RunError(f"rollout.routing: column '{routing.column}' holds values that name no route: {found}; "
+                       f"routes: {', '.join(routing.routes)}")
+
+
+def prompt_tools(episodes) -> Any:
+    """What the prompts show as tools: a routed runner's per row, an environment's, or none."""
+    if episodes is None:
+        return None
+    return getattr(episodes, "tools_for", None) or episodes.tools
 
 
 def prompt_budget(spec: Spec, model) -> int:
@@ -187,9 +219,12 @@ def build_run(loaded: LoadedSpec, dist: Dist | None = None, *, model=None, token
     rewards = build_rewards(spec, splitter)
     train_rows, eval_rows = load_rows(spec, "train"), load_rows(spec, "eval")
     needed = {spec.data.prompt_column: "data.prompt_column"}
+    if spec.rollout.routing is not None:
+        needed[spec.rollout.routing.column] = "rollout.routing.column"
     needed.update({c: who for c, who in required_columns(rewards).items() if c not in needed})
     check_columns(train_rows, needed, "training")
     check_columns(eval_rows, needed, "held-out")
+    check_routes(spec, train_rows + eval_rows)
 
     tokenizer = (modeling.load_tokenizer(spec.model, loaded.base_dir) if tokenizer is None
                  else modeling.prepare_tokenizer(tokenizer))
@@ -206,7 +241,7 @@ def build_run(loaded: LoadedSpec, dist: Dist | None = None, *, model=None, token
     actor, feed = _actor_and_feed(spec, model, tokenizer, backend, learner, scorer, snapshot, sampler)
 
     max_prompt = prompt_budget(spec, model)
-    tools = actor.episodes.tools if actor.episodes is not None else None
+    tools = prompt_tools(actor.episodes)
     actor.source = PromptSource(train_rows, tokenizer, spec.data, seed=spec.train.seed, max_tokens=max_prompt,
                                 tools=tools)
     reference = learner.kl.reference if learner.kl is not None else None

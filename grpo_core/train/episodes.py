@@ -259,7 +259,7 @@ def episodes_batch(prompts: list[list[int]], episodes: list[EpisodeRecord], toke
         turns=torch.tensor([e.turns for e in episodes]), tool_calls=torch.tensor([e.tool_calls for e in episodes]),
         tool_errors=torch.tensor([e.tool_errors for e in episodes]),
         lengths=torch.tensor([len(e.ids) for e in episodes]),
-        failed=None if failed is None else torch.tensor(failed, dtype=torch.bool),
+        failed=torch.tensor(failed if failed is not None else [False] * rows, dtype=torch.bool),
     )
     return RolloutBatch(
         prompt_ids.to(device), prompt_mask.to(device), ids.to(device), mask.to(device),

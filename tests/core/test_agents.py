@@ -327,3 +327,27 @@ def test_an_async_environment_steps_its_episodes_together(long_model, tmp_path):
     assert torch.equal(sync.completion_mask, together.completion_mask)
     assert together.episodes.turns.tolist() == [2] * 16
     assert (envs[0].most, envs[1].most) == (1, 16)
+
+
+def test_rows_route_to_their_own_environment_or_agent(long_model, tmp_path):
+    """rollout.routing: a column names each row's route; tools rows run in the in-process
+    tools environment, agent rows through the endpoint, and the batch keeps the prompts'
+    order. A row naming no route stops the run, naming its value and the routes."""
+    rows = [{"prompt": [{"role": "user", "content": f"What is {a} + 3?"}], "answer": str(a + 3),
+             "task": "tools" if a % 2 else "agent"} for a in range(8)]
+    routing = {"column": "task", "routes": {
+        "tools": {"environment": {"name": "tools", "tools": ["calculator"], "max_total_tokens": 240}},
+        "agent": {"agent": {"name": "calculator_agent", "max_total_tokens": 240}}}}
+    spec = _spec(long_model, tmp_path / "o", name="scripted", routing=routing)
+    spec["data"] = {"name": "arithmetic"}
+    run = Trainer(spec, agent=calculator_agent, train_dataset=rows, plugins=[ScriptedPlugin()])._build()
+    experience = run.actor.collect(0)
+    g = experience.scored.rollout.group_size
+    for p, prompt in enumerate(experience.scored.prompts):
+        first = experience.scored.rollout.episodes.messages[p * g][0]
+        assert ("tool_calls" in first) == (prompt.row["task"] == "agent"), (prompt.row, first)
+    assert experience.scored.rollout.episodes.tool_calls.tolist() == [1] * (2 * g)
+    bad = [{**rows[0], "task": "chess"}] * 4
+    with pytest.raises(Exception, match=r"column 'task' holds values that name no route: 'chess' \(4 rows\); "
+                                         "routes: tools, agent"):
+        Trainer(spec, agent=calculator_agent, train_dataset=bad, plugins=[ScriptedPlugin()])._build()
