@@ -131,9 +131,10 @@ def register_environments(register: Registrar) -> None:
 
 @hookspec
 def register_agents(register: Registrar) -> None:
-    """Register agents: programs that run an episode against the policy through an
-    OpenAI-compatible endpoint the run serves (:class:`~grpo_core.contracts.Agent`); called
-    once when the registry is built. Selected by ``rollout.agent.name``. Added in 0.2.
+    """Register agents; called once when the registry is built. An agent is a program that
+    runs an episode against the policy through an OpenAI-compatible endpoint the run serves
+    (:class:`~grpo_core.contracts.Agent`). Selected by ``rollout.agent.name`` (or a route's
+    ``agent.name`` under ``rollout.routing``). Added in 0.2.
     """
 
 
