@@ -135,12 +135,15 @@ class _Tasks:
         asyncio.set_event_loop(self.loop)
         try:
             self.loop.run_until_complete(self._all())
+        except asyncio.CancelledError:  # the rollout ended with agents still running
+            pass
         finally:
             self.loop.close()
 
     async def _all(self) -> None:
         gate = asyncio.Semaphore(self.concurrency)
-        await asyncio.gather(*(self._one(e, gate) for e in self.episodes))
+        self.tasks = [asyncio.ensure_future(self._one(e, gate)) for e in self.episodes]
+        await asyncio.gather(*self.tasks, return_exceptions=True)
         gc.collect()  # clients the agents did not close schedule their closing on this loop: let it run
         await asyncio.sleep(0.01)
 
@@ -176,11 +179,13 @@ class _Tasks:
 
         def work() -> None:
             try:
-                value = self.agent(info)
-            except BaseException as exc:  # noqa: BLE001
-                self.loop.call_soon_threadsafe(_settle, future, None, exc)
-            else:
-                self.loop.call_soon_threadsafe(_settle, future, value, None)
+                outcome = (self.agent(info), None)
+            except BaseException as exc:  # noqa: BLE001 - the episode's failure, reported below
+                outcome = (None, exc)
+            try:
+                self.loop.call_soon_threadsafe(_settle, future, *outcome)
+            except RuntimeError:  # the rollout ended long ago (the agent ran past its deadline): nobody waits
+                pass
 
         threading.Thread(target=work, name=f"grpo-agent-{e.index}", daemon=True).start()
         return await future
@@ -190,7 +195,7 @@ class _Tasks:
         if self.loop.is_closed():
             return
         try:
-            self.loop.call_soon_threadsafe(lambda: [t.cancel() for t in asyncio.all_tasks(self.loop)])
+            self.loop.call_soon_threadsafe(lambda: [t.cancel() for t in getattr(self, "tasks", []) if not t.done()])
         except RuntimeError:  # the loop closed meanwhile
             pass
 

@@ -33,6 +33,14 @@ def as_completions(prompts: list[Prompt], rollout: RolloutBatch) -> tuple[list, 
     return row_prompts, completions
 
 
+def shown_completion(rollout: RolloutBatch, row: int) -> str:
+    """What tables show of a row: its completion, or why its agent failed."""
+    episodes = rollout.episodes
+    if episodes is not None and episodes.failed is not None and bool(episodes.failed[row]):
+        return str(episodes.messages[row][-1].get("content", ""))
+    return rollout.completions[row]
+
+
 def columns_of(prompts: list[Prompt], group_size: int, exclude: str) -> dict[str, list]:
     """Every dataset column but the prompt, repeated per completion."""
     if not prompts:

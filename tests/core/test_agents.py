@@ -31,17 +31,17 @@ CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</t
 def calculator_agent(episode):
     """A tool loop written as any OpenAI-client agent is: up to three calls, each tool call
     answered with the calculator's result (encoded as the tools environment encodes it)."""
-    client = openai.OpenAI(base_url=episode.base_url, api_key=episode.api_key, max_retries=0, timeout=60)
-    messages = list(episode.row["prompt"])
-    for _ in range(3):
-        reply = client.chat.completions.create(model=episode.model, messages=messages, tools=TOOLS)
-        message = reply.choices[0].message
-        messages.append(message.model_dump(exclude_none=True))
-        if not message.tool_calls:
-            return None
-        for call in message.tool_calls:
-            messages.append({"role": "tool", "tool_call_id": call.id,
-                             "content": calculator(**json.loads(call.function.arguments))})
+    with openai.OpenAI(base_url=episode.base_url, api_key=episode.api_key, max_retries=0, timeout=60) as client:
+        messages = list(episode.row["prompt"])
+        for _ in range(3):
+            reply = client.chat.completions.create(model=episode.model, messages=messages, tools=TOOLS)
+            message = reply.choices[0].message
+            messages.append(message.model_dump(exclude_none=True))
+            if not message.tool_calls:
+                return None
+            for call in message.tool_calls:
+                messages.append({"role": "tool", "tool_call_id": call.id,
+                                 "content": calculator(**json.loads(call.function.arguments))})
     return None
 
 
@@ -185,7 +185,10 @@ def test_a_slow_or_crashing_agent_does_not_stall_the_others(long_model, tmp_path
 
 def _hostile(kind: str):
     def agent(episode):
-        client = openai.OpenAI(base_url=episode.base_url, api_key=episode.api_key, max_retries=0, timeout=20)
+        with openai.OpenAI(base_url=episode.base_url, api_key=episode.api_key, max_retries=0, timeout=20) as client:
+            return talk(episode, client)
+
+    def talk(episode, client):
         messages = list(episode.row["prompt"])
         if kind == "flood":
             for _ in range(10_000):
@@ -195,7 +198,7 @@ def _hostile(kind: str):
         if kind == "huge":
             messages = [{"role": "user", "content": "x" * 1_100_000}]
         if kind == "key":
-            client = openai.OpenAI(base_url=episode.base_url, api_key="not-the-key", max_retries=0)
+            client.api_key = "not-the-key"
         if kind == "temperature":
             return client.chat.completions.create(model="policy", messages=messages, temperature=0.3)
         if kind == "edit":
@@ -256,9 +259,9 @@ def test_the_learner_sees_the_episode_prompt_shared_by_its_group(long_model, tmp
     common prefix, the rest of each first prompt is context in its completion."""
 
     def varied(episode):
-        client = openai.OpenAI(base_url=episode.base_url, api_key=episode.api_key, max_retries=0)
-        messages = [*episode.row["prompt"], {"role": "user", "content": ["alpha", "omega"][episode.index]}]
-        client.chat.completions.create(model="policy", messages=messages)
+        with openai.OpenAI(base_url=episode.base_url, api_key=episode.api_key, max_retries=0) as client:
+            messages = [*episode.row["prompt"], {"role": "user", "content": ["alpha", "omega"][episode.index]}]
+            client.chat.completions.create(model="policy", messages=messages)
 
     spec = _spec(long_model, tmp_path / "o", name="scripted", group_size=2)
     run = Trainer(spec, agent=varied, plugins=[ScriptedPlugin()])._build()
@@ -351,3 +354,37 @@ def test_rows_route_to_their_own_environment_or_agent(long_model, tmp_path):
     with pytest.raises(Exception, match=r"column 'task' holds values that name no route: 'chess' \(4 rows\); "
                                          "routes: tools, agent"):
         Trainer(spec, agent=calculator_agent, train_dataset=bad, plugins=[ScriptedPlugin()])._build()
+
+
+def test_the_agent_spec_runs_its_loop_on_a_tiny_model(long_model, tmp_path):
+    """specs/agent.yaml as shipped (its agent file an ordinary openai tool loop), on the
+    tiny model for a step, evaluation included."""
+    from grpo_core.cli import main
+
+    from .conftest import read_metrics
+
+    specs = Path(__file__).resolve().parents[2] / "specs"
+    out = tmp_path / "agent"
+    code = main([str(specs / "agent.yaml"),
+                 "--set", "model.package=null", "--set", "model.gguf_file=null", "--set", f"model.path={long_model}",
+                 "--set", "train.steps=1", "--set", "data.train_size=8", "--set", "eval.max_prompts=2",
+                 "--set", "rollout.group_size=2", "--set", "rollout.max_new_tokens=4",
+                 "--set", "rollout.agent.max_total_tokens=24", "--set", "train.progress=false",
+                 "--set", "tracking=[]", "--set", f"train.output_dir={out}"])
+    assert code == 0
+    rows = read_metrics(out / "metrics.jsonl")
+    step = next(r for r in rows if "env/turns_per_episode" in r)
+    assert step["env/failed_episodes"] == 0.0 and step["env/model_tokens"] > 0
+    assert len([r for r in rows if "eval/env/turns_per_episode" in r]) == 2
+
+
+def test_the_dry_run_shows_why_an_agent_failed(long_model, tmp_path, capsys):
+    from grpo_core.dryrun import dry_run
+
+    def broken(episode):
+        raise KeyError("prompt")
+
+    spec = _spec(long_model, tmp_path / "o", name="scripted", group_size=2)
+    trainer = Trainer(spec, agent=broken, plugins=[ScriptedPlugin()])
+    assert dry_run(trainer.loaded) == 0
+    assert "agent failed: raised KeyError: 'prompt'" in capsys.readouterr().out
