@@ -22,7 +22,6 @@ which requests share a ``generate`` call depends on timing.
 from __future__ import annotations
 
 import asyncio
-import gc
 import inspect
 import math
 import secrets
@@ -144,8 +143,7 @@ class _Tasks:
         gate = asyncio.Semaphore(self.concurrency)
         self.tasks = [asyncio.ensure_future(self._one(e, gate)) for e in self.episodes]
         await asyncio.gather(*self.tasks, return_exceptions=True)
-        gc.collect()  # clients the agents did not close schedule their closing on this loop: let it run
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0)  # what the agents' closing clients scheduled runs before the loop closes
 
     async def _one(self, e: _Live, gate: asyncio.Semaphore) -> None:
         async with gate:

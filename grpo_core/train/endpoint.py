@@ -214,7 +214,8 @@ class Endpoint:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
-        self.thread = threading.Thread(target=self.server.serve_forever, name="grpo-agent-endpoint", daemon=True)
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.02,), name="grpo-agent-endpoint",
+                                       daemon=True)  # polls for shutdown every 20 ms: closing is quick
         self.thread.start()
 
     @property
