@@ -30,13 +30,13 @@ ARGUMENTS: list[tuple[str, str, str]] = [
      "folder of a sequence-classification model) becomes a reward_model entry as TRL scores with it (its first "
      "logit, no length limit, no special tokens added, dtype as transformers loads it); a list mixes both, in "
      "order, weighted by reward_weights."),
-    ("args", "the spec, through the field table", "A GRPOConfig of this module; None: GRPOConfig('<model>-GRPO'), "
+    ("args", "the spec, through the field table", "A GRPOConfig of this module; None: GRPOConfig('MODEL-GRPO'), "
      "as TRL."),
     ("train_dataset", "data (grpo_core.Trainer(train_dataset=...))",
      "A datasets.Dataset, a pandas DataFrame or a list of dicts with a 'prompt' column (text or chat messages); "
      "every other column reaches the reward functions. Required. An IterableDataset is refused (materialize it)."),
     ("eval_dataset", "the held-out split, or eval.sets",
-     "One dataset, or {name: dataset} (a DatasetDict too) for named sets logged under eval/<name>/."),
+     "One dataset, or {name: dataset} (a DatasetDict too) for named sets logged under eval/NAME/."),
     ("processing_class", "grpo_core.Trainer(tokenizer=...)", "A tokenizer; a multimodal processor is refused."),
     ("reward_processing_classes", "refused unless None",
      "grpo-core's reward_model loads the tokenizer saved with the reward model."),

@@ -195,7 +195,7 @@ FIELDS: list[TRLField] = [
     mapped("output_dir", None, "train.output_dir", "as is ('trainer_output' when None, as transformers)",
            lambda v, ctx: {"train.output_dir": str(v or "trainer_output")},
            note="A second train() without resume_from_checkpoint moves the previous run's files into "
-           "output_dir/overwritten/<time>/ (nothing is deleted), where TRL writes over them.",
+           "output_dir/overwritten/TIME/ (nothing is deleted), where TRL writes over them.",
            examples=(("runs/x", {"train.output_dir": "runs/x"}),)),
     mapped("per_device_train_batch_size", 8, "train.micro_batch_size", "as is: completions per forward/backward "
            "of a process", _micro_batch,
@@ -287,7 +287,7 @@ FIELDS: list[TRLField] = [
     mapped("logging_strategy", "steps", "tracking[0]", "'no': no console tracker; steps / epoch: see logging_steps",
            lambda v, ctx: {}, examples=(("no", {"tracking": []}),)),
     mapped("logging_steps", 10, "tracking[0].every", "the console tracker's every: " + IN_ROLLOUT_STEPS,
-           lambda v, ctx: {}, note="grpo-core writes every step's metrics to <output_dir>/metrics.jsonl and to "
+           lambda v, ctx: {}, note="grpo-core writes every step's metrics to output_dir/metrics.jsonl and to "
            "the trackers whatever this is; it only thins what the console prints.",
            examples=((4, {"tracking[0].every": 4}),)),
     ignored("logging_first_step", False, _LOGGING),
