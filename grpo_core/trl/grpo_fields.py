@@ -252,15 +252,28 @@ def _is_lower(value: Any, ctx: Context) -> dict[str, Any]:
     return {"algorithm.rollout_correction.lower": float(value)}
 
 
-def _model_init(value: Any, ctx: Context) -> dict[str, Any]:
-    if value is None or ctx.values.get("_model_object"):
-        return {}  # TRL ignores them for a model object too
+def init_kwargs(value: Any) -> dict[str, Any]:
+    """``model_init_kwargs`` as a dict: None is empty, a JSON string (TRL's command line) is parsed."""
+    if value is None:
+        return {}
     if isinstance(value, str):
         import json
 
-        value = json.loads(value)
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise Refusal("model_init_kwargs", value, "a string must be a JSON object", "a dict") from None
+    if not isinstance(value, dict):
+        raise Refusal("model_init_kwargs", value, "must be a dict of from_pretrained arguments", "a dict")
+    return value
+
+
+def _model_init(value: Any, ctx: Context) -> dict[str, Any]:
+    kwargs = init_kwargs(value)
+    if ctx.values.get("_model_object"):
+        return {}  # TRL ignores them for a model object too
     out: dict[str, Any] = {}
-    for key, item in dict(value).items():
+    for key, item in kwargs.items():
         if key in ("dtype", "torch_dtype"):
             name = str(item).replace("torch.", "")
             if name not in ("float32", "bfloat16", "float16"):
@@ -280,7 +293,10 @@ def _model_init(value: Any, ctx: Context) -> dict[str, Any]:
 
 
 def _trust(value: Any, ctx: Context) -> dict[str, Any]:
-    kwargs = ctx["model_init_kwargs"] if isinstance(ctx["model_init_kwargs"], dict) else {}
+    try:
+        kwargs = init_kwargs(ctx["model_init_kwargs"])
+    except Refusal:
+        kwargs = {}  # model_init_kwargs' own entry says why
     return {"model.trust_remote_code": bool(kwargs.get("trust_remote_code", value))}
 
 
@@ -315,7 +331,8 @@ FIELDS: list[TRLField] = [
            note="Ignored for a loaded model object, as TRL ignores it. TRL's default dtype is float32, as "
            "model.dtype's; 'auto' is refused (name the dtype).",
            examples=(({"dtype": "bfloat16", "revision": "main"},
-                      {"model.dtype": "bfloat16", "model.revision": "main"}),),
+                      {"model.dtype": "bfloat16", "model.revision": "main"}),
+                     ('{"torch_dtype": "float16"}', {"model.dtype": "float16"})),
            refusals=(({"dtype": "auto"}, "model.dtype"), ({"quantization_config": {}}, "pass a loaded model"))),
     mapped("trust_remote_code", False, "model.trust_remote_code", "as is (model_init_kwargs' wins, as in TRL)",
            _trust, note="Also applied to reward models named by a string, as TRL does.",
@@ -541,4 +558,4 @@ FIELDS: list[TRLField] = [
            examples=((4.0, {"algorithm.rollout_correction.cap": 4.0}),)),
 ]
 
-__all__ = ["CLIPPED", "FIELDS", "IS_MODES", "LOSS_TYPES", "policy_loss"]
+__all__ = ["CLIPPED", "FIELDS", "IS_MODES", "LOSS_TYPES", "init_kwargs", "policy_loss"]

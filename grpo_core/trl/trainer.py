@@ -18,6 +18,8 @@ from typing import Any
 from grpo_core.errors import SpecError, UsageError
 from grpo_core.trainer import Trainer, TrainResult, as_rows
 from grpo_core.trl.config import BY_NAME, FIELDS, GRPOConfig, TRLConfigError
+from grpo_core.trl.grpo_fields import init_kwargs
+from grpo_core.trl.table import Refusal
 
 #: Where each of ``GRPOTrainer``'s arguments goes (for the docs): (argument, where, note).
 ARGUMENTS: list[tuple[str, str, str]] = [
@@ -146,7 +148,10 @@ def _reward_entries(reward_funcs: Any, config: GRPOConfig, problems: list[str]) 
     if not funcs:
         problems.append("reward_funcs: none given; GRPO needs at least one reward function")
     weights = config.reward_weights or [1.0] * len(funcs)
-    kwargs = config.model_init_kwargs if isinstance(config.model_init_kwargs, dict) else {}
+    try:
+        kwargs = init_kwargs(config.model_init_kwargs)
+    except Refusal:
+        kwargs = {}  # the config's own check says why
     entries, objects = [], []
     for i, func in enumerate(funcs):
         weight = float(weights[i]) if i < len(weights) else 1.0
