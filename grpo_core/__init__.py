@@ -1,7 +1,8 @@
 """grpo-core: Group Relative Policy Optimization as a small engine plus plugins.
 
 Two ways in: a YAML spec and ``grpo-run``, or :class:`Trainer` from Python (imported on first
-use, so that plugins importing ``hookimpl`` do not pay for the training stack)."""
+use, so that plugins importing ``hookimpl`` do not pay for the training stack); and for a
+script written for TRL, ``grpo_core.trl``'s ``GRPOConfig`` and ``GRPOTrainer``."""
 
 from grpo_core.hookspecs import hookimpl
 
