@@ -51,7 +51,7 @@ ARGUMENTS: list[tuple[str, str, str]] = [
     ("peft_config", "model.lora", "A peft.LoraConfig: r, lora_alpha, lora_dropout and target_modules (None: "
      "peft's default for the model type, resolved here); any other setting away from peft's default is refused."),
     ("tools", "refused unless None", "Tools are grpo-core's rollout.environment: pass "
-     "grpo_core.Trainer(environment=tools_environment(fn, ...)) (grpo_plugins.environments)."),
+     "grpo_core.Trainer(environment=tools_environment(fn, ...)), the built-in tools plugin's helper."),
     ("rollout_func", "refused unless None", "A custom rollout is a rollout-backend plugin (rollout.name)."),
     ("environment_factory", "refused unless None", "An environment is grpo_core.Trainer(environment=...)."),
     ("overrides", "grpo_core.Trainer(overrides=...)",
