@@ -13,13 +13,15 @@
   one (float32, and bf16 gathered weights with ``param_dtype: bfloat16``), the gathered state
   dict equals the trained weights, and the ``hf`` backend generates from the gathered weights
   what the unsharded model generates. ``grpo-run`` treats one process as unsharded (nothing to
-  shard), so the strategy is built here directly, as the engine builds it for several.
+  shard), so the strategy is built here directly, as the engine builds it for several. Then the
+  engine's ``Dist`` takes the paths of several processes in that group of one
+  (``engine_collectives``): its float64 sums on the device, gathers, gradient sum and combined
+  metrics, and an FSDP2 update whose strategy makes them.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import socket
 import threading
 from pathlib import Path
@@ -134,16 +136,51 @@ def run_fsdp2(record: Record, device: torch.device, work: Path, args: Any) -> No
         record.check("generate_gathered", lambda: _generate_gathered(device))
         record.check("update_float32", lambda: _sharded_update(device, work, None))
         record.check("update_bf16_params", lambda: _sharded_update(device, work, "bfloat16"))
+        record.check("engine_collectives", lambda: _engine_collectives(device, work))
     finally:
         dist.destroy_process_group()
 
 
-def _strategy(device: torch.device, param_dtype: str | None):
+def _joined(device: torch.device):
+    """The engine's process group (``Dist``) of this one process, taking the paths of several:
+    its sums, gathers and gradient sums go through the default group (NCCL on a GPU)."""
+    from grpo_core.train.distributed import Dist
+
+    class Joined(Dist):
+        @property
+        def active(self) -> bool:
+            return True
+
+    return Joined(0, 1, device)
+
+
+def _strategy(device: torch.device, param_dtype: str | None, joined: bool = False):
     from grpo_core.spec.parallel import ParallelSection
     from grpo_core.train.distributed import Dist
     from grpo_core.train.parallel import FSDP2
 
-    return FSDP2(Dist(0, 1, device), ParallelSection(strategy="fsdp2", param_dtype=param_dtype))
+    dist = _joined(device) if joined else Dist(0, 1, device)
+    return FSDP2(dist, ParallelSection(strategy="fsdp2", param_dtype=param_dtype))
+
+
+def _engine_collectives(device: torch.device, work: Path) -> dict[str, Any]:
+    """``Dist``'s collectives as several processes make them (float64 sums on the device under
+    NCCL, pickled gathers, a gradient sum, combined metrics), then an FSDP2 update whose
+    strategy makes them too, against the unsharded one."""
+    dist = _joined(device)
+    model, _ = _tiny_policy(device)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 0.5)
+    dist.sum_grads(list(model.parameters()))
+    dist.barrier()
+    out = {"sum_floats": dist.sum_floats([1.5, 2.0]), "any": dist.any(True), "gather": dist.gather({"rank": 0}),
+           "combined": dist.combine_metrics({"loss": 1.0, "time/x": 2.0}),
+           "grads_kept": all(bool((p.grad == 0.5).all()) for p in model.parameters())}
+    update = _sharded_update(device, work, None, joined=True)
+    out.update(update_rel_error_vs_unsharded=update["rel_error_vs_unsharded"], update_ok=update["ok"])
+    out["ok"] = bool(out["sum_floats"] == [1.5, 2.0] and out["any"] and out["gather"] == [{"rank": 0}]
+                     and out["combined"] == {"loss": 1.0, "time/x": 2.0} and out["grads_kept"] and update["ok"])
+    return out
 
 
 def _generate_gathered(device: torch.device) -> dict[str, Any]:
@@ -170,40 +207,27 @@ def _generate_gathered(device: torch.device) -> dict[str, Any]:
     return {"dtensor_parameters": dtensors, "same_tokens": same, "ok": dtensors and same}
 
 
-def _sharded_update(device: torch.device, work: Path, param_dtype: str | None) -> dict[str, Any]:
+def _sharded_update(device: torch.device, work: Path, param_dtype: str | None, joined: bool = False) -> dict[str, Any]:
     """One SGD(lr=1) update through the FSDP2 strategy against the unsharded engine's on the
     same device (float32): the weight change is the gradient."""
-    from correctness import G, T, _settings, engine_gradient, textbook_batch
+    from correctness import engine_gradient, on, spec_learner, textbook_batch
 
-    from grpo_core.plugin_manager import load_plugins
     from grpo_core.train import sharding
-    from grpo_core.train.learner import Learner
-    from grpo_core.train.update import Objective, update
+    from grpo_core.train.update import update
 
     model, _ = _tiny_policy(device)
     batch = textbook_batch()
-    settings = _settings(work, device, None)
-    plain = engine_gradient(model, batch, "token-mean", device, settings, "no")
-    registry = load_plugins(external=False).registry
-    objective = Objective(policy_loss=registry.get("policy_loss", "clip").build(),
-                          aggregator=registry.get("loss_aggregator", "token-mean").build(), kl=None,
-                          entropy_coef=0.0, early_stop_imp_ratio=None, max_length=T)
+    plain = engine_gradient(model, batch, device, work)
     before = {k: p.detach().clone() for k, p in model.named_parameters()}
-    strategy = _strategy(device, param_dtype)
-    strategy.setup(model)
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    on_device = dataclasses.replace(batch, **{
-        f.name: getattr(batch, f.name).to(device) for f in dataclasses.fields(batch)
-        if isinstance(getattr(batch, f.name), torch.Tensor)})
-    metrics = update(Learner(model, opt, sched, objective, dataclasses.replace(settings, micro_batch_size=G),
-                             strategy=strategy), on_device)
+    learner = spec_learner(model, device, work, strategy=_strategy(device, param_dtype, joined))
+    metrics = update(learner, on(batch, device))
+    dtensors = all(hasattr(p, "full_tensor") for p in model.parameters())
     after = dict(sharding.full_parameters(model))
     sharded = {k: (before[k] - after[k]).cpu() for k in before}
     gathered = sharding.full_state_dict(model)
     err = rel_error(sharded, plain)
     tolerance = 1e-5 if param_dtype is None else 3e-2
     state_ok = all(torch.equal(gathered[k].cpu(), after[k].cpu()) for k in gathered if k in after)
-    return {"param_dtype": param_dtype, "updates": metrics["train/updates"], "rel_error_vs_unsharded": err,
-            "tolerance": tolerance, "gathered_state_equals_weights": state_ok,
-            "ok": bool(err < tolerance and state_ok and metrics["train/updates"] == 1)}
+    return {"param_dtype": param_dtype, "dtensor_parameters": dtensors, "updates": metrics["train/updates"],
+            "rel_error_vs_unsharded": err, "tolerance": tolerance, "gathered_state_equals_weights": state_ok,
+            "ok": bool(err < tolerance and state_ok and dtensors and metrics["train/updates"] == 1)}

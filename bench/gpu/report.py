@@ -17,9 +17,9 @@ CARRY = [".whl"]
 HEADLINES = [
     "rel_error_token-mean", "rel_error_seq-mean-token-mean", "self_logp_diff_max", "bf16_logp_diff_mean",
     "bf16_logp_diff_max", "cpu_resume_bit_exact", "checkpoint_step", "bit_exact", "root_tensors_unchanged",
-    "same_tokens", "rel_error_vs_unsharded", "tokens_per_s", "median_seconds", "seconds_generate", "mfu",
-    "peak_allocated_gib", "peak_rss_gib", "step_seconds", "generate_seconds", "train_seconds", "load_seconds",
-    "parameters", "trl",
+    "same_tokens", "rel_error_vs_unsharded", "update_rel_error_vs_unsharded", "tokens_per_s", "median_seconds",
+    "mfu", "peak_allocated_gib", "peak_rss_gib", "step_seconds", "generate_seconds", "train_seconds",
+    "load_seconds", "parameters", "trl",
 ]
 
 
