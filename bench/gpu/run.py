@@ -71,16 +71,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--results", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
-    p.add_argument("--limit-s", type=float, help="each part's time limit (default: its own, 90 to 360 s)")
+    p.add_argument("--limit-s", default="", help="time limits instead of the parts' own (90 to 360 s): S for "
+                   "every part, PART=S for one, comma-separated (e.g. throughput=500)")
     p.add_argument("--hang", help=argparse.SUPPRESS)  # the test run's fault: this part sleeps until killed
     args = p.parse_args(argv)
     args.part_list = [x.strip() for x in args.parts.split(",") if x.strip()]
+    args.limits = _limits(p, args.limit_s)
     unknown = [x for x in args.part_list if x not in PARTS]
     if unknown:
         p.error(f"--parts: unknown {', '.join(unknown)}; valid: {', '.join(PARTS)}")
     if not args.dry_run and args.out is None:
         p.error("--out is required (a folder for results.json), or give --dry-run")
     return args
+
+
+def _limits(parser: argparse.ArgumentParser, text: str) -> dict[str, float]:
+    """Each part's time limit: its own, unless ``--limit-s`` gives one for every part or for it."""
+    limits = {name: spec[4] for name, spec in PARTS.items()}
+    for entry in filter(None, (x.strip() for x in text.split(","))):
+        name, _, seconds = entry.rpartition("=")
+        try:
+            value = float(seconds)
+        except ValueError:
+            parser.error(f"--limit-s: {entry!r} is not S or PART=S (S in seconds)")
+        if name and name not in PARTS:
+            parser.error(f"--limit-s: unknown part {name!r}; valid: {', '.join(PARTS)}")
+        limits.update({name: value} if name else dict.fromkeys(PARTS, value))
+    return limits
 
 
 # --------------------------------------------------------------------------- importable checkout
@@ -175,7 +192,7 @@ def run_child(args, work: Path, results: Path, env: dict, parts: list[str], dead
             return finished
         if running:
             name, since = running[-1]["part"], running[-1]["time"]
-            limit = min(args.limit_s or PARTS[name][4], max(deadline + RESERVE_S / 2 - since, 5.0))
+            limit = min(args.limits[name], max(deadline + RESERVE_S / 2 - since, 5.0))
             if time.time() - since > limit:
                 _kill(child)
                 finished[name] = _ended(results, name, "timeout", f"killed after {limit:.0f} s (its time limit)")

@@ -91,10 +91,10 @@ def test_the_dry_run_lists_every_file_sent_and_the_command():
 @pytest.mark.slow
 def test_a_part_over_its_limit_is_killed_and_the_next_runs_in_a_fresh_process(tmp_path):
     done = _check(["--out", tmp_path / "out", "--work", tmp_path / "work", "--device", "cpu", "--tiny",
-                   "--parts", "correctness,nccl", "--limit-s", "10", "--hang", "correctness"])
+                   "--parts", "correctness,nccl", "--limit-s", "correctness=5", "--hang", "correctness"])
     assert done.returncode == 1, (done.stdout + done.stderr)[-3000:]
     parts = json.loads((tmp_path / "out" / "results.json").read_text())["parts"]
-    assert parts["correctness"]["status"] == "timeout" and "killed after 10 s" in parts["correctness"]["error"]
+    assert parts["correctness"]["status"] == "timeout" and "killed after 5 s" in parts["correctness"]["error"]
     assert parts["nccl"]["status"] == "ok"
 
 
