@@ -11,6 +11,7 @@ drops the batches it generated ahead and rewinds the prompt stream there.
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import sys
@@ -71,6 +72,10 @@ def train(loaded: LoadedSpec, resume: str | None = None) -> int:
                 status, code = _finish(run, stop)
         close_process_group()  # every process got here: the run ended, not failed
         return code
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise RunError(_disk_full(run, loaded, exc)) from exc
     except KeyboardInterrupt:
         status = "KILLED"
         raise
@@ -171,6 +176,18 @@ def _save_failed_step(run: Run, start: _StepStart, loaded: LoadedSpec, exc: Base
         f"grpo-run: step {run.step + 1} failed before its update; checkpoint of step {run.step}: {folder}\n"
         f"  resume with: {loaded.command('--resume')}", file=sys.stderr,
     )
+
+
+def _disk_full(run: Run, loaded: LoadedSpec, exc: OSError) -> str:
+    """What to do after a write failed for want of space: where the run is, what it kept, the
+    command that carries on."""
+    where = f" writing {exc.filename}" if exc.filename else ""
+    saved = ckpt.list_checkpoints(run.checkpoint_dir) if run.checkpoint_dir.is_dir() else []
+    if saved:
+        then = f"the last checkpoint is {saved[-1]}. Free some space, then resume with: {loaded.command('--resume')}"
+    else:
+        then = f"no checkpoint was written yet. Free some space, then start again with: {loaded.command('--overwrite')}"
+    return f"no space left on the device{where} ({exc}); the run folder is {run.output_dir}, and {then}"
 
 
 def _resume(run: Run, resume: str | None) -> str | None:
