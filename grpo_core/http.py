@@ -59,7 +59,6 @@ __all__ = [
 #: Answers worth another attempt: the server is busy, overloaded or failed, not the request.
 RETRIED_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _CHUNK = 1 << 16
-_NO_BODY = object()
 
 
 # --------------------------------------------------------------------------- failures
@@ -188,12 +187,12 @@ class HTTPClient:
         if not isinstance(self.retries, int) or self.retries < 0:
             raise ValueError(f"HTTPClient: retries must be an integer >= 0, got {self.retries!r}")
 
-    def request(self, method: str, url: str, *, body: bytes | None = None, json: Any = _NO_BODY,
+    def request(self, method: str, url: str, *, body: bytes | None = None, json: Any = None,
                 headers: Mapping[str, str] | None = None, timeout_s: float | None = None,
                 max_bytes: int | None = None, retries: int | None = None) -> Response:
         """The 2xx answer of ``method url``, after up to ``retries`` (default: the client's)
         further attempts on a retriable failure; else the last :class:`HTTPFailure`, its
-        ``attempts`` set. ``json``: a value sent as the JSON body (``Content-Type:
+        ``attempts`` set. ``json``: a value (not None) sent as the JSON body (``Content-Type:
         application/json``); ``body``: raw bytes. ``timeout_s`` and ``max_bytes`` override the
         client's for this request."""
         tries = 1 + (self.retries if retries is None else retries)
@@ -210,7 +209,7 @@ class HTTPClient:
             wait *= 2
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def attempt(self, method: str, url: str, *, body: bytes | None = None, json: Any = _NO_BODY,
+    def attempt(self, method: str, url: str, *, body: bytes | None = None, json: Any = None,
                 headers: Mapping[str, str] | None = None, timeout_s: float | None = None,
                 max_bytes: int | None = None) -> Response:
         """One attempt of ``method url`` within ``timeout_s`` in all; its 2xx answer or an
@@ -219,7 +218,7 @@ class HTTPClient:
         _check_duration("timeout_s", timeout, positive=True)
         limit = self.max_bytes if max_bytes is None else max_bytes
         sent = dict(self.headers)
-        if json is not _NO_BODY:
+        if json is not None:
             body = jsonlib.dumps(json, allow_nan=False).encode("utf-8")
             sent.setdefault("Content-Type", "application/json")
         sent.update(headers or {})

@@ -177,9 +177,8 @@ class ServerClient:
         timed-out connection and on a server error (5xx), not on a refused request (4xx) nor
         a redirect (an error: it is not followed). One connection per call: calls come from
         several threads at once."""
-        extra = {} if body is None else {"json": body}
         try:
-            return self.http.request(method, self.url + path, retries=retries, timeout_s=timeout_s, **extra).json()
+            return self.http.request(method, self.url + path, json=body, retries=retries, timeout_s=timeout_s).json()
         except HTTPFailure as exc:
             raise ServerFault(self._explain(exc)) from None
 
