@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import secrets
 import socket
 import threading
 import time
@@ -242,12 +243,14 @@ class ServerClient:
 
     # ------------------------------------------------------------------ weights
     def open_channel(self, host: str, port: int, backend: str, timeout_s: float) -> None:
-        """Make the weight channel: the server's workers join this process's group."""
+        """Make the weight channel: the server's workers join this process's group, whose keys
+        carry a random token that only the server (told through its guarded route) knows."""
+        token = secrets.token_hex(16)
         info = {"host": host, "port": port, "world_size": 1 + self.workers, "backend": backend,
-                "timeout_s": timeout_s}
+                "timeout_s": timeout_s, "token": token}
         joined = self._background("POST", "/init_weight_transfer_engine", {"init_info": info}, timeout_s)
         try:
-            self.group = open_group(host, port, 0, 1 + self.workers, backend, timeout_s)
+            self.group = open_group(host, port, 0, 1 + self.workers, backend, timeout_s, token)
         except Exception as exc:
             raise ServerFault(f"{self.url}: its workers did not join the weight channel at {host}:{port}: {exc}") \
                 from exc

@@ -105,7 +105,7 @@ class FakeServe:
                 if self.path == "/init_weight_transfer_engine":
                     info = body["init_info"]
                     channel["group"] = open_group(info["host"], info["port"], 1, info["world_size"], info["backend"],
-                                                  info["timeout_s"])
+                                                  info["timeout_s"], info["token"])
                 elif self.path == "/update_weights":
                     fake.received += sum(1 for _ in receive_tensors(channel["group"], body["update_info"], "cpu"))
                 elif self.path == "/finish_weight_update":
