@@ -266,9 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     except GrpoError as exc:
         print(f"grpo-run: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # a second SIGINT/SIGTERM during a run (Interrupted), or Ctrl-C elsewhere
         print("grpo-run: interrupted", file=sys.stderr)
-        return 130
+        return getattr(exc, "exit_code", 130)
     except SystemExit as exc:  # sys.exit() in plugin code (a loss, a tracker...): its fault, not an exit code
         print(f"grpo-run: error: {fault_text(exc)} in plugin code{plugin_origin(exc)}", file=sys.stderr)
         return 1
@@ -286,13 +286,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def _entry() -> None:  # pragma: no cover
     code = main()
-    if os.environ.get("WORLD_SIZE", "1") not in ("", "1"):
+    from grpo_core.train.signals import threads_left_running
+
+    if os.environ.get("WORLD_SIZE", "1") not in ("", "1") or threads_left_running():
         exit_process(code)
     sys.exit(code)
 
 
 def exit_process(code: int) -> None:
-    """End a process of a multi-process run, its work done, without interpreter finalization.
+    """End a process of a multi-process run, or one whose run left a thread running (an
+    asynchronous actor in the middle of a batch after a failure or a second signal), its
+    work done, without interpreter finalization.
 
     ``DistributedDataParallel``'s reducer keeps the gloo process group alive after
     ``destroy_process_group`` (its communication threads are still running when ``main``

@@ -8,7 +8,8 @@ Five pages under ``docs/reference/``, none written by hand:
   (from the registry of ``load_plugins(external=False)``), and the ``grpo-run`` commands the
   built-in plugins add, with their ``--help``;
 - ``api.md``: the public plugin surface (``grpo_core.hookimpl``, :mod:`grpo_core.contracts`,
-  :mod:`grpo_core.groups`, the registrar of :mod:`grpo_core.commands`), signatures and docstrings;
+  :mod:`grpo_core.groups`, the registrar of :mod:`grpo_core.commands`, the HTTP client of
+  :mod:`grpo_core.http`), signatures and docstrings;
 - ``python.md``: the Python door (:mod:`grpo_core.trainer`), signatures and docstrings;
 - ``trl.md``: the TRL door's field table (:mod:`grpo_core.trl`), which
   ``docs/coming-from-trl.md`` includes.
@@ -263,13 +264,14 @@ def _member(obj: Any, name: str, level: str) -> list[str]:
 
 
 def api_page() -> str:
-    """``hookimpl``, the ``__all__`` of :mod:`grpo_core.contracts` and :mod:`grpo_core.groups`, and
-    the command registrar of :mod:`grpo_core.commands`."""
+    """``hookimpl``, the ``__all__`` of :mod:`grpo_core.contracts`, :mod:`grpo_core.groups` and
+    :mod:`grpo_core.http`, and the command registrar of :mod:`grpo_core.commands`."""
     import grpo_core
     from grpo_core import commands, contracts, groups
+    from grpo_core import http as http_client
 
     out = [_HEADER.format(command=COMMAND, source="the docstrings of `grpo_core`, `grpo_core.contracts`, "
-                          "`grpo_core.groups` and `grpo_core.commands`"),
+                          "`grpo_core.groups`, `grpo_core.commands` and `grpo_core.http`"),
            "# Plugin API\n\n",
            "What a plugin imports. How to write one, hook by hook: [Contributing](../contributing.md).\n",
            "\n## `grpo_core.hookimpl`\n\n",
@@ -280,7 +282,7 @@ def api_page() -> str:
     out.append(f"- `{commands.COMMANDS_HOOK}(register)`: `grpo-run` subcommands, registrar "
                f"[`CommandRegistrar`](#{_anchor('CommandRegistrar')})\n")
     for module, names in ((contracts, contracts.__all__), (groups, groups.__all__),
-                          (commands, ["CommandRegistrar", "Command"])):
+                          (commands, ["CommandRegistrar", "Command"]), (http_client, http_client.__all__)):
         out.append(f"\n## `{module.__name__}`\n\n{_doc(module)}\n")
         for name in names:
             out.extend(_member(getattr(module, name), name, "###"))

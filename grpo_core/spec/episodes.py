@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
+from grpo_core.options import Seconds
 from grpo_core.spec.slots import Section, Slot
 
 
@@ -31,8 +32,8 @@ class AgentSlot(Slot):
     kind = "agent"
     name: str = Field(description="Agent plugin (registered with register_agents, or passed to grpo_core.Trainer).")
     concurrency: int = Field(16, ge=1, description="Episodes running at once; their requests share generate calls.")
-    timeout_s: float = Field(
-        300.0, gt=0, le=86_400, allow_inf_nan=False,
+    timeout_s: Seconds = Field(
+        300.0, gt=0,
         description="Seconds one episode may take; then it is cancelled and recorded as failed (no reward).",
     )
     max_calls: int = Field(32, ge=1, description="Completion requests per episode at most; past it the episode fails.")

@@ -300,10 +300,27 @@ def _raw_problems_at(path: tuple, node: Any, cls: type, is_list: bool, plugins: 
             continue
         try:
             slot = cls.model_validate(raw, context=context)
-        except ValidationError:
-            continue  # phase one already reported it
+        except ValidationError:  # phase one reported the engine's fields: check the plugin's options still
+            slot = _slot_without_engine_fields(cls, raw, context)
+            if slot is None:
+                continue
         problems.extend(resolve_slot(slot, where, plugins.registry, context))
     return problems
+
+
+def _slot_without_engine_fields(cls: type, raw: dict, context: dict) -> Any:
+    """The slot ``raw`` with its engine fields left at their defaults (one of them is invalid,
+    and phase one reported it), so that its plugin's options are validated too: a bad
+    ``group_size`` does not hide a bad option of the rollout backend. None when the name
+    itself is unusable (phase one reported that)."""
+    name = raw.get("name", cls.model_fields["name"].default)
+    if not isinstance(name, str):
+        return None
+    extra = {k: v for k, v in raw.items() if k not in cls.model_fields}
+    try:
+        return cls.model_validate({"name": name, **extra}, context=context)
+    except ValidationError:
+        return None
 
 
 def _format(problems: list[tuple[tuple, str]], lines: dict[tuple, int], overridden: set[tuple]) -> list[str]:

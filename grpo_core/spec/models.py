@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from grpo_core.options import Seconds
 from grpo_core.spec.algorithm import AlgorithmSection
 from grpo_core.spec.episodes import AgentSlot, EnvironmentSlot, RoutingSection
 from grpo_core.spec.export import ExportSection
@@ -167,8 +168,8 @@ class RewardSlot(Slot):
         "at once: in parallel threads for a synchronous function, as concurrent tasks for an "
         "`async def` one. 1: one call on the whole batch (on the calling thread when synchronous)."
     )
-    call_timeout: float | None = Field(
-        None, gt=0, allow_inf_nan=False, description="Seconds this function may take on one step's "
+    call_timeout: Seconds | None = Field(
+        None, gt=0, description="Seconds this function may take on one step's "
         "batch; completions not scored by then are None (train.reward_errors: none) or stop the run "
         "(raise). An async call is cancelled; a synchronous one runs in a worker thread, which is "
         "abandoned (threads cannot be killed). Default: no limit."

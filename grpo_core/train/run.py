@@ -11,6 +11,7 @@ drops the batches it generated ahead and rewinds the prompt stream there.
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import sys
@@ -99,6 +100,10 @@ def run_loop(run: Run, loaded: LoadedSpec, resume: str | None = None, hooks: Hoo
                 outcome = Outcome(status, code, "callback" if run.step < spec.train.steps else None)
         close_process_group()  # every process got here: the run ended, not failed
         return outcome
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise RunError(_disk_full(run, loaded, exc)) from exc
     except KeyboardInterrupt:
         status = "KILLED"
         raise
@@ -215,6 +220,18 @@ def _save_interrupted(run: Run, start: _StepStart, loaded: LoadedSpec, exc: Base
     if run.dist.is_main:
         print(f"grpo-run: interrupted after step {run.step}; checkpoint {folder}\n"
               f"  resume with: {loaded.command('--resume')}", file=sys.stderr)
+
+
+def _disk_full(run: Run, loaded: LoadedSpec, exc: OSError) -> str:
+    """What to do after a write failed for want of space: where the run is, what it kept, the
+    command that carries on."""
+    where = f" writing {exc.filename}" if exc.filename else ""
+    saved = ckpt.list_checkpoints(run.checkpoint_dir) if run.checkpoint_dir.is_dir() else []
+    if saved:
+        then = f"the last checkpoint is {saved[-1]}. Free some space, then resume with: {loaded.command('--resume')}"
+    else:
+        then = f"no checkpoint was written yet. Free some space, then start again with: {loaded.command('--overwrite')}"
+    return f"no space left on the device{where} ({exc}); the run folder is {run.output_dir}, and {then}"
 
 
 def _resume(run: Run, resume: str | None) -> str | None:
