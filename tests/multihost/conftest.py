@@ -9,10 +9,13 @@ skip into a failure, for a machine where these tests must run.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
+import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -61,6 +64,23 @@ def child_env(tmp_path_factory) -> dict[str, str]:
     torchrun.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")}
     return {**env, **CHILD_ENV, "PATH": f"{shims}{os.pathsep}{env.get('PATH', '')}"}
+
+
+def made_once(tmp_path_factory, name: str, make: Callable[[Path], None]) -> Path:
+    """The folder ``name``, made by ``make(folder)`` once per test session: in the temporary
+    folder that the session's xdist workers share, under a lock, so that a reference run two
+    workers need is run once (a failed ``make`` is retried by the next worker to ask)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the workers' own folders (popen-gw0, ...) are its children
+    folder = root / name
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / ".done").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            make(folder)
+            (folder / ".done").touch()
+    return folder
 
 
 def write_spec(folder: Path, spec: dict) -> Path:

@@ -23,7 +23,7 @@ import torch
 
 from grpo_core import checkpoint as ckpt
 
-from .conftest import guide_command, start_node, write_spec
+from .conftest import guide_command, made_once, start_node, write_spec
 from .netns import wait_for
 
 pytestmark = pytest.mark.slow
@@ -141,12 +141,15 @@ def assert_same_run(run: Path, reference: Path) -> None:
             assert row[key] == other[key], (row["step"], key)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ddp_reference(tmp_path_factory, tiny_model_dir, child_env) -> Path:
-    """The ddp run on one host: ``grpo-run --nproc 2`` (loopback), the same spec."""
-    folder = prepare(tmp_path_factory.mktemp("one-host"), spec_of(tiny_model_dir))
-    finish(one_host(folder, child_env), folder / "one-host.log")
-    return folder / "out"
+    """The ddp run on one host: ``grpo-run --nproc 2`` (loopback), the same spec; run once for
+    the session's workers (its model is the same tiny model, built from the same seed)."""
+    def make(folder: Path) -> None:
+        prepare(folder, spec_of(tiny_model_dir))
+        finish(one_host(folder, child_env), folder / "one-host.log")
+
+    return made_once(tmp_path_factory, "multihost-ddp-reference", make) / "out"
 
 
 def two_nodes(network, folder: Path, command: str, env: dict, extra: str = "", tag: str = "") -> list:
