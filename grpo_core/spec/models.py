@@ -262,7 +262,8 @@ class CheckpointSection(Section):
     every: int = Field(
         100, ge=0, description="Write a checkpoint every N steps and at the end; 0: not by step count. "
         "One is always written when the run is interrupted, stops on non-finite updates, or fails "
-        "before a step's update (the last completed step)."
+        "before a step's update (the last completed step; with several processes under fsdp2, only "
+        "when every process fails together: shards cannot be gathered from a lost process)."
     )
     every_minutes: float = Field(
         30.0, ge=0, description="Also write one when this many minutes have passed since the last "

@@ -55,6 +55,17 @@ class ParallelSection(Section):
         description="fsdp2: dtype of the gradient reduce-scatter (MixedPrecisionPolicy.reduce_dtype); "
         "float32 sums bf16 gradients without rounding each process's share. null: param_dtype.",
     )
+    timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description="Longest wait, in seconds, of the training processes for one another: joining the "
+        "process group, and each collective (gradient sums, gathers, barriers) after it "
+        "(torch.distributed's process-group timeout; 1800 is PyTorch's gloo default). A process whose "
+        "peer is gone or unreachable (a node down, a cut link) stops with an error after at most this "
+        "long instead of hanging; with ddp the main process then checkpoints the last completed step. "
+        "Long enough for the slowest process's longest lone work: its share of a step, or the main "
+        "process writing a checkpoint while the others wait.",
+    )
 
 
 def parallel_conflicts(spec, parallel: ParallelSection | None = None) -> list[str]:

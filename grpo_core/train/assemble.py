@@ -204,7 +204,7 @@ def build_run(loaded: LoadedSpec, dist: Dist | None = None, *, model=None, token
     """The run of ``loaded``: every component built, nothing trained yet. ``model`` and
     ``tokenizer``: objects to train instead of loading ``model.path`` (the Python trainer's)."""
     spec = loaded.spec
-    dist = dist or Dist.from_env(spec.train.device)
+    dist = dist or Dist.from_env(spec.train.device, spec.train.parallel.timeout_s)
     check_layout(spec, dist.world)
     parallel = parallel_from_launcher(spec.train.parallel)
     if parallel_conflicts(spec, parallel):

@@ -11,6 +11,7 @@ backward; ``bench/ddp_overlap.py`` measures the gain over :meth:`Dist.sum_grads`
 
 from __future__ import annotations
 
+import datetime
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -65,20 +66,32 @@ class Dist:
     world: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     group: Any = None  # the process group of the collectives (None: the default one)
+    timeout_s: float = 1800.0  # the longest wait of one collective (train.parallel.timeout_s)
 
     @classmethod
-    def from_env(cls, device: str = "auto") -> Dist:
+    def from_env(cls, device: str = "auto", timeout_s: float = 1800.0) -> Dist:
         """Join the process group set up by the launcher, if any, and pick the device:
-        ``auto`` is this process's GPU when CUDA is available, else the CPU."""
+        ``auto`` is this process's GPU when CUDA is available, else the CPU. Joining, and
+        every collective after it, waits at most ``timeout_s`` for the other processes."""
         cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
         if device == "cuda" and not torch.cuda.is_available():
             raise RunError("train.device is 'cuda' but torch sees no CUDA device; use 'auto' or 'cpu'")
         if world_size_from_env() <= 1:
-            return cls(0, 1, torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device()))
+            return cls(0, 1, torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device()),
+                       timeout_s=timeout_s)
         from accelerate import PartialState
 
-        state = PartialState(cpu=cpu)
-        return cls(state.process_index, state.num_processes, torch.device(state.device))
+        try:
+            state = PartialState(cpu=cpu, timeout=datetime.timedelta(seconds=timeout_s))
+        except Exception as exc:
+            if not lost_contact(exc):
+                raise
+            where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+            raise RunError(
+                f"could not join the process group at {where} (MASTER_ADDR:MASTER_PORT) within "
+                f"train.parallel.timeout_s = {timeout_s:g} s: {' '.join(str(exc).split())[:300]}"
+            ) from exc
+        return cls(state.process_index, state.num_processes, torch.device(state.device), timeout_s=timeout_s)
 
     # ----------------------------------------------------------------- queries
     @property
@@ -157,7 +170,8 @@ class Dist:
         beside the learner's). Every process must call it, in the same order."""
         if not self.active:
             return self
-        return Dist(self.rank, self.world, self.device, group=self._dist().new_group(backend="gloo"))
+        group = self._dist().new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
+        return Dist(self.rank, self.world, self.device, group=group, timeout_s=self.timeout_s)
 
     def combine_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         """One metrics dict from every process's, each metric reduced as :func:`reduction` says."""
@@ -179,6 +193,35 @@ def close_process_group() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+#: Words of the errors gloo and NCCL raise when a collective fails (plain RuntimeErrors in
+#: PyTorch 2.13 for gloo: ``.../gloo/transport/tcp/unbound_buffer.cc: Timed out waiting ...``,
+#: ``Connection closed by peer``); torch's own are :class:`torch.distributed.DistError`.
+_COLLECTIVE_ERRORS = ("gloo/transport", "Gloo ", "NCCL", "ProcessGroup")
+
+
+def lost_contact(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective of the process group that failed: another process of
+    the run gone, or unreachable (a node down, a cut link), or not answering within
+    ``train.parallel.timeout_s``."""
+    import torch.distributed as dist
+
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(exc, RuntimeError) and any(word in str(exc) for word in _COLLECTIVE_ERRORS)
+
+
+def lost_contact_message(exc: BaseException, timeout_s: float) -> str:
+    """What a process says when :func:`lost_contact` is true of ``exc``."""
+    detail = " ".join(str(exc).split())
+    if len(detail) > 300:
+        detail = detail[:300] + "..."
+    return (
+        f"lost contact with another process of the run: a collective of the process group failed ({detail}). "
+        f"A process died, or its node is down or unreachable; each wait is bounded by "
+        f"train.parallel.timeout_s = {timeout_s:g} s. Once every node is back, resume with --resume"
+    )
 
 
 def _env_flag(name: str) -> bool | None:

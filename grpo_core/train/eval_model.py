@@ -84,7 +84,7 @@ def build_eval_run(loaded: LoadedSpec, model_dir: str | None = None) -> EvalRun:
     held-out sets of the spec."""
     spec = loaded.spec
     folder = saved_model_folder(model_dir) if model_dir is not None else None
-    dist = Dist.from_env(spec.train.device)
+    dist = Dist.from_env(spec.train.device, spec.train.parallel.timeout_s)
     seed_everything(spec.train.seed)
     if spec.train.threads:
         torch.set_num_threads(spec.train.threads)

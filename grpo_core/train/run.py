@@ -25,7 +25,7 @@ from grpo_core.export import finish_exports, print_exports
 from grpo_core.spec import LoadedSpec, dump_spec
 from grpo_core.tracking import flatten
 from grpo_core.train.assemble import build_run
-from grpo_core.train.distributed import close_process_group
+from grpo_core.train.distributed import close_process_group, lost_contact, lost_contact_message
 from grpo_core.train.evaluate import EvalSet, evaluate_sets
 from grpo_core.train.signals import StopSignal
 from grpo_core.train.state import Hooks, Run
@@ -107,6 +107,10 @@ def run_loop(run: Run, loaded: LoadedSpec, resume: str | None = None, hooks: Hoo
     except KeyboardInterrupt:
         status = "KILLED"
         raise
+    except Exception as exc:
+        if run.dist.active and lost_contact(exc):
+            raise RunError(lost_contact_message(exc, spec.train.parallel.timeout_s)) from exc
+        raise
     finally:
         # after a failure or a second signal, no waiting for an actor thread's batch (nor for
         # another process's actor that will never join its collective)
@@ -183,19 +187,22 @@ class _StepStart:
 
 def _save_failed_step(run: Run, start: _StepStart, loaded: LoadedSpec, exc: BaseException) -> None:
     """A step that failed before its update (a reward function raised, no usable prompt, out
-    of memory, a full disk, a bug) left the model and optimizer as the previous step did:
-    stop the feed (which rewinds the prompts to this step's batch), restore the RNG states and
-    checkpoint that state, so that no completed step is lost. With several processes only a
-    failure every process shares (a RunError they agree on) is checkpointed: the others may be
-    waiting in a collective."""
+    of memory, a full disk, a bug, another process lost) left the model and optimizer as the
+    previous step did: stop the feed (which rewinds the prompts to this step's batch), restore
+    the RNG states and checkpoint that state, so that no completed step is lost. With several
+    processes, a failure every process shares (a RunError they agree on) is checkpointed by all
+    of them together; any other failure only by the main process alone, and only when it holds
+    the whole state (ddp): the others may be waiting in a collective, gone or unreachable, and
+    a sharded state (fsdp2) cannot be gathered without them."""
     if run.step != start.step or run.learner.scheduler.last_epoch != start.updates or run.step == 0:
         return
-    if run.dist.active and not isinstance(exc, RunError):
+    alone = run.dist.active and not isinstance(exc, RunError)
+    if alone and (run.learner.strategy.sharded or not run.dist.is_main):
         return
     run.feed.stop(run.model, run.learner.version)
     ckpt.set_rng_state(start.rng)
     try:
-        folder = run.save_checkpoint()
+        folder = run.save_checkpoint(alone=alone)
     except Exception as exc:  # keep the original error; the previous checkpoint stays
         log.warning("could not checkpoint step %d after the failure: %s", run.step, exc)
         return

@@ -144,15 +144,18 @@ class Run:
         self.trajectory = ckpt.trajectory_after_resume(self.checkpoint_dir, found)
         self.log.rewind(self.step)
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self, alone: bool = False) -> Path:
         """Checkpoint the current step (call it with the actor at rest, :meth:`at_rest`); a step
         this process already saved is not written twice. With several processes the main one
         writes and the others wait for it; a sharded model's weights and optimizer state are
-        gathered by every process."""
+        gathered by every process. ``alone``: the main process writes without the others (they
+        failed, or cannot be reached), which only whole copies (not shards) allow."""
         folder = self.checkpoint_dir / f"{ckpt.PREFIX}{self.step:06d}"
         if self.saved_step == self.step and folder.is_dir():
             return folder
         sharded = self.learner.strategy.sharded
+        if alone and sharded:
+            raise ValueError("save_checkpoint(alone=True): a sharded model's checkpoint needs every process")
         weights = self.learner.strategy.model_state(self.model)
         state = self.state_dict() if sharded or self.dist.is_main else None
         if self.dist.is_main:
@@ -160,7 +163,8 @@ class Run:
                 self.checkpoint_dir, self.step, self.model, state, self.spec.checkpoint.keep,
                 self.trajectory, weights=weights,
             )
-        self.dist.barrier()
+        if not alone:
+            self.dist.barrier()
         self.saved_step = self.step
         self.saved_at = time.monotonic()
         self.hooks.on_save(self.step, folder)

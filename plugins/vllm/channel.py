@@ -12,18 +12,27 @@ cannot take a member's place in the group. What is sent each push is described b
 :func:`update_info` (names, dtypes, shapes: the payload of vLLM's ``/update_weights``),
 then every tensor is broadcast from rank 0 in that order (:func:`send_tensors`,
 :func:`receive_tensors`). Plain PyTorch only: the learner needs no vLLM for it.
+
+Off one machine, each member binds gloo to the address of its interface on the route to the
+store's host (:func:`local_address`), not to whatever its hostname resolves to (often
+``127.0.0.1`` or ``127.0.1.1``, which a member on another machine cannot reach);
+``GLOO_SOCKET_IFNAME`` names the interface instead, as for PyTorch's own groups. The store
+listens on ``port`` on every interface of rank 0's machine; the gloo connections between
+members use ephemeral ports (a firewall between the machines must let both through).
 """
 
 from __future__ import annotations
 
 import datetime
+import os
+import socket
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["BACKENDS", "open_group", "receive_tensors", "send_tensors", "update_info"]
+__all__ = ["BACKENDS", "gloo_devices", "local_address", "open_group", "receive_tensors", "send_tensors", "update_info"]
 
 #: torch.distributed backends the channel can use: gloo (CPU tensors), nccl (CUDA tensors).
 BACKENDS = ("gloo", "nccl")
@@ -36,10 +45,12 @@ def open_group(
 ) -> Any:
     """A process group of ``world_size`` members over a ``TCPStore`` at ``host:port``
     (rank 0 hosts the store and blocks until every member has joined, at most
-    ``timeout_s``). Not registered as the default group: collectives go through the
-    returned object. ``backend``: ``gloo`` (CPU tensors) or ``nccl`` (CUDA tensors, on the
-    current CUDA device; written for GPUs and not run on this project's CPU test machine).
-    ``token``: the channel's own prefix of keys in the store (the same on every member)."""
+    ``timeout_s``; every later collective waits at most ``timeout_s`` too). Not registered
+    as the default group: collectives go through the returned object. ``backend``: ``gloo``
+    (CPU tensors, on :func:`gloo_devices`) or ``nccl`` (CUDA tensors, on the current CUDA
+    device; ``NCCL_SOCKET_IFNAME`` picks its interface; written for GPUs and not run on this
+    project's CPU test machine). ``token``: the channel's own prefix of keys in the store
+    (the same on every member)."""
     if backend not in BACKENDS:
         raise ValueError(f"weight channel: backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     import torch.distributed as dist
@@ -48,10 +59,38 @@ def open_group(
     store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=True)
     store = dist.PrefixStore(f"{_PREFIX}/{token}" if token else _PREFIX, store)
     if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = gloo_devices(host)
+        return dist.ProcessGroupGloo(store, rank, world_size, options)
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
     return dist.ProcessGroupNCCL(store, rank, world_size, options)
+
+
+def local_address(peer: str) -> str:
+    """This machine's address on the route to ``peer`` (a host name or address): what a
+    process there can reach this one at. No packet is sent; ``127.0.0.1`` when there is no
+    route."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect((peer, 9))
+            return sock.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+def gloo_devices(peer: str) -> list:
+    """The gloo devices (interfaces) of a group whose store is at ``peer``: those named by
+    ``GLOO_SOCKET_IFNAME`` (comma-separated) when it is set, else the one holding this
+    machine's address on the route to ``peer``. PyTorch's default device is the address
+    the hostname resolves to, which on many machines is a loopback address."""
+    import torch.distributed as dist
+
+    names = [n for n in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if n.strip()]
+    if names:
+        return [dist.ProcessGroupGloo.create_device(interface=n.strip()) for n in names]
+    return [dist.ProcessGroupGloo.create_device(hostname=local_address(peer))]
 
 
 def update_info(weights: Iterable[tuple[str, Tensor]]) -> dict[str, list]:

@@ -19,12 +19,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import secrets
-import socket
 import threading
 import time
 from typing import Any
 
-from grpo_plugins.vllm.channel import open_group, send_tensors, update_info
+from grpo_plugins.vllm.channel import local_address, open_group, send_tensors, update_info
 from torch import Tensor
 
 from grpo_core.http import BadAnswer, HTTPClient, HTTPFailure, StatusError, TooLarge
@@ -46,17 +45,6 @@ class ServerFault(Exception):
 
 class InvalidAnswer(ValueError):
     """What is wrong with an answer to ``/v1/completions`` (the caller names the server)."""
-
-
-def local_address(url_host: str) -> str:
-    """This machine's address on the route to ``url_host`` (what a server there can reach
-    the learner's weight channel at); no packet is sent."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        try:
-            sock.connect((url_host, 9))
-            return sock.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"
 
 
 @dataclasses.dataclass

@@ -14,7 +14,7 @@ import yaml
 
 from grpo_core import checkpoint as ckpt
 from grpo_core.errors import RunError
-from grpo_core.train.distributed import Dist, pad_cat, reduction
+from grpo_core.train.distributed import Dist, lost_contact, lost_contact_message, pad_cat, reduction
 
 from .conftest import CHILD_ENV, load_weights, merge, read_metrics
 
@@ -162,6 +162,25 @@ def test_shards_are_contiguous_whole_groups(rank, bounds):
     assert Dist(rank=rank, world=2).shard_bounds(6) == bounds
     with pytest.raises(RunError, match=r"train.prompts_per_step = 5 is not a multiple of the 2 processes"):
         Dist(rank=rank, world=2).shard_bounds(5)
+
+
+def test_a_failed_collective_is_told_apart_from_other_errors():
+    """What gloo and torch.distributed raise when another process is gone or unreachable
+    (the messages of PyTorch 2.13: tests/multihost makes them for real); not a bug's error."""
+    import torch.distributed as dist
+
+    gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
+                        "waiting 10000ms for recv operation to complete")
+    closed = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.2]:1")
+    for exc in (gloo, closed, dist.DistNetworkError("The client socket has timed out"), dist.DistBackendError("x")):
+        assert lost_contact(exc), exc
+    for exc in (RuntimeError("mat1 and mat2 shapes cannot be multiplied"), ValueError("gloo"), RunError("NCCL")):
+        assert not lost_contact(exc), exc
+    message = lost_contact_message(gloo, 20.0)
+    assert message.startswith("lost contact with another process of the run: a collective of the process "
+                              "group failed ([/pytorch/third_party/gloo")
+    assert "train.parallel.timeout_s = 20 s" in message and "--resume" in message
+    assert len(lost_contact_message(RuntimeError("gloo/transport " + "x" * 5000), 1.0)) < 600
 
 
 def test_pad_cat_pads_the_token_dimension_of_each_part():

@@ -1,5 +1,7 @@
-"""The weight channel: a real gloo group of two members carries every tensor exactly; a process
-without the channel's token cannot join it; an unknown backend is refused."""
+"""The weight channel: a real gloo group of two members carries every tensor exactly, on the
+interface of the route to the store or on the one ``GLOO_SOCKET_IFNAME`` names; a process
+without the channel's token cannot join it; an unknown backend is refused. Across network
+hosts: ``tests/multihost/test_weight_channel.py``."""
 
 from __future__ import annotations
 
@@ -8,14 +10,26 @@ import threading
 
 import pytest
 import torch
-from grpo_plugins.vllm.channel import open_group, receive_tensors, send_tensors, update_info
+from grpo_plugins.vllm.channel import (
+    gloo_devices,
+    local_address,
+    open_group,
+    receive_tensors,
+    send_tensors,
+    update_info,
+)
 
 from .conftest import free_port
 
 
-def test_the_channel_carries_every_tensor_exactly():
+@pytest.mark.parametrize("interface", [None, "lo"])
+def test_the_channel_carries_every_tensor_exactly(monkeypatch, interface):
     """A real gloo group of two members (the learner, rank 0, and one receiver), as a server's
     worker joins it: the payload describes the tensors, the receiver gets them bit for bit."""
+    if interface is not None:  # as a user names the interface of the link between the machines
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", interface)
+    else:
+        monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     weights = [("a.weight", torch.randn(3, 4)), ("b.bias", torch.arange(5, dtype=torch.float64)),
                ("c.idx", torch.tensor([1, 2], dtype=torch.int64)), ("d", torch.randn(2, 3).T)]
     info = update_info(weights)
@@ -45,6 +59,16 @@ def test_the_channel_carries_every_tensor_exactly():
 def test_the_channel_refuses_an_unknown_backend():
     with pytest.raises(ValueError, match="backend must be one of gloo, nccl, got 'mpi'"):
         open_group("127.0.0.1", 1, 0, 2, "mpi")
+
+
+def test_the_address_advertised_is_the_one_on_the_route_to_the_peer(monkeypatch):
+    """The route to this machine itself is loopback (tests/multihost checks a peer on another
+    host: the address of the interface toward it)."""
+    assert local_address("127.0.0.1") == "127.0.0.1"
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    assert len(gloo_devices("127.0.0.1")) == 1
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo,lo")
+    assert len(gloo_devices("127.0.0.1")) == 2  # one device per interface named, as torch's own groups
 
 
 def test_a_member_without_the_channels_token_cannot_take_a_place_in_it():
