@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import math
 import secrets
 import threading
@@ -45,6 +46,8 @@ from grpo_core.train.endpoint import (
     same_message,
 )
 from grpo_core.train.episodes import EpisodeRecord, TurnRenderer, episodes_batch, with_tools
+
+log = logging.getLogger("grpo.agents")
 
 
 @dataclass
@@ -454,6 +457,10 @@ class AgentRunner:
                     record.reward = None
                     record.messages.append({"role": "system", "content": f"agent failed: {e.failure}"})
             group_prompts.append(common)
+        failures = [e.failure for e in episodes if e.failure is not None]
+        if failures:  # env/failed_episodes counts them; the console says why
+            log.warning("%d of %d agent episodes failed (no reward, no token in the loss); the first: %s",
+                        len(failures), len(episodes), failures[0])
         with_logp = self._with_logp and any(e.record.turns for e in episodes)
         device = getattr(backend, "device", None)
         return episodes_batch(group_prompts, [e.record for e in episodes], self.tokenizer, self.pad_id,

@@ -219,7 +219,7 @@ def _hostile(kind: str):
     ("temperature", 400, "temperature: 0.3; this run samples at the spec's rollout.temperature, 1.0"),
     ("edit", 400, "message 1 differs from the episode's history"),
 ])
-def test_hostile_agents_get_a_clear_bounded_outcome(long_model, tmp_path, kind, status, words):
+def test_hostile_agents_get_a_clear_bounded_outcome(long_model, tmp_path, kind, status, words, caplog):
     spec = _spec(long_model, tmp_path / "o", name="scripted", group_size=2,
                  agent={"max_calls": 5, "timeout_s": 20, "concurrency": 2})
     run = Trainer(spec, agent=_hostile(kind), plugins=[ScriptedPlugin()])._build()
@@ -230,6 +230,10 @@ def test_hostile_agents_get_a_clear_bounded_outcome(long_model, tmp_path, kind, 
     text = rollout.episodes.messages[0][-1]["content"]
     assert str(status) in text and words in text, text
     assert not rollout.completion_mask.any()
+    # a training run's console says why, not only the env/failed_episodes count
+    warned = [r.getMessage() for r in caplog.records if r.name == "grpo.agents"]
+    n = len(rollout.episodes.failed)
+    assert len(warned) == 1 and warned[0].startswith(f"{n} of {n} agent episodes failed") and words in warned[0]
 
 
 def test_an_agent_trains_end_to_end_with_the_hf_backend(long_model, tmp_path):
