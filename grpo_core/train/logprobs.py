@@ -1,7 +1,8 @@
 """Log-probabilities of sampled completion tokens under a causal LM.
 
-:func:`completion_logprobs` runs the decoder on prompts plus completions and sends only the
-positions that predict a completion token through the output layer, chunk by chunk
+:func:`completion_logprobs` runs the decoder on prompts plus completions (padded, or packed
+into one padding-free sequence: :mod:`grpo_core.train.packing`) and sends only the positions
+that predict a completion token through the output layer, chunk by chunk
 (:func:`grpo_core.train.head_logprobs.token_logprobs`: never a ``(B, T, V)`` copy).
 
 Public functions:
@@ -19,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from grpo_core.train.head_logprobs import DEFAULT_CHUNK_SIZE, logit_transform, token_logprobs
+from grpo_core.train.packing import pack_rows, packed_decoder_call, packing_unsupported
 
 __all__ = ["token_logprobs", "completion_logprobs", "logit_transform", "DEFAULT_CHUNK_SIZE"]
 
@@ -199,6 +201,40 @@ def _trim(prompt_ids, prompt_mask, completion_ids, completion_mask):
     )
 
 
+def _groups(num_prompts: int, num_rows: int, prompt_index: Tensor | None) -> tuple[int | None, Tensor]:
+    """``(G, prompt_index)``: the rows' group size when they are ``G`` consecutive rows per
+    prompt (None otherwise) and the prompt of each row."""
+    if prompt_index is None:
+        if num_prompts == 0 or num_rows % num_prompts:
+            raise ValueError(
+                f"completion_logprobs: {num_rows} completion rows are not a multiple of "
+                f"{num_prompts} prompts"
+            )
+        return num_rows // num_prompts, torch.arange(num_prompts).repeat_interleave(num_rows // num_prompts)
+    if prompt_index.shape != (num_rows,) or (num_rows and not 0 <= int(prompt_index.min()) <= int(
+            prompt_index.max()) < num_prompts):
+        raise ValueError(f"completion_logprobs: prompt_index must be ({num_rows},) with values in "
+                         f"[0, {num_prompts}); got {tuple(prompt_index.shape)}")
+    prompt_index = prompt_index.long().cpu()
+    uniform = num_prompts and num_rows % num_prompts == 0 and torch.equal(
+        prompt_index, torch.arange(num_prompts).repeat_interleave(num_rows // num_prompts))
+    return (num_rows // num_prompts if uniform else None), prompt_index
+
+
+def _hidden_padded(model, decoder, p_ids, p_mask, c_ids, c_mask, group_size, share_prompt, length_buckets):
+    """``(B, T, H)``: the hidden states that predict each completion token, from the padded
+    layout (prompt shared by its group where safe, rows in length buckets)."""
+    hidden = None
+    if share_prompt and _shares_prompt_safely(model, decoder, group_size):
+        positions = torch.arange(1, c_mask.shape[1] + 1, device=c_mask.device)
+        lengths = (c_mask.long() * positions).amax(dim=1)  # last masked position + 1, 0 if none
+        hidden = _hidden_shared(decoder, model.config, p_ids, p_mask, c_ids, group_size,
+                                lengths if length_buckets else None)
+    if hidden is None:
+        hidden = _hidden_plain(decoder, p_ids, p_mask, c_ids, group_size)
+    return hidden
+
+
 def completion_logprobs(
     model: Any,
     prompt_ids: Tensor,
@@ -211,6 +247,8 @@ def completion_logprobs(
     temperature: float = 1.0,
     share_prompt: bool = True,
     length_buckets: bool = True,
+    packed: bool = False,
+    prompt_index: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs (and entropies) of completion tokens under a causal LM, ``(B, T)`` each.
 
@@ -234,29 +272,32 @@ def completion_logprobs(
     (TRL's convention: the log-probs of the sampling distribution, before top-k/top-p), and
     scaled / soft-capped per :func:`logit_transform` of ``model.config``.
 
+    With ``packed`` the rows run as one padding-free sequence instead
+    (:mod:`grpo_core.train.packing`: each prompt once, then its completions, attention that
+    never crosses rows), equal to the padded result up to float rounding; where packing cannot
+    be exact (:func:`~grpo_core.train.packing.packing_unsupported`) the padded path runs.
+
     Args:
         model: a transformers causal LM (``get_decoder()``, ``get_output_embeddings()``).
         prompt_ids: ``long (P, L)`` left-padded prompts, each once.
         prompt_mask: ``bool (P, L)``.
-        completion_ids: ``long (B, T)`` right-padded completions, rows prompt-major.
+        completion_ids: ``long (B, T)`` right-padded completions, rows prompt-major (``G = B // P``
+            consecutive rows per prompt) unless ``prompt_index`` says otherwise.
         completion_mask: ``bool (B, T)`` tokens whose log-prob is wanted.
         chunk_size: rows of the LM head evaluated at once.
         with_entropy: also return per-token entropies.
         temperature: sampling temperature (> 0).
         share_prompt: encode each prompt once instead of ``G`` times.
         length_buckets: group rows by length (with ``share_prompt``).
+        packed: run the rows packed into one sequence (see above).
+        prompt_index: ``long (B,)`` the prompt of each completion, for rows that are not whole
+            groups of equal size (default: ``G`` consecutive rows per prompt).
 
     Returns:
         ``(logp, entropy)``: ``float32 (B, T)`` (float64 for a float64 model), exactly 0
         where ``completion_mask`` is False; ``entropy`` None unless ``with_entropy``.
     """
-    num_prompts, num_rows = prompt_ids.shape[0], completion_ids.shape[0]
-    if num_prompts == 0 or num_rows % num_prompts:
-        raise ValueError(
-            f"completion_logprobs: {num_rows} completion rows are not a multiple of "
-            f"{num_prompts} prompts"
-        )
-    group_size = num_rows // num_prompts
+    group_size, prompt_index = _groups(prompt_ids.shape[0], completion_ids.shape[0], prompt_index)
     prompt_mask, completion_mask = prompt_mask.bool(), completion_mask.bool()
     p_ids, p_mask, c_ids, c_mask, steps = _trim(
         prompt_ids, prompt_mask, completion_ids, completion_mask
@@ -268,16 +309,16 @@ def completion_logprobs(
     if steps == 0:
         return logp, entropy
     decoder = model.get_decoder()
-    hidden = None
-    if share_prompt and _shares_prompt_safely(model, decoder, group_size):
-        positions = torch.arange(1, steps + 1, device=c_mask.device)
-        lengths = (c_mask.long() * positions).amax(dim=1)  # last masked position + 1, 0 if none
-        hidden = _hidden_shared(decoder, model.config, p_ids, p_mask, c_ids, group_size,
-                                lengths if length_buckets else None)
-    if hidden is None:
-        hidden = _hidden_plain(decoder, p_ids, p_mask, c_ids, group_size)
+    if packed and packing_unsupported(model, decoder) is None:
+        layout = pack_rows(p_ids, p_mask, c_ids, c_mask, prompt_index)
+        hidden = packed_decoder_call(decoder, layout)[layout.hidden_index[c_mask]]
+    else:
+        if group_size is None:  # rows that are not whole groups: one prompt row per completion
+            p_ids, p_mask, group_size = p_ids[prompt_index], p_mask[prompt_index], 1
+        hidden = _hidden_padded(model, decoder, p_ids, p_mask, c_ids, c_mask, group_size, share_prompt,
+                                length_buckets)[c_mask]
     flat_logp, flat_ent = token_logprobs(
-        hidden[c_mask],
+        hidden,
         head,
         c_ids[c_mask],
         chunk_size=chunk_size,

@@ -285,3 +285,51 @@ def test_a_batch_without_tokens_still_runs_the_model_and_adds_zero_gradient(grou
     (logp.sum() * 0.0).backward()
     grads = [p.grad for p in model.parameters()]
     assert all(g is not None and float(g.full_tensor().abs().max()) == 0 for g in grads)
+
+
+@pytest.mark.parametrize("empty", [False, True])
+def test_the_sharded_root_packs_rows_as_the_padded_path_computes_them(group, empty):
+    """LogprobModel under FSDP2, packed against padded on the same shards: per-token log-probs
+    to 1e-6 (float32) and the reduce-scattered gradients to 1e-5 of their largest entry; a
+    micro-batch without tokens (a zero-gradient pass) runs packed too."""
+    tok = build_tokenizer()
+    model = build_model(tok)
+    root = _shard(model)
+    gen = torch.Generator().manual_seed(4)
+    prompt = torch.randint(2, model.config.vocab_size, (2, 5), generator=gen)
+    p_mask = torch.ones_like(prompt, dtype=torch.bool)
+    p_mask[0, :2] = False
+    comp = torch.randint(2, model.config.vocab_size, (6, 7), generator=gen)
+    lengths = torch.tensor([7, 2, 5, 1, 6, 3])
+    mask = torch.arange(7)[None, :] < lengths[:, None]
+    mask[0, 3] = False  # a hole: attended to, not predicted
+    if empty:
+        mask[:] = False
+    out = {}
+    for packed in (False, True):
+        model.zero_grad(set_to_none=True)
+        logp, _ = root(prompt, p_mask, comp, mask, packed=packed)
+        (logp * torch.linspace(0.5, 1.5, logp.numel()).view_as(logp)).sum().backward()
+        out[packed] = (logp.detach(), {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()})
+    torch.testing.assert_close(out[True][0], out[False][0], atol=1e-6, rtol=0)
+    for name, grad in out[False][1].items():
+        atol = 1e-5 * float(grad.abs().max()) if not empty else 0.0
+        torch.testing.assert_close(out[True][1][name], grad, atol=atol, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.slow
+def test_fsdp2_on_two_processes_packed_takes_the_padded_step(tmp_path, write_spec):
+    """Two sharded processes, the policy and its sharded KL reference, rows packed or padded:
+    the same losses, KL and final weights."""
+    spec = write_spec(tmp_path, **{**FSDP_SPEC, "checkpoint": {"every": 0}})
+    for packing in ("false", "true"):
+        _run([spec, "--nproc", "2", "--set", f"train.output_dir=packing-{packing}", "--set",
+              f"train.packing={packing}"], tmp_path)
+    padded, packed = (load_weights(tmp_path / f"packing-{p}" / "final") for p in ("false", "true"))
+    assert _max_diff(padded, load_weights(Path(yaml.safe_load(spec.read_text())["model"]["path"]))) > 1e-3
+    assert _max_diff(padded, packed) < 1e-5
+    rows = {p: read_metrics(tmp_path / f"packing-{p}" / "metrics.jsonl") for p in ("false", "true")}
+    assert len(rows["true"]) == len(rows["false"]) == 2
+    for r1, r2 in zip(rows["false"], rows["true"]):
+        for key in SAME:
+            assert r2[key] == pytest.approx(r1[key], rel=1e-4, abs=1e-6), (r1["step"], key)

@@ -1,0 +1,307 @@
+"""The padding-free forward (``train.packing``): per-token log-probs, entropies and gradients
+equal to the padded path's, with LoRA, holes in the mask, other architectures; a layout that
+lets rows see each other must not; micro-batches by packed tokens; the setting's resolution."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from grpo_core.errors import RunError
+from grpo_core.testing import build_model, build_tokenizer
+from grpo_core.train import packing
+from grpo_core.train.logprobs import completion_logprobs, token_logprobs
+from grpo_core.train.packing import needed_lengths, pack_rows, packed_decoder_call, resolve_packing
+from grpo_core.train.update import TrainBatch, micro_batches, packed_tokens
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+#: The issue's bar: per-token log-probs equal to 1e-6 in float32.
+VALUE_TOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def llama(tok):
+    return build_model(tok)  # 4 query heads on 2 key/value heads: grouped-query attention
+
+
+@pytest.fixture(scope="module")
+def qwen2(tok):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(1)
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=512,
+                         tie_word_embeddings=True, use_sliding_window=False)
+    return Qwen2ForCausalLM(config)  # biases on q, k, v; one key/value head; tied output layer
+
+
+def random_batch(vocab: int, prompts: int, group: int, prompt_lens: list[int], lengths: list[int], holes: list[int],
+                 width: int, seed: int):
+    """Left-padded prompts of ``prompt_lens`` real tokens (width their max); completions of
+    ``lengths`` tokens right-padded to ``width``; ``holes[i]`` positions inside row ``i``'s
+    completion left out of the mask (environment tokens: attended to, not predicted)."""
+    gen = torch.Generator().manual_seed(seed)
+    lp = max(prompt_lens)
+    prompt_ids = torch.randint(2, vocab, (prompts, lp), generator=gen)
+    prompt_mask = torch.arange(lp)[None, :] >= lp - torch.tensor(prompt_lens)[:, None]
+    prompt_ids[~prompt_mask] = 0
+    completion_ids = torch.randint(2, vocab, (prompts * group, width), generator=gen)
+    mask = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
+    completion_ids[~mask] = 0
+    for row, hole in enumerate(holes):
+        if hole and lengths[row] > 2:
+            start = int(torch.randint(0, lengths[row] - 1, (1,), generator=gen))
+            mask[row, start:start + hole] = False
+    return prompt_ids, prompt_mask, completion_ids, mask
+
+
+def both_ways(model, batch, **kwargs):
+    """``{packed: (logp, entropy, grads)}`` for padded and packed forwards of ``batch``, the
+    loss weighting tokens unevenly so the gradients are not a plain sum."""
+    out = {}
+    for packed in (False, True):
+        model.zero_grad(set_to_none=True)
+        logp, ent = completion_logprobs(model, *batch, with_entropy=True, packed=packed, **kwargs)
+        weights = torch.linspace(0.5, 1.5, logp.numel()).view_as(logp)
+        (logp * weights).sum().add(0.3 * ent.sum()).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        out[packed] = (logp.detach(), ent.detach(), grads)
+    return out
+
+
+def assert_equal_ways(out, value_tol=VALUE_TOL, grad_tol=1e-5):
+    (lp0, en0, g0), (lp1, en1, g1) = out[False], out[True]
+    torch.testing.assert_close(lp1, lp0, atol=value_tol, rtol=0)
+    torch.testing.assert_close(en1, en0, atol=value_tol, rtol=0)
+    assert g0.keys() == g1.keys()
+    # relative to each tensor's largest entry, or for a tensor whose true gradient is 0 (a
+    # query projection seeing one key) to 1e-4 of the largest entry of all
+    floor = 1e-4 * max(float(g.abs().max()) for g in g0.values())
+    for name, grad in g0.items():
+        torch.testing.assert_close(g1[name], grad, rtol=0, atol=grad_tol * max(float(grad.abs().max()), floor),
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+@st.composite
+def shapes(draw):
+    prompts, group = draw(st.integers(1, 3)), draw(st.integers(1, 4))
+    width = draw(st.integers(1, 12))
+    rows = prompts * group
+    return dict(
+        prompts=prompts, group=group, width=width,
+        prompt_lens=draw(st.lists(st.integers(1, 9), min_size=prompts, max_size=prompts)),
+        lengths=draw(st.lists(st.integers(0, width), min_size=rows, max_size=rows)),
+        holes=draw(st.lists(st.integers(0, 3), min_size=rows, max_size=rows)),
+        seed=draw(st.integers(0, 10_000)),
+    )
+
+
+@settings(max_examples=25, deadline=None)
+@given(shape=shapes(), arch=st.sampled_from(["llama", "qwen2"]))
+def test_packed_log_probs_entropies_and_gradients_equal_the_padded_ones(llama, qwen2, shape, arch):
+    """Random prompt lengths (left padding), completion lengths (empty rows included), holes
+    in the mask, group sizes from 1: float32 values to 1e-6, gradients to 1e-5 of the largest
+    entry of each tensor."""
+    model = {"llama": llama, "qwen2": qwen2}[arch]
+    batch = random_batch(model.config.vocab_size, **shape)
+    if not bool(batch[3].any()):
+        return
+    assert_equal_ways(both_ways(model, batch))
+
+
+def test_the_equality_holds_on_a_batch_of_realistic_length_spread(llama):
+    """One group with a long row and short ones, another all short: what packing is for."""
+    batch = random_batch(llama.config.vocab_size, prompts=2, group=4, prompt_lens=[5, 9],
+                         lengths=[40, 3, 7, 1, 5, 6, 0, 2], holes=[4, 0, 1, 0, 0, 2, 0, 0], width=41, seed=3)
+    assert_equal_ways(both_ways(llama, batch))
+
+
+def test_float64_packed_values_match_the_padded_ones_to_float64_precision(llama):
+    model = copy.deepcopy(llama).double()
+    batch = random_batch(model.config.vocab_size, prompts=2, group=3, prompt_lens=[4, 7],
+                         lengths=[6, 4, 1, 6, 0, 2], holes=[2, 0, 0, 1, 0, 0], width=7, seed=0)
+    out = both_ways(model, batch)
+    assert_equal_ways(out, value_tol=1e-12, grad_tol=1e-6)  # RMSNorm computes in float32 (test_logprobs)
+
+
+def test_lora_adapter_and_its_disabled_reference_pack_exactly(llama):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(copy.deepcopy(llama), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    for name, param in model.named_parameters():  # a non-zero adapter: B starts at 0
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.5, generator=torch.Generator().manual_seed(len(name)))
+    batch = random_batch(llama.config.vocab_size, prompts=2, group=3, prompt_lens=[3, 8],
+                         lengths=[5, 2, 7, 7, 1, 4], holes=[1, 0, 2, 0, 0, 0], width=8, seed=5)
+    out = both_ways(model, batch)
+    assert out[True][2] and all("lora_" in name for name in out[True][2])  # only the adapter trains
+    assert_equal_ways(out)
+    with torch.no_grad(), model.disable_adapter():  # the KL reference under LoRA
+        ref = {p: completion_logprobs(model, *batch, packed=p)[0] for p in (False, True)}
+    torch.testing.assert_close(ref[True], ref[False], atol=VALUE_TOL, rtol=0)
+    assert float((ref[True] - out[True][0]).abs().max()) > 1e-3  # the adapter did change them
+
+
+def _leaky_logprobs(model, batch):
+    """Packed log-probs whose completions attend to everything before them in the packed
+    sequence (their siblings' and other groups' tokens too), through the engine's attention."""
+    prompt_ids, prompt_mask, completion_ids, mask = batch
+    index = torch.arange(prompt_ids.shape[0]).repeat_interleave(completion_ids.shape[0] // prompt_ids.shape[0])
+    layout = pack_rows(prompt_ids, prompt_mask, completion_ids, mask, index)
+    layout.segments = [(length, context and tuple(range(i))) for i, (length, context) in enumerate(layout.segments)]
+    decoder = model.get_decoder()
+    hidden = packed_decoder_call(decoder, layout)[layout.hidden_index[mask]]
+    logp, _ = token_logprobs(hidden, model.get_output_embeddings(), completion_ids[mask])
+    return torch.zeros(mask.shape).masked_scatter(mask, logp)
+
+
+def test_negative_control_a_layout_that_lets_rows_see_each_other_fails_the_equality(llama):
+    """The equality above is not vacuous: the same attention code, with each completion
+    allowed to see the rows packed before it, is far from the padded log-probs; rows packed
+    first (nothing before them but their prompt) are the only ones that still agree."""
+    batch = random_batch(llama.config.vocab_size, prompts=2, group=3, prompt_lens=[4, 6],
+                         lengths=[6, 5, 6, 4, 6, 5], holes=[0] * 6, width=6, seed=11)
+    with torch.no_grad():
+        padded = completion_logprobs(llama, *batch)[0]
+        leaky = _leaky_logprobs(llama, batch)
+    diff = (leaky - padded).abs().amax(dim=1)
+    assert float(diff[0]) < VALUE_TOL  # the first row sees only its prompt either way
+    assert float(diff[1:].min()) > 1e-3 and float(diff.max()) > 1e-2  # every other row sees a sibling
+
+
+def test_an_attention_call_without_the_layout_fails_loudly(llama):
+    """A model whose layers do not pass keyword arguments down to attention would otherwise
+    attend across rows: the packed attention refuses to run without its layout."""
+    ids = torch.randint(2, llama.config.vocab_size, (1, 5))
+    with pytest.raises(RuntimeError, match="without the packed layout.*train.packing: false"):
+        with packing._attention_switched(llama.get_decoder()):
+            llama.get_decoder()(input_ids=ids, use_cache=False)
+    assert llama.config._attn_implementation != packing.PACKED_ATTENTION  # switched back
+
+
+def test_layout_runs_each_prompt_once_and_drops_padding_and_last_tokens():
+    prompt_ids = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 10]])
+    prompt_mask = prompt_ids > 0
+    completion_ids = torch.tensor([[11, 12, 13], [14, 0, 0], [15, 16, 0], [17, 18, 19]])
+    mask = torch.tensor([[1, 0, 1], [1, 0, 0], [0, 0, 0], [1, 1, 1]], dtype=torch.bool)  # a hole; an empty row
+    layout = pack_rows(prompt_ids, prompt_mask, completion_ids, mask, torch.tensor([0, 0, 1, 1]))
+    # prompt 0 (2 real tokens), row 0 up to the token before its last masked one (11, 12),
+    # row 1 (length 1: nothing to run), prompt 1, row 3 (17, 18); row 2 has no masked token
+    assert layout.input_ids.tolist() == [[5, 6, 11, 12, 7, 8, 9, 10, 17, 18]]
+    assert layout.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3, 4, 5]]
+    assert layout.segments == [(2, ()), (2, (0,)), (4, ()), (2, (2,))]  # (length, the segments it sees before)
+    assert layout.hidden_index[mask].tolist() == [1, 3, 1, 7, 8, 9]  # the position before each target
+    assert needed_lengths(mask).tolist() == [3, 1, 0, 3]
+
+
+def test_completion_attention_mask_sees_the_prompt_and_its_own_past():
+    layout = pack_rows(torch.tensor([[3, 4]]), torch.ones(1, 2, dtype=torch.bool), torch.tensor([[5, 6, 7]]),
+                       torch.ones(1, 3, dtype=torch.bool), torch.tensor([0]))
+    assert layout.causal_mask(2, 2, torch.device("cpu")).int().tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
+
+
+# ----------------------------------------------------------------------------- micro-batches
+def _batch(prompt_lens, lengths, group):
+    prompts = len(prompt_lens)
+    width_p, width_c = max(prompt_lens), max(lengths)
+    p_mask = torch.arange(width_p)[None, :] >= width_p - torch.tensor(prompt_lens)[:, None]
+    c_mask = torch.arange(width_c)[None, :] < torch.tensor(lengths)[:, None]
+    zeros = torch.zeros(prompts * group, width_c)
+    return TrainBatch(p_mask.long(), p_mask, c_mask.long(), c_mask, zeros)
+
+
+def test_packed_micro_batches_fill_the_token_budget_with_whole_groups():
+    # groups of G=2: prompt 4 + rows (5-1) + (3-1) = 10 tokens; prompt 2 + 0 + 1 = 3; prompt 6 + 9 + 9 = 24
+    batch = _batch([4, 2, 6], [5, 3, 1, 2, 10, 10], group=2)
+    rows = torch.arange(6)
+    assert packed_tokens(batch, rows).tolist() == [4 + 4, 2, 2 + 0, 1, 6 + 9, 9]
+    as_lists = lambda micros: [m.tolist() for m in micros]  # noqa: E731
+    assert as_lists(micro_batches(batch, rows, None, 13, packed=True)) == [[0, 1, 2, 3], [4, 5]]
+    assert as_lists(micro_batches(batch, rows, None, 12, packed=True)) == [[0, 1], [2, 3], [4, 5]]
+    assert as_lists(micro_batches(batch, rows, None, 1, packed=True)) == [[0, 1], [2, 3], [4, 5]]  # >= 1 group
+    assert as_lists(micro_batches(batch, rows, None, 10**6, packed=True)) == [[0, 1, 2, 3, 4, 5]]
+    assert as_lists(micro_batches(batch, rows, 4, 1, packed=True)) == [[0, 1, 2, 3], [4, 5]]  # a size wins
+    # padded: (6 + 10) positions per row, 2 rows per group: 32 per group
+    assert as_lists(micro_batches(batch, rows, None, 64, packed=False)) == [[0, 1, 2, 3], [4, 5]]
+    # skipped rows (advantage 0) leave partial groups: a prompt counts once, where its rows start
+    assert as_lists(micro_batches(batch, torch.tensor([1, 3, 4]), None, 10, packed=True)) == [[1, 3], [4]]
+
+
+# ----------------------------------------------------------------------------- the setting
+def test_packing_setting_resolves_by_device_and_refuses_a_model_it_cannot_run(tok, llama):
+    assert resolve_packing(False, llama) is False
+    assert resolve_packing(True, llama) is True
+    assert resolve_packing("auto", llama) is ("cpu" in packing.AUTO_DEVICES)
+    from transformers import MistralConfig, MistralForCausalLM
+
+    windowed = MistralForCausalLM(MistralConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                                num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                                sliding_window=16))
+    with pytest.raises(RunError, match="train.packing: true.*sliding-window attention.*train.packing: auto or false"):
+        resolve_packing(True, windowed)
+    assert resolve_packing("auto", windowed) is False
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    hybrid = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                          use_sliding_window=True, sliding_window=16, max_window_layers=1))
+    with pytest.raises(RunError, match="layers of kind sliding_attention"):
+        resolve_packing(True, hybrid)
+
+
+def test_a_layer_that_skips_the_packed_attention_stops_the_forward(llama):
+    """A layer that mixes positions without attention (recurrent, linear attention) would
+    mix the packed rows: the forward counts the layers that ran the packed attention."""
+    model = copy.deepcopy(llama)
+    layer = model.get_decoder().layers[1]
+    layer.self_attn.forward = lambda hidden_states, *args, **kwargs: (hidden_states.cumsum(1), None)  # a scan
+    batch = random_batch(model.config.vocab_size, prompts=1, group=2, prompt_lens=[3], lengths=[4, 2],
+                         holes=[0, 0], width=4, seed=2)
+    with pytest.raises(RuntimeError, match="1 of the 2 layers of LlamaModel ran the packed attention"):
+        completion_logprobs(model, *batch, packed=True)
+
+
+def test_activation_checkpointing_trains_padded_and_scores_packed(llama, monkeypatch):
+    """Checkpointed layers recompute attention in backward, after the packed call: the
+    training forward runs padded (same values); no-grad forwards still pack."""
+    model = copy.deepcopy(llama)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    calls = []
+    real = packing.packed_decoder_call
+    monkeypatch.setattr("grpo_core.train.logprobs.packed_decoder_call", lambda *a: calls.append(1) or real(*a))
+    batch = random_batch(llama.config.vocab_size, prompts=1, group=2, prompt_lens=[3], lengths=[4, 2], holes=[0, 0],
+                         width=4, seed=2)
+    out = both_ways(model, batch)
+    assert calls == []
+    assert_equal_ways(out)
+    with torch.no_grad():
+        completion_logprobs(model, *batch, packed=True)
+    assert calls == [1]
+
+
+def test_the_spec_key_takes_true_false_or_auto_and_refuses_true_with_recomputation():
+    from grpo_core.errors import SpecError
+    from grpo_core.spec import load_spec
+
+    def load(*overrides):
+        return load_spec({"model": {"path": "m"}, "rewards": [{"name": "accuracy"}]}, list(overrides)).spec
+
+    assert load().train.packing == "auto"
+    for value, expected in (("true", True), ("false", False), ("auto", "auto")):
+        assert load(f"train.packing={value}").train.packing == expected
+    with pytest.raises(SpecError, match="train.packing"):
+        load("train.packing=sometimes")
+    with pytest.raises(SpecError, match="train.packing: true cannot train with model.gradient_checkpointing.*auto"):
+        load("train.packing=true", "model.gradient_checkpointing=true")
+    assert load("model.gradient_checkpointing=true").train.packing == "auto"
