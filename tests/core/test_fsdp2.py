@@ -333,3 +333,84 @@ def test_fsdp2_on_two_processes_packed_takes_the_padded_step(tmp_path, write_spe
     for r1, r2 in zip(rows["false"], rows["true"]):
         for key in SAME:
             assert r2[key] == pytest.approx(r1[key], rel=1e-4, abs=1e-6), (r1["step"], key)
+
+
+# The worker of the next test: one per process under torchrun. Every process builds the same
+# policy and reference, shards both, and computes its own rows (other lengths, other holes, so
+# a packed sequence of another length) packed and padded: the old and reference log-probs
+# without gradients, then the trained log-probs and entropies with a backward whose
+# reduce-scattered gradients sum both processes' losses. It writes the largest differences.
+PACKING_WORKER = '''
+import copy, json, sys
+import torch
+import torch.distributed as dist
+from grpo_core.spec.parallel import ParallelSection
+from grpo_core.testing import build_model, build_tokenizer
+from grpo_core.train import sharding
+from grpo_core.train.logprobs import completion_logprobs
+from grpo_core.train.packing import pack_rows
+
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+tok = build_tokenizer()
+policy, reference = build_model(tok), build_model(tok, seed=1)
+plain = copy.deepcopy(policy)
+roots = [sharding.shard(m, ParallelSection(strategy="fsdp2"), torch.device("cpu")) for m in (policy, reference)]
+gen = torch.Generator().manual_seed(20 + rank)
+prompt = torch.randint(2, policy.config.vocab_size, (2, 6), generator=gen)
+p_mask = torch.ones_like(prompt, dtype=torch.bool)
+p_mask[rank, : 2 + rank] = False  # left padding
+width = 9 + 4 * rank
+comp = torch.randint(2, policy.config.vocab_size, (6, width), generator=gen)
+lengths = torch.randint(1, width + 1, (6,), generator=gen)
+lengths[rank] = width
+mask = torch.arange(width)[None, :] < lengths[:, None]
+mask[rank, 2:4] = False  # a hole: an environment's tokens, attended to, not predicted
+mask[5 - rank, 1] = False
+out = {"packed_tokens": pack_rows(prompt, p_mask, comp, mask, torch.arange(2).repeat_interleave(3)).tokens}
+logp = {}
+for packed in (False, True):
+    with torch.no_grad():
+        logp["old", packed] = roots[0](prompt, p_mask, comp, mask, packed=packed)[0]
+        logp["reference", packed] = roots[1](prompt, p_mask, comp, mask, packed=packed)[0]
+    policy.zero_grad(set_to_none=True)
+    trained, entropy = roots[0](prompt, p_mask, comp, mask, with_entropy=True, packed=packed)
+    ((trained * torch.linspace(0.5, 1.5, trained.numel()).view_as(trained)).sum() + 0.3 * entropy.sum()).backward()
+    logp["trained", packed], logp["entropy", packed] = trained.detach(), entropy.detach()
+    logp["grads", packed] = [p.grad.full_tensor() for p in policy.parameters()]
+for what in ("old", "reference", "trained", "entropy"):
+    out[what] = float((logp[what, True] - logp[what, False]).abs().max())
+out["grads"] = max(float((a - b).abs().max()) / float(b.abs().max())
+                   for a, b in zip(logp["grads", True], logp["grads", False]))
+with torch.no_grad():
+    unsharded = completion_logprobs(plain, prompt, p_mask, comp, mask)[0]
+out["unsharded"] = float((unsharded - logp["old", True]).abs().max())
+out["reference_is_another_model"] = float((logp["reference", False] - logp["old", False]).abs().max())
+with open(sys.argv[1] + f"/rank{rank}.json", "w") as f:
+    json.dump(out, f)
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.slow
+def test_two_sharded_processes_pack_per_token_log_probs_as_they_pad_them(tmp_path):
+    """FSDP2 over two processes (torchrun, gloo), each packing rows of other lengths than the
+    other's: the old, reference and trained log-probs (and entropies) to 1e-6 in float32, the
+    summed sharded gradients to 1e-5 of their largest entry, the sharded packed log-probs equal
+    to an unsharded padded forward's."""
+    script = tmp_path / "worker.py"
+    script.write_text(PACKING_WORKER)
+    env = {**os.environ, **CHILD_ENV}
+    env.pop("WORLD_SIZE", None)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    done = subprocess.run([*launcher, str(script), str(tmp_path)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [yaml.safe_load((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["packed_tokens"] != ranks[1]["packed_tokens"]  # packed sequences of other lengths
+    for rank in ranks:
+        for what in ("old", "reference", "trained", "entropy", "unsharded"):
+            assert rank[what] < 1e-6, (what, rank)
+        assert rank["grads"] < 1e-5, rank
+        assert rank["reference_is_another_model"] > 1e-3

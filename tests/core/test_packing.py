@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from grpo_core.errors import RunError
 from grpo_core.testing import build_model, build_tokenizer
 from grpo_core.train import packing
-from grpo_core.train.logprobs import completion_logprobs, token_logprobs
-from grpo_core.train.packing import needed_lengths, pack_rows, packed_decoder_call, resolve_packing
+from grpo_core.train.logprobs import completion_logprobs
+from grpo_core.train.packing import needed_lengths, pack_rows, resolve_packing
 from grpo_core.train.update import TrainBatch, micro_batches, packed_tokens
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -152,31 +152,95 @@ def test_lora_adapter_and_its_disabled_reference_pack_exactly(llama):
     assert float((ref[True] - out[True][0]).abs().max()) > 1e-3  # the adapter did change them
 
 
-def _leaky_logprobs(model, batch):
-    """Packed log-probs whose completions attend to everything before them in the packed
+def _leaky(pack):
+    """``pack_rows`` whose completions attend to everything before them in the packed
     sequence (their siblings' and other groups' tokens too), through the engine's attention."""
-    prompt_ids, prompt_mask, completion_ids, mask = batch
-    index = torch.arange(prompt_ids.shape[0]).repeat_interleave(completion_ids.shape[0] // prompt_ids.shape[0])
-    layout = pack_rows(prompt_ids, prompt_mask, completion_ids, mask, index)
-    layout.segments = [(length, context and tuple(range(i))) for i, (length, context) in enumerate(layout.segments)]
-    decoder = model.get_decoder()
-    hidden = packed_decoder_call(decoder, layout)[layout.hidden_index[mask]]
-    logp, _ = token_logprobs(hidden, model.get_output_embeddings(), completion_ids[mask])
-    return torch.zeros(mask.shape).masked_scatter(mask, logp)
+
+    def leaky_pack_rows(*args):
+        layout = pack(*args)
+        layout.segments = [(length, context and tuple(range(i))) for i, (length, context) in enumerate(layout.segments)]
+        return layout
+
+    return leaky_pack_rows
 
 
-def test_negative_control_a_layout_that_lets_rows_see_each_other_fails_the_equality(llama):
-    """The equality above is not vacuous: the same attention code, with each completion
-    allowed to see the rows packed before it, is far from the padded log-probs; rows packed
-    first (nothing before them but their prompt) are the only ones that still agree."""
+def test_negative_control_a_layout_that_lets_rows_see_each_other_fails_the_equality(llama, monkeypatch):
+    """The equality test above is not vacuous: the same check on the same batch, with each
+    completion allowed to see the rows packed before it, fails; rows packed first (nothing
+    before them but their prompt) are the only ones that still agree."""
     batch = random_batch(llama.config.vocab_size, prompts=2, group=3, prompt_lens=[4, 6],
-                         lengths=[6, 5, 6, 4, 6, 5], holes=[0] * 6, width=6, seed=11)
-    with torch.no_grad():
-        padded = completion_logprobs(llama, *batch)[0]
-        leaky = _leaky_logprobs(llama, batch)
-    diff = (leaky - padded).abs().amax(dim=1)
+                         lengths=[6, 5, 6, 4, 6, 5], holes=[0, 2, 0, 0, 1, 0], width=6, seed=11)
+    assert_equal_ways(both_ways(llama, batch))  # the engine's layout passes
+    monkeypatch.setattr("grpo_core.train.logprobs.pack_rows", _leaky(pack_rows))
+    leaky = both_ways(llama, batch)
+    with pytest.raises(AssertionError, match="not close"):
+        assert_equal_ways(leaky)
+    diff = (leaky[True][0] - leaky[False][0]).abs().amax(dim=1)
     assert float(diff[0]) < VALUE_TOL  # the first row sees only its prompt either way
     assert float(diff[1:].min()) > 1e-3 and float(diff.max()) > 1e-2  # every other row sees a sibling
+
+
+def test_old_reference_and_trained_log_probs_of_the_learner_pack_exactly(llama):
+    """Through the learner's own functions, on multi-turn rows (holes in the mask) under LoRA:
+    the old-policy log-probs and the reference's (the policy with its adapter disabled,
+    ``kl.Reference``) by ``batch_logprobs`` over the micro-batches each way fills (packed: by
+    packed tokens, so other rows per forward), then the trained log-probs, the loss (clip,
+    KL in the loss) and its gradients by ``micro_batch_loss``, packed against padded."""
+    from contextlib import nullcontext
+
+    from peft import LoraConfig, get_peft_model
+
+    from grpo_core.contracts import BatchStats
+    from grpo_core.plugin_manager import load_plugins
+    from grpo_core.train.kl import KLTerm, Reference
+    from grpo_core.train.parallel import forward_of
+    from grpo_core.train.update import Objective, batch_logprobs, micro_batch_loss
+
+    model = get_peft_model(copy.deepcopy(llama), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.5, generator=torch.Generator().manual_seed(len(name)))
+    tensors = random_batch(llama.config.vocab_size, prompts=3, group=2, prompt_lens=[3, 8, 5],
+                           lengths=[12, 2, 3, 4, 1, 9], holes=[3, 0, 1, 0, 0, 2], width=12, seed=7)
+    gen = torch.Generator().manual_seed(8)
+    advantages = torch.randn(6, 1, generator=gen).expand(-1, 12) * tensors[3]
+    batch = TrainBatch(*tensors, advantages.contiguous(), temperature=0.8)
+    rows = torch.arange(6)
+    micros = {p: micro_batches(batch, rows, None, 24, packed=p) for p in (False, True)}
+    # padded: 2 rows x (8 + 12) positions a group, over 24: one group a forward; packed, the
+    # groups cost 3 + 11 + 1, 8 + 2 + 3 and 5 + 0 + 6 tokens: the last two share a forward
+    assert [m.tolist() for m in micros[False]] == [[0, 1], [2, 3], [4, 5]]
+    assert [m.tolist() for m in micros[True]] == [[0, 1], [2, 3, 4, 5]]
+    reference = Reference(model)
+    registry = load_plugins(external=False).registry
+    objective = Objective(policy_loss=registry.get("policy_loss", "clip").build(),
+                          aggregator=registry.get("loss_aggregator", "token-mean").build(),
+                          kl=KLTerm(registry.get("kl_penalty", "low_var_kl").build(), beta=0.1), entropy_coef=0.01,
+                          early_stop_imp_ratio=None, max_length=12)
+    stats = BatchStats(int(batch.mask.sum()), 6, 12)
+    out = {}
+    for packed in (False, True):
+        old = batch_logprobs(forward_of(model), batch, micros[packed], batch.temperature, nullcontext, packed=packed)
+        with reference.active() as ref_model:
+            ref = batch_logprobs(forward_of(ref_model), batch, micros[packed], batch.temperature, nullcontext,
+                                 packed=packed)
+        trained, loss = torch.zeros_like(old), 0.0
+        batch.old_logp, batch.ref_logp = old - 0.05 * batch.mask, ref  # a ratio off 1: the clip is active
+        model.zero_grad(set_to_none=True)
+        for micro in micros[packed]:
+            part, _, logp, _ = micro_batch_loss(forward_of(model), batch, micro, objective, stats, packed=packed)
+            part.backward()
+            trained[micro], loss = logp.detach(), loss + float(part.detach())
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        out[packed] = (old, ref, trained, loss, grads)
+    for what, index in (("old", 0), ("reference", 1), ("trained", 2)):
+        torch.testing.assert_close(out[True][index], out[False][index], atol=VALUE_TOL, rtol=0,
+                                   msg=lambda m, what=what: f"{what} log-probs: {m}")
+    assert float((out[False][1] - out[False][0]).abs().max()) > 1e-3  # the reference is another model
+    assert out[True][3] == pytest.approx(out[False][3], abs=1e-6)
+    assert out[True][4] and out[True][4].keys() == out[False][4].keys()
+    for name, grad in out[False][4].items():
+        torch.testing.assert_close(out[True][4][name], grad, rtol=0, atol=1e-5 * float(grad.abs().max()))
 
 
 def test_an_attention_call_without_the_layout_fails_loudly(llama):
