@@ -66,6 +66,15 @@ AUTO_DEVICES = ("cpu",)
 _SPECIAL = ("softcap", "sinks", "s_aux", "position_bias", "sliding_window")
 
 
+class _Tally:
+    """How many attention layers ran on a layout, one count shared by every copy of it: FSDP2's
+    mixed precision hands each layer a copy of the dataclasses in its keyword arguments (their
+    tensors cast), so a count kept on the layout itself would grow on the copies only."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
 @dataclass
 class PackedRows:
     """One micro-batch packed into a single sequence (see the module doc).
@@ -83,8 +92,13 @@ class PackedRows:
     position_ids: Tensor
     segments: list[tuple[int, tuple[int, ...]]]
     hidden_index: Tensor
-    attention_calls: int = 0  # how many attention layers ran on this layout (a check: all of them)
+    tally: _Tally = field(default_factory=_Tally, repr=False)  # attention layers run (a check: all of them)
     _masks: dict[tuple[int, int], Tensor] = field(default_factory=dict, repr=False)
+
+    @property
+    def attention_calls(self) -> int:
+        """How many attention layers ran on this layout (or a copy of it) since the call began."""
+        return self.tally.count
 
     @property
     def tokens(self) -> int:
@@ -183,7 +197,7 @@ def segment_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     if special or attention_mask is not None or query.shape[0] != 1:
         raise RuntimeError(f"packed attention: {type(module).__name__} asked for {special or 'a mask'}, which "
                            "packing cannot honour; set train.packing: false")
-    layout.attention_calls += 1
+    layout.tally.count += 1
     heads, kv_heads = query.shape[1], key.shape[1]
     if heads != kv_heads:  # grouped-query attention: each key/value head serves heads // kv_heads queries
         key = key.repeat_interleave(heads // kv_heads, dim=1)
@@ -241,7 +255,7 @@ def packed_decoder_call(decoder: nn.Module, layout: PackedRows) -> Tensor:
 
     RuntimeError when not every layer attended through the packed attention (a layer that
     mixes positions another way, a recurrent or linear-attention one, would mix rows)."""
-    layout.attention_calls = 0
+    layout.tally.count = 0
     with _attention_switched(decoder):
         out = decoder(input_ids=layout.input_ids, position_ids=layout.position_ids, use_cache=False,
                       **{LAYOUT_KWARG: layout})

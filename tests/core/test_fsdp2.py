@@ -317,6 +317,23 @@ def test_the_sharded_root_packs_rows_as_the_padded_path_computes_them(group, emp
         torch.testing.assert_close(out[True][1][name], grad, atol=atol, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def test_the_packed_forward_runs_under_fsdp2_bf16_parameters(group):
+    """FSDP2's mixed precision hands every sharded layer a copy of its keyword arguments'
+    dataclasses (the packed layout among them): the check that every layer ran the packed
+    attention still counts them, and the values are the padded ones within bf16 rounding."""
+    tok = build_tokenizer()
+    model = build_model(tok)
+    root = sharding.shard(model, ParallelSection(strategy="fsdp2", param_dtype="bfloat16"), torch.device("cpu"))
+    gen = torch.Generator().manual_seed(5)
+    prompt = torch.randint(2, model.config.vocab_size, (2, 4), generator=gen)
+    comp = torch.randint(2, model.config.vocab_size, (4, 6), generator=gen)
+    mask = torch.arange(6)[None, :] < torch.tensor([6, 2, 4, 5])[:, None]
+    with torch.no_grad():
+        padded, packed = (root(prompt, torch.ones_like(prompt, dtype=torch.bool), comp, mask, packed=p)[0]
+                          for p in (False, True))
+    assert float((packed - padded).abs().max()) < 0.1 and bool((packed[mask] != 0).all())
+
+
 @pytest.mark.slow
 def test_fsdp2_on_two_processes_packed_takes_the_padded_step(tmp_path, write_spec):
     """Two sharded processes, the policy and its sharded KL reference, rows packed or padded:
