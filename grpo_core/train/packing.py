@@ -20,8 +20,7 @@ all of them. :func:`segment_attention` computes this rule exactly, one attention
 prompt and per completion (a completion's keys are its prompt's followed by its own, under
 a causal mask aligned to the last key), so its cost grows with ``sum_i l_i (Lp + l_i)``,
 not ``N^2``: a dense ``N x N`` block mask given to ``sdpa`` computes the whole square
-(``bench/packing.py --attention``: level with this on the quickstart's 483 packed tokens,
-1.3x slower on a long-tailed batch of 1864). It is registered with transformers as an
+(``bench/packing.py --attention`` times the two). It is registered with transformers as an
 attention implementation and selected only for the packed call (:func:`packed_decoder_call`);
 the layout reaches it through the keyword arguments transformers passes from the decoder's
 ``forward`` down to every attention call. An attention call without the layout fails
