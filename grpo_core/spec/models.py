@@ -202,9 +202,9 @@ class TrainSection(Section):
         "rounding); micro-batches then count packed tokens against micro_batch_tokens. true: always (an error for "
         "a model it cannot run exactly: sliding-window or soft-capped attention; not with "
         "model.gradient_checkpointing). false: padded rows (prompts shared, rows in length groups). auto: packed "
-        "where bench/packing.py measured it to win, on a CPU (less forward and backward time and activation "
-        "memory on the quickstart's batches and on long-tailed lengths: docs/guides/memory.md), for models it can "
-        "run exactly; padded on a GPU until measured there. Under model.gradient_checkpointing, auto trains "
+        "where bench/packing.py measured it to win, with the weights on a CPU (0.78x the forward and backward time "
+        "on the quickstart's batch and on long-tailed lengths: docs/guides/memory.md), for models it can run "
+        "exactly; padded on a GPU until measured there. Under model.gradient_checkpointing, auto trains "
         "padded and packs the no-grad forwards.",
     )
     lr: float = Field(1e-6, gt=0, description="AdamW learning rate.")
