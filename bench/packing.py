@@ -3,7 +3,8 @@
     python bench/packing.py [--reps 5] [--threads 1] [--shapes quickstart long-tail] [--limit 512]
                             [--out bench/runs/packing/RESULT.json] [--attention] [--compile]
 
-A smoke run at a small size (a minute or two): ``--reps 1 --limit 64``.
+A smoke run at a small size: ``--reps 1 --shapes long-tail --limit 64`` (6 minutes on the 2-core
+machine under load; the full run about 15 minutes idle, longer loaded).
 
 Two batches, each ``P`` arithmetic prompts (the quickstart's chat-formatted prompts) with
 ``G = 8`` completions:
