@@ -4,7 +4,7 @@
                             [--out bench/runs/packing/RESULT.json] [--attention] [--compile]
 
 A smoke run at a small size: ``--reps 1 --shapes long-tail --limit 64`` (6 minutes on the 2-core
-machine under load; the full run about 15 minutes idle, longer loaded).
+machine under load; both batches at one repetition took 24 minutes there).
 
 Two batches, each ``P`` arithmetic prompts (the quickstart's chat-formatted prompts) with
 ``G = 8`` completions:
