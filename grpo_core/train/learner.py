@@ -80,6 +80,13 @@ class Learner:
             self._packs = resolve_packing(self.settings.packing, self.model)
         return self._packs
 
+    @property
+    def trains_packed(self) -> bool:
+        """Whether the training forward runs packed: :attr:`packs`, except under activation
+        checkpointing (``model.gradient_checkpointing``), where it runs padded and only the
+        no-grad forwards pack; its micro-batches are then counted in padded positions."""
+        return self.packs and not any(getattr(m, "gradient_checkpointing", False) for m in self.model.modules())
+
     def micro_batches(self, batch: TrainBatch) -> list[torch.Tensor]:
         """The row indices of each no-grad forward over the whole ``batch``."""
         s = self.settings

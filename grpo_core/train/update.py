@@ -297,7 +297,7 @@ def _backward_minibatch(learner: Learner, batch: TrainBatch, rows: Tensor, tally
     counts["rows"] += len(rows)
     counts["rows_skipped"] += len(rows) - len(active)
     sums = _MinibatchSums()
-    s, packed = learner.settings, learner.packs
+    s, packed = learner.settings, learner.trains_packed
     micros = [mb for mb in micro_batches(batch, active, s.micro_batch_size, s.micro_batch_tokens, packed)
               if bool(batch.mask[mb].any())]
 

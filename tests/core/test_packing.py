@@ -357,6 +357,38 @@ def test_activation_checkpointing_trains_padded_and_scores_packed(llama, monkeyp
     assert calls == [1]
 
 
+def test_under_activation_checkpointing_the_update_counts_padded_micro_batches(llama, monkeypatch):
+    """``auto`` with ``model.gradient_checkpointing``: the training forward runs padded, so its
+    micro-batches are counted in padded positions (packed tokens would overfill them), while
+    the no-grad forwards still pack."""
+    from grpo_core.plugin_manager import load_plugins
+    from grpo_core.train import update as updating
+    from grpo_core.train.learner import Learner, UpdateSettings
+
+    registry = load_plugins(external=False).registry
+    objective = updating.Objective(policy_loss=registry.get("policy_loss", "clip").build(),
+                                   aggregator=registry.get("loss_aggregator", "token-mean").build(), kl=None,
+                                   entropy_coef=0.0, early_stop_imp_ratio=None, max_length=6)
+    tensors = random_batch(llama.config.vocab_size, prompts=2, group=2, prompt_lens=[3, 5], lengths=[6, 2, 4, 5],
+                           holes=[0] * 4, width=6, seed=4)
+    batch = TrainBatch(*tensors, tensors[3].float())
+    seen = []
+    real = updating.micro_batches
+    monkeypatch.setattr(updating, "micro_batches", lambda *a: seen.append(a[-1]) or real(*a))
+    for checkpointed in (False, True):
+        model = copy.deepcopy(llama)
+        if checkpointed:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        learner = Learner(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0), objective,
+                          UpdateSettings(packing="auto"))
+        assert learner.packs and learner.trains_packed is not checkpointed
+        seen.clear()
+        updating.update(learner, batch)
+        assert seen == [not checkpointed]
+
+
 def test_the_spec_key_takes_true_false_or_auto_and_refuses_true_with_recomputation():
     from grpo_core.errors import SpecError
     from grpo_core.spec import load_spec
