@@ -122,6 +122,7 @@ def _build(holder: dict[str, Any], work: Path, folder: Path, device: torch.devic
             "generation_copy": backend.model is not run.learner.model,
             "generation_dtype": str(next(backend.model.parameters()).dtype),
             "generation_attention": backend.model.config._attn_implementation,
+            "packs": run.learner.packs,  # train.packing as the learner resolved it on this device
             "optimizer": type(run.learner.optimizer).__name__, **peak_memory(device)}
 
 

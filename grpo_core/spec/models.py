@@ -187,12 +187,25 @@ class TrainSection(Section):
     )
     micro_batch_size: int | None = Field(
         None, ge=1, description="Rows per forward/backward (gradient accumulation). null: whole groups, as many "
-        "as hold at most micro_batch_tokens prompt + completion positions (at least one group).",
+        "as hold at most micro_batch_tokens positions (at least one group).",
     )
     micro_batch_tokens: int = Field(
-        2048, ge=1, description="With micro_batch_size null: the most positions (rows x (prompt + completion "
-        "width)) in one forward/backward, in whole groups. Bounds the activations a backward keeps whatever "
-        "prompts_per_step is; the gradient is the same (the loss's normalizers are the mini-batch's).",
+        2048, ge=1, description="With micro_batch_size null: the most positions in one forward/backward, in whole "
+        "groups: the tokens of the packed sequence when the forward is packed (train.packing), else rows x "
+        "(prompt + completion width). Bounds the activations a backward keeps whatever prompts_per_step is; the "
+        "gradient is the same (the loss's normalizers are the mini-batch's).",
+    )
+    packing: bool | Literal["auto"] = Field(
+        "auto", description="Padding-free forwards: the rows of a micro-batch laid end to end in one sequence, "
+        "each prompt once and then its completions, position ids restarting in every row and attention that "
+        "never crosses rows, for the old, reference and trained log-probs (equal to the padded forward up to float "
+        "rounding); micro-batches then count packed tokens against micro_batch_tokens. true: always (an error for "
+        "a model it cannot run exactly: sliding-window or soft-capped attention; not with "
+        "model.gradient_checkpointing). false: padded rows (prompts shared, rows in length groups). auto: packed "
+        "where bench/packing.py measured it to win, with the weights on a CPU (0.78x the forward and backward time "
+        "on the quickstart's batch and on long-tailed lengths: docs/guides/memory.md), for models it can run "
+        "exactly; padded on a GPU until measured there. Under model.gradient_checkpointing, auto trains "
+        "padded and packs the no-grad forwards.",
     )
     lr: float = Field(1e-6, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
@@ -403,6 +416,15 @@ class Spec(Section):
         conflicts = parallel_conflicts(self)
         if conflicts:
             raise ValueError("train.parallel.strategy is fsdp2, but " + "; ".join(conflicts))
+        return self
+
+    @model_validator(mode="after")
+    def _packing_without_recomputation(self):
+        if self.train.packing is True and self.model.gradient_checkpointing:
+            raise ValueError(
+                "train.packing: true cannot train with model.gradient_checkpointing (the checkpointed layers "
+                "recompute attention in backward, after the packed call): set train.packing: auto (the training "
+                "forward then runs padded, the no-grad forwards packed) or false, or drop gradient_checkpointing")
         return self
 
     @model_validator(mode="after")

@@ -21,9 +21,10 @@ from grpo_core.contracts import AdvantageEstimator, AdvantageInputs, RolloutBatc
 from grpo_core.train.distributed import Dist, pad_cat
 from grpo_core.train.experience import Experience, Scored, Timer
 from grpo_core.train.kl import KLTerm
+from grpo_core.train.packing import resolve_packing
 from grpo_core.train.parallel import Single, forward_of
 from grpo_core.train.reasoning_steps import step_tensors
-from grpo_core.train.update import Objective, TrainBatch, batch_logprobs, micro_batch_rows, update
+from grpo_core.train.update import Objective, TrainBatch, batch_logprobs, micro_batches, update
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -39,13 +40,14 @@ class UpdateSettings:
     micro_batch_tokens: int = 2048
     max_grad_norm: float | None = None
     mask_truncated: bool = False
+    packing: bool | str = "auto"  # train.packing: True, False or "auto"
 
     @classmethod
     def from_spec(cls, spec) -> UpdateSettings:
         t = spec.train
         return cls(mu=spec.algorithm.mu, mini_batches=t.mini_batches, micro_batch_size=t.micro_batch_size,
                    micro_batch_tokens=t.micro_batch_tokens, max_grad_norm=t.max_grad_norm,
-                   mask_truncated=spec.rollout.mask_truncated_completions)
+                   mask_truncated=spec.rollout.mask_truncated_completions, packing=t.packing)
 
 
 @dataclass
@@ -64,10 +66,32 @@ class Learner:
     autocast: Callable = nullcontext  # () -> the mixed-precision context of forward passes
     scaler: torch.amp.GradScaler | None = None  # under fp16 mixed precision
     version: int = 0  # training steps applied to the policy
+    _packs: bool | None = field(default=None, init=False, repr=False)
 
     @property
     def dist(self) -> Dist:
         return self.strategy.dist
+
+    @property
+    def packs(self) -> bool:
+        """Whether the forwards run padding-free (``train.packing`` resolved for this model and
+        device, :func:`grpo_core.train.packing.resolve_packing`); decided once."""
+        if self._packs is None:
+            self._packs = resolve_packing(self.settings.packing, self.model)
+        return self._packs
+
+    @property
+    def trains_packed(self) -> bool:
+        """Whether the training forward runs packed: :attr:`packs`, except under activation
+        checkpointing (``model.gradient_checkpointing``), where it runs padded and only the
+        no-grad forwards pack; its micro-batches are then counted in padded positions."""
+        return self.packs and not any(getattr(m, "gradient_checkpointing", False) for m in self.model.modules())
+
+    def micro_batches(self, batch: TrainBatch) -> list[torch.Tensor]:
+        """The row indices of each no-grad forward over the whole ``batch``."""
+        s = self.settings
+        return micro_batches(batch, torch.arange(len(batch.mask)), s.micro_batch_size, s.micro_batch_tokens,
+                             self.packs)
 
     def learn(self, experience: Experience) -> tuple[TrainBatch, dict[str, float], dict[str, float]]:
         """Prepare and update on ``experience``; ``(batch, metrics, phase seconds)``."""
@@ -82,7 +106,7 @@ class Learner:
         when it is in the reward, and the advantages."""
         s, kl, scored = self.settings, self.kl, experience.scored
         batch = train_batch(scored.rollout, s.mask_truncated, experience.temperature)
-        micro = micro_batch_rows(batch, s.micro_batch_size, s.micro_batch_tokens)
+        micro = self.micro_batches(batch)
         temperature = batch.temperature
         rewards, penalty, metrics = scored.scores.total.to(batch.mask.device), None, {}
         with timer("logprobs"):
@@ -90,11 +114,11 @@ class Learner:
             # has moved the policy since the rollout (one pass, one mini-batch) and no KL-in-reward needs them first
             if s.mu > 1 or s.mini_batches > 1 or (kl is not None and kl.in_reward):
                 batch.old_logp = batch_logprobs(self.strategy.forward(self.model), batch, micro, temperature,
-                                                self.autocast)
+                                                self.autocast, packed=self.packs)
             if kl is not None:
                 with kl.reference.active() as ref_model:
                     batch.ref_logp = batch_logprobs(self.strategy.forward(ref_model), batch, micro, temperature,
-                                                    self.autocast)
+                                                    self.autocast, packed=self.packs)
         if kl is not None and kl.in_reward:
             rewards, penalty, metrics["kl"] = kl.penalize(rewards, batch.old_logp, batch.ref_logp, batch.mask)
         with timer("advantage"):
@@ -110,10 +134,9 @@ class Learner:
         plain, unsharded copy of the policy that generated them: an asynchronous run's), computed
         as the learner computes its own (micro-batches, temperature, mixed precision), zero
         outside the completion masks: the behaviour policy of the rollout correction."""
-        s = self.settings
         batch = train_batch(experience.scored.rollout, False, experience.temperature)
-        micro = micro_batch_rows(batch, s.micro_batch_size, s.micro_batch_tokens)
-        logp = batch_logprobs(forward_of(sampler), batch, micro, batch.temperature, self.autocast)
+        logp = batch_logprobs(forward_of(sampler), batch, self.micro_batches(batch), batch.temperature, self.autocast,
+                              packed=self.packs)
         return logp.masked_fill(~batch.mask, 0.0)
 
 

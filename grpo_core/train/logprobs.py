@@ -1,166 +1,28 @@
-"""Log-probabilities of sampled completion tokens, without full-vocabulary copies.
+"""Log-probabilities of sampled completion tokens under a causal LM.
 
-The policy loss needs ``log pi(o_t | q, o_<t)`` for every completion token, i.e. one entry of
-a ``(B, T, V)`` log-softmax. Materializing that tensor (and keeping it for backward) costs
-``B*T*V`` floats: for ``B*T = 64k`` tokens and ``V = 152k`` that is 40 GB in float32. Here the
-language-model head is applied to ``chunk_size`` rows at a time, each chunk reduced at once
-to the chosen token's log-probability (``logit[target] - logsumexp(logits)``) and, when asked,
-the entropy; the chunk's logits are recomputed in backward (activation checkpointing) instead
-of being saved. Memory grows with ``N * chunk_size`` and ``N * H``, never ``N * V``.
+:func:`completion_logprobs` runs the decoder on prompts plus completions (padded, or packed
+into one padding-free sequence: :mod:`grpo_core.train.packing`) and sends only the positions
+that predict a completion token through the output layer, chunk by chunk
+(:func:`grpo_core.train.head_logprobs.token_logprobs`: never a ``(B, T, V)`` copy).
 
 Public functions:
 
-- :func:`token_logprobs`: the chunked core on flat hidden states ``(N, H)``.
-- :func:`completion_logprobs`: runs a causal LM's decoder on prompts plus completions and
-  returns ``(B, T)`` log-probs (and entropies) of the completion tokens.
-- :func:`logit_transform`: the logit scaling / soft-capping a model config declares.
+- :func:`completion_logprobs`: ``(B, T)`` log-probs (and entropies) of the completion tokens.
+- :func:`token_logprobs`, :func:`logit_transform`: the output layer's part, re-exported from
+  :mod:`grpo_core.train.head_logprobs`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
+
+from grpo_core.train.head_logprobs import DEFAULT_CHUNK_SIZE, logit_transform, token_logprobs
+from grpo_core.train.packing import pack_rows, packed_decoder_call, packing_unsupported
 
 __all__ = ["token_logprobs", "completion_logprobs", "logit_transform", "DEFAULT_CHUNK_SIZE"]
-
-#: Rows of hidden states turned into logits at once. With ``V = 152k`` a chunk of 1024 rows
-#: holds ~0.6 GB of float32 logits (plus the softmax in backward).
-DEFAULT_CHUNK_SIZE = 1024
-
-Head = Tensor | nn.Module | Callable[[Tensor], Tensor]
-
-
-def logit_transform(config: Any) -> dict[str, float | None]:
-    """The post-processing of final logits a transformers config declares, as keyword
-    arguments of :func:`token_logprobs` (``logit_scale``, ``softcap``).
-
-    Known generic attributes: ``final_logit_softcapping`` (Gemma 2/3:
-    ``cap * tanh(z / cap)``), ``logit_scale`` (Cohere: ``z * scale``), ``logits_scaling``
-    (Granite: ``z / scaling``). Llama, SmolLM2, Qwen2/3 and Mistral have none. A model whose
-    ``forward`` transforms logits in another way is not covered: compare
-    :func:`completion_logprobs` with ``model(...).logits`` once when adding such a model.
-    """
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    scale = 1.0
-    if getattr(config, "logit_scale", None) is not None:
-        scale *= float(config.logit_scale)
-    if getattr(config, "logits_scaling", None) is not None:
-        scale /= float(config.logits_scaling)
-    softcap = getattr(config, "final_logit_softcapping", None)
-    return {"logit_scale": scale, "softcap": float(softcap) if softcap else None}
-
-
-def _apply_head(head: Head, hidden: Tensor, bias: Tensor | None) -> Tensor:
-    """Logits ``(n, V)`` of hidden states ``(n, H)`` under a weight ``(V, H)`` or a module."""
-    if isinstance(head, Tensor):
-        return F.linear(hidden.to(head.dtype), head, bias)
-    return head(hidden)
-
-
-def _chunk_stats(
-    hidden: Tensor,
-    targets: Tensor,
-    head: Head,
-    bias: Tensor | None,
-    scale: float,
-    softcap: float | None,
-    with_entropy: bool,
-) -> tuple[Tensor, Tensor | None]:
-    """Log-prob ``(n,)`` of ``targets (n,)`` and entropy ``(n,)`` (or None) for one chunk
-    of hidden states ``(n, H)``; the ``(n, V)`` logits live only inside this call."""
-    logits = _apply_head(head, hidden, bias)
-    # At least float32 for the reductions; float64 models stay float64.
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
-    if scale != 1.0:
-        logits = logits * scale
-    lse = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
-    if not with_entropy:
-        return logp, None
-    probs = torch.softmax(logits, dim=-1)
-    entropy = lse - (probs * logits).sum(dim=-1)
-    return logp, entropy
-
-
-def token_logprobs(
-    hidden: Tensor,
-    head: Head,
-    targets: Tensor,
-    *,
-    bias: Tensor | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    with_entropy: bool = False,
-    temperature: float = 1.0,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
-) -> tuple[Tensor, Tensor | None]:
-    """Log-probabilities (and entropies) of ``targets`` under ``softmax(head(hidden))``.
-
-    For each chunk of ``chunk_size`` rows: ``z = head(h)`` (``h @ W.T + bias`` for a weight),
-    upcast to at least float32, then ``z = softcap * tanh(z / softcap)`` if ``softcap``,
-    ``z = z * logit_scale / temperature``; ``logp = z[target] - logsumexp(z)`` and
-    ``entropy = logsumexp(z) - sum(softmax(z) * z)``. The matmul runs in the head's dtype
-    (bf16 logits are what the model itself produces) and everything after it in float32.
-
-    When gradients are enabled, each chunk runs under non-reentrant activation
-    checkpointing: only its inputs (``hidden`` rows, targets) are kept for backward and the
-    ``(chunk, V)`` logits are recomputed there, one chunk at a time. Gradients flow to
-    ``hidden`` and to the head's parameters.
-
-    Args:
-        hidden: ``(N, H)`` final hidden states, one row per predicted token.
-        head: the output projection: a weight ``(V, H)``, or a module / callable mapping
-            ``(n, H) -> (n, V)`` (e.g. ``model.get_output_embeddings()``, LoRA-wrapped or not).
-        targets: ``long (N,)`` token ids whose log-probs are wanted.
-        bias: ``(V,)`` bias when ``head`` is a weight tensor.
-        chunk_size: rows per chunk (any positive number; need not divide ``N``).
-        with_entropy: also return the entropy of each row's distribution.
-        temperature: the sampling temperature; logits are divided by it (as TRL does) so the
-            log-probs are those of the distribution the sampler drew from.
-        logit_scale, softcap: see :func:`logit_transform`.
-
-    Returns:
-        ``(logp, entropy)``: ``float (N,)`` each (float32, or float64 for a float64 head),
-        ``entropy`` None unless ``with_entropy``.
-    """
-    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
-        raise ValueError(
-            f"token_logprobs: hidden must be (N, H) and targets (N,); got {tuple(hidden.shape)} "
-            f"and {tuple(targets.shape)}"
-        )
-    if chunk_size <= 0:
-        raise ValueError(f"token_logprobs: chunk_size must be positive, got {chunk_size}")
-    if temperature <= 0:
-        raise ValueError(f"token_logprobs: temperature must be positive, got {temperature}")
-    scale = float(logit_scale) / float(temperature)
-    args = (head, bias, scale, softcap, with_entropy)
-    use_checkpoint = torch.is_grad_enabled()
-    logps: list[Tensor] = []
-    entropies: list[Tensor] = []
-    for start in range(0, hidden.shape[0], chunk_size):
-        h, t = hidden[start : start + chunk_size], targets[start : start + chunk_size]
-        if use_checkpoint:
-            logp, ent = checkpoint(
-                _chunk_stats, h, t, *args, use_reentrant=False, preserve_rng_state=False
-            )
-        else:
-            logp, ent = _chunk_stats(h, t, *args)
-        logps.append(logp)
-        if ent is not None:
-            entropies.append(ent)
-    if not logps:  # N == 0
-        dtype = torch.promote_types(hidden.dtype, torch.float32)
-        empty = hidden.new_zeros((0,), dtype=dtype)
-        return empty, (empty if with_entropy else None)
-    logp = torch.cat(logps)
-    return logp, (torch.cat(entropies) if with_entropy else None)
 
 
 # --------------------------------------------------------------------------- full model
@@ -339,6 +201,40 @@ def _trim(prompt_ids, prompt_mask, completion_ids, completion_mask):
     )
 
 
+def _groups(num_prompts: int, num_rows: int, prompt_index: Tensor | None) -> tuple[int | None, Tensor]:
+    """``(G, prompt_index)``: the rows' group size when they are ``G`` consecutive rows per
+    prompt (None otherwise) and the prompt of each row."""
+    if prompt_index is None:
+        if num_prompts == 0 or num_rows % num_prompts:
+            raise ValueError(
+                f"completion_logprobs: {num_rows} completion rows are not a multiple of "
+                f"{num_prompts} prompts"
+            )
+        return num_rows // num_prompts, torch.arange(num_prompts).repeat_interleave(num_rows // num_prompts)
+    if prompt_index.shape != (num_rows,) or (num_rows and not 0 <= int(prompt_index.min()) <= int(
+            prompt_index.max()) < num_prompts):
+        raise ValueError(f"completion_logprobs: prompt_index must be ({num_rows},) with values in "
+                         f"[0, {num_prompts}); got {tuple(prompt_index.shape)}")
+    prompt_index = prompt_index.long().cpu()
+    uniform = num_prompts and num_rows % num_prompts == 0 and torch.equal(
+        prompt_index, torch.arange(num_prompts).repeat_interleave(num_rows // num_prompts))
+    return (num_rows // num_prompts if uniform else None), prompt_index
+
+
+def _hidden_padded(model, decoder, p_ids, p_mask, c_ids, c_mask, group_size, share_prompt, length_buckets):
+    """``(B, T, H)``: the hidden states that predict each completion token, from the padded
+    layout (prompt shared by its group where safe, rows in length buckets)."""
+    hidden = None
+    if share_prompt and _shares_prompt_safely(model, decoder, group_size):
+        positions = torch.arange(1, c_mask.shape[1] + 1, device=c_mask.device)
+        lengths = (c_mask.long() * positions).amax(dim=1)  # last masked position + 1, 0 if none
+        hidden = _hidden_shared(decoder, model.config, p_ids, p_mask, c_ids, group_size,
+                                lengths if length_buckets else None)
+    if hidden is None:
+        hidden = _hidden_plain(decoder, p_ids, p_mask, c_ids, group_size)
+    return hidden
+
+
 def completion_logprobs(
     model: Any,
     prompt_ids: Tensor,
@@ -351,6 +247,8 @@ def completion_logprobs(
     temperature: float = 1.0,
     share_prompt: bool = True,
     length_buckets: bool = True,
+    packed: bool = False,
+    prompt_index: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs (and entropies) of completion tokens under a causal LM, ``(B, T)`` each.
 
@@ -374,29 +272,32 @@ def completion_logprobs(
     (TRL's convention: the log-probs of the sampling distribution, before top-k/top-p), and
     scaled / soft-capped per :func:`logit_transform` of ``model.config``.
 
+    With ``packed`` the rows run as one padding-free sequence instead
+    (:mod:`grpo_core.train.packing`: each prompt once, then its completions, attention that
+    never crosses rows), equal to the padded result up to float rounding; where packing cannot
+    be exact (:func:`~grpo_core.train.packing.packing_unsupported`) the padded path runs.
+
     Args:
         model: a transformers causal LM (``get_decoder()``, ``get_output_embeddings()``).
         prompt_ids: ``long (P, L)`` left-padded prompts, each once.
         prompt_mask: ``bool (P, L)``.
-        completion_ids: ``long (B, T)`` right-padded completions, rows prompt-major.
+        completion_ids: ``long (B, T)`` right-padded completions, rows prompt-major (``G = B // P``
+            consecutive rows per prompt) unless ``prompt_index`` says otherwise.
         completion_mask: ``bool (B, T)`` tokens whose log-prob is wanted.
         chunk_size: rows of the LM head evaluated at once.
         with_entropy: also return per-token entropies.
         temperature: sampling temperature (> 0).
         share_prompt: encode each prompt once instead of ``G`` times.
         length_buckets: group rows by length (with ``share_prompt``).
+        packed: run the rows packed into one sequence (see above).
+        prompt_index: ``long (B,)`` the prompt of each completion, for rows that are not whole
+            groups of equal size (default: ``G`` consecutive rows per prompt).
 
     Returns:
         ``(logp, entropy)``: ``float32 (B, T)`` (float64 for a float64 model), exactly 0
         where ``completion_mask`` is False; ``entropy`` None unless ``with_entropy``.
     """
-    num_prompts, num_rows = prompt_ids.shape[0], completion_ids.shape[0]
-    if num_prompts == 0 or num_rows % num_prompts:
-        raise ValueError(
-            f"completion_logprobs: {num_rows} completion rows are not a multiple of "
-            f"{num_prompts} prompts"
-        )
-    group_size = num_rows // num_prompts
+    group_size, prompt_index = _groups(prompt_ids.shape[0], completion_ids.shape[0], prompt_index)
     prompt_mask, completion_mask = prompt_mask.bool(), completion_mask.bool()
     p_ids, p_mask, c_ids, c_mask, steps = _trim(
         prompt_ids, prompt_mask, completion_ids, completion_mask
@@ -408,16 +309,16 @@ def completion_logprobs(
     if steps == 0:
         return logp, entropy
     decoder = model.get_decoder()
-    hidden = None
-    if share_prompt and _shares_prompt_safely(model, decoder, group_size):
-        positions = torch.arange(1, steps + 1, device=c_mask.device)
-        lengths = (c_mask.long() * positions).amax(dim=1)  # last masked position + 1, 0 if none
-        hidden = _hidden_shared(decoder, model.config, p_ids, p_mask, c_ids, group_size,
-                                lengths if length_buckets else None)
-    if hidden is None:
-        hidden = _hidden_plain(decoder, p_ids, p_mask, c_ids, group_size)
+    if packed and packing_unsupported(model, decoder) is None:
+        layout = pack_rows(p_ids, p_mask, c_ids, c_mask, prompt_index)
+        hidden = packed_decoder_call(decoder, layout)[layout.hidden_index[c_mask]]
+    else:
+        if group_size is None:  # rows that are not whole groups: one prompt row per completion
+            p_ids, p_mask, group_size = p_ids[prompt_index], p_mask[prompt_index], 1
+        hidden = _hidden_padded(model, decoder, p_ids, p_mask, c_ids, c_mask, group_size, share_prompt,
+                                length_buckets)[c_mask]
     flat_logp, flat_ent = token_logprobs(
-        hidden[c_mask],
+        hidden,
         head,
         c_ids[c_mask],
         chunk_size=chunk_size,

@@ -39,7 +39,8 @@ from grpo_core.train.logprobs import completion_logprobs
 T = TypeVar("T")
 
 #: ``forward(prompt_ids, prompt_mask, completion_ids, completion_mask, *, with_entropy,
-#: temperature, share_prompt) -> (logp, entropy)``: the log-prob function of one model.
+#: temperature, share_prompt, packed=False, prompt_index=None) -> (logp, entropy)``: the
+#: log-prob function of one model.
 Forward = Callable[..., Any]
 
 

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from grpo_core.contracts import BatchStats, LossAggregator, PolicyLoss, PolicyLossInputs, masked_fill_zero
 from grpo_core.train.correction import rollout_correction
+from grpo_core.train.packing import needed_lengths
 
 if TYPE_CHECKING:
     from grpo_core.train.kl import KLTerm
@@ -83,22 +84,26 @@ class Objective:
 
 def forward_logprobs(
     forward: Forward, batch: TrainBatch, rows: Tensor, *, with_entropy: bool, temperature: float,
-    mask: Tensor | None = None, share_prompt: bool = True,
+    mask: Tensor | None = None, share_prompt: bool = True, packed: bool = False,
 ):
     """Log-probs ``(b, T)`` of ``rows`` (of the tokens of ``mask``, default the batch's) by the
-    log-prob function ``forward`` (:meth:`grpo_core.train.parallel.Single.forward`); with
-    ``share_prompt`` the prompt is encoded once per prompt when the rows hold the same number
-    of completions of each prompt."""
+    log-prob function ``forward`` (:meth:`grpo_core.train.parallel.Single.forward`). With
+    ``packed`` the rows run as one padding-free sequence, each of their prompts once
+    (:mod:`grpo_core.train.packing`); otherwise, with ``share_prompt``, the prompt is encoded
+    once per prompt when the rows hold the same number of completions of each prompt."""
     prompt_of = rows // batch.group_size
+    mask = batch.mask[rows] if mask is None else mask
+    common = {"with_entropy": with_entropy, "temperature": temperature, "share_prompt": share_prompt}
+    if packed:
+        prompts, index = torch.unique(prompt_of, return_inverse=True)
+        return forward(batch.prompt_ids[prompts], batch.prompt_mask[prompts], batch.completion_ids[rows], mask,
+                       packed=True, prompt_index=index, **common)
     if shares_prompts(batch, rows):
         prompts = torch.unique_consecutive(prompt_of)
         p_ids, p_mask = batch.prompt_ids[prompts], batch.prompt_mask[prompts]
     else:  # ragged: one prompt row per completion
         p_ids, p_mask = batch.prompt_ids[prompt_of], batch.prompt_mask[prompt_of]
-    return forward(
-        p_ids, p_mask, batch.completion_ids[rows], batch.mask[rows] if mask is None else mask,
-        with_entropy=with_entropy, temperature=temperature, share_prompt=share_prompt,
-    )
+    return forward(p_ids, p_mask, batch.completion_ids[rows], mask, **common)
 
 
 def shares_prompts(batch: TrainBatch, rows: Tensor) -> bool:
@@ -111,8 +116,8 @@ def shares_prompts(batch: TrainBatch, rows: Tensor) -> bool:
 
 
 def micro_batch_rows(batch: TrainBatch, micro_batch_size: int | None, micro_batch_tokens: int) -> int:
-    """Rows per forward: ``micro_batch_size``, or whole groups of ``batch`` holding at most
-    ``micro_batch_tokens`` prompt + completion positions (at least one group)."""
+    """Rows per padded forward: ``micro_batch_size``, or whole groups of ``batch`` holding at
+    most ``micro_batch_tokens`` prompt + completion positions (at least one group)."""
     if micro_batch_size:
         return micro_batch_size
     group = batch.group_size
@@ -120,16 +125,59 @@ def micro_batch_rows(batch: TrainBatch, micro_batch_size: int | None, micro_batc
     return group * max(1, micro_batch_tokens // max(per_group, 1))
 
 
+def packed_tokens(batch: TrainBatch, rows: Tensor) -> Tensor:
+    """``long (b,)``: what each row adds to a packed sequence (its completion up to the token
+    before its last masked one, :mod:`grpo_core.train.packing`), plus its prompt's real tokens
+    on the first row of each prompt that has something to run."""
+    need = needed_lengths(batch.mask[rows])
+    cost = (need - 1).clamp(min=0)
+    prompt_of = rows // batch.group_size
+    prompt_len = batch.prompt_mask.sum(dim=1)[prompt_of.to(batch.prompt_mask.device)].to(cost.device)
+    active = need > 0
+    seen: set[int] = set()
+    for i, (prompt, runs) in enumerate(zip(prompt_of.tolist(), active.tolist())):
+        if runs and prompt not in seen:
+            seen.add(prompt)
+            cost[i] += prompt_len[i]
+    return cost
+
+
+def micro_batches(batch: TrainBatch, rows: Tensor, micro_batch_size: int | None, micro_batch_tokens: int,
+                  packed: bool = False) -> list[Tensor]:
+    """``rows`` in micro-batches (one forward each): ``micro_batch_size`` rows each when set;
+    else whole groups, as many as hold at most ``micro_batch_tokens`` positions (at least one
+    group): padded positions (``micro_batch_rows``), or with ``packed`` the tokens of the packed
+    sequence (:func:`packed_tokens`), so that rows of short completions fill a forward."""
+    if micro_batch_size or not packed:
+        return list(rows.split(micro_batch_rows(batch, micro_batch_size, micro_batch_tokens)))
+    if not len(rows):
+        return []
+    prompt_of = rows // batch.group_size
+    _, counts = torch.unique_consecutive(prompt_of, return_counts=True)
+    costs = [int(c.sum()) for c in packed_tokens(batch, rows).split(counts.tolist())]
+    micros, start, size, filled = [], 0, 0, 0
+    for count, cost in zip(counts.tolist(), costs):
+        if size and filled + cost > micro_batch_tokens:
+            micros.append(rows[start:start + size])
+            start, size, filled = start + size, 0, 0
+        size, filled = size + count, filled + cost
+    micros.append(rows[start:start + size])
+    return micros
+
+
 @torch.no_grad()
-def batch_logprobs(forward: Forward, batch: TrainBatch, micro_batch_size: int, temperature: float, autocast) -> Tensor:
+def batch_logprobs(forward: Forward, batch: TrainBatch, micro: int | list[Tensor], temperature: float, autocast,
+                   *, packed: bool = False) -> Tensor:
     """Log-probs ``(B, T)`` of every row by the log-prob function ``forward``, without
-    gradients (old policy, reference)."""
+    gradients (old policy, reference); ``micro``: rows per forward, or the row indices of each
+    forward (:func:`micro_batches`); ``packed``: each forward padding-free."""
     out = torch.zeros(batch.completion_ids.shape, dtype=torch.float32, device=batch.completion_ids.device)
     rows = torch.arange(batch.completion_ids.shape[0])
-    for micro in rows.split(micro_batch_size):
+    for rows_of in rows.split(micro) if isinstance(micro, int) else micro:
         with autocast():
-            logp, _ = forward_logprobs(forward, batch, micro, with_entropy=False, temperature=temperature)
-        out[micro] = logp.float()
+            logp, _ = forward_logprobs(forward, batch, rows_of, with_entropy=False, temperature=temperature,
+                                       packed=packed)
+        out[rows_of] = logp.float()
     return out
 
 
@@ -198,7 +246,7 @@ class _MinibatchSums:
 
 def micro_batch_loss(
     forward: Forward, batch: TrainBatch, rows: Tensor, objective: Objective, stats: BatchStats,
-    autocast: Callable = nullcontext, share_prompt: bool = True,
+    autocast: Callable = nullcontext, share_prompt: bool = True, packed: bool = False,
 ):
     """The aggregated loss of ``rows`` (a scalar to backpropagate), its per-token metrics
     ``(b, T)`` and the log-probs it used: ``(loss, metrics, logp, old_logp)``; ``forward`` is
@@ -212,7 +260,7 @@ def micro_batch_loss(
     with autocast():
         logp, entropy = forward_logprobs(
             forward, batch, rows, with_entropy=with_entropy, temperature=batch.temperature,
-            share_prompt=share_prompt,
+            share_prompt=share_prompt, packed=packed,
         )
     logp = logp.float()
     old = batch.old_logp[rows] if batch.old_logp is not None else logp.detach()
@@ -249,18 +297,22 @@ def _backward_minibatch(learner: Learner, batch: TrainBatch, rows: Tensor, tally
     counts["rows"] += len(rows)
     counts["rows_skipped"] += len(rows) - len(active)
     sums = _MinibatchSums()
-    size = micro_batch_rows(batch, learner.settings.micro_batch_size, learner.settings.micro_batch_tokens)
-    micros = [mb for mb in active.split(size) if bool(batch.mask[mb].any())]
+    s, packed = learner.settings, learner.trains_packed
+    micros = [mb for mb in micro_batches(batch, active, s.micro_batch_size, s.micro_batch_tokens, packed)
+              if bool(batch.mask[mb].any())]
 
     def idle(count: int, share: bool) -> None:
-        _zero_gradient_passes(learner, forward, batch, rows[: batch.group_size] if share else rows[:1], count, share)
+        _zero_gradient_passes(learner, forward, batch, rows[: batch.group_size] if share else rows[:1], count, share,
+                              packed)
 
-    share = strategy.lockstep(len(micros), all(shares_prompts(batch, mb) for mb in micros), idle)
+    # packed: one decoder call per micro-batch whatever its rows, prompts always encoded once
+    shareable = packed or all(shares_prompts(batch, mb) for mb in micros)
+    share = strategy.lockstep(len(micros), shareable, idle)
     for i, micro in enumerate(micros):
         m = batch.mask[micro]
         with strategy.grad_sync(last=i == len(micros) - 1):
             loss, metrics, logp, old = micro_batch_loss(
-                forward, batch, micro, objective, stats, learner.autocast, share_prompt=share
+                forward, batch, micro, objective, stats, learner.autocast, share_prompt=share, packed=packed
             )
             (learner.scaler.scale(loss) if learner.scaler is not None else loss).backward()
         sums.loss += float(loss.detach())
@@ -271,7 +323,7 @@ def _backward_minibatch(learner: Learner, batch: TrainBatch, rows: Tensor, tally
 
 
 def _zero_gradient_passes(learner: Learner, forward: Forward, batch: TrainBatch, rows: Tensor, count: int,
-                          share: bool) -> None:
+                          share: bool, packed: bool = False) -> None:
     """``count`` forward/backward passes on ``rows`` that add exactly zero to every gradient:
     what the parallel strategy has a process run when it has fewer micro-batches than another
     (its rows' advantages were 0), so that every process takes part in each collective."""
@@ -279,7 +331,7 @@ def _zero_gradient_passes(learner: Learner, forward: Forward, batch: TrainBatch,
         with learner.autocast():
             logp, _ = forward_logprobs(forward, batch, rows, with_entropy=False,
                                        temperature=batch.temperature,
-                                       mask=torch.zeros_like(batch.mask[rows]), share_prompt=share)
+                                       mask=torch.zeros_like(batch.mask[rows]), share_prompt=share, packed=packed)
         (logp.float().sum() * 0.0).backward()
 
 

@@ -54,12 +54,12 @@ def test_the_gpu_check_runs_in_its_cpu_mode(tmp_path):
     throughput = result["parts"]["throughput"]
     assert checks["throughput"]["generation"]["tokens_per_s"] > 0
     learners = [c for name, c in checks["throughput"].items() if name.startswith("learner_")]
-    assert len(learners) in (2, 4) and all(c["tokens_per_s"] > 0 and c["model_tflop"] > 0 for c in learners)
-    if len(learners) == 2:
-        assert throughput["packing"] == "packing not available in this build"
-    else:
-        assert throughput["packing"] == "available"
-        assert set(throughput["padded_vs_packed"]) == {"generated", "long_tailed"}
+    assert len(learners) == 4 and all(c["tokens_per_s"] > 0 and c["model_tflop"] > 0 for c in learners)
+    assert throughput["packing"] == "available"  # train.packing, the learner's real switch
+    assert checks["throughput"]["build_padded"]["packs"] is False and checks["throughput"]["build_packed"]["packs"]
+    assert set(throughput["padded_vs_packed"]) == {"generated", "long_tailed"}
+    for name, compared in throughput["padded_vs_packed"].items():  # the same weights, the same first update
+        assert compared["speedup"] > 0 and compared["loss_difference"] < 1e-2, (name, compared)
     trl = result["parts"]["trl"]
     if trl["status"] == "skipped" or checks["trl"].get("import", {}).get("status") == "skipped":
         assert "TRL cannot be imported" in json.dumps(trl)

@@ -79,7 +79,8 @@ def _reference(run, k: int, steps: int) -> tuple[dict, list[int], list[torch.Ten
         experience = actor.collect(t)
         batch = train_batch(experience.scored.rollout, mask_truncated=False)
         micro = run.spec.train.micro_batch_size or batch.mask.shape[0]
-        logp = batch_logprobs(forward_of(sampler), batch, micro, run.spec.rollout.temperature, actor.autocast)
+        logp = batch_logprobs(forward_of(sampler), batch, micro, run.spec.rollout.temperature, actor.autocast,
+                              packed=learner.packs)  # as the learner computes them
         experience.scored.rollout.sampling_logp = logp.masked_fill(~batch.mask, 0.0)
         learner.learn(experience)
         versions[t + 1] = weights(learner.model)

@@ -262,8 +262,10 @@ def _textbook_loss(model, batch: TrainBatch, aggregation: str) -> torch.Tensor:
     return -sum(terms) / sum(counts)  # token-mean
 
 
-def _engine_gradient(model, batch: TrainBatch, aggregation: str) -> dict[str, torch.Tensor]:
-    """``-delta`` of one SGD(lr=1) step of the engine's update: its gradient."""
+def _engine_gradient(model, batch: TrainBatch, aggregation: str, packing: bool = True,
+                     micro_batch_size: int | None = 1) -> dict[str, torch.Tensor]:
+    """``-delta`` of one SGD(lr=1) step of the engine's update (``train.packing`` and
+    ``micro_batch_size`` as given): its gradient."""
     registry = load_plugins(external=False).registry
     objective = Objective(policy_loss=registry.get("policy_loss", "clip").build(),
                           aggregator=registry.get("loss_aggregator", aggregation).build(), kl=None,
@@ -271,7 +273,8 @@ def _engine_gradient(model, batch: TrainBatch, aggregation: str) -> dict[str, to
     trained = copy.deepcopy(model)
     opt = torch.optim.SGD(trained.parameters(), lr=1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    update(Learner(trained, opt, sched, objective, UpdateSettings(micro_batch_size=1)), batch)
+    settings = UpdateSettings(micro_batch_size=micro_batch_size, packing=packing)
+    update(Learner(trained, opt, sched, objective, settings), batch)
     before = dict(model.named_parameters())
     return {k: (before[k] - p).detach() for k, p in trained.named_parameters()}
 
@@ -283,17 +286,24 @@ def _textbook_gradient(model, batch: TrainBatch, aggregation: str) -> dict[str, 
 
 
 @pytest.mark.parametrize("aggregation", ["seq-mean-token-mean", "token-mean"])
-def test_the_gradient_on_episodes_is_the_textbook_loss_over_model_tokens_only(tok, aggregation):
+@pytest.mark.parametrize("packing,micro", [(False, 1), (True, 1), (True, None)], ids=["padded", "packed-rows",
+                                                                                        "packed-groups"])
+def test_the_gradient_on_episodes_is_the_textbook_loss_over_model_tokens_only(tok, aggregation, packing, micro):
+    """The engine's update, padded or packed (one row per forward, or whole groups packed by
+    the token budget: prompts shared, rows never seeing each other), against one plain forward
+    per row in float64."""
     model = build_model(tok).double()
     env = [[301, 302, 303], [304, 305], [], [306, 307, 308, 309]]
     batch = _episode_batch(env)
-    engine, book = _engine_gradient(model, batch, aggregation), _textbook_gradient(model, batch, aggregation)
+    engine = _engine_gradient(model, batch, aggregation, packing, micro)
+    book = _textbook_gradient(model, batch, aggregation)
     for name in book:
         torch.testing.assert_close(engine[name], book[name], rtol=1e-5, atol=1e-8)
 
     # Other environment tokens (as many, other ids): the same normalizers, a different context.
     other = _episode_batch([[10, 11, 12], [13, 14], [], [15, 16, 17, 18]])
-    engine2, book2 = _engine_gradient(model, other, aggregation), _textbook_gradient(model, other, aggregation)
+    engine2 = _engine_gradient(model, other, aggregation, packing, micro)
+    book2 = _textbook_gradient(model, other, aggregation)
     for name in book2:
         torch.testing.assert_close(engine2[name], book2[name], rtol=1e-5, atol=1e-8)
     assert any(not torch.allclose(engine[n], engine2[n]) for n in engine)  # env tokens are attended to
@@ -301,7 +311,8 @@ def test_the_gradient_on_episodes_is_the_textbook_loss_over_model_tokens_only(to
     # More environment tokens in one hole: no normalizer counts them (the textbook divides by
     # model tokens; an aggregator counting environment tokens would give another gradient).
     longer = _episode_batch([[301, 302, 303, 40, 41, 42, 43], [304, 305], [], [306, 307, 308, 309]])
-    engine3, book3 = _engine_gradient(model, longer, aggregation), _textbook_gradient(model, longer, aggregation)
+    engine3 = _engine_gradient(model, longer, aggregation, packing, micro)
+    book3 = _textbook_gradient(model, longer, aggregation)
     for name in book3:
         torch.testing.assert_close(engine3[name], book3[name], rtol=1e-5, atol=1e-8)
 

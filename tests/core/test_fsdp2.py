@@ -285,3 +285,149 @@ def test_a_batch_without_tokens_still_runs_the_model_and_adds_zero_gradient(grou
     (logp.sum() * 0.0).backward()
     grads = [p.grad for p in model.parameters()]
     assert all(g is not None and float(g.full_tensor().abs().max()) == 0 for g in grads)
+
+
+@pytest.mark.parametrize("empty", [False, True])
+def test_the_sharded_root_packs_rows_as_the_padded_path_computes_them(group, empty):
+    """LogprobModel under FSDP2, packed against padded on the same shards: per-token log-probs
+    to 1e-6 (float32) and the reduce-scattered gradients to 1e-5 of their largest entry; a
+    micro-batch without tokens (a zero-gradient pass) runs packed too."""
+    tok = build_tokenizer()
+    model = build_model(tok)
+    root = _shard(model)
+    gen = torch.Generator().manual_seed(4)
+    prompt = torch.randint(2, model.config.vocab_size, (2, 5), generator=gen)
+    p_mask = torch.ones_like(prompt, dtype=torch.bool)
+    p_mask[0, :2] = False
+    comp = torch.randint(2, model.config.vocab_size, (6, 7), generator=gen)
+    lengths = torch.tensor([7, 2, 5, 1, 6, 3])
+    mask = torch.arange(7)[None, :] < lengths[:, None]
+    mask[0, 3] = False  # a hole: attended to, not predicted
+    if empty:
+        mask[:] = False
+    out = {}
+    for packed in (False, True):
+        model.zero_grad(set_to_none=True)
+        logp, _ = root(prompt, p_mask, comp, mask, packed=packed)
+        (logp * torch.linspace(0.5, 1.5, logp.numel()).view_as(logp)).sum().backward()
+        out[packed] = (logp.detach(), {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()})
+    torch.testing.assert_close(out[True][0], out[False][0], atol=1e-6, rtol=0)
+    for name, grad in out[False][1].items():
+        atol = 1e-5 * float(grad.abs().max()) if not empty else 0.0
+        torch.testing.assert_close(out[True][1][name], grad, atol=atol, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_the_packed_forward_runs_under_fsdp2_bf16_parameters(group):
+    """FSDP2's mixed precision hands every sharded layer a copy of its keyword arguments'
+    dataclasses (the packed layout among them): the check that every layer ran the packed
+    attention still counts them, and the values are the padded ones within bf16 rounding."""
+    tok = build_tokenizer()
+    model = build_model(tok)
+    root = sharding.shard(model, ParallelSection(strategy="fsdp2", param_dtype="bfloat16"), torch.device("cpu"))
+    gen = torch.Generator().manual_seed(5)
+    prompt = torch.randint(2, model.config.vocab_size, (2, 4), generator=gen)
+    comp = torch.randint(2, model.config.vocab_size, (4, 6), generator=gen)
+    mask = torch.arange(6)[None, :] < torch.tensor([6, 2, 4, 5])[:, None]
+    with torch.no_grad():
+        padded, packed = (root(prompt, torch.ones_like(prompt, dtype=torch.bool), comp, mask, packed=p)[0]
+                          for p in (False, True))
+    assert float((packed - padded).abs().max()) < 0.1 and bool((packed[mask] != 0).all())
+
+
+@pytest.mark.slow
+def test_fsdp2_on_two_processes_packed_takes_the_padded_step(tmp_path, write_spec):
+    """Two sharded processes, the policy and its sharded KL reference, rows packed or padded:
+    the same losses, KL and final weights."""
+    spec = write_spec(tmp_path, **{**FSDP_SPEC, "checkpoint": {"every": 0}})
+    for packing in ("false", "true"):
+        _run([spec, "--nproc", "2", "--set", f"train.output_dir=packing-{packing}", "--set",
+              f"train.packing={packing}"], tmp_path)
+    padded, packed = (load_weights(tmp_path / f"packing-{p}" / "final") for p in ("false", "true"))
+    assert _max_diff(padded, load_weights(Path(yaml.safe_load(spec.read_text())["model"]["path"]))) > 1e-3
+    assert _max_diff(padded, packed) < 1e-5
+    rows = {p: read_metrics(tmp_path / f"packing-{p}" / "metrics.jsonl") for p in ("false", "true")}
+    assert len(rows["true"]) == len(rows["false"]) == 2
+    for r1, r2 in zip(rows["false"], rows["true"]):
+        for key in SAME:
+            assert r2[key] == pytest.approx(r1[key], rel=1e-4, abs=1e-6), (r1["step"], key)
+
+
+# The worker of the next test: one per process under torchrun. Every process builds the same
+# policy and reference, shards both, and computes its own rows (other lengths, other holes, so
+# a packed sequence of another length) packed and padded: the old and reference log-probs
+# without gradients, then the trained log-probs and entropies with a backward whose
+# reduce-scattered gradients sum both processes' losses. It writes the largest differences.
+PACKING_WORKER = '''
+import copy, json, sys
+import torch
+import torch.distributed as dist
+from grpo_core.spec.parallel import ParallelSection
+from grpo_core.testing import build_model, build_tokenizer
+from grpo_core.train import sharding
+from grpo_core.train.logprobs import completion_logprobs
+from grpo_core.train.packing import pack_rows
+
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+tok = build_tokenizer()
+policy, reference = build_model(tok), build_model(tok, seed=1)
+plain = copy.deepcopy(policy)
+roots = [sharding.shard(m, ParallelSection(strategy="fsdp2"), torch.device("cpu")) for m in (policy, reference)]
+gen = torch.Generator().manual_seed(20 + rank)
+prompt = torch.randint(2, policy.config.vocab_size, (2, 6), generator=gen)
+p_mask = torch.ones_like(prompt, dtype=torch.bool)
+p_mask[rank, : 2 + rank] = False  # left padding
+width = 9 + 4 * rank
+comp = torch.randint(2, policy.config.vocab_size, (6, width), generator=gen)
+lengths = torch.randint(1, width + 1, (6,), generator=gen)
+lengths[rank] = width
+mask = torch.arange(width)[None, :] < lengths[:, None]
+mask[rank, 2:4] = False  # a hole: an environment's tokens, attended to, not predicted
+mask[5 - rank, 1] = False
+out = {"packed_tokens": pack_rows(prompt, p_mask, comp, mask, torch.arange(2).repeat_interleave(3)).tokens}
+logp = {}
+for packed in (False, True):
+    with torch.no_grad():
+        logp["old", packed] = roots[0](prompt, p_mask, comp, mask, packed=packed)[0]
+        logp["reference", packed] = roots[1](prompt, p_mask, comp, mask, packed=packed)[0]
+    policy.zero_grad(set_to_none=True)
+    trained, entropy = roots[0](prompt, p_mask, comp, mask, with_entropy=True, packed=packed)
+    ((trained * torch.linspace(0.5, 1.5, trained.numel()).view_as(trained)).sum() + 0.3 * entropy.sum()).backward()
+    logp["trained", packed], logp["entropy", packed] = trained.detach(), entropy.detach()
+    logp["grads", packed] = [p.grad.full_tensor() for p in policy.parameters()]
+for what in ("old", "reference", "trained", "entropy"):
+    out[what] = float((logp[what, True] - logp[what, False]).abs().max())
+out["grads"] = max(float((a - b).abs().max()) / float(b.abs().max())
+                   for a, b in zip(logp["grads", True], logp["grads", False]))
+with torch.no_grad():
+    unsharded = completion_logprobs(plain, prompt, p_mask, comp, mask)[0]
+out["unsharded"] = float((unsharded - logp["old", True]).abs().max())
+out["reference_is_another_model"] = float((logp["reference", False] - logp["old", False]).abs().max())
+with open(sys.argv[1] + f"/rank{rank}.json", "w") as f:
+    json.dump(out, f)
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.slow
+def test_two_sharded_processes_pack_per_token_log_probs_as_they_pad_them(tmp_path):
+    """FSDP2 over two processes (torchrun, gloo), each packing rows of other lengths than the
+    other's: the old, reference and trained log-probs (and entropies) to 1e-6 in float32, the
+    summed sharded gradients to 1e-5 of their largest entry, the sharded packed log-probs equal
+    to an unsharded padded forward's."""
+    script = tmp_path / "worker.py"
+    script.write_text(PACKING_WORKER)
+    env = {**os.environ, **CHILD_ENV}
+    env.pop("WORLD_SIZE", None)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    done = subprocess.run([*launcher, str(script), str(tmp_path)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [yaml.safe_load((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["packed_tokens"] != ranks[1]["packed_tokens"]  # packed sequences of other lengths
+    for rank in ranks:
+        for what in ("old", "reference", "trained", "entropy", "unsharded"):
+            assert rank[what] < 1e-6, (what, rank)
+        assert rank["grads"] < 1e-5, rank
+        assert rank["reference_is_another_model"] > 1e-3

@@ -250,6 +250,39 @@ def test_core_matches_full_log_softmax(
             torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
 
 
+@pytest.mark.parametrize("softcap", [None, 3.0])
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_the_fused_output_layer_gives_the_checkpointed_values_and_gradients(softcap, with_entropy):
+    """A weight (or a plain nn.Linear) takes the fused backward (logits recomputed once and
+    turned into the gradient in place); any other module the checkpointed chunk. float32:
+    the same values, gradients to 1e-5 of their largest entry."""
+    from grpo_core.train.head_logprobs import _linear_head
+
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(300, 16, generator=gen, requires_grad=True)
+    bias = torch.randn(300, generator=gen, requires_grad=True)
+    hidden = torch.randn(37, 16, generator=gen, requires_grad=True)
+    targets = torch.randint(0, 300, (37,), generator=gen)
+    kwargs = dict(chunk_size=10, with_entropy=with_entropy, temperature=0.7, softcap=softcap, logit_scale=1.5)
+    out = {}
+    for fused in (True, False):
+        head = weight if fused else (lambda h: F.linear(h, weight, bias))
+        logp, ent = token_logprobs(hidden, head, targets, bias=bias if fused else None, **kwargs)
+        loss = (logp * torch.linspace(0.5, 1.5, 37)).sum() + (0.3 * ent.sum() if with_entropy else 0)
+        out[fused] = (logp, ent, torch.autograd.grad(loss, [hidden, weight, bias]))
+    torch.testing.assert_close(out[True][0], out[False][0], atol=1e-6, rtol=0)
+    if with_entropy:
+        torch.testing.assert_close(out[True][1], out[False][1], atol=1e-6, rtol=0)
+    for got, want in zip(out[True][2], out[False][2]):
+        torch.testing.assert_close(got, want, atol=1e-5 * float(want.abs().max()), rtol=0)
+    linear = torch.nn.Linear(16, 300)
+    assert _linear_head(weight, bias, hidden.device) == (weight, bias)
+    assert _linear_head(linear, None, hidden.device) == (linear.weight, linear.bias)
+    assert _linear_head(lambda h: h, None, hidden.device) is None  # a wrapper (LoRA on the head): checkpointed
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert _linear_head(weight, bias, hidden.device) is None  # autocast decides the matmul's dtype
+
+
 def test_core_accepts_a_module_head_and_logit_scale():
     torch.manual_seed(0)
     head = torch.nn.Linear(8, 50, dtype=torch.float64)
