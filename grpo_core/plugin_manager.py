@@ -43,6 +43,8 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "grpo_plugins.advantages.process",
     "grpo_plugins.advantages.reinforce",
     "grpo_plugins.advantages.passk",
+    "grpo_plugins.advantages.gdpo",
+    "grpo_plugins.advantages.distillation",
     "grpo_plugins.kl",
     "grpo_plugins.losses.clip",
     "grpo_plugins.losses.trust_region",
