@@ -50,6 +50,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "grpo_plugins.losses.trust_region",
     "grpo_plugins.losses.policy_gradient",
     "grpo_plugins.losses.cov",
+    "grpo_plugins.losses.off_policy",
     "grpo_plugins.aggregators",
     "grpo_plugins.rollout.hf",
     "grpo_plugins.vllm.colocated",

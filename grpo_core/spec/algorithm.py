@@ -12,7 +12,9 @@ from grpo_core.spec.slots import Section, Slot
 
 class AdvantageSlot(Slot):
     kind = "advantage_estimator"
-    name: str = Field("grpo", description="Advantage estimator: grpo, process, dapo-token-scale, rloo, reinforce++.")
+    name: str = Field("grpo", description="Advantage estimator: grpo, process, dapo-token-scale, rloo, reinforce++, "
+                      "gdpo (per-reward normalization), opd (on-policy distillation from a teacher), ... "
+                      "(grpo-run plugins lists them).")
 
 
 class RefSyncSection(Section):
@@ -83,8 +85,8 @@ class KLSlot(Slot):
 class PolicyLossSlot(Slot):
     kind = "policy_loss"
     name: str = Field(
-        "clip", description="Policy loss: clip (PPO clipped surrogate), gspo, cispo, sapo, gmpo, gpg, reinforce, "
-        "clip-cov, kl-cov.",
+        "clip", description="Policy loss: clip (PPO clipped surrogate), gspo, cispo, sapo, gmpo, dppo, gpg, reinforce, "
+        "clip-cov, kl-cov, opsm, m2po, topr, vespo.",
     )
 
 
