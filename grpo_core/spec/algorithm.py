@@ -111,12 +111,14 @@ class StepSplitterSlot(Slot):
 
 class RejectionSection(Section):
     """Rejection sampling of whole completions by their sequence-level sampler-to-trainer ratio
-    (verl's ``rollout_rs``): a completion whose ratio lies outside ``[low, high]`` gets weight 0 on
-    every token."""
+    (verl's ``rollout_rs`` ``seq_mean_k1`` / ``seq_sum_k1``, whose statistic is ``-log r``: its threshold
+    string for ``[low, high]`` here is ``"{1/high}_{1/low}"``): a completion whose ratio lies outside
+    ``[low, high]`` gets weight 0 on every token."""
 
     statistic: Literal["geometric", "product"] = Field(
-        "geometric", description="geometric: exp(mean_t d_t), length-invariant (verl's seq_mean_k1); product: "
-        "exp(sum_t d_t), the sequence's importance ratio (seq_sum_k1); d_t = logp_train_old - logp_sampler.",
+        "geometric", description="geometric: exp(mean_t d_t), length-invariant (verl's seq_mean_k1, with the "
+        "bounds inverted); product: exp(sum_t d_t), the sequence's importance ratio (seq_sum_k1); d_t = "
+        "logp_train_old - logp_sampler.",
     )
     low: float = Field(gt=0, description="Lower bound of the accepted ratio, e.g. 0.999 for geometric.")
     high: float = Field(gt=0, description="Upper bound of the accepted ratio, e.g. 1.001 for geometric.")
@@ -163,8 +165,9 @@ class RolloutCorrectionSection(Section):
     normalize: bool = Field(
         False, description="Divide the weights by their mean over the kept tokens (level token) or kept completions "
         "(level sequence) of each forward (one micro-batch: train.micro_batch_size rows, or the whole groups "
-        "within train.micro_batch_tokens), so that they "
-        "average 1 (verl's rollout_is_batch_normalize).",
+        "within train.micro_batch_tokens), so that they average 1 (verl's rollout_is_batch_normalize, which "
+        "averages over the batch and counts the tokens its mask zeroed: the same with mode truncate when a "
+        "forward is the batch).",
     )
 
     @property

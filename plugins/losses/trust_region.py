@@ -45,12 +45,14 @@ class CISPOOptions(Options):
     eps_low: float | None = Field(
         None,
         description="Lower clip of the importance-sampling weight at 1 - eps_low, in (0, 1), or null (default) for "
-        "none: MiniMax-M1 sets no lower bound (https://arxiv.org/abs/2506.13585).",
+        "none: MiniMax-M1 sets no lower bound (https://arxiv.org/abs/2506.13585), nor does TRL's cispo. verl's cispo "
+        "always clips below, at 1 - clip_ratio_low (0.2 by default): eps_low 0.2 is it.",
     )
     eps_high: float = Field(
         0.2,
         description="Upper clip of the importance-sampling weight at 1 + eps_high; a positive number. Default 0.2, "
-        "as verl's CISPO example (MiniMax-M1 tunes it).",
+        "verl's default clip_ratio_high (MiniMax-M1 tunes it). TRL caps the weight at its epsilon_high itself: "
+        "eps_high = epsilon_high - 1 (ScaleRL's recommended 5.0 is eps_high 4.0).",
     )
     log_ratio_clamp: float | None = Field(20.0, description=CLAMP_DESCRIPTION)
 
