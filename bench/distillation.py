@@ -9,7 +9,8 @@ step time (the first step excluded), the median time of the teacher's forward (`
 and of the no-grad log-prob forwards (``time/logprobs``: the old or reference policy's), the
 peak resident memory and, on a GPU, the peak CUDA memory. The configurations:
 
-- ``grpo``: GRPO with ``beta: 0`` (no reference model);
+- ``grpo``: GRPO with ``beta: 0`` (no reference model; its rows whose advantage is 0 get no
+  forward or backward at all, ``rows skipped``, where every ``opd`` row has a dense advantage);
 - ``grpo+kl``: GRPO with ``beta: 0.04`` (the reference model's forward: what a teacher's costs
   when it is the same size);
 - ``opd-fp32`` / ``opd-bf16``: ``opd`` with a teacher of the policy's size in float32 / bfloat16
@@ -79,6 +80,7 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
     for key in ("step", "teacher", "logprobs", "forward_backward", "generate"):
         out[f"time/{key}"] = statistics.median(r.get(f"time/{key}", 0.0) for r in body)
     out["teacher/kl"] = statistics.median(r.get("teacher/kl", float("nan")) for r in body)
+    out["skipped_rows_frac"] = statistics.median(r.get("perf/skipped_rows_frac", 0.0) for r in body)
     out["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
     if torch.cuda.is_available() and args.device != "cpu":
         out["peak_cuda_gb"] = torch.cuda.max_memory_allocated() / 1024**3
@@ -88,12 +90,13 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
 
 def table(rows: list[dict]) -> str:
     base = next((r for r in rows if r["config"] == "grpo"), rows[0])
-    lines = ["| config | step (s) | vs grpo | teacher (s) | logprobs (s) | peak RSS (GB) | peak CUDA (GB) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| config | step (s) | vs grpo | teacher (s) | logprobs (s) | forward+backward (s) | rows skipped | "
+             "peak RSS (GB) | peak CUDA (GB) |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         cuda = f"{r['peak_cuda_gb']:.2f}" if "peak_cuda_gb" in r else "-"
         lines.append(f"| {r['config']} | {r['time/step']:.2f} | {r['time/step'] / base['time/step']:.2f}x | "
-                     f"{r['time/teacher']:.2f} | {r['time/logprobs']:.2f} | {r['peak_rss_gb']:.2f} | {cuda} |")
+                     f"{r['time/teacher']:.2f} | {r['time/logprobs']:.2f} | {r['time/forward_backward']:.2f} | "
+                     f"{r.get('skipped_rows_frac', float('nan')):.0%} | {r['peak_rss_gb']:.2f} | {cuda} |")
     return "\n".join(lines)
 
 

@@ -125,7 +125,8 @@ def m2po_mask(behaviour_logp: Tensor, proximal_logp: Tensor, mask: Tensor, thres
         return keep
     order = torch.argsort(m2, descending=True, stable=True)
     ranked = m2[order]
-    rest_mean = ranked.flip(0).cumsum(0).flip(0) / torch.arange(len(ranked), 0, -1, dtype=ranked.dtype)
+    rest_mean = ranked.flip(0).cumsum(0).flip(0) / torch.arange(len(ranked), 0, -1, dtype=ranked.dtype,
+                                                                 device=ranked.device)
     below = torch.nonzero(rest_mean < threshold)
     dropped = int(below[0]) if len(below) else len(ranked) - 1
     kept_sorted = torch.ones_like(ranked, dtype=torch.bool)
