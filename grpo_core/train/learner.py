@@ -211,8 +211,8 @@ def global_advantages(estimator: AdvantageEstimator, dist: Dist, inputs: Advanta
     if not dist.active:
         return estimator(inputs).float()
     names = [f.name for f in fields(AdvantageInputs)]
-    parts = dist.gather({n: v.cpu() if isinstance(v, torch.Tensor) else v for n in names
-                         for v in [getattr(inputs, n)]})
+    values = {n: getattr(inputs, n) for n in names}
+    parts = dist.gather({n: v.cpu() if isinstance(v, torch.Tensor) else v for n, v in values.items()})
     offsets = [0]
     for part in parts:
         ids = part["group_ids"]
