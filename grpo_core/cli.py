@@ -19,7 +19,7 @@ import traceback
 from collections.abc import Mapping
 
 from grpo_core.commands import BUILTIN_COMMANDS, Command, split_passthrough
-from grpo_core.errors import GrpoError, UsageError, fault_text
+from grpo_core.errors import GrpoError, UsageError, fault_text, plugin_origin
 
 
 def _spec_args(p: argparse.ArgumentParser) -> None:
@@ -236,23 +236,6 @@ def _cmd_run(args) -> int:
         return train(loaded, resume=args.resume)
 
 
-def _origin(exc: BaseException) -> str:
-    """`` (file:line)`` of the innermost frame of ``exc`` outside the engine and Python's own
-    library: the plugin code that raised it."""
-    import sysconfig
-    import traceback as tb
-
-    engine = os.path.dirname(os.path.abspath(__file__))
-    stdlib = sysconfig.get_paths()["stdlib"]
-    frames = [f for f, _ in tb.walk_tb(exc.__traceback__)]
-    for frame in reversed(frames):
-        name = os.path.abspath(frame.f_code.co_filename)
-        in_stdlib = name.startswith(stdlib + os.sep) and "site-packages" not in name
-        if not name.startswith(engine + os.sep) and not in_stdlib:
-            return f" ({name}:{frame.f_lineno}, in {frame.f_code.co_name})"
-    return ""
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -283,11 +266,11 @@ def main(argv: list[str] | None = None) -> int:
     except GrpoError as exc:
         print(f"grpo-run: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # a second SIGINT/SIGTERM during a run (Interrupted), or Ctrl-C elsewhere
         print("grpo-run: interrupted", file=sys.stderr)
-        return 130
+        return getattr(exc, "exit_code", 130)
     except SystemExit as exc:  # sys.exit() in plugin code (a loss, a tracker...): its fault, not an exit code
-        print(f"grpo-run: error: {fault_text(exc)} in plugin code{_origin(exc)}", file=sys.stderr)
+        print(f"grpo-run: error: {fault_text(exc)} in plugin code{plugin_origin(exc)}", file=sys.stderr)
         return 1
     except Exception as exc:  # a bug or an unexpected failure: one line, details on demand
         if os.environ.get("GRPO_DEBUG"):
@@ -303,13 +286,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def _entry() -> None:  # pragma: no cover
     code = main()
-    if os.environ.get("WORLD_SIZE", "1") not in ("", "1"):
+    from grpo_core.train.signals import threads_left_running
+
+    if os.environ.get("WORLD_SIZE", "1") not in ("", "1") or threads_left_running():
         exit_process(code)
     sys.exit(code)
 
 
 def exit_process(code: int) -> None:
-    """End a process of a multi-process run, its work done, without interpreter finalization.
+    """End a process of a multi-process run, or one whose run left a thread running (an
+    asynchronous actor in the middle of a batch after a failure or a second signal), its
+    work done, without interpreter finalization.
 
     ``DistributedDataParallel``'s reducer keeps the gloo process group alive after
     ``destroy_process_group`` (its communication threads are still running when ``main``

@@ -1,6 +1,6 @@
 """The documentation's reference pages, written from the code: ``python -m grpo_core.docs_gen``.
 
-Three pages under ``docs/reference/``, none written by hand:
+Five pages under ``docs/reference/``, none written by hand:
 
 - ``spec.md``: every section and key of a spec, with its type, default and description,
   walked from the pydantic models of :mod:`grpo_core.spec`;
@@ -8,7 +8,11 @@ Three pages under ``docs/reference/``, none written by hand:
   (from the registry of ``load_plugins(external=False)``), and the ``grpo-run`` commands the
   built-in plugins add, with their ``--help``;
 - ``api.md``: the public plugin surface (``grpo_core.hookimpl``, :mod:`grpo_core.contracts`,
-  :mod:`grpo_core.groups`, the registrar of :mod:`grpo_core.commands`), signatures and docstrings.
+  :mod:`grpo_core.groups`, the registrar of :mod:`grpo_core.commands`, the HTTP client of
+  :mod:`grpo_core.http`), signatures and docstrings;
+- ``python.md``: the Python door (:mod:`grpo_core.trainer`), signatures and docstrings;
+- ``trl.md``: the TRL door's field table (:mod:`grpo_core.trl`), which
+  ``docs/coming-from-trl.md`` includes.
 
 The pages are committed; ``tests/core/test_docs.py`` regenerates them into a temporary folder
 and fails, naming this command, when they differ. ``python -m grpo_core.docs_gen OUT`` writes
@@ -273,13 +277,14 @@ def _member(obj: Any, name: str, level: str) -> list[str]:
 
 
 def api_page() -> str:
-    """``hookimpl``, the ``__all__`` of :mod:`grpo_core.contracts` and :mod:`grpo_core.groups`, and
-    the command registrar of :mod:`grpo_core.commands`."""
+    """``hookimpl``, the ``__all__`` of :mod:`grpo_core.contracts`, :mod:`grpo_core.groups` and
+    :mod:`grpo_core.http`, and the command registrar of :mod:`grpo_core.commands`."""
     import grpo_core
     from grpo_core import commands, contracts, groups
+    from grpo_core import http as http_client
 
     out = [_HEADER.format(command=COMMAND, source="the docstrings of `grpo_core`, `grpo_core.contracts`, "
-                          "`grpo_core.groups` and `grpo_core.commands`"),
+                          "`grpo_core.groups`, `grpo_core.commands` and `grpo_core.http`"),
            "# Plugin API\n\n",
            "What a plugin imports. How to write one, hook by hook: [Contributing](../contributing.md).\n",
            "\n## `grpo_core.hookimpl`\n\n",
@@ -290,7 +295,7 @@ def api_page() -> str:
     out.append(f"- `{commands.COMMANDS_HOOK}(register)`: `grpo-run` subcommands, registrar "
                f"[`CommandRegistrar`](#{_anchor('CommandRegistrar')})\n")
     for module, names in ((contracts, contracts.__all__), (groups, groups.__all__),
-                          (commands, ["CommandRegistrar", "Command"])):
+                          (commands, ["CommandRegistrar", "Command"]), (http_client, http_client.__all__)):
         out.append(f"\n## `{module.__name__}`\n\n{_doc(module)}\n")
         for name in names:
             out.extend(_member(getattr(module, name), name, "###"))
@@ -298,7 +303,53 @@ def api_page() -> str:
     return "".join(out)
 
 
-PAGES: dict[str, Callable[[], str]] = {"spec.md": spec_page, "plugins.md": plugins_page, "api.md": api_page}
+def python_page() -> str:
+    """The Python door: the ``__all__`` of :mod:`grpo_core.trainer`."""
+    from grpo_core import trainer
+
+    out = [_HEADER.format(command=COMMAND, source="the docstrings of `grpo_core.trainer`"),
+           "# Python API\n\n",
+           "`from grpo_core import Trainer, TrainResult, Callback`. How to use them: "
+           "[Training from Python](../python-api.md).\n",
+           f"\n## `{trainer.__name__}`\n\n{_doc(trainer)}\n"]
+    for name in trainer.__all__:
+        out.extend(_member(getattr(trainer, name), name, "###"))
+    return "".join(out)
+
+
+# ----------------------------------------------------------------------------- trl.md
+def trl_page() -> str:
+    """The TRL door's tables (:mod:`grpo_core.trl`): every field of TRL's ``GRPOConfig``,
+    mapped, refused or ignored; ``GRPOTrainer``'s arguments; ``peft.LoraConfig``'s fields.
+    Not a page of its own: ``docs/coming-from-trl.md`` includes it."""
+    from grpo_core.trl import FIELDS
+    from grpo_core.trl.table import IGNORED, MAPPED, REFUSED
+    from grpo_core.trl.trainer import ARGUMENTS, LORA_FIELDS
+
+    def keys(entry) -> str:
+        return ", ".join(f"`{k}`" for k in entry.keys)
+
+    out = [_HEADER.format(command=COMMAND, source="the field table of `grpo_core.trl`"),
+           "<!-- Included by docs/coming-from-trl.md (not a page of its own: mkdocs.yml excludes it). -->\n"]
+    kinds = [(MAPPED, "Mapped fields", "| TRL field | TRL default | spec key | how | note |",
+              lambda f: f"| {keys(f)} | {_cell(f.how)} | {_cell(f.note)} |"),
+             (REFUSED, "Refused fields", "| TRL field | TRL default | accepted | why, and what instead |",
+              lambda f: f"| {_cell(f.how)} | {_cell(f.note)} |"),
+             (IGNORED, "Ignored fields", "| TRL field | TRL default | why it changes nothing the run computes |",
+              lambda f: f"| {_cell(f.note)} |")]
+    for kind, title, head, row in kinds:
+        entries = [f for f in FIELDS if f.kind == kind]
+        out.append(f"\n### {title} ({len(entries)})\n\n{head}\n|" + "---|" * (head.count(" | ") + 1) + "\n")
+        out.extend(f"| `{f.name}` | {_cell(_value(f.default))} {row(f)}\n" for f in entries)
+    out.append("\n### `GRPOTrainer`'s arguments\n\n| argument | where it goes | note |\n|---|---|---|\n")
+    out.extend(f"| `{name}` | {_cell(where)} | {_cell(note)} |\n" for name, where, note in ARGUMENTS)
+    out.append("\n### `peft.LoraConfig` (`peft_config`)\n\n| LoraConfig field | spec key |\n|---|---|\n")
+    out.extend(f"| `{name}` | `model.lora.{key}` |\n" for name, key in LORA_FIELDS.items())
+    return "".join(out)
+
+
+PAGES: dict[str, Callable[[], str]] = {"spec.md": spec_page, "plugins.md": plugins_page, "api.md": api_page,
+                                       "python.md": python_page, "trl.md": trl_page}
 
 
 def generate(out_dir: Path) -> list[Path]:

@@ -30,6 +30,7 @@ def dry_run(loaded: LoadedSpec, stream: TextIO | None = None, width: int = 70) -
     tracker run. Returns 0."""
     from grpo_core.train.assemble import build_run
     from grpo_core.train.experience import Timer
+    from grpo_core.train.rollout import shown_completion
 
     stream = stream or sys.stdout
     run = build_run(loaded)
@@ -43,7 +44,7 @@ def dry_run(loaded: LoadedSpec, stream: TextIO | None = None, width: int = 70) -
         for j in range(group):
             i = p * group + j
             per_fn = [_fmt(float(scores.per_function[i, k])) for k in range(len(names))]
-            rows.append([j, _fmt(float(scores.total[i])), *per_fn, _short(rollout.completions[i], width)])
+            rows.append([j, _fmt(float(scores.total[i])), *per_fn, _short(shown_completion(rollout, i), width)])
         print_table(["#", "reward", *names, "completion"], rows, title=f"prompt {p}: {_short(prompt.text, width)}",
                     stream=stream)
         print(file=stream)

@@ -64,3 +64,21 @@ def fault_text(exc: BaseException) -> str:
     if isinstance(exc, SystemExit):
         return f"SystemExit (sys.exit({exc.code!r}) was called)"
     return f"{type(exc).__name__}: {exc}"
+
+
+def plugin_origin(exc: BaseException) -> str:
+    """`` (file:line, in function)`` of the innermost frame of ``exc`` outside the engine and
+    Python's own library: the plugin code that raised it; empty when there is none."""
+    import os
+    import sysconfig
+    import traceback
+
+    engine = os.path.dirname(os.path.abspath(__file__))
+    stdlib = sysconfig.get_paths()["stdlib"]
+    frames = [f for f, _ in traceback.walk_tb(exc.__traceback__)]
+    for frame in reversed(frames):
+        name = os.path.abspath(frame.f_code.co_filename)
+        in_stdlib = name.startswith(stdlib + os.sep) and "site-packages" not in name
+        if not name.startswith(engine + os.sep) and not in_stdlib:
+            return f" ({name}:{frame.f_lineno}, in {frame.f_code.co_name})"
+    return ""

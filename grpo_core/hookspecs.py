@@ -130,6 +130,15 @@ def register_environments(register: Registrar) -> None:
 
 
 @hookspec
+def register_agents(register: Registrar) -> None:
+    """Register agents; called once when the registry is built. An agent is a program that
+    runs an episode against the policy through an OpenAI-compatible endpoint the run serves
+    (:class:`~grpo_core.contracts.Agent`). Selected by ``rollout.agent.name`` (or a route's
+    ``agent.name`` under ``rollout.routing``). Added in 0.2.
+    """
+
+
+@hookspec
 def register_commands(register: CommandRegistrar) -> None:
     """Register ``grpo-run`` subcommands; called once each time the plugins are loaded
     (:func:`grpo_core.plugin_manager.load_plugins`, which also fills the registry). ``grpo-run``

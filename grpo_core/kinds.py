@@ -45,4 +45,5 @@ KINDS: dict[str, Kind] = {
     "step_splitter": Kind("register_step_splitters", "step splitter", "StepSplitter"),
     "tracker": Kind("register_trackers", "tracker", "Tracker"),
     "environment": Kind("register_environments", "environment", "Environment"),
+    "agent": Kind("register_agents", "agent", "Agent"),
 }

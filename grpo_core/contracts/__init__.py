@@ -30,7 +30,7 @@ from grpo_core.contracts.algorithms import (
     masked_fill_zero,
 )
 from grpo_core.contracts.components import Dataset, Stateful, Tracker
-from grpo_core.contracts.episodes import Environment, Episodes, Observation
+from grpo_core.contracts.episodes import Agent, AgentEpisode, Environment, Episodes, Observation
 from grpo_core.contracts.rewards import (
     RewardExample,
     RewardFunction,
@@ -75,6 +75,8 @@ __all__ = [
     "Observation",
     "Environment",
     "Episodes",
+    "Agent",
+    "AgentEpisode",
     "completion_text",
     "masked_fill_zero",
     "check_request",

@@ -1,5 +1,5 @@
-"""The multi-turn contract: what an environment answers to a model turn, and the episodes
-of a rollout."""
+"""The multi-turn contracts: what an environment answers to a model turn, an agent program
+that talks to the policy through an OpenAI-compatible endpoint, and the episodes of a rollout."""
 
 from __future__ import annotations
 
@@ -55,6 +55,49 @@ class Environment(Protocol):
     def step(self, state: Any, text: str) -> Observation: ...
 
 
+@dataclass(frozen=True)
+class AgentEpisode:
+    """What an agent gets for one episode.
+
+    Attributes:
+        base_url: an OpenAI-compatible endpoint (``/chat/completions``, ``/completions``,
+            ``/models``) that the run serves on 127.0.0.1 for the duration of the rollout,
+            backed by the run's rollout backend; pass it to any client
+            (``openai.AsyncOpenAI(base_url=..., api_key=...)``).
+        api_key: this episode's key: every request must carry it (``Authorization: Bearer``);
+            it ties the requests to the episode whose tokens they extend.
+        model: the model name to put in requests (any name is accepted).
+        row: the dataset row (every column), as reward functions see it.
+        index: which of the ``G`` episodes of its prompt this is (0-based).
+        timeout: seconds the episode may take; after them it is cancelled and recorded as
+            failed.
+    """
+
+    base_url: str
+    api_key: str
+    model: str
+    row: dict[str, Any]
+    index: int
+    timeout: float
+
+
+@runtime_checkable
+class Agent(Protocol):
+    """A program that runs one episode against the policy: ``agent(episode)`` with an
+    :class:`AgentEpisode`, a plain function or an ``async def`` coroutine function, talking to
+    ``episode.base_url`` with any OpenAI-compatible client, as many calls as it likes. It
+    returns the episode's reward (a float), or None to leave scoring to the reward functions,
+    which receive the episode's messages as completions (and its reward as ``env_reward``).
+
+    Every request's prompt must extend the episode's history: the messages the agent sent
+    before, each followed by the assistant message the endpoint answered (the trainer keeps
+    the tokens the policy sampled, and never re-tokenizes them). An agent that raises, times
+    out or edits its history is a failed episode (no reward), never a crashed run.
+    """
+
+    def __call__(self, episode: AgentEpisode) -> Any: ...
+
+
 @dataclass
 class Episodes:
     """Per-row records of ``B`` multi-turn episodes (attached to their :class:`RolloutBatch`).
@@ -67,6 +110,8 @@ class Episodes:
         tool_calls: ``long (B,)``; tool_errors: ``long (B,)``.
         lengths: ``long (B,)`` episode length in tokens after the prompt (model and
             environment tokens; the model's are ``completion_mask.sum(1)``).
+        failed: ``bool (B,)`` episodes an agent failed (raised, timed out, edited its
+            history, broke a limit), or None (in-process environments do not fail).
     """
 
     messages: list[list[dict[str, Any]]]
@@ -75,14 +120,17 @@ class Episodes:
     tool_calls: Tensor
     tool_errors: Tensor
     lengths: Tensor
+    failed: Tensor | None = None
 
     def select(self, rows: Sequence[int]) -> Episodes:
         idx = torch.tensor(list(rows), dtype=torch.long)
         return Episodes([self.messages[i] for i in rows], [self.env_rewards[i] for i in rows],
-                        self.turns[idx], self.tool_calls[idx], self.tool_errors[idx], self.lengths[idx])
+                        self.turns[idx], self.tool_calls[idx], self.tool_errors[idx], self.lengths[idx],
+                        None if self.failed is None else self.failed[idx])
 
     @staticmethod
     def concat(parts: Sequence[Episodes]) -> Episodes:
+        failed = None if any(p.failed is None for p in parts) else torch.cat([p.failed for p in parts])
         return Episodes([m for p in parts for m in p.messages], [r for p in parts for r in p.env_rewards],
                         *(torch.cat([getattr(p, k) for p in parts]) for k in ("turns", "tool_calls",
-                                                                              "tool_errors", "lengths")))
+                                                                              "tool_errors", "lengths")), failed)

@@ -34,7 +34,12 @@ class LoadedSpec:
         return self.spec.run_name or (self.path.stem if self.path else "run")
 
     def command(self, *extra: str) -> str:
-        """The ``grpo-run`` command line that loads this same spec, plus ``extra`` arguments."""
+        """The ``grpo-run`` command line that loads this same spec, plus ``extra`` arguments. A
+        spec given as a mapping (from Python) has no file: the command names the resolved spec
+        its run wrote into the run folder, overrides included."""
+        if self.path is None:
+            folder = Path(self.spec.train.output_dir or Path("runs") / self.name)
+            return shlex.join(["grpo-run", str(folder / "spec.resolved.yaml"), *extra])
         parts = ["grpo-run", str(self.path)]
         for assignment in self.overrides:
             parts += ["--set", assignment]
@@ -295,10 +300,27 @@ def _raw_problems_at(path: tuple, node: Any, cls: type, is_list: bool, plugins: 
             continue
         try:
             slot = cls.model_validate(raw, context=context)
-        except ValidationError:
-            continue  # phase one already reported it
+        except ValidationError:  # phase one reported the engine's fields: check the plugin's options still
+            slot = _slot_without_engine_fields(cls, raw, context)
+            if slot is None:
+                continue
         problems.extend(resolve_slot(slot, where, plugins.registry, context))
     return problems
+
+
+def _slot_without_engine_fields(cls: type, raw: dict, context: dict) -> Any:
+    """The slot ``raw`` with its engine fields left at their defaults (one of them is invalid,
+    and phase one reported it), so that its plugin's options are validated too: a bad
+    ``group_size`` does not hide a bad option of the rollout backend. None when the name
+    itself is unusable (phase one reported that)."""
+    name = raw.get("name", cls.model_fields["name"].default)
+    if not isinstance(name, str):
+        return None
+    extra = {k: v for k, v in raw.items() if k not in cls.model_fields}
+    try:
+        return cls.model_validate({"name": name, **extra}, context=context)
+    except ValidationError:
+        return None
 
 
 def _format(problems: list[tuple[tuple, str]], lines: dict[tuple, int], overridden: set[tuple]) -> list[str]:
@@ -326,14 +348,16 @@ def load_spec(
     *,
     plugins: Plugins | None = None,
     external_plugins: bool = True,
+    base_dir: Path | None = None,
 ) -> LoadedSpec:
     """Read, override, resolve and validate a spec; raise :class:`SpecError` listing every
-    problem. ``source`` is a path to a YAML file or an already-parsed mapping."""
+    problem. ``source`` is a path to a YAML file or an already-parsed mapping, whose relative
+    paths resolve from ``base_dir`` (default: the current folder)."""
     overrides = tuple(overrides)
     lines: dict[tuple, int] = {}
     if isinstance(source, dict):
         path, data, label = None, source, "(mapping)"
-        base_dir = Path.cwd()
+        base_dir = Path(base_dir) if base_dir is not None else Path.cwd()
     else:
         path = Path(source)
         label = str(path)
@@ -377,8 +401,35 @@ def load_spec(
         raise SpecError(_format(problems, lines, overridden), label) from None
     problems = resolve_slots(spec, plugins.registry, context)
     if problems:
-        raise SpecError(_format(problems, lines, overridden), label)
+        raise SpecError(_format(problems, lines, overridden) + _python_objects_hint(base_dir, problems), label)
     return LoadedSpec(spec, plugins, path, base_dir, tuple(overrides))
+
+
+#: What a run started from Python records of its in-memory components, beside its resolved spec.
+PYTHON_OBJECTS = "python_objects.json"
+
+
+def _python_objects_hint(base_dir: Path, problems: list[tuple[tuple, str]]) -> list[str]:
+    """When the spec sits in the folder of a run started from Python (``grpo_core.Trainer``)
+    and names a component that was an in-memory object there, say which and how to resume."""
+    import json
+
+    try:
+        record = json.loads((base_dir / PYTHON_OBJECTS).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    unknown = " ".join(message for _, message in problems if message.startswith("unknown "))
+    needed = []
+    for kind, entries in record.items():
+        for name, where in entries.items():
+            if f"unknown {kind} {name!r}" in unknown:
+                origin = where.get("object") or f"{where.get('rows')} rows in memory"
+                needed.append(f"{kind} '{name}' ({origin}{', ' + where['file'] if where.get('file') else ''})")
+    if not needed:
+        return []
+    return [f"this run was started from Python with in-memory objects it needs again: {'; '.join(needed)}. "
+            "Resume it from Python (grpo_core.Trainer(..., the same objects).train(resume='latest')), or "
+            "register them in a plugin file and list it under plugins:"]
 
 
 class _SpecDumper(yaml.SafeDumper):

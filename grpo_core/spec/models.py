@@ -10,7 +10,9 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from grpo_core.options import Seconds
 from grpo_core.spec.algorithm import AlgorithmSection
+from grpo_core.spec.episodes import AgentSlot, EnvironmentSlot, RoutingSection
 from grpo_core.spec.export import ExportSection
 from grpo_core.spec.iterative import IterativeSection
 from grpo_core.spec.optimizer import OptimizerSection
@@ -103,20 +105,6 @@ class DataSlot(Slot):
 
 
 # --------------------------------------------------------------------------- rollout
-class EnvironmentSlot(Slot):
-    """Multi-turn episodes: an environment plugin answers every model turn (a tool result,
-    a user message) until it ends the episode or a limit is hit. The episode is trained as
-    one sequence whose loss mask covers only the model's tokens."""
-
-    kind = "environment"
-    name: str = Field(description="Environment plugin: tools (function calling) or an installed one.")
-    max_turns: int = Field(4, ge=1, description="Model turns per episode at most (rollout.max_new_tokens bounds each).")
-    max_total_tokens: int = Field(
-        512, ge=1, description="Tokens after the prompt per episode at most, model and environment tokens "
-        "together; an episode that reaches it ends (counted as truncated).",
-    )
-
-
 class RolloutSlot(Slot):
     """How completions are sampled: the backend plugin and the sampling settings."""
 
@@ -134,6 +122,14 @@ class RolloutSlot(Slot):
     environment: EnvironmentSlot | None = Field(
         None, description="Multi-turn rollouts with tools or another environment; unset: one turn per completion."
     )
+    agent: AgentSlot | None = Field(
+        None, description="Episodes run by an agent program against an OpenAI-compatible endpoint the run serves "
+        "(instead of environment); unset: no agent.",
+    )
+    routing: RoutingSection | None = Field(
+        None, description="Episodes that differ per row: a column names each row's route, each route an "
+        "environment or agent (instead of environment and agent).",
+    )
     max_staleness: int = Field(
         0, ge=0, description="Asynchronous rollouts: the actor generates the batches of the next k steps while the "
         "learner trains, and the batch of step t is sampled with the policy after max(r, t - k) updates (r: the last "
@@ -142,6 +138,22 @@ class RolloutSlot(Slot):
         "pi_prox / pi_behav. 0: the synchronous loop (generate, then train).",
     )
 
+
+    @model_validator(mode="after")
+    def _one_episode_source(self):
+        given = [k for k in ("environment", "agent", "routing") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"rollout.{given[0]} and rollout.{given[1]} both run the episodes: set one of them")
+        return self
+
+    @property
+    def episode_tokens(self) -> int:
+        """The longest completion a row can hold, in tokens: an episode's budget (model and
+        environment tokens after the prompt) when episodes are multi-turn, else max_new_tokens."""
+        if self.routing is not None:
+            return max(route.source.max_total_tokens for route in self.routing.routes.values())
+        source = self.environment or self.agent
+        return self.max_new_tokens if source is None else source.max_total_tokens
 
 # --------------------------------------------------------------------------- rewards
 class RewardSlot(Slot):
@@ -156,8 +168,8 @@ class RewardSlot(Slot):
         "at once: in parallel threads for a synchronous function, as concurrent tasks for an "
         "`async def` one. 1: one call on the whole batch (on the calling thread when synchronous)."
     )
-    call_timeout: float | None = Field(
-        None, gt=0, allow_inf_nan=False, description="Seconds this function may take on one step's "
+    call_timeout: Seconds | None = Field(
+        None, gt=0, description="Seconds this function may take on one step's "
         "batch; completions not scored by then are None (train.reward_errors: none) or stop the run "
         "(raise). An async call is cancelled; a synchronous one runs in a worker thread, which is "
         "abandoned (threads cannot be killed). Default: no limit."

@@ -59,9 +59,14 @@ def spec_schema(registry: Registry) -> dict:
     for cls in slot_classes:
         base = cls.model_json_schema()
         variants = [_variant(base, c, defs) for c in registry.components(cls.kind)]
-        defs[cls.__name__] = {
-            "description": (cls.__doc__ or "").strip() or cls.__name__,
-            "anyOf": variants,
-        }
+        description = (cls.__doc__ or "").strip() or cls.__name__
+        if not variants:
+            # A kind nothing registers (no built-in agent, say): the slot's own fields, and a
+            # name that no value can match until a plugin registers one.
+            base = copy.deepcopy(base)
+            base.get("properties", {})["name"] = {"not": {}, "description": f"no {cls.kind} is registered"}
+            defs[cls.__name__] = {**base, "description": description}
+            continue
+        defs[cls.__name__] = {"description": description, "anyOf": variants}
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     return schema

@@ -130,6 +130,8 @@ def slot_locations(model: type[BaseModel], prefix: tuple = ()) -> list[tuple[tup
         for t in field_types(annotation):
             if isinstance(t, type) and issubclass(t, Slot):
                 found.append((here, t, is_list))
+                if not is_list:  # a slot may hold slots too (rollout.environment)
+                    found.extend(slot_locations(t, here))
             elif isinstance(t, type) and issubclass(t, BaseModel):
                 found.extend(slot_locations(t, here))
     return found
@@ -154,6 +156,8 @@ def _option_problems(
                 f"unknown key '{key}' for {label} '{slot.name}'{did_you_mean(key, valid)}; "
                 f"valid keys: {', '.join(valid)}"
             )
+        elif err["type"] == "value_error" and "ctx" in err:  # a validator's own message, without pydantic's prefix
+            message = str(err["ctx"]["error"])
         else:
             message = err["msg"]
         problems.append((loc, message))

@@ -25,6 +25,7 @@ from grpo_core.spec.parallel import parallel_conflicts
 from grpo_core.tracking import RunLog
 from grpo_core.train import model as modeling
 from grpo_core.train.actor import Actor, RolloutSettings
+from grpo_core.train.agents import AgentRunner
 from grpo_core.train.data import Prompt, PromptSource, check_columns
 from grpo_core.train.distributed import Dist, check_layout, parallel_from_launcher
 from grpo_core.train.episodes import EpisodeRunner
@@ -38,6 +39,7 @@ from grpo_core.train.parallel import Single, strategy_for
 from grpo_core.train.pipeline import Pipeline
 from grpo_core.train.reasoning_steps import split_steps
 from grpo_core.train.rollout import Scorer
+from grpo_core.train.routes import RoutedRunner
 from grpo_core.train.scoring import RewardFn
 from grpo_core.train.state import Run
 from grpo_core.train.update import Objective
@@ -82,26 +84,59 @@ def required_columns(rewards: list[RewardFn]) -> dict[str, str]:
     return {c: f"reward function '{fn.name}'" for fn in rewards for c in fn.required_columns}
 
 
-def build_episodes(spec: Spec, model, tokenizer, scorer: Scorer) -> EpisodeRunner | None:
-    """The multi-turn runner of ``rollout.environment``, or None."""
-    slot = spec.rollout.environment
-    if slot is None:
+def build_episodes(spec: Spec, model, tokenizer, scorer: Scorer) -> EpisodeRunner | AgentRunner | RoutedRunner | None:
+    """The multi-turn runner of ``rollout.environment``, ``rollout.agent`` or
+    ``rollout.routing``, or None."""
+    r = spec.rollout
+    if r.environment is None and r.agent is None and r.routing is None:
         return None
+    where = "rollout.environment" if r.environment else "rollout.agent" if r.agent else "rollout.routing"
     if scorer.with_steps or any(fn.takes_steps for fn in scorer.rewards):
-        raise RunError("rollout.environment: process supervision (step scores) is not supported on "
+        raise RunError(f"{where}: process supervision (step scores) is not supported on "
                        "multi-turn episodes; use outcome rewards")
-    eos_ids, pad_id = special_ids(model, tokenizer, "environment")
-    return EpisodeRunner(slot.build(), tokenizer, max_turns=slot.max_turns,
-                         max_total_tokens=slot.max_total_tokens, eos_ids=eos_ids, pad_id=pad_id)
+    eos_ids, pad_id = special_ids(model, tokenizer, where.split(".")[1])
+
+    def runner(slot):
+        if slot.kind == "agent":
+            return AgentRunner(slot.build(), slot, tokenizer, eos_ids=eos_ids, pad_id=pad_id, max_n=r.group_size,
+                               chat_template_kwargs=dict(spec.data.chat_template_kwargs))
+        return EpisodeRunner(slot.build(), tokenizer, max_turns=slot.max_turns,
+                             max_total_tokens=slot.max_total_tokens, eos_ids=eos_ids, pad_id=pad_id)
+
+    if r.routing is not None:
+        return RoutedRunner(r.routing.column, {name: runner(route.source) for name, route in r.routing.routes.items()})
+    return runner(r.environment or r.agent)
+
+
+def check_routes(spec: Spec, rows: list[dict]) -> None:
+    """Every row names a route of ``rollout.routing`` (when set): a bad value is found before
+    the model loads, with how many rows hold it."""
+    routing = spec.rollout.routing
+    if routing is None:
+        return
+    values: dict[Any, int] = {}
+    for row in rows:
+        value = row.get(routing.column)
+        if value not in routing.routes:
+            values[value] = values.get(value, 0) + 1
+    if values:
+        found = ", ".join(f"{v!r} ({n} rows)" for v, n in values.items())
+        raise RunError(f"rollout.routing: column '{routing.column}' holds values that name no route: {found}; "
+                       f"routes: {', '.join(routing.routes)}")
+
+
+def prompt_tools(episodes) -> Any:
+    """What the prompts show as tools: a routed runner's per row, an environment's, or none."""
+    if episodes is None:
+        return None
+    return getattr(episodes, "tools_for", None) or episodes.tools
 
 
 def prompt_budget(spec: Spec, model) -> int:
     """The longest prompt in tokens: ``data.max_prompt_tokens``, else what the model's context
     leaves after the longest completion (or episode)."""
-    env = spec.rollout.environment
     context = getattr(model.config, "max_position_embeddings", None) or 10**9
-    longest = spec.rollout.max_new_tokens if env is None else env.max_total_tokens
-    return spec.data.max_prompt_tokens or max(1, context - longest)
+    return spec.data.max_prompt_tokens or max(1, context - spec.rollout.episode_tokens)
 
 
 def held_out_prompts(spec: Spec, rows: list[dict], tokenizer, max_tokens: int, tools) -> list[Prompt]:
@@ -116,14 +151,14 @@ def build_learner(spec: Spec, model, tokenizer, strategy: Single) -> Learner:
     """The learner of ``model``: the objective, optimizer and schedule, the advantage estimator
     and the KL term; ``model`` (and the KL's reference copy) wrapped or sharded by
     ``strategy`` before the optimizer is made, which must hold what the strategy trains."""
-    algo, dist, env = spec.algorithm, strategy.dist, spec.rollout.environment
+    algo, dist = spec.algorithm, strategy.dist
     kl = KLTerm.from_spec(algo.kl, model)
     strategy.setup(model, getattr(kl and kl.reference, "model", None))
     objective = Objective(
         policy_loss=algo.policy_loss.build(), aggregator=algo.aggregation.build(),
         kl=kl if kl is not None and kl.in_loss else None,
         entropy_coef=algo.entropy_coef, early_stop_imp_ratio=algo.early_stop_imp_ratio,
-        max_length=spec.rollout.max_new_tokens if env is None else env.max_total_tokens,
+        max_length=spec.rollout.episode_tokens,
         correction=algo.rollout_correction,
     )
     optimizer, scheduler = make_optimizer(model, spec.train, spec.train.steps * algo.mu * spec.train.mini_batches)
@@ -165,8 +200,9 @@ def _actor_and_feed(spec: Spec, model, tokenizer, backend, learner: Learner, sco
                            behaviour=learner.sampler_logprobs if sampler is not None else None)
 
 
-def build_run(loaded: LoadedSpec, dist: Dist | None = None) -> Run:
-    """The run of ``loaded``: every component built, nothing trained yet."""
+def build_run(loaded: LoadedSpec, dist: Dist | None = None, *, model=None, tokenizer=None) -> Run:
+    """The run of ``loaded``: every component built, nothing trained yet. ``model`` and
+    ``tokenizer``: objects to train instead of loading ``model.path`` (the Python trainer's)."""
     spec = loaded.spec
     dist = dist or Dist.from_env(spec.train.device)
     check_layout(spec, dist.world)
@@ -183,12 +219,17 @@ def build_run(loaded: LoadedSpec, dist: Dist | None = None) -> Run:
     rewards = build_rewards(spec, splitter)
     train_rows, eval_rows = load_rows(spec, "train"), load_rows(spec, "eval")
     needed = {spec.data.prompt_column: "data.prompt_column"}
+    if spec.rollout.routing is not None:
+        needed[spec.rollout.routing.column] = "rollout.routing.column"
     needed.update({c: who for c, who in required_columns(rewards).items() if c not in needed})
     check_columns(train_rows, needed, "training")
     check_columns(eval_rows, needed, "held-out")
+    check_routes(spec, train_rows + eval_rows)
 
-    tokenizer = modeling.load_tokenizer(spec.model, loaded.base_dir)
-    model = modeling.load_policy(spec.model, loaded.base_dir, tokenizer).to(dist.device)
+    tokenizer = (modeling.load_tokenizer(spec.model, loaded.base_dir) if tokenizer is None
+                 else modeling.prepare_tokenizer(tokenizer))
+    model = (modeling.load_policy(spec.model, loaded.base_dir, tokenizer) if model is None
+             else modeling.prepare_policy(model, spec.model, tokenizer)).to(dist.device)
     # Asynchronous rollouts: whole copies of the policy, made before the strategy shards it: the
     # snapshot the learner's weights cross in, and for a backend that generates with the policy
     # module, the weights the actor samples from while the learner's move.
@@ -200,7 +241,7 @@ def build_run(loaded: LoadedSpec, dist: Dist | None = None) -> Run:
     actor, feed = _actor_and_feed(spec, model, tokenizer, backend, learner, scorer, snapshot, sampler)
 
     max_prompt = prompt_budget(spec, model)
-    tools = actor.episodes.tools if actor.episodes is not None else None
+    tools = prompt_tools(actor.episodes)
     actor.source = PromptSource(train_rows, tokenizer, spec.data, seed=spec.train.seed, max_tokens=max_prompt,
                                 tools=tools)
     reference = learner.kl.reference if learner.kl is not None else None

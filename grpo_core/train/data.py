@@ -3,6 +3,7 @@ position can be saved and restored."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +49,7 @@ class PromptSource:
 
     def __init__(
         self, rows: list[dict], tokenizer, slot: DataSlot, *, seed: int, max_tokens: int,
-        shuffle: bool | None = None, tools: list[dict] | None = None,
+        shuffle: bool | None = None, tools: list[dict] | Callable[[dict], list[dict]] | None = None,
     ):
         if not rows:
             raise RunError(f"data: dataset '{slot.name}' has no rows to train on")
@@ -61,7 +62,8 @@ class PromptSource:
         self.epoch = 0
         self.position = 0
         self.skipped: dict[str, int] = {}
-        self.tools = list(tools or [])  # JSON schemas shown to the model (rollout.environment's tools)
+        # JSON schemas shown to the model: the environment's, or a row's route's (row -> schemas)
+        self.tools = tools if callable(tools) else list(tools or [])
         self._order = self._make_order()
 
     def _make_order(self) -> np.ndarray:
@@ -72,6 +74,7 @@ class PromptSource:
     def render(self, row: dict) -> Prompt | None:
         """The prompt of ``row``, or None (counted) when it cannot be used."""
         prompt = row[self.slot.prompt_column]
+        tools = self.tools(row) if callable(self.tools) else self.tools
         if isinstance(prompt, str) and self.slot.as_user_message:
             prompt = [{"role": "user", "content": prompt}]
         if isinstance(prompt, list):
@@ -81,7 +84,7 @@ class PromptSource:
             if not any(str(m.get("content", "")).strip() for m in messages if m.get("role") != "system"):
                 return self._skip("empty prompt")
             if self.slot.chat_template and getattr(self.tokenizer, "chat_template", None):
-                messages, extra = with_tools(self.tokenizer, messages, self.tools)
+                messages, extra = with_tools(self.tokenizer, messages, tools)
                 text = self.tokenizer.apply_chat_template(
                     messages, tokenize=False, add_generation_prompt=True, **self.slot.chat_template_kwargs, **extra
                 )
@@ -90,7 +93,7 @@ class PromptSource:
             prompt = messages
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         elif isinstance(prompt, str):
-            if self.tools:
+            if tools:
                 raise RunError(
                     "rollout.environment offers tools, which the chat template shows to the model: the "
                     f"prompts (column '{self.slot.prompt_column}') must be chat messages, not strings"

@@ -24,7 +24,10 @@ gets it appended.
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import json
+import threading
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -100,7 +103,10 @@ class TurnRenderer:
 
 
 @dataclass
-class _Episode:
+class EpisodeRecord:
+    """One episode as it runs: its tokens after the prompt (the model's under ``mask``), the
+    sampler's log-probs of them, the conversation after the prompt, its counts."""
+
     prompt_ids: list[int]
     state: Any
     ids: list[int] = field(default_factory=list)
@@ -113,6 +119,7 @@ class _Episode:
     reward: float | None = None
     done: bool = False
     truncated: bool = False
+    last_eos: bool = False  # the last model turn ended with an EOS token
 
     def extend(self, ids: list[int], trained: bool, logp: list[float] | None = None) -> None:
         self.ids += ids
@@ -142,7 +149,8 @@ class EpisodeRunner:
         """``G = group_size`` episodes of each of the ``P`` prompts (:class:`Prompt`);
         a :class:`RolloutBatch` of ``B = P*G`` rows whose mask has holes."""
         stop = tuple(dict.fromkeys((*sampling.stop, *getattr(self.environment, "stop", ()))))
-        episodes = [_Episode(list(p.ids), self.environment.reset(p.row)) for p in prompts for _ in range(group_size)]
+        episodes = [EpisodeRecord(list(p.ids), self.environment.reset(p.row))
+                    for p in prompts for _ in range(group_size)]
         with_logp = True
         for turn in range(self.max_turns):
             live = [e for e in episodes if not e.done]
@@ -156,12 +164,16 @@ class EpisodeRunner:
             else:
                 batch = backend.generate([e.prompt_ids + e.ids for e in live], 1, params)
             with_logp = with_logp and batch.sampling_logp is not None
-            for row, episode in enumerate(live):
-                self._turn(episode, batch, row)
+            answered = [(row, e, text) for row, e in enumerate(live)
+                        if (text := self._model_turn(e, batch, row)) is not None]
+            observations = self._steps([(e.state, text) for _, e, text in answered])
+            for (row, e, _), obs in zip(answered, observations):
+                self._observe(e, obs, bool(batch.truncated[row]))
         return self._assemble(prompts, episodes, backend, with_logp)
 
-    def _turn(self, e: _Episode, batch: RolloutBatch, row: int) -> None:
-        """Append one model turn (row ``row`` of ``batch``) and the environment's answer."""
+    def _model_turn(self, e: EpisodeRecord, batch: RolloutBatch, row: int) -> str | None:
+        """Append one model turn (row ``row`` of ``batch``); its text for the environment, or
+        None when the episode's token budget ran out inside it (the episode is over)."""
         n = int(batch.completion_mask[row].sum())
         new = batch.completion_ids[row, :n].tolist()
         room = self.max_total_tokens - len(e.ids)
@@ -172,50 +184,89 @@ class EpisodeRunner:
         text = self.tokenizer.decode(new, skip_special_tokens=True) if cut else batch.completions[row]
         e.messages.append({"role": "assistant", "content": text})
         e.turns += 1
-        if cut:  # the episode's token budget ran out inside this turn
+        e.last_eos = bool(new) and new[-1] in self.eos_ids
+        if cut:
             e.done = e.truncated = True
-            return
-        obs = self.environment.step(e.state, text)  # a turn cut at max_new_tokens is answered too
+            return None
+        return text  # a turn cut at max_new_tokens is answered too
+
+    def _steps(self, calls: list[tuple[Any, str]]) -> list[Any]:
+        """The environment's answers to every episode's turn: one after the other, or for an
+        environment whose ``step`` is a coroutine function, awaited together (in an event loop
+        of a helper thread, so that a caller inside a running loop, a notebook, is served)."""
+        step = self.environment.step
+        if not (inspect.iscoroutinefunction(step) or inspect.iscoroutinefunction(inspect.unwrap(step))):
+            return [step(state, text) for state, text in calls]
+
+        async def together() -> list[Any]:
+            return await asyncio.gather(*(step(state, text) for state, text in calls))
+
+        box: dict[str, Any] = {}
+
+        def work() -> None:
+            try:
+                box["value"] = asyncio.run(together())
+            except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
+                box["error"] = exc
+
+        worker = threading.Thread(target=work, name="grpo-env-steps", daemon=True)
+        worker.start()
+        worker.join()
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    def _observe(self, e: EpisodeRecord, obs: Any, cut_at_max_new_tokens: bool) -> None:
+        """Append the environment's answer to the episode's last model turn."""
         e.tool_calls += int(obs.tool_calls)
         e.tool_errors += int(obs.tool_errors)
         if obs.reward is not None:
             e.reward = float(obs.reward)
         if obs.done or e.turns >= self.max_turns:
             e.done = True
-            e.truncated = bool(batch.truncated[row])  # the last turn did not end by itself
+            e.truncated = cut_at_max_new_tokens  # the last turn did not end by itself
             return
-        ids = self.renderer.observation_ids(list(obs.messages), bool(new) and new[-1] in self.eos_ids)
+        ids = self.renderer.observation_ids(list(obs.messages), e.last_eos)
         if len(e.ids) + len(ids) >= self.max_total_tokens:  # no room left for another model token
             e.done = e.truncated = True
             return
         e.extend(ids, False)
         e.messages.extend(obs.messages)
 
-    def _assemble(self, prompts: list, episodes: list[_Episode], backend: Any, with_logp: bool) -> RolloutBatch:
-        width = max(1, max(len(e.ids) for e in episodes))
-        rows = len(episodes)
-        ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((rows, width), dtype=torch.bool)
-        logp = torch.zeros((rows, width), dtype=torch.float32) if with_logp else None
-        for i, e in enumerate(episodes):
-            ids[i, : len(e.ids)] = torch.tensor(e.ids, dtype=torch.long)
-            mask[i, : len(e.ids)] = torch.tensor(e.mask, dtype=torch.bool)
-            if logp is not None:
-                logp[i, : len(e.ids)] = torch.tensor(e.logp, dtype=torch.float32)
-        device = _device_of(backend)
-        prompt_ids, prompt_mask = left_pad([p.ids for p in prompts], self.pad_id)
-        record = Episodes(
-            messages=[e.messages for e in episodes], env_rewards=[e.reward for e in episodes],
-            turns=torch.tensor([e.turns for e in episodes]), tool_calls=torch.tensor([e.tool_calls for e in episodes]),
-            tool_errors=torch.tensor([e.tool_errors for e in episodes]),
-            lengths=torch.tensor([len(e.ids) for e in episodes]),
-        )
-        return RolloutBatch(
-            prompt_ids.to(device), prompt_mask.to(device), ids.to(device), mask.to(device),
-            torch.tensor([e.truncated for e in episodes], device=device),
-            self.tokenizer.batch_decode([e.ids for e in episodes], skip_special_tokens=False),
-            None if logp is None else logp.to(device), episodes=record,
-        )
+    def _assemble(self, prompts: list, episodes: list[EpisodeRecord], backend: Any, with_logp: bool) -> RolloutBatch:
+        return episodes_batch([p.ids for p in prompts], episodes, self.tokenizer, self.pad_id, _device_of(backend),
+                              with_logp)
+
+
+def episodes_batch(prompts: list[list[int]], episodes: list[EpisodeRecord], tokenizer: Any, pad_id: int,
+                   device: torch.device, with_logp: bool, failed: list[bool] | None = None) -> RolloutBatch:
+    """The :class:`RolloutBatch` of ``B = P*G`` episodes (prompt-major) after the ``P``
+    prompts' token ids: each episode's tokens are its completion, the model's under the mask,
+    the rest context; ``failed`` marks episodes an agent failed."""
+    width = max(1, max(len(e.ids) for e in episodes))
+    rows = len(episodes)
+    ids = torch.full((rows, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((rows, width), dtype=torch.bool)
+    logp = torch.zeros((rows, width), dtype=torch.float32) if with_logp else None
+    for i, e in enumerate(episodes):
+        ids[i, : len(e.ids)] = torch.tensor(e.ids, dtype=torch.long)
+        mask[i, : len(e.ids)] = torch.tensor(e.mask, dtype=torch.bool)
+        if logp is not None:
+            logp[i, : len(e.ids)] = torch.tensor(e.logp, dtype=torch.float32)
+    prompt_ids, prompt_mask = left_pad(prompts, pad_id)
+    record = Episodes(
+        messages=[e.messages for e in episodes], env_rewards=[e.reward for e in episodes],
+        turns=torch.tensor([e.turns for e in episodes]), tool_calls=torch.tensor([e.tool_calls for e in episodes]),
+        tool_errors=torch.tensor([e.tool_errors for e in episodes]),
+        lengths=torch.tensor([len(e.ids) for e in episodes]),
+        failed=torch.tensor(failed if failed is not None else [False] * rows, dtype=torch.bool),
+    )
+    return RolloutBatch(
+        prompt_ids.to(device), prompt_mask.to(device), ids.to(device), mask.to(device),
+        torch.tensor([e.truncated for e in episodes], device=device),
+        tokenizer.batch_decode([e.ids for e in episodes], skip_special_tokens=False),
+        None if logp is None else logp.to(device), episodes=record,
+    )
 
 
 def _device_of(backend: Any) -> torch.device:
@@ -241,4 +292,6 @@ def episode_metrics(episodes: Episodes, mask: torch.Tensor, prefix: str = "") ->
     }
     if calls.sum() > 0:
         out["env/tool_success_rate"] = float(1 - errors.sum() / calls.sum())
+    if episodes.failed is not None:
+        out["env/failed_episodes"] = float(episodes.failed.float().mean())
     return {f"{prefix}{k}": v for k, v in out.items()}

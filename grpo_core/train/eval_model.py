@@ -22,6 +22,7 @@ from grpo_core.train.assemble import (
     held_out_prompts,
     load_rows,
     prompt_budget,
+    prompt_tools,
     required_columns,
     seed_everything,
 )
@@ -101,7 +102,7 @@ def build_eval_run(loaded: LoadedSpec, model_dir: str | None = None) -> EvalRun:
     model = model.to(dist.device).eval()
     scorer = build_scorer(spec, rewards, splitter)
     episodes = build_episodes(spec, model, tokenizer, scorer)
-    tools = episodes.tools if episodes is not None else None
+    tools = prompt_tools(episodes)
     max_prompt = prompt_budget(spec, model)
     eval_prompts = held_out_prompts(spec, rows, tokenizer, max_prompt, tools)
     eval_sets = load_eval_sets(spec, tokenizer, max_prompt, required, tools)

@@ -52,6 +52,7 @@ import torch
 from grpo_core.train.actor import Actor
 from grpo_core.train.experience import Experience
 from grpo_core.train.feed import kept_position
+from grpo_core.train.signals import leave_running
 
 __all__ = ["Pipeline", "copy_weights", "sampled_version"]
 
@@ -162,14 +163,18 @@ class Pipeline:
 
     def close(self, wait: bool = True) -> None:
         """Stop the actor's thread after its current batch (an idle actor stops at once);
-        ``wait=False`` does not wait for that batch (an interrupted run leaves at once, the
-        thread being a daemon)."""
+        ``wait=False`` does not wait for that batch (a failed or twice-interrupted run leaves
+        at once, the thread being a daemon): a thread still busy is recorded
+        (:func:`~grpo_core.train.signals.leave_running`), so that the process leaves without
+        finalizing the interpreter under it."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
         if self._thread is not None:
             if wait:
                 self._thread.join()
+            elif self._thread.is_alive():
+                leave_running(self._thread)
             self._thread = None
 
     @property

@@ -33,6 +33,14 @@ def as_completions(prompts: list[Prompt], rollout: RolloutBatch) -> tuple[list, 
     return row_prompts, completions
 
 
+def shown_completion(rollout: RolloutBatch, row: int) -> str:
+    """What tables show of a row: its completion, or why its agent failed."""
+    episodes = rollout.episodes
+    if episodes is not None and episodes.failed is not None and bool(episodes.failed[row]):
+        return str(episodes.messages[row][-1].get("content", ""))
+    return rollout.completions[row]
+
+
 def columns_of(prompts: list[Prompt], group_size: int, exclude: str) -> dict[str, list]:
     """Every dataset column but the prompt, repeated per completion."""
     if not prompts:
@@ -117,17 +125,44 @@ def _pad_left(t: torch.Tensor, width: int, value) -> torch.Tensor:
     return torch.cat([pad, t], dim=1)
 
 
-def select_groups(scored: Scored, groups: list[int]) -> Scored:
-    """The prompts ``groups`` (indices) of ``scored``, with their ``G`` rows each."""
-    g = scored.rollout.group_size
+def select_rollout(r: RolloutBatch, groups: list[int]) -> RolloutBatch:
+    """The prompts ``groups`` (indices, in that order) of ``r``, with their ``G`` rows each."""
+    g = r.group_size
     rows = [i * g + j for i in groups for j in range(g)]
-    r, s, lay = scored.rollout, scored.scores, scored.layout
     idx, pidx = torch.tensor(rows, dtype=torch.long), torch.tensor(groups, dtype=torch.long)
-    rollout = RolloutBatch(
+    return RolloutBatch(
         r.prompt_ids[pidx], r.prompt_mask[pidx], r.completion_ids[idx], r.completion_mask[idx], r.truncated[idx],
         [r.completions[i] for i in rows], None if r.sampling_logp is None else r.sampling_logp[idx],
         None if r.episodes is None else r.episodes.select(rows),
     )
+
+
+def concat_rollouts(rs: list[RolloutBatch]) -> RolloutBatch:
+    """Several rollouts of one group size as one: prompts left-padded, completions
+    right-padded (padding outside the masks is 0); sampler log-probs only if every part has them."""
+    if len(rs) == 1:
+        return rs[0]
+    width_p, width_c = max(r.prompt_ids.shape[1] for r in rs), max(r.completion_ids.shape[1] for r in rs)
+    with_logp = all(r.sampling_logp is not None for r in rs)
+    return RolloutBatch(
+        torch.cat([_pad_left(r.prompt_ids, width_p, 0) for r in rs]),
+        torch.cat([_pad_left(r.prompt_mask, width_p, False) for r in rs]),
+        torch.cat([_pad_right(r.completion_ids, width_c, 0) for r in rs]),
+        torch.cat([_pad_right(r.completion_mask, width_c, False) for r in rs]),
+        torch.cat([r.truncated for r in rs]),
+        [c for r in rs for c in r.completions],
+        torch.cat([_pad_right(r.sampling_logp, width_c, 0.0) for r in rs]) if with_logp else None,
+        None if rs[0].episodes is None else Episodes.concat([r.episodes for r in rs]),
+    )
+
+
+def select_groups(scored: Scored, groups: list[int]) -> Scored:
+    """The prompts ``groups`` (indices) of ``scored``, with their ``G`` rows each."""
+    g = scored.rollout.group_size
+    rows = [i * g + j for i in groups for j in range(g)]
+    s, lay = scored.scores, scored.layout
+    idx = torch.tensor(rows, dtype=torch.long)
+    rollout = select_rollout(scored.rollout, groups)
     scores = Scores(s.total[idx], s.per_function[idx], s.names, s.failed,
                     None if s.step_scores is None else s.step_scores[idx], s.weights)
     layout = None if lay is None else StepLayout([lay.spans[i] for i in rows], [lay.texts[i] for i in rows])
@@ -139,18 +174,7 @@ def concat_scored(parts: list[Scored]) -> Scored:
     outside the masks is 0), step scores padded with NaN."""
     if len(parts) == 1:
         return parts[0]
-    rs = [p.rollout for p in parts]
-    width_p, width_c = max(r.prompt_ids.shape[1] for r in rs), max(r.completion_ids.shape[1] for r in rs)
-    rollout = RolloutBatch(
-        torch.cat([_pad_left(r.prompt_ids, width_p, 0) for r in rs]),
-        torch.cat([_pad_left(r.prompt_mask, width_p, False) for r in rs]),
-        torch.cat([_pad_right(r.completion_ids, width_c, 0) for r in rs]),
-        torch.cat([_pad_right(r.completion_mask, width_c, False) for r in rs]),
-        torch.cat([r.truncated for r in rs]),
-        [c for r in rs for c in r.completions],
-        None if rs[0].sampling_logp is None else torch.cat([_pad_right(r.sampling_logp, width_c, 0.0) for r in rs]),
-        None if rs[0].episodes is None else Episodes.concat([r.episodes for r in rs]),
-    )
+    rollout = concat_rollouts([p.rollout for p in parts])
     ss = [p.scores for p in parts]
     step_scores = None
     if ss[0].step_scores is not None:

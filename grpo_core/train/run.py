@@ -11,6 +11,7 @@ drops the batches it generated ahead and rewinds the prompt stream there.
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import sys
@@ -27,16 +28,35 @@ from grpo_core.train.assemble import build_run
 from grpo_core.train.distributed import close_process_group
 from grpo_core.train.evaluate import EvalSet, evaluate_sets
 from grpo_core.train.signals import StopSignal
-from grpo_core.train.state import Run
+from grpo_core.train.state import Hooks, Run
 from grpo_core.train.step import train_step
 
 log = logging.getLogger("grpo.run")
 
 
+@dataclass
+class Outcome:
+    """How a run ended: the tracker status (``FINISHED``, ``KILLED``), the process exit code,
+    and what ended it early: ``signal`` (SIGINT/SIGTERM, checkpointed), ``callback`` (a hook
+    asked to stop), ``interrupt`` (a KeyboardInterrupt, checkpointed) or None."""
+
+    status: str
+    code: int
+    stopped_by: str | None = None
+
+
 def train(loaded: LoadedSpec, resume: str | None = None) -> int:
-    """Train as the spec says; return the process exit code."""
-    run = build_run(loaded)
+    """Train as the spec says; return the process exit code (``grpo-run``)."""
+    return run_loop(build_run(loaded), loaded, resume).code
+
+
+def run_loop(run: Run, loaded: LoadedSpec, resume: str | None = None, hooks: Hooks | None = None, *,
+             checkpoint_on_interrupt: bool = False) -> Outcome:
+    """Resume ``run`` if asked, train it to ``train.steps``, finish it. A KeyboardInterrupt
+    (a second Ctrl-C) propagates at once, unless ``checkpoint_on_interrupt`` (a notebook's
+    Ctrl-C): then the last completed step is checkpointed and the run ends ``KILLED``."""
     spec = run.spec
+    hooks = run.hooks = hooks or Hooks()
     _start_logging(run, loaded, _resume(run, resume))
     status = "FAILED"
     bar = _progress(run, run.step)
@@ -45,15 +65,23 @@ def train(loaded: LoadedSpec, resume: str | None = None) -> int:
             if spec.eval.at_start and run.has_eval and run.step == 0:
                 run.last_eval = evaluate_run(run)  # before the feed starts: the actor is at rest
                 run.log.log_metrics(run.last_eval, run.step)
+                hooks.on_eval(run.step, run.last_eval)
             run.feed.start(run.model, run.learner.version)
-            # With several processes, a signal seen by any stops all of them at the same step.
-            while run.step < spec.train.steps and not run.dist.any(stop.signum is not None):
+            # With several processes, a signal or a hook seen by any stops all of them at the same step.
+            while run.step < spec.train.steps and not run.dist.any(stop.signum is not None or run.stop_asked):
                 start = _StepStart.of(run)
                 try:
                     metrics = _step_and_record(run)
+                    run.stop_asked = bool(hooks.on_step(run.step, metrics)) or run.stop_asked
                 except (Exception, SystemExit) as exc:  # SystemExit: sys.exit() in plugin code
                     _save_failed_step(run, start, loaded, exc)
                     raise
+                except KeyboardInterrupt as exc:
+                    if not checkpoint_on_interrupt:
+                        raise
+                    _save_interrupted(run, start, loaded, exc)
+                    status = "KILLED"
+                    return Outcome(status, 130, "interrupt")
                 if bar is not None:
                     bar.set_postfix(_postfix(metrics, run.last_eval), refresh=False)
                     bar.update(1)
@@ -66,11 +94,16 @@ def train(loaded: LoadedSpec, resume: str | None = None) -> int:
                         f"grpo-run: stopped at step {run.step}; checkpoint {folder}\n"
                         f"  resume with: {loaded.command('--resume')}", file=sys.stderr,
                     )
-                code = stop.exit_code
+                outcome = Outcome(status, stop.exit_code, "signal")
             else:
                 status, code = _finish(run, stop)
+                outcome = Outcome(status, code, "callback" if run.step < spec.train.steps else None)
         close_process_group()  # every process got here: the run ended, not failed
-        return code
+        return outcome
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise RunError(_disk_full(run, loaded, exc)) from exc
     except KeyboardInterrupt:
         status = "KILLED"
         raise
@@ -105,6 +138,7 @@ def _step_and_record(run: Run) -> dict[str, float]:
         with run.at_rest():
             run.last_eval = evaluate_run(run)
         metrics.update(run.last_eval)
+        run.stop_asked = bool(run.hooks.on_eval(run.step, run.last_eval)) or run.stop_asked
     run.log.log_metrics(metrics, run.step)
     every = spec.train.log_completions_every
     if every and run.step % every == 0:
@@ -173,6 +207,33 @@ def _save_failed_step(run: Run, start: _StepStart, loaded: LoadedSpec, exc: Base
     )
 
 
+def _save_interrupted(run: Run, start: _StepStart, loaded: LoadedSpec, exc: BaseException) -> None:
+    """A KeyboardInterrupt the caller asked to checkpoint (``checkpoint_on_interrupt``): before
+    the step's update, as a failed step; after it (while evaluating or logging), the completed
+    step itself. Mid-update (between two optimizer steps of one batch) nothing is written and
+    the previous checkpoint stays."""
+    if run.step == start.step:
+        _save_failed_step(run, start, loaded, exc)
+        return
+    run.feed.stop(run.model, run.learner.version)
+    folder = run.save_checkpoint()
+    if run.dist.is_main:
+        print(f"grpo-run: interrupted after step {run.step}; checkpoint {folder}\n"
+              f"  resume with: {loaded.command('--resume')}", file=sys.stderr)
+
+
+def _disk_full(run: Run, loaded: LoadedSpec, exc: OSError) -> str:
+    """What to do after a write failed for want of space: where the run is, what it kept, the
+    command that carries on."""
+    where = f" writing {exc.filename}" if exc.filename else ""
+    saved = ckpt.list_checkpoints(run.checkpoint_dir) if run.checkpoint_dir.is_dir() else []
+    if saved:
+        then = f"the last checkpoint is {saved[-1]}. Free some space, then resume with: {loaded.command('--resume')}"
+    else:
+        then = f"no checkpoint was written yet. Free some space, then start again with: {loaded.command('--overwrite')}"
+    return f"no space left on the device{where} ({exc}); the run folder is {run.output_dir}, and {then}"
+
+
 def _resume(run: Run, resume: str | None) -> str | None:
     """Restore the run from a checkpoint; return the tracker run id to continue. The actor gets
     the restored weights when the feed starts."""
@@ -212,6 +273,7 @@ def _finish(run: Run, stop: StopSignal) -> tuple[str, int]:
     if spec.eval.at_end and run.has_eval:
         run.last_eval = evaluate_run(run)
         run.log.log_metrics(run.last_eval, run.step)
+        run.hooks.on_eval(run.step, run.last_eval)
     if spec.checkpoint.every or spec.checkpoint.every_minutes:
         run.save_checkpoint()
     final = _save_final(run)

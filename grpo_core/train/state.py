@@ -4,6 +4,7 @@ held-out data, the loop's counters, and what a checkpoint saves and restores of 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,19 @@ from grpo_core.train.evaluate import EvalSet
 from grpo_core.train.feed import Feed
 from grpo_core.train.iterative import IterativeStage
 from grpo_core.train.learner import Learner
+
+
+@dataclass
+class Hooks:
+    """What a caller of the loop watches (the Python trainer's callbacks), on every process
+    with the same values: ``on_step(step, metrics)`` after each step's metrics are logged,
+    ``on_eval(step, metrics)`` after each held-out evaluation, ``on_save(step, folder)`` after
+    each checkpoint. ``on_step`` and ``on_eval`` return True to stop the run after this step
+    (it then ends as a finished run does: final evaluation, checkpoint, model)."""
+
+    on_step: Callable[[int, dict[str, float]], bool] = lambda step, metrics: False
+    on_eval: Callable[[int, dict[str, float]], bool] = lambda step, metrics: False
+    on_save: Callable[[int, Path], None] = lambda step, folder: None
 
 
 @dataclass
@@ -42,6 +56,8 @@ class Run:
     saved_step: int | None = None  # the step of the last checkpoint this process wrote
     saved_at: float = field(default_factory=time.monotonic)  # when it was written (or the run began)
     trajectory: str = field(default_factory=ckpt.new_trajectory)  # this line of steps' id
+    hooks: Hooks = field(default_factory=lambda: Hooks())
+    stop_asked: bool = False  # a hook asked to stop after the current step
 
     def at_rest(self):
         """The context in which the actor is idle with the learner's current weights and the
@@ -147,4 +163,5 @@ class Run:
         self.dist.barrier()
         self.saved_step = self.step
         self.saved_at = time.monotonic()
+        self.hooks.on_save(self.step, folder)
         return folder

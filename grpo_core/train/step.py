@@ -19,7 +19,7 @@ from grpo_core.train.episodes import episode_metrics
 from grpo_core.train.experience import Experience, Scored, Timer
 from grpo_core.train.feed import Feed
 from grpo_core.train.learner import Learner
-from grpo_core.train.rollout import reward_means, zero_spread_groups
+from grpo_core.train.rollout import reward_means, shown_completion, zero_spread_groups
 from grpo_core.train.update import TrainBatch
 
 
@@ -81,7 +81,7 @@ def samples(scored: Scored, batch: TrainBatch) -> list[dict[str, Any]]:
     """Every ``G/2``-th row: prompt, completion, reward and mean advantage."""
     g, total, mask = scored.rollout.group_size, scored.scores.total, batch.mask
     return [
-        {"prompt": scored.prompts[i // g].text, "completion": scored.rollout.completions[i],
+        {"prompt": scored.prompts[i // g].text, "completion": shown_completion(scored.rollout, i),
          "reward": None if math.isnan(float(total[i])) else float(total[i]),
          "advantage": float(batch.advantages[i][mask[i]].mean()) if mask[i].any() else 0.0}
         for i in range(0, len(scored.rollout.completions), max(1, g // 2))

@@ -50,7 +50,7 @@ from pydantic import Field
 from grpo_core import hookimpl
 from grpo_core.contracts import Observation
 from grpo_core.errors import PluginError, fault_text
-from grpo_core.options import Options
+from grpo_core.options import Options, Seconds
 
 __all__ = ["ToolsOptions", "ToolsEnvironment", "tools_environment", "parse_tool_calls", "env_reward", "tool_success",
            "BUILTIN_TOOLS"]
@@ -71,7 +71,7 @@ class ToolsOptions(Options):
         description="Built-in tools to offer (the built-in 'tools' environment only; an environment "
         "made with tools_environment(fn, ...) offers its own functions plus these).",
     )
-    tool_timeout: float = Field(5.0, gt=0, description="Seconds one tool call may take before it is abandoned "
+    tool_timeout: Seconds = Field(5.0, gt=0, description="Seconds one tool call may take before it is abandoned "
                                 "and reported to the model as an error.")
     max_tool_output_chars: int = Field(1000, ge=1, description="A tool's output is cut to this many characters.")
     max_calls_per_turn: int = Field(

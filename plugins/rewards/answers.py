@@ -11,7 +11,7 @@ from pydantic import Field
 
 from grpo_core import hookimpl
 from grpo_core.contracts import completion_text
-from grpo_core.options import Options
+from grpo_core.options import Options, WholeSeconds
 
 __all__ = ["AccuracyOptions", "AccuracyReward"]
 
@@ -25,7 +25,7 @@ class AccuracyOptions(Options):
         description="Dataset column holding the gold answer of each prompt (a string or a "
         "number, e.g. '91' or '\\frac{1}{2}'); any non-empty column name.",
     )
-    timeout: int = Field(
+    timeout: WholeSeconds = Field(
         5,
         ge=0,
         description="Seconds math-verify may spend parsing or comparing one answer (an "

@@ -55,6 +55,12 @@ class RewardModelOptions(Options):
         False,
         description="Run modelling code shipped with the checkpoint; off unless you trust it.",
     )
+    add_special_tokens: bool | None = Field(
+        None,
+        description="Whether the tokenizer adds its special tokens (BOS, ...) to the input. null (default): "
+        "to plain prompt + completion text, not to chat-templated text (the template writes them); false: "
+        "never, as TRL's GRPOTrainer scores with a reward model; true: always.",
+    )
 
     @field_validator("path")
     @classmethod
@@ -87,8 +93,8 @@ class RewardModelReward:
     The model input is the prompt followed by the completion: the tokenizer's chat
     template applied to ``prompt + completion`` messages when the data is conversational
     and the tokenizer has a template (the template supplies any BOS token), else the two
-    texts concatenated and tokenized with the tokenizer's special tokens. The model and
-    tokenizer load on the first call (``local_files_only``).
+    texts concatenated and tokenized with the tokenizer's special tokens (``add_special_tokens``
+    decides otherwise). The model and tokenizer load on the first call (``local_files_only``).
     """
 
     def __init__(self, options: RewardModelOptions):
@@ -153,15 +159,16 @@ class RewardModelReward:
 
     def encode(self, texts: list[str], templated: bool) -> Any:
         """The model's inputs for ``texts`` (padded, truncated to ``max_length``; special
-        tokens added unless a chat template already put them in)."""
-        limit = self.options.max_length
+        tokens added unless a chat template already put them in, or as ``add_special_tokens``
+        says)."""
+        limit, special = self.options.max_length, self.options.add_special_tokens
         return self._tokenizer(
             texts,
             return_tensors="pt",
             padding=True,
             truncation=limit is not None,
             max_length=limit,
-            add_special_tokens=not templated,
+            add_special_tokens=(not templated) if special is None else special,
         ).to(self._device)
 
     def __call__(self, prompts: list, completions: list, **columns: Any) -> list[float]:

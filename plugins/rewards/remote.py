@@ -22,7 +22,8 @@ retried ``retries`` times, waiting ``backoff`` seconds, then twice that, and so 
 ``timeout`` is a deadline for a whole attempt (connect, send, read every byte of the
 answer), not for each socket read. Redirects (3xx) are not followed: they are an error,
 so the request and its headers never go to a host other than ``url``'s. An answer longer
-than ``max_response_bytes`` is an error. Reward values follow the engine's one rule
+than ``max_response_bytes`` is an error. (All of this is the project's one HTTP client,
+:mod:`grpo_core.http`.) Reward values follow the engine's one rule
 (:func:`grpo_core.contracts.reward_value`): a finite number (``true``/``false`` count
 as 1 and 0) or ``null``. Connections go straight to ``url``'s host (proxy environment
 variables are not used).
@@ -37,13 +38,8 @@ variable holding its value (e.g. ``{Authorization: RM_AUTH}`` with
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
-import socket
-import threading
-import time
-import urllib.parse
 from typing import Any
 
 from pydantic import Field, field_validator
@@ -51,19 +47,16 @@ from pydantic import Field, field_validator
 from grpo_core import hookimpl
 from grpo_core.contracts import reward_value
 from grpo_core.errors import RunError
-from grpo_core.options import Options
+from grpo_core.http import HTTPClient, HTTPFailure, TooLarge
+from grpo_core.options import Options, Seconds
 
 __all__ = ["RemoteOptions", "RemoteReward"]
-
-RETRIED_STATUS = frozenset({408, 429, 500, 502, 503, 504})
-_CHUNK = 1 << 16
-
 
 class RemoteOptions(Options):
     """Options of the ``remote`` reward."""
 
     url: str = Field(description="Endpoint that scores completions: an http:// or https:// URL.")
-    timeout: float = Field(
+    timeout: Seconds = Field(
         30.0, gt=0, description="Seconds one HTTP request may take in all (connect, send, and reading the whole "
         "answer), a deadline per attempt: retries get their own."
     )
@@ -71,8 +64,8 @@ class RemoteOptions(Options):
         3, ge=0, description="Further attempts after a connection error, a timeout, or status "
         "408, 429 or 5xx."
     )
-    backoff: float = Field(0.5, ge=0, description="Seconds before the first retry; doubled at each next one.")
-    backoff_max: float = Field(8.0, ge=0, description="Longest wait between two attempts, in seconds.")
+    backoff: Seconds = Field(0.5, ge=0, description="Seconds before the first retry; doubled at each next one.")
+    backoff_max: Seconds = Field(8.0, ge=0, description="Longest wait between two attempts, in seconds.")
     batch_size: int | None = Field(
         None, ge=1, description="Completions per request; default: the whole batch in one request "
         "(the slot's `concurrency` sends chunks of the batch in parallel)."
@@ -108,50 +101,24 @@ def _jsonable(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
-class _Retriable(Exception):
-    """A failure worth another attempt: a connection error, a timeout, status 408/429/5xx."""
-
-
-class _Watchdog:
-    """Shuts a socket when the request's deadline passes, from a timer thread: a blocked
-    read then returns at once (a per-read timeout alone lets a server that drips one byte
-    at a time hold the call for ever)."""
-
-    def __init__(self) -> None:
-        self.fired = False
-        self._timer: threading.Timer | None = None
-
-    def arm(self, sock: socket.socket, seconds: float) -> None:
-        self._timer = threading.Timer(max(0.0, seconds), self._fire, args=(sock,))
-        self._timer.daemon = True
-        self._timer.start()
-
-    def _fire(self, sock: socket.socket) -> None:
-        self.fired = True
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-
-    def cancel(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-
-
 class RemoteReward:
     """POSTs each batch to ``options.url`` and returns the ``rewards`` of the answer."""
 
     def __init__(self, options: RemoteOptions):
         self.options = options
         self.__name__ = "remote"
-        self.headers = {"Content-Type": "application/json", "Accept": "application/json", **options.headers}
+        headers = {"Content-Type": "application/json", "Accept": "application/json", **options.headers}
         for header, var in options.headers_from_env.items():
             if var not in os.environ:
                 raise RunError(
                     f"reward function 'remote' ({options.url}): header '{header}' takes its value from "
                     f"the environment variable {var}, which is not set"
                 )
-            self.headers[header] = os.environ[var]
+            headers[header] = os.environ[var]
+        self.client = HTTPClient(
+            timeout_s=options.timeout, max_bytes=options.max_response_bytes, retries=options.retries,
+            backoff_s=options.backoff, backoff_max_s=options.backoff_max, headers=headers,
+        )
 
     def __repr__(self) -> str:
         return f"remote(url={self.options.url!r})"
@@ -190,81 +157,18 @@ class RemoteReward:
             ) from None
 
     def _post(self, body: bytes) -> bytes:
-        """The answer's body, after retries; a RunError naming the URL when none succeeded."""
-        opts, attempt, wait = self.options, 0, self.options.backoff
-        while True:
-            try:
-                return self._attempt(body)
-            except _Retriable as exc:
-                detail = str(exc)
-            if attempt >= opts.retries:
-                raise RunError(
-                    f"reward function 'remote': POST {opts.url} failed after {attempt + 1} attempt(s): {detail}"
-                )
-            time.sleep(min(wait, opts.backoff_max))
-            attempt, wait = attempt + 1, wait * 2
-
-    def _attempt(self, body: bytes) -> bytes:
-        """One POST within ``timeout`` seconds in all (connect, send, every read): at the
-        deadline a watchdog shuts the socket, which ends any read. Redirects are answers
-        like any other status (not followed); the body is read up to ``max_response_bytes``."""
-        opts = self.options
-        deadline = time.monotonic() + opts.timeout
-        parts = urllib.parse.urlsplit(opts.url)
-        kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-        conn = kind(parts.hostname, parts.port, timeout=opts.timeout)
-        watchdog = _Watchdog()
+        """The answer's body, after retries; a RunError naming the function and the URL when
+        none succeeded (:mod:`grpo_core.http`: no redirects, the cap, the deadline)."""
         try:
-            conn.connect()
-            watchdog.arm(conn.sock, deadline - time.monotonic())
-            target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-            conn.request("POST", target, body=body, headers=self.headers)
-            answer = conn.getresponse()
-            data = self._read(answer, opts.max_response_bytes)
-        except (OSError, http.client.HTTPException) as exc:
-            if watchdog.fired or isinstance(exc, (TimeoutError, socket.timeout)):
-                raise _Retriable(f"timed out after {opts.timeout:g} s") from None
-            raise _Retriable(str(exc) or type(exc).__name__) from None
-        finally:
-            watchdog.cancel()
-            conn.close()
-        if watchdog.fired:  # a body read until the socket closed may be cut short
-            raise _Retriable(f"timed out after {opts.timeout:g} s")
-        return self._checked_status(answer, data)
-
-    def _read(self, answer: http.client.HTTPResponse, limit: int) -> bytes:
-        """The body, refused (a RunError naming the function) beyond ``limit`` bytes."""
-        declared = answer.getheader("Content-Length")
-        chunks, size = [], 0
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            size = int(declared)
-        while size <= limit:
-            chunk = answer.read(min(_CHUNK, limit + 1 - size))
-            if not chunk:
-                return b"".join(chunks)
-            chunks.append(chunk)
-            size += len(chunk)
-        raise RunError(
-            f"reward function 'remote': the answer of {self.options.url} is longer than max_response_bytes "
-            f"({limit} bytes); the server must answer one number per completion, or raise max_response_bytes"
-        )
-
-    def _checked_status(self, answer: http.client.HTTPResponse, data: bytes) -> bytes:
-        """``data`` of a 2xx answer; 408, 429 and 5xx are retried, anything else (a redirect
-        included: its headers would go to another host) is a RunError."""
-        opts = self.options
-        if 200 <= answer.status < 300:
-            return data
-        detail = f"HTTP {answer.status} {answer.reason}: {data[:200].decode('utf-8', 'replace')!r}"
-        if answer.status in RETRIED_STATUS:
-            raise _Retriable(detail)
-        if 300 <= answer.status < 400:
+            return self.client.request("POST", self.options.url, body=body).body
+        except TooLarge:
             raise RunError(
-                f"reward function 'remote': POST {opts.url} answered HTTP {answer.status} {answer.reason}, a "
-                f"redirect to {answer.getheader('Location')!r}; redirects are not followed (the request and its "
-                "headers go only to the url of the spec): set url to the address that answers"
-            )
-        raise RunError(f"reward function 'remote': POST {opts.url} answered {detail}")
+                f"reward function 'remote': the answer of {self.options.url} is longer than max_response_bytes "
+                f"({self.options.max_response_bytes} bytes); the server must answer one number per completion, "
+                "or raise max_response_bytes"
+            ) from None
+        except HTTPFailure as exc:
+            raise RunError(f"reward function 'remote': {exc}") from None
 
     def _rewards(self, raw: bytes, size: int) -> list[float | None]:
         """The ``rewards`` list of an answer, checked: ``size`` numbers or nulls."""

@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import Field
 
 from grpo_core import hookimpl
-from grpo_core.options import Options
+from grpo_core.options import Options, Seconds
 
 __all__ = ["MLflowOptions", "MLflowTracker"]
 
@@ -35,10 +35,10 @@ class MLflowOptions(Options):
         "(MLFLOW_TRACKING_URI when set, else a local store in the working directory).",
     )
     tags: dict[str, str] = Field(default_factory=dict, description="Tags set on the run.")
-    retry_every: float = Field(
+    retry_every: Seconds = Field(
         30.0, ge=0, description="Seconds between attempts to reach an unreachable server again."
     )
-    request_timeout: float = Field(
+    request_timeout: Seconds = Field(
         10.0, gt=0, description="Seconds one HTTP request to the server may take (MLFLOW_HTTP_REQUEST_TIMEOUT)."
     )
     request_retries: int = Field(

@@ -12,7 +12,7 @@ from grpo_plugins.trackers.common import GuardedTracker, markdown_table, require
 from pydantic import Field, model_validator
 
 from grpo_core import hookimpl
-from grpo_core.options import Options
+from grpo_core.options import Options, WholeSeconds
 from grpo_core.spec import SpecPath
 
 __all__ = ["TensorBoardOptions", "TensorBoardTracker"]
@@ -30,7 +30,7 @@ class TensorBoardOptions(Options):
         "Each run writes <log_dir>/<run name> (<run name>-<time> when an earlier run's events are there; a "
         "resumed run continues its own). View with: tensorboard --logdir <log_dir>.",
     )
-    flush_secs: int = Field(30, ge=1, description="Seconds between flushes of the event file to disk.")
+    flush_secs: WholeSeconds = Field(30, ge=1, description="Seconds between flushes of the event file to disk.")
 
     @model_validator(mode="after")
     def _installed(self) -> TensorBoardOptions:

@@ -1,17 +1,20 @@
 """vLLM for rollouts: the ``vllm`` backend, an engine in the trainer's process
 (:mod:`~grpo_plugins.vllm.colocated`, building it with :mod:`~grpo_plugins.vllm.engine`), and the
 ``vllm-server`` backend, vLLM servers addressed by URL (:mod:`~grpo_plugins.vllm.server`) with
-the HTTP client of one server (:mod:`~grpo_plugins.vllm.client`), the ``grpo-run serve`` command
-that starts one (:mod:`~grpo_plugins.vllm.serve`), the server's worker extension that receives
-the weights (:mod:`~grpo_plugins.vllm.worker`, loaded inside the server only: it imports vLLM)
-and the ``torch.distributed`` channel that carries them (:mod:`~grpo_plugins.vllm.channel`).
-What both backends send vLLM and make of its answers is :mod:`~grpo_plugins.vllm.io`.
+the client of one server, which checks its answers (:mod:`~grpo_plugins.vllm.client`, on the
+engine's :mod:`grpo_core.http`), the ``grpo-run serve`` command that starts one
+(:mod:`~grpo_plugins.vllm.serve`), the guard that makes the server require a shared secret
+(:mod:`~grpo_plugins.vllm.guard`, loaded inside the server), the server's worker extension that
+receives the weights (:mod:`~grpo_plugins.vllm.worker`, loaded inside the server only: it
+imports vLLM) and the ``torch.distributed`` channel that carries them
+(:mod:`~grpo_plugins.vllm.channel`). What both backends send vLLM and make of its answers is
+:mod:`~grpo_plugins.vllm.io`.
 
 Imports go one way, from the backends down to the leaves, and vLLM itself is imported only
 inside the functions that need it (and by ``worker``)::
 
     colocated -> engine, io                 server -> client, io
-    client -> channel     worker -> channel     serve (imports none)
+    client -> channel     worker -> channel     serve -> guard (which imports none)
 
 (both backends also take the policy's weights from :mod:`grpo_plugins.rollout.weights`). The
 plugins are ``colocated``, ``server`` and ``serve``.

@@ -5,7 +5,10 @@ FSDP2 learner keeps its own group and one learner can hold one channel per serve
 
 Both ends call :func:`open_group` with the same arguments except ``rank``: the learner is
 rank 0 and hosts the store; the server's vLLM workers are ranks ``1 .. world_size - 1``
-(one per tensor-parallel worker). What is sent each push is described by
+(one per tensor-parallel worker). The group's keys in the store are prefixed with a random
+``token`` the learner makes for each channel and hands the server through its (secret-guarded)
+``/init_weight_transfer_engine`` route: a process that reaches the store's port without it
+cannot take a member's place in the group. What is sent each push is described by
 :func:`update_info` (names, dtypes, shapes: the payload of vLLM's ``/update_weights``),
 then every tensor is broadcast from rank 0 in that order (:func:`send_tensors`,
 :func:`receive_tensors`). Plain PyTorch only: the learner needs no vLLM for it.
@@ -28,20 +31,22 @@ _PREFIX = "grpo-weights"
 
 
 def open_group(
-    host: str, port: int, rank: int, world_size: int, backend: str = "gloo", timeout_s: float = 300.0
+    host: str, port: int, rank: int, world_size: int, backend: str = "gloo", timeout_s: float = 300.0,
+    token: str = "",
 ) -> Any:
     """A process group of ``world_size`` members over a ``TCPStore`` at ``host:port``
     (rank 0 hosts the store and blocks until every member has joined, at most
     ``timeout_s``). Not registered as the default group: collectives go through the
     returned object. ``backend``: ``gloo`` (CPU tensors) or ``nccl`` (CUDA tensors, on the
-    current CUDA device; written for GPUs and not run on this project's CPU test machine)."""
+    current CUDA device; written for GPUs and not run on this project's CPU test machine).
+    ``token``: the channel's own prefix of keys in the store (the same on every member)."""
     if backend not in BACKENDS:
         raise ValueError(f"weight channel: backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=True)
-    store = dist.PrefixStore(_PREFIX, store)
+    store = dist.PrefixStore(f"{_PREFIX}/{token}" if token else _PREFIX, store)
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, world_size, timeout)
     options = dist.ProcessGroupNCCL.Options()

@@ -1,34 +1,51 @@
 """The learner's side of one vLLM rollout server (``grpo-run serve``): vLLM's own HTTP
-routes, called with the standard library's ``urllib``, and the weight channel of
+routes, called through the project's one HTTP client (:mod:`grpo_core.http`: no redirects, a
+cap on every answer, a deadline per attempt), and the weight channel of
 :mod:`grpo_plugins.vllm.channel`. The requests it sends are made by
-:func:`grpo_plugins.vllm.io.completion_body`.
+:func:`grpo_plugins.vllm.io.completion_body`; every answer to one is checked against it
+(:func:`to_outputs`) before it reaches a batch.
 
 Routes used (vLLM 0.32): ``/v1/models``; ``/v1/completions`` (OpenAI's, prompts as token ids,
 vLLM's sampling extras, ``return_token_ids``); ``/collective_rpc`` (the worker extension's
 ``grpo_server_info``); ``/init_weight_transfer_engine``, ``/start_weight_update``,
 ``/update_weights``, ``/finish_weight_update``, ``/weight_info`` (vLLM's weight-transfer API);
-``/reset_prefix_cache``. Nothing here imports vLLM.
+``/reset_prefix_cache``. With a shared secret every request carries ``Authorization: Bearer
+<secret>`` (what ``grpo-run serve``'s guard and vLLM's own ``--api-key`` check). Nothing here
+imports vLLM.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
+import math
+import secrets
 import socket
 import threading
 import time
-import urllib.error
-import urllib.request
 from typing import Any
 
 from grpo_plugins.vllm.channel import open_group, send_tensors, update_info
 from torch import Tensor
 
-__all__ = ["Completion", "ServerClient", "ServerFault", "local_address", "to_outputs"]
+from grpo_core.http import BadAnswer, HTTPClient, HTTPFailure, StatusError, TooLarge
+
+__all__ = ["Completion", "Expected", "InvalidAnswer", "ServerClient", "ServerFault", "local_address", "to_outputs"]
+
+#: The longest answer read from a route other than ``/v1/completions`` (model list, worker
+#: info, weight version): they are a few hundred bytes.
+SMALL_ANSWER_BYTES = 1 << 20
+#: What a ``/v1/completions`` answer may hold per token of each completion (its id, log-prob,
+#: text and vLLM's extras, generously), on top of :data:`SMALL_ANSWER_BYTES`.
+BYTES_PER_TOKEN = 512
 
 
 class ServerFault(Exception):
-    """A server did not answer (refused, timed out, an HTTP error, a broken weight channel)."""
+    """A server did not answer (refused, timed out, an HTTP error, a broken weight channel) or
+    answered what the request cannot have produced."""
+
+
+class InvalidAnswer(ValueError):
+    """What is wrong with an answer to ``/v1/completions`` (the caller names the server)."""
 
 
 def local_address(url_host: str) -> str:
@@ -59,29 +76,96 @@ class Output:
     outputs: list[Completion]
 
 
-def to_outputs(answer: dict[str, Any], where: str) -> Output:
-    """A ``/v1/completions`` answer as one prompt's output for ``outputs_to_batch``."""
-    completions = []
-    for choice in answer.get("choices") or []:
-        ids = choice.get("token_ids")
-        if ids is None:
-            raise ServerFault(f"{where}: the answer has no token_ids (a vLLM older than 0.10.2?)")
-        logps = (choice.get("logprobs") or {}).get("token_logprobs")
-        entries = None if logps is None else [{int(t): float(v)} for t, v in zip(ids, logps, strict=True)]
-        completions.append(
-            Completion(int(choice.get("index", 0)), [int(t) for t in ids], choice.get("finish_reason"),
-                       choice.get("text") or "", entries)
-        )
+@dataclasses.dataclass(frozen=True)
+class Expected:
+    """What an answer to one ``/v1/completions`` request must be: ``n`` completions, each of
+    at most ``max_tokens`` token ids in ``0 .. vocab_size - 1``, with one finite log-prob
+    ``<= 0`` per token; the prompt had ``prompt_tokens`` tokens (vLLM may echo them)."""
+
+    n: int
+    max_tokens: int
+    vocab_size: int
+    prompt_tokens: int = 0
+
+    @property
+    def max_bytes(self) -> int:
+        """The longest answer read: :data:`SMALL_ANSWER_BYTES` plus :data:`BYTES_PER_TOKEN`
+        per token the answer may hold (prompt and completion, each of ``n``)."""
+        return SMALL_ANSWER_BYTES + self.n * (self.prompt_tokens + self.max_tokens) * BYTES_PER_TOKEN
+
+
+def _ints(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _check_completion(k: int, choice: Any, expected: Expected) -> Completion:
+    """Completion ``k`` of an answer, checked against ``expected``; an :class:`InvalidAnswer` if not."""
+    if not isinstance(choice, dict):
+        raise InvalidAnswer(f"completion {k} is {type(choice).__name__}, not an object")
+    ids = choice.get("token_ids")
+    if ids is None:
+        raise InvalidAnswer(f"completion {k} has no token_ids (a vLLM older than 0.10.2?)")
+    if not _ints(ids):
+        raise InvalidAnswer(f"completion {k}: token_ids is not a list of integers: {str(ids)[:80]}")
+    if len(ids) > expected.max_tokens:
+        raise InvalidAnswer(f"completion {k} has {len(ids)} tokens, more than the {expected.max_tokens} asked for")
+    outside = [(t, i) for t, i in enumerate(ids) if not 0 <= i < expected.vocab_size]
+    if outside:
+        t, i = outside[0]
+        raise InvalidAnswer(f"completion {k} has token id {i} at position {t}, outside the policy's vocabulary "
+                            f"(0 .. {expected.vocab_size - 1}); is the server serving another model?")
+    logprobs = choice.get("logprobs")
+    logps = logprobs.get("token_logprobs") if isinstance(logprobs, dict) else None
+    if not isinstance(logps, list):
+        raise InvalidAnswer(f"completion {k} has no token_logprobs (the request asked for each token's log-prob)")
+    if len(logps) != len(ids):
+        raise InvalidAnswer(f"completion {k} has {len(logps)} log-probs for {len(ids)} tokens")
+    for t, value in enumerate(logps):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value > 0:
+            raise InvalidAnswer(f"completion {k} has log-prob {value!r} at position {t}; a log-prob is a finite "
+                                "number <= 0")
+    text, finish = choice.get("text"), choice.get("finish_reason")
+    if not isinstance(text, (str, type(None))) or not isinstance(finish, (str, type(None))):
+        raise InvalidAnswer(f"completion {k}: text and finish_reason must be strings or null")
+    return Completion(choice.get("index"), list(ids), finish, text or "",
+                      [{i: float(v)} for i, v in zip(ids, logps, strict=True)])
+
+
+def to_outputs(answer: Any, expected: Expected) -> Output:
+    """A ``/v1/completions`` answer as one prompt's output for ``outputs_to_batch``, after
+    checking it against the request (:class:`Expected`): the number of completions, their
+    indices ``0 .. n - 1`` once each, token ids within the vocabulary and no more than asked,
+    one finite log-prob ``<= 0`` per token. An :class:`InvalidAnswer` says what is wrong."""
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    if not isinstance(choices, list):
+        raise InvalidAnswer(f"the answer has no list of choices: {str(answer)[:120]}")
+    if len(choices) != expected.n:
+        raise InvalidAnswer(f"{len(choices)} completion(s) for a request of n={expected.n}")
+    completions = [_check_completion(k, choice, expected) for k, choice in enumerate(choices)]
+    indices = sorted(c.index for c in completions if isinstance(c.index, int) and not isinstance(c.index, bool))
+    if indices != list(range(expected.n)):
+        raise InvalidAnswer(f"completion indices {[c.index for c in completions]}; expected 0 .. {expected.n - 1} "
+                            "once each")
     return Output(completions)
 
 
 class ServerClient:
-    """One rollout server at ``url``: requests bounded by ``timeout_s``, retried
-    ``retries`` times (``backoff_s`` apart, doubling) before a :class:`ServerFault`."""
+    """One rollout server at ``url``: every request bounded by ``timeout_s`` in all (a deadline
+    per attempt) and retried ``retries`` times (``backoff_s`` apart, doubling) after a
+    connection error, a timeout or a server error (5xx), then a :class:`ServerFault`. With
+    ``secret``, every request sends it as ``Authorization: Bearer <secret>``;
+    ``secret_env`` names where it came from, for the messages."""
 
-    def __init__(self, url: str, timeout_s: float, retries: int, backoff_s: float = 0.5):
+    def __init__(self, url: str, timeout_s: float, retries: int, backoff_s: float = 0.5, *,
+                 secret: str | None = None, secret_env: str = "GRPO_SERVE_SECRET"):
         self.url = url.rstrip("/")
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
+        self.secret_env, self.sends_secret = secret_env, bool(secret)
+        headers = {"Accept": "application/json"}
+        if secret:
+            headers["Authorization"] = f"Bearer {secret}"
+        self.http = HTTPClient(timeout_s=timeout_s, max_bytes=SMALL_ANSWER_BYTES, retries=retries,
+                               backoff_s=backoff_s, backoff_max_s=max(backoff_s, 8.0), headers=headers)
         self.group: Any = None
         self.model = ""
         self.dtype = "float32"
@@ -90,26 +174,49 @@ class ServerClient:
     # ------------------------------------------------------------------ HTTP
     def call(self, method: str, path: str, body: Any = None, *, retries: int | None = None,
              timeout_s: float | None = None) -> Any:
-        """The JSON answer of ``method path``; retried on a refused or timed-out connection
-        and on a server error (5xx), not on a refused request (4xx). One connection per call
-        (the standard library's ``urllib``): calls come from several threads at once."""
-        tries = 1 + (self.retries if retries is None else retries)
-        delay, last = self.backoff_s, ""
-        for attempt in range(tries):
+        """The JSON answer of ``method path`` (None when empty); retried on a refused or
+        timed-out connection and on a server error (5xx), not on a refused request (4xx) nor
+        a redirect (an error: it is not followed). One connection per call: calls come from
+        several threads at once."""
+        try:
+            return self.http.request(method, self.url + path, json=body, retries=retries, timeout_s=timeout_s).json()
+        except HTTPFailure as exc:
+            raise ServerFault(self._explain(exc)) from None
+
+    def complete(self, body: dict[str, Any], expected: Expected) -> Output:
+        """The answer to one ``/v1/completions`` request, checked against ``expected``
+        (:func:`to_outputs`). An answer that fails the check, is not JSON or exceeds
+        :attr:`Expected.max_bytes` is the server's fault like a failed connection: retried,
+        then a :class:`ServerFault` saying what was wrong."""
+        url, wait = self.url + "/v1/completions", self.backoff_s
+        for attempt in range(1, self.retries + 2):
             try:
-                return _request(method, self.url + path, body, timeout_s or self.timeout_s)
-            except urllib.error.HTTPError as exc:
-                last = f"HTTP {exc.code}: {exc.read()[:300].decode(errors='replace')}"
-                if exc.code < 500:
-                    break  # the request is wrong: retrying cannot help
-            except (OSError, ValueError) as exc:  # refused, reset, timed out; an answer that is not JSON
-                cause = exc.reason if isinstance(exc, urllib.error.URLError) and isinstance(exc.reason, Exception) \
-                    else exc
-                last = f"{type(cause).__name__}: {cause}"
-            if attempt + 1 < tries:
-                time.sleep(delay)
-                delay *= 2
-        raise ServerFault(f"{method} {self.url}{path} failed after {tries} attempt(s): {last}")
+                answer = self.http.attempt("POST", url, json=body, max_bytes=expected.max_bytes)
+                try:
+                    return to_outputs(answer.json(), expected)
+                except InvalidAnswer as exc:
+                    raise BadAnswer("POST", url, f"gave an answer the request cannot have produced: {exc}") from None
+            except HTTPFailure as exc:
+                exc.attempts = attempt
+                if not (exc.retriable or isinstance(exc, (BadAnswer, TooLarge))) or attempt > self.retries:
+                    raise ServerFault(self._explain(exc)) from None
+            time.sleep(min(wait, 8.0))
+            wait *= 2
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _explain(self, exc: HTTPFailure) -> str:
+        """``exc``'s message (method, URL, attempts, what failed), plus what to do about a
+        refused credential."""
+        text = str(exc)
+        if exc.attempts > 1 and not exc.retriable:
+            text = f"{exc.method} {exc.url} failed after {exc.attempts} attempt(s): {exc.reason}"
+        if isinstance(exc, StatusError) and exc.status in (401, 403):
+            if self.sends_secret:
+                text += f"; the secret in {self.secret_env} is not the one this server was started with"
+            else:
+                text += (f"; the server wants a shared secret: set {self.secret_env} in the learner's environment "
+                         "to the value grpo-run serve was started with (its GRPO_SERVE_SECRET or --api-key)")
+        return text
 
     def connect(self) -> None:
         """Check the server is up and ``grpo-run serve``'s; learn its model name, dtype and
@@ -134,17 +241,16 @@ class ServerClient:
             )
         self.dtype, self.workers = dtype, len(engines)
 
-    def complete(self, body: dict[str, Any]) -> Output:
-        return to_outputs(self.call("POST", "/v1/completions", body), self.url)
-
     # ------------------------------------------------------------------ weights
     def open_channel(self, host: str, port: int, backend: str, timeout_s: float) -> None:
-        """Make the weight channel: the server's workers join this process's group."""
+        """Make the weight channel: the server's workers join this process's group, whose keys
+        carry a random token that only the server (told through its guarded route) knows."""
+        token = secrets.token_hex(16)
         info = {"host": host, "port": port, "world_size": 1 + self.workers, "backend": backend,
-                "timeout_s": timeout_s}
+                "timeout_s": timeout_s, "token": token}
         joined = self._background("POST", "/init_weight_transfer_engine", {"init_info": info}, timeout_s)
         try:
-            self.group = open_group(host, port, 0, 1 + self.workers, backend, timeout_s)
+            self.group = open_group(host, port, 0, 1 + self.workers, backend, timeout_s, token)
         except Exception as exc:
             raise ServerFault(f"{self.url}: its workers did not join the weight channel at {host}:{port}: {exc}") \
                 from exc
@@ -192,15 +298,6 @@ class ServerClient:
         threading.Thread(target=run, name=f"grpo-server{path}", daemon=True).start()
         pending.timeout_s = timeout_s
         return pending
-
-
-def _request(method: str, url: str, body: Any, timeout_s: float) -> Any:
-    """One HTTP request with a JSON body (or none); its JSON answer, or None when empty."""
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout_s) as answer:
-        content = answer.read()
-    return json.loads(content) if content else None
 
 
 class _Pending:

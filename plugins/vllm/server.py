@@ -19,10 +19,15 @@ The learner needs PyTorch and the standard library, not vLLM: this module import
 validates specs without it.
 
 Several URLs are data-parallel generation: a step's prompts are split into contiguous,
-near-equal parts (:func:`assign_prompts`). Faults: every request is bounded by
-``timeout_s`` and retried ``retries`` times; a server that still fails (refused, timed out,
-an error, a broken weight channel) is dropped for the rest of the run and its unfinished
-prompts go to the live ones (:class:`Failover`). Each prompt's seed travels with it, so
+near-equal parts (:func:`assign_prompts`). Every request goes through the project's one HTTP
+client (:mod:`grpo_core.http`): a deadline of ``timeout_s`` per attempt however slowly a server
+answers, a cap on the answer's size, no redirects. Every answer is checked against its request
+before it enters a batch (:func:`~grpo_plugins.vllm.client.to_outputs`: ``G`` completions, token
+ids within the policy's vocabulary, one finite log-prob ``<= 0`` per token): a bad answer is
+that server's fault, like a failed connection. Faults: a request is retried ``retries``
+times; a server that still fails (refused, timed out, an error, a bad answer, a broken
+weight channel) is dropped for the rest of the run and its unfinished prompts go to the
+live ones (:class:`Failover`). Each prompt's seed travels with it, so
 the batch is the same whichever server samples it. With no server left the rollout raises
 a :class:`~grpo_core.errors.RunError` naming every URL and what failed: the run stops with
 exit 1 and the engine's failure path keeps the last completed step's checkpoint.
@@ -35,19 +40,19 @@ import logging
 import os
 import socket
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import torch
 from grpo_plugins.rollout.weights import cast_weights, policy_weights
-from grpo_plugins.vllm.client import ServerClient, ServerFault, local_address
+from grpo_plugins.vllm.client import Expected, ServerClient, ServerFault, local_address
 from grpo_plugins.vllm.io import completion_body, outputs_to_batch, repeat_greedy, request_seed
-from pydantic import Field, field_validator
+from pydantic import AfterValidator, Field, field_validator
 
 from grpo_core import hookimpl
 from grpo_core.contracts import RolloutBatch, SamplingParams, check_request, special_ids
 from grpo_core.errors import RunError
-from grpo_core.options import Options
+from grpo_core.options import Options, Seconds
 
 __all__ = ["Failover", "VLLMServerOptions", "VLLMServerRollout", "assign_prompts", "check_url"]
 
@@ -71,18 +76,22 @@ def check_url(url: str) -> str:
     return url.rstrip("/")
 
 
+#: One server's URL in the options, checked item by item (every bad one is reported).
+ServerURL = Annotated[str, AfterValidator(check_url)]
+
+
 class VLLMServerOptions(Options):
     """Options of the ``vllm-server`` rollout backend (sampling settings come from the
     spec's rollout section)."""
 
-    urls: list[str] = Field(
+    urls: list[ServerURL] = Field(
         min_length=1,
         description=(
             "The rollout servers, started with grpo-run serve (http://HOST:PORT each). Several are "
             "data-parallel generation: each step's prompts are split across them."
         ),
     )
-    timeout_s: float = Field(
+    timeout_s: Seconds = Field(
         120.0,
         gt=0,
         description=(
@@ -133,10 +142,19 @@ class VLLMServerOptions(Options):
         ),
     )
 
+    secret_env: str = Field(
+        "GRPO_SERVE_SECRET",
+        min_length=1,
+        description=(
+            "Environment variable holding the servers' shared secret (the value grpo-run serve was started "
+            "with in its GRPO_SERVE_SECRET, or its vLLM --api-key), sent as 'Authorization: Bearer ...' with "
+            "every request; unset: no credential is sent. The secret itself never goes in the spec."
+        ),
+    )
+
     @field_validator("urls")
     @classmethod
     def _urls(cls, urls: list[str]) -> list[str]:
-        urls = [check_url(u) for u in urls]
         repeated = sorted({u for u in urls if urls.count(u) > 1})
         if repeated:
             raise ValueError(f"each server once: {', '.join(repeated)} is listed more than once")
@@ -197,7 +215,10 @@ class VLLMServerRollout:
     def __init__(self, options: VLLMServerOptions):
         self.options = options
         self.failover = Failover(options.urls)
-        self.clients = {u: ServerClient(u, options.timeout_s, options.retries) for u in options.urls}
+        secret = os.environ.get(options.secret_env) or None
+        self.clients = {u: ServerClient(u, options.timeout_s, options.retries, secret=secret,
+                                        secret_env=options.secret_env) for u in options.urls}
+        self.vocab_size = 0
         self.device = torch.device("cpu")
         self.tokenizer: Any = None
         self.syncs = 0
@@ -212,6 +233,7 @@ class VLLMServerRollout:
         only) and push the policy's weights (weight version 1; each push adds one)."""
         self.tokenizer = tokenizer
         self.eos_ids, self.pad_id = special_ids(model, tokenizer, NAME)
+        self.vocab_size = _vocab_size(model)
         self.device = next(model.parameters()).device
         self.backend = self.options.weight_backend
         if self.backend == "auto":
@@ -242,11 +264,12 @@ class VLLMServerRollout:
         backend's convention). Returns ``B = P * G`` rows, prompt-major, with the servers'
         ``sampling_logp`` (``float32 (B, T)``)."""
         check_request(prompt_ids, group_size, sampling, NAME)
-        bodies = []
+        requests = []
         for i, prompt in enumerate(prompt_ids):
             seed = None if sampling.seed is None else request_seed(sampling.seed + i)
-            bodies.append(completion_body(list(prompt), group_size, sampling, self.eos_ids, seed, ""))
-        outputs = self._complete(bodies)
+            body = completion_body(list(prompt), group_size, sampling, self.eos_ids, seed, "")
+            requests.append((body, Expected(body["n"], sampling.max_new_tokens, self.vocab_size, len(prompt))))
+        outputs = self._complete(requests)
         if sampling.greedy:
             outputs = repeat_greedy(outputs, group_size)
         return outputs_to_batch(
@@ -256,17 +279,19 @@ class VLLMServerRollout:
         )
 
     # ----------------------------------------------------------------- internals
-    def _complete(self, bodies: list[dict[str, Any]]) -> list[Any]:
-        """Each request's answer, in order; a failing server's requests move to live ones."""
+    def _complete(self, requests: list[tuple[dict[str, Any], Expected]]) -> list[Any]:
+        """Each request's checked answer, in order; the requests of a server that fails (no
+        answer, or an answer the request cannot have produced, after its retries) move to
+        the live ones."""
         live = self.failover.live()
         if not live:
             raise RunError(self.failover.failure())
-        todo = {i: live[s] for i, s in enumerate(assign_prompts(len(bodies), len(live)))}
-        results: list[Any] = [None] * len(bodies)
+        todo = {i: live[s] for i, s in enumerate(assign_prompts(len(requests), len(live)))}
+        results: list[Any] = [None] * len(requests)
         while todo:
             failed: list[int] = []
             with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(todo), 64)) as pool:
-                futures = {pool.submit(self._ask, url, bodies[i]): (i, url) for i, url in todo.items()}
+                futures = {pool.submit(self._ask, url, *requests[i]): (i, url) for i, url in todo.items()}
                 for future in concurrent.futures.as_completed(futures):
                     i, url = futures[future]
                     try:
@@ -277,11 +302,11 @@ class VLLMServerRollout:
             todo = self.failover.reassign(sorted(failed)) if failed else {}
         return results
 
-    def _ask(self, url: str, body: dict[str, Any]) -> Any:
+    def _ask(self, url: str, body: dict[str, Any], expected: Expected) -> Any:
         if url in self.failover.dropped:  # dropped while this request waited
             raise ServerFault(self.failover.dropped[url])
         client = self.clients[url]
-        return client.complete({**body, "model": client.model})
+        return client.complete({**body, "model": client.model}, expected)
 
     def _open_channels(self) -> None:
         port = self.options.weight_port
@@ -339,6 +364,14 @@ class VLLMServerRollout:
             action(self.clients[url])
         except ServerFault as exc:
             self.failover.drop(url, f"{what}: {exc}")
+
+
+def _vocab_size(model: Any) -> int:
+    """Rows of the policy's input embedding: the token ids it can take (a server's answer
+    holding another is refused)."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    rows = getattr(embeddings, "num_embeddings", None)
+    return int(rows if rows is not None else model.config.vocab_size)
 
 
 def _rank() -> int:

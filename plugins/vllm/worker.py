@@ -40,7 +40,8 @@ ENGINE_NAME = "grpo_torch"
 class TorchInitInfo(WeightTransferInitInfo):
     """Where the learner's channel is: its store's ``host:port``, the group's size (1 +
     the server's workers), the rank of this server's first worker (1), the
-    ``torch.distributed`` backend and the group's timeout in seconds."""
+    ``torch.distributed`` backend, the group's timeout in seconds and its token (the
+    channel's prefix of keys in the store)."""
 
     host: str
     port: int
@@ -48,6 +49,7 @@ class TorchInitInfo(WeightTransferInitInfo):
     rank_offset: int = 1
     backend: str = "gloo"
     timeout_s: float = 300.0
+    token: str = ""
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -90,7 +92,8 @@ class TorchWeightTransferEngine(WeightTransferEngine[TorchInitInfo, TorchUpdateI
             )
         rank = init_info.rank_offset + self.parallel_config.rank
         self.group = open_group(
-            init_info.host, init_info.port, rank, init_info.world_size, init_info.backend, init_info.timeout_s
+            init_info.host, init_info.port, rank, init_info.world_size, init_info.backend, init_info.timeout_s,
+            init_info.token,
         )
 
     def start_weight_update(self) -> None:

@@ -72,6 +72,7 @@ BROKEN = {
     "step_splitter": (NOT_CALLABLE, "__call__"),
     "tracker": (NoFinishTracker(), "finish"),
     "environment": (NoStepEnvironment(), "step"),
+    "agent": (NOT_CALLABLE, "__call__"),
 }
 
 

@@ -63,6 +63,17 @@ def test_the_site_builds_strict(tmp_path):
     assert "Your first plugin: a reward function" in (site / "contributing.html").read_text(encoding="utf-8")
     assert "stochastic_rounding" in (site / "concepts.html").read_text(encoding="utf-8")  # seeds.py included
     assert "fonts.googleapis" not in (site / "index.html").read_text(encoding="utf-8")
+    trl = (site / "coming-from-trl.html").read_text(encoding="utf-8")  # the generated table is included
+    assert "use_bias_correction_kl" in trl and "Ignored fields" in trl and "--8&lt;--" not in trl
+    assert not (site / "reference" / "trl.html").exists()  # not a page of its own
+
+
+def test_the_trl_table_lists_every_field_of_the_door():
+    from grpo_core.trl import FIELDS
+
+    page = docs_gen.trl_page()
+    for entry in FIELDS:
+        assert f"| `{entry.name}` |" in page, entry.name
 
 
 # --------------------------------------------------------------------------- generated reference

@@ -67,3 +67,21 @@ def test_no_engine_module_imports_a_built_in_plugin():
         for path in ENGINE.rglob("*.py")
     }
     assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_every_package_is_listed_for_the_wheel():
+    """pyproject.toml lists the packages a wheel holds: every folder with an ``__init__.py``
+    under grpo_core/ and plugins/ (installed as grpo_plugins), and nothing else. An editable
+    install finds an unlisted sub-package anyway; a wheel would ship without it."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        tomllib = pytest.importorskip("tomli")
+    root = ENGINE.parent
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]["packages"])
+    found = set()
+    for top, name in (("grpo_core", "grpo_core"), ("plugins", "grpo_plugins")):
+        for init in (root / top).rglob("__init__.py"):
+            parts = init.parent.relative_to(root / top).parts
+            found.add(".".join((name, *parts)))
+    assert listed == found

@@ -391,6 +391,45 @@ def test_every_problem_is_reported_at_once_with_path_and_line(problems):
     assert "unknown advantage estimator 'grpp'; did you mean 'grpo'?" in by_path["spec.algorithm.advantage.name"]
 
 
+@pytest.mark.parametrize("engine_field", ["max_staleness: -1", "group_size: 1", "temperature: 0"])
+def test_a_bad_engine_field_of_a_slot_does_not_hide_its_plugins_option_errors(problems, engine_field):
+    """Issue 34, item 12: before, a bad ``max_staleness`` (or ``group_size``) was the only problem
+    reported, the backend's bad options hidden behind it."""
+    found = problems(f"model: {{path: m}}\nrewards: [{{name: accuracy}}]\n"
+                     f"rollout: {{{engine_field}, dtype: float8, sampler: gumbel}}\n")
+    key = engine_field.split(":")[0]
+    assert [p.split(" ", 1)[0] for p in found] == [f"spec.rollout.{key}", "spec.rollout.dtype", "spec.rollout.sampler"]
+    assert found[1] == "spec.rollout.dtype (line 3): Input should be 'auto', 'bfloat16', 'float16' or 'float32'"
+
+
+def test_every_bad_url_and_duration_of_the_server_backend_is_reported(problems):
+    found = problems(
+        """\
+        model: {path: m}
+        rewards: [{name: accuracy}]
+        rollout:
+          name: vllm-server
+          max_staleness: -1
+          urls: [localhost, "ftp://x:1", "http://ok:1"]
+          timeout_s: 1.0e+30
+        """
+    )
+    by_path = {p.split(" ", 1)[0]: p for p in found}
+    assert set(by_path) == {"spec.rollout.max_staleness", "spec.rollout.urls.0", "spec.rollout.urls.1",
+                            "spec.rollout.timeout_s"}
+    assert "'localhost' is not a server URL: write http://HOST:PORT" in by_path["spec.rollout.urls.0"]
+    assert "'ftp://x:1' is not a server URL" in by_path["spec.rollout.urls.1"]
+    assert by_path["spec.rollout.timeout_s"] == (
+        "spec.rollout.timeout_s (line 7): at most 31536000 seconds (365 days), got 1e+30: a longer wait bounds "
+        "nothing, and the platform's locks and sockets cannot represent one much longer")
+
+
+def test_a_nested_slot_is_checked_when_its_parent_failed(problems):
+    found = problems("model: {path: m}\nrewards: [{name: accuracy}]\n"
+                     "rollout: {max_staleness: -1, environment: {name: toolz}}\n")
+    assert any(p.startswith("spec.rollout.environment.name (line 3): unknown environment 'toolz'") for p in found)
+
+
 def test_spec_error_message_counts_and_lists_every_problem(tmp_path, plugins):
     path = tmp_path / "two.yaml"
     path.write_text("model: {path: m}\nrewards: [{name: nope}]\ntrain: {steps: x}\n", encoding="utf-8")

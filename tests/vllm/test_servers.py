@@ -2,9 +2,12 @@
 vLLM's own OpenAI server with the ``grpo_torch`` weight channel), started here on
 127.0.0.1 on free ports and killed (their whole process group) at the end, even on failure.
 
-Two servers serve the whole module, in order: pushes (log-probs of a fixed sequence),
-a batch split across both, a ``grpo-run`` that trains on them, a hung server failed over,
-and last a run whose only server is killed mid-run (exit 1, last step checkpointed).
+Two servers serve the whole module, in order: their routes locked by the shared secret,
+pushes (log-probs of a fixed sequence), a batch split across both, a ``grpo-run`` that trains
+on them, a hung server failed over, and last a run whose only server is killed mid-run (exit
+1, last step checkpointed). Both require the shared secret: the first gets it from
+``GRPO_SERVE_SECRET``, the second as vLLM's own ``--api-key``; the learner (this process and
+the ``grpo-run`` it starts) sends it from ``GRPO_SERVE_SECRET``.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from .test_runs import CHILD_ENV, COUNTDOWN, GAP, SPEC, max_change, step_rows
 pytestmark = pytest.mark.vllm
 
 START_S = 240  # two servers starting at once on two shared cores
+SECRET = "grpo-test-secret"
+AUTH = {"Authorization": f"Bearer {SECRET}"}
 
 
 def free_port() -> int:
@@ -44,15 +49,20 @@ def free_port() -> int:
 class Server:
     """One ``grpo-run serve`` process group, its URL and log."""
 
-    def __init__(self, model_dir: Path, log: Path):
+    def __init__(self, model_dir: Path, log: Path, as_api_key: bool = False):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        env = {**os.environ, **CHILD_ENV}
+        env = {k: v for k, v in {**os.environ, **CHILD_ENV}.items() if k != "GRPO_SERVE_SECRET"}
+        vllm_args = ["--max-num-seqs", "32"]
+        if as_api_key:
+            vllm_args += ["--api-key", SECRET]
+        else:
+            env["GRPO_SERVE_SECRET"] = SECRET
         with open(log, "w") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "grpo_core.cli", "serve", str(model_dir), "--port", str(self.port),
-                 "--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--", "--max-num-seqs", "32"],
+                 "--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--", *vllm_args],
                 stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
             )
 
@@ -76,14 +86,14 @@ class Server:
             self.proc.wait(timeout=30)
 
     def finished_requests(self) -> float:
-        text = requests.get(self.url + "/metrics", timeout=10).text
+        text = requests.get(self.url + "/metrics", headers=AUTH, timeout=10).text
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith("vllm:request_success_total{"))
 
     def logprobs(self, seq: list[int]) -> torch.Tensor:
         """The server's log-probs of ``seq[1:]`` given the tokens before each (prompt log-probs)."""
         body = {"prompt": seq, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 1.0}
-        answer = requests.post(self.url + "/v1/completions", json=body, timeout=60).json()
+        answer = requests.post(self.url + "/v1/completions", json=body, headers=AUTH, timeout=60).json()
         rows = answer["choices"][0]["prompt_logprobs"]
         return torch.tensor([rows[t][str(seq[t])]["logprob"] for t in range(1, len(seq))])
 
@@ -93,10 +103,22 @@ def model_dir(tmp_path_factory) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("server-model") / "model", hidden_size=HIDDEN)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def learner_secret():
+    """The learner's GRPO_SERVE_SECRET, in this process and the runs it starts."""
+    before = os.environ.get("GRPO_SERVE_SECRET")
+    os.environ["GRPO_SERVE_SECRET"] = SECRET
+    yield
+    if before is None:
+        os.environ.pop("GRPO_SERVE_SECRET", None)
+    else:
+        os.environ["GRPO_SERVE_SECRET"] = before
+
+
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory, model_dir):
     folder = tmp_path_factory.mktemp("servers")
-    started = [Server(model_dir, folder / f"server{k}.log") for k in range(2)]
+    started = [Server(model_dir, folder / f"server{k}.log", as_api_key=k == 1) for k in range(2)]
     try:
         deadline = time.monotonic() + START_S
         for server in started:
@@ -147,6 +169,28 @@ def perturb(model, seed: int) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=generator))
+
+
+@pytest.mark.parametrize("path", ["/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
+                                  "/finish_weight_update", "/collective_rpc", "/reset_prefix_cache", "/v1/completions"])
+def test_every_route_but_health_needs_the_shared_secret(servers, path):
+    """vLLM's --api-key alone guards /v1 only; with grpo-run serve's guard the weight routes
+    answer 401 without the secret, on both servers (secret from the environment, or --api-key)."""
+    for server in servers:
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            refused = requests.post(server.url + path, json={}, headers=headers, timeout=30)
+            assert refused.status_code == 401, (server.url, path, refused.text)
+        assert requests.get(server.url + "/health", timeout=30).status_code == 200
+        assert requests.get(server.url + "/v1/models", headers=AUTH, timeout=30).status_code == 200
+
+
+def test_a_learner_without_the_secret_is_refused_naming_the_variable(servers, tokenizer, monkeypatch):
+    from grpo_core.errors import RunError
+
+    monkeypatch.delenv("GRPO_SERVE_SECRET")
+    model = build_model(tokenizer, seed=1, hidden_size=HIDDEN).float()
+    with pytest.raises(RunError, match="set GRPO_SERVE_SECRET in the learner's environment"):
+        backend([servers[0].url], retries=0, timeout_s=30).setup(model, tokenizer)
 
 
 def test_pushes_reach_every_server(servers, tokenizer):

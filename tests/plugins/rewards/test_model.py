@@ -79,6 +79,31 @@ def test_reward_model_applies_the_chat_template_to_conversations(reward_model_di
     assert scores == pytest.approx(expected, abs=1e-5)
 
 
+@pytest.mark.parametrize(("option", "plain", "templated"), [(None, True, False), (False, False, False),
+                                                          (True, True, True)])
+def test_reward_model_special_tokens_follow_the_option(reward_model_dir, option, plain, templated):
+    """null: special tokens on plain text only (the chat template writes its own); false: never
+    (TRL's GRPOTrainer); true: always. The test tokenizer adds none, so the call is watched."""
+    path, _, _ = reward_model_dir
+    reward = RewardModelReward(RewardModelOptions(path=str(path), add_special_tokens=option))
+    reward(["1 + 2 = "], ["3"])  # loads the model
+    seen = []
+    tokenizer = reward._tokenizer
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+        def __call__(self, texts, **kwargs):
+            seen.append(kwargs["add_special_tokens"])
+            return tokenizer(texts, **kwargs)
+
+    reward._tokenizer = Spy()
+    reward(["1 + 2 = "], ["3"])
+    reward([[{"role": "user", "content": "1 + 2?"}]], [chat("3")])
+    assert seen == [plain, templated]
+
+
 def test_reward_model_truncation_keeps_the_end(reward_model_dir):
     path, model, tokenizer = reward_model_dir
     text = "What is 12 + 7? Think step by step. 12 + 7 = 19"

@@ -1,5 +1,5 @@
-"""The weight channel: a real gloo group of two members carries every tensor exactly; an unknown
-backend is refused."""
+"""The weight channel: a real gloo group of two members carries every tensor exactly; a process
+without the channel's token cannot join it; an unknown backend is refused."""
 
 from __future__ import annotations
 
@@ -26,14 +26,14 @@ def test_the_channel_carries_every_tensor_exactly():
 
     def receiver():
         try:
-            group = open_group("127.0.0.1", port, 1, 2, "gloo", timeout_s=30)
+            group = open_group("127.0.0.1", port, 1, 2, "gloo", timeout_s=30, token="t0")
             got.extend(receive_tensors(group, json.loads(json.dumps(info)), "cpu"))
         except BaseException as exc:  # reported below
             errors.append(exc)
 
     thread = threading.Thread(target=receiver)
     thread.start()
-    group = open_group("127.0.0.1", port, 0, 2, "gloo", timeout_s=30)
+    group = open_group("127.0.0.1", port, 0, 2, "gloo", timeout_s=30, token="t0")
     send_tensors(group, (t for _, t in weights))
     thread.join(30)
     assert not errors and not thread.is_alive()
@@ -45,3 +45,23 @@ def test_the_channel_carries_every_tensor_exactly():
 def test_the_channel_refuses_an_unknown_backend():
     with pytest.raises(ValueError, match="backend must be one of gloo, nccl, got 'mpi'"):
         open_group("127.0.0.1", 1, 0, 2, "mpi")
+
+
+def test_a_member_without_the_channels_token_cannot_take_a_place_in_it():
+    """The learner's store is reachable by anyone who reaches its port; the group's keys carry
+    the token the server got through its guarded route. A process with another token (or none)
+    does not complete the group: both sides time out, nothing is sent to it."""
+    port, errors = free_port(), []
+
+    def intruder():
+        try:
+            open_group("127.0.0.1", port, 1, 2, "gloo", timeout_s=3, token="guess")
+        except BaseException as exc:  # expected: it never meets rank 0
+            errors.append(exc)
+
+    thread = threading.Thread(target=intruder)
+    thread.start()
+    with pytest.raises(Exception, match="(?i)timeout|timed out"):
+        open_group("127.0.0.1", port, 0, 2, "gloo", timeout_s=3, token="0f3a")
+    thread.join(30)
+    assert not thread.is_alive() and errors

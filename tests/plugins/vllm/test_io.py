@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from grpo_plugins.vllm.client import to_outputs
+from grpo_plugins.vllm.client import Expected, to_outputs
 from grpo_plugins.vllm.io import completion_body, outputs_to_batch, repeat_greedy, request_seed, sampling_kwargs
 
 from grpo_core.contracts import SamplingParams
@@ -165,7 +165,8 @@ def test_an_answer_becomes_the_batch_outputs_to_batch_makes():
         {"index": 0, "text": "a", "token_ids": [5, 6, 8], "finish_reason": "length",
          "logprobs": {"token_logprobs": [-1.0, -2.0, -3.0]}},
     ]}
-    batch = outputs_to_batch([to_outputs(answer, "x")], [[1, 2]], 2, pad_id=9, eos_ids=[0], max_new_tokens=3)
+    outputs = [to_outputs(answer, Expected(n=2, max_tokens=3, vocab_size=10))]
+    batch = outputs_to_batch(outputs, [[1, 2]], 2, pad_id=9, eos_ids=[0], max_new_tokens=3)
     assert batch.completion_ids.tolist() == [[5, 6, 8], [7, 0, 9]]
     assert batch.completion_mask.tolist() == [[True, True, True], [True, True, False]]
     assert batch.truncated.tolist() == [True, False]

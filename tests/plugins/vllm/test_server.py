@@ -63,6 +63,8 @@ def test_option_defaults():
         ({"urls": ["http://a:1"], "push_every": 0}, "push_every", "greater than or equal to 1"),
         ({"urls": ["http://a:1"], "timeout_s": 0}, "timeout_s", "greater than 0"),
         ({"urls": ["http://a:1"], "timeout_s": float("inf")}, "timeout_s", "finite"),
+        ({"urls": ["http://a:1"], "timeout_s": 1e30}, "timeout_s", "at most 31536000 seconds (365 days), got 1e+30"),
+        ({"urls": ["http://a:1"], "secret_env": ""}, "secret_env", "at least 1 character"),
         ({"urls": ["http://a:1"], "retries": -1}, "retries", "greater than or equal to 0"),
         ({"urls": ["http://a:1"], "weight_backend": "mpi"}, "weight_backend", "'auto', 'gloo' or 'nccl'"),
         ({"urls": ["http://a:1"], "weight_port": 70000}, "weight_port", "less than or equal to 65535"),
@@ -75,6 +77,13 @@ def test_invalid_option_names_its_field_and_what_is_valid(values, field, says):
     (error,) = info.value.errors()
     assert error["loc"][0] == field
     assert says in error["msg"], error["msg"]
+
+
+def test_every_bad_url_is_reported():
+    with pytest.raises(ValidationError) as info:
+        VLLMServerOptions(urls=["localhost:8000", "http://ok:1", "ftp://x:21"])
+    assert [(e["loc"], "write http://HOST:PORT" in e["msg"]) for e in info.value.errors()] == [
+        (("urls", 0), True), (("urls", 2), True)]
 
 
 def test_check_url_keeps_a_path_prefix_and_refuses_a_query():
@@ -132,7 +141,7 @@ def test_a_plain_openai_server_is_refused_with_what_to_start():
         url = f"http://127.0.0.1:{server.server_address[1]}"
         with pytest.raises(ServerFault) as info:
             ServerClient(url, timeout_s=5, retries=0).connect()
-        assert f"POST {url}/collective_rpc failed after 1 attempt(s): HTTP 404" in str(info.value)
+        assert f"POST {url}/collective_rpc answered HTTP 404" in str(info.value)
         assert "is it a grpo-run serve server?" in str(info.value)
         rollout = VLLMServerRollout(VLLMServerOptions(urls=[url], retries=0, timeout_s=5))
         with pytest.raises(RunError, match=f"no rollout server is left \\({url}: did not answer as a grpo-run"):

@@ -1,0 +1,81 @@
+"""The slots of multi-turn episodes: an in-process environment, or an agent program."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from grpo_core.options import Seconds
+from grpo_core.spec.slots import Section, Slot
+
+
+class EnvironmentSlot(Slot):
+    """Multi-turn episodes: an environment plugin answers every model turn (a tool result,
+    a user message) until it ends the episode or a limit is hit. The episode is trained as
+    one sequence whose loss mask covers only the model's tokens."""
+
+    kind = "environment"
+    name: str = Field(description="Environment plugin: tools (function calling) or an installed one.")
+    max_turns: int = Field(4, ge=1, description="Model turns per episode at most (rollout.max_new_tokens bounds each).")
+    max_total_tokens: int = Field(
+        512, ge=1, description="Tokens after the prompt per episode at most, model and environment tokens "
+        "together; an episode that reaches it ends (counted as truncated).",
+    )
+
+
+class AgentSlot(Slot):
+    """Agent episodes: an agent program (a function or coroutine, see
+    grpo_core.contracts.Agent) runs each episode against an OpenAI-compatible endpoint the
+    run serves on 127.0.0.1 during rollouts, backed by the rollout backend; the tokens the
+    policy sampled there are recorded and trained, one sequence per episode whose loss mask
+    covers only those tokens (the agent's messages, tool results included, are context)."""
+
+    kind = "agent"
+    name: str = Field(description="Agent plugin (registered with register_agents, or passed to grpo_core.Trainer).")
+    concurrency: int = Field(16, ge=1, description="Episodes running at once; their requests share generate calls.")
+    timeout_s: Seconds = Field(
+        300.0, gt=0,
+        description="Seconds one episode may take; then it is cancelled and recorded as failed (no reward).",
+    )
+    max_calls: int = Field(32, ge=1, description="Completion requests per episode at most; past it the episode fails.")
+    max_total_tokens: int = Field(
+        1024, ge=1, description="Tokens after the first prompt per episode at most, the policy's and the agent's "
+        "together; a request that reaches it is answered up to it (finish_reason length) and the episode is "
+        "counted as truncated.",
+    )
+    max_request_bytes: int = Field(
+        1_000_000, ge=1024, description="A request body larger than this is refused (HTTP 413) and fails its episode.",
+    )
+    batch_window_ms: float = Field(
+        20.0, ge=0, le=10_000, allow_inf_nan=False,
+        description="How long a request waits for other episodes' requests to join its generate call (every "
+        "running episode waiting ends the wait sooner).",
+    )
+
+
+class RouteSection(Section):
+    """Where the rows of one route run: an environment or an agent."""
+
+    environment: EnvironmentSlot | None = Field(None, description="An in-process environment for these rows.")
+    agent: AgentSlot | None = Field(None, description="An agent for these rows.")
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.environment is None) == (self.agent is None):
+            raise ValueError("a route runs its rows with an environment or an agent: set exactly one")
+        return self
+
+    @property
+    def source(self) -> EnvironmentSlot | AgentSlot:
+        return self.environment or self.agent
+
+
+class RoutingSection(Section):
+    """Episodes that differ per dataset row: a column of each row names its route, and each
+    route runs its rows with its own environment or agent (tools shown in a row's prompt are
+    its route's)."""
+
+    column: str = Field("environment", description="The dataset column whose value names a row's route.")
+    routes: dict[str, RouteSection] = Field(
+        min_length=1, description="Route name -> {environment: {...}} or {agent: {...}}; a row whose column "
+        "names none of them stops the run, naming the row's value and the routes.",
+    )

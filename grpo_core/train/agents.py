@@ -1,0 +1,470 @@
+"""Agent episodes: programs that talk to the policy through an OpenAI-compatible endpoint.
+
+For each rollout, :class:`AgentRunner` serves an endpoint on 127.0.0.1
+(:mod:`grpo_core.train.endpoint`), runs ``G`` episodes of each prompt with the spec's agent
+(``rollout.agent``: a function or coroutine function, :class:`~grpo_core.contracts.Agent`),
+at most ``concurrency`` at once, each within ``timeout_s``, and answers their requests with
+the run's rollout backend from the calling thread: requests that arrive together (every
+running episode waiting, or ``batch_window_ms`` after the first) share one ``generate``
+call per set of stop strings, a prompt asked for by several episodes (their first turn)
+prefilled once.
+
+What trains is what the endpoint recorded: per episode, one sequence of the first prompt's
+tokens, then each call's sampled tokens (in the loss mask, with the sampler's log-probs when
+the backend gives them) and the tokens of the messages the agent added (context). The ``G``
+episodes of a prompt share the longest common prefix of their first prompts as the group's
+prompt; the rest of each first prompt is context. An episode whose agent raised, timed out,
+edited its history or broke a limit is failed: no reward, no token in the loss
+(``env/failed_episodes`` counts them). Agent episodes are not bit-reproducible across runs:
+which requests share a ``generate`` call depends on timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from grpo_core.contracts import AgentEpisode, RolloutBatch, SamplingParams
+from grpo_core.errors import fault_text
+from grpo_core.train.endpoint import (
+    TOOL_STOP,
+    Endpoint,
+    EndpointError,
+    Request,
+    assistant_message,
+    plain,
+    response_body,
+    same_message,
+)
+from grpo_core.train.episodes import EpisodeRecord, TurnRenderer, episodes_batch, with_tools
+
+
+@dataclass
+class _Live:
+    """One agent episode while it runs (its tokens are in ``record``)."""
+
+    key: str
+    row: dict[str, Any]
+    index: int
+    record: EpisodeRecord
+    first: list[int] | None = None  # the first prompt's token ids
+    history: list[tuple[dict[str, Any], bool]] = field(default_factory=list)  # (message, answered here)
+    text: str | None = None  # the completions API's text so far
+    pending: list[dict[str, Any]] | None = None  # the choices of an n > 1 call, until one is continued
+    eos: bool = False  # the last sampled turn ended with an EOS token
+    calls: int = 0
+    busy: bool = False
+    exhausted: bool = False  # max_total_tokens reached
+    deadline: float = math.inf
+    closed: bool = False
+    failure: str | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def fail(self, why: str) -> None:
+        if not self.closed:
+            self.failure, self.closed = why, True
+
+
+@dataclass
+class _Job:
+    """A request waiting for the policy: the context ids, the tokens it may take, its stop
+    strings and choices; filled with the choices by the runner."""
+
+    episode: _Live
+    prompt: list[int]
+    want: int
+    stop: tuple[str, ...]
+    n: int
+    choices: list[dict[str, Any]] | None = None
+    error: str | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class _Queue:
+    """Requests from the endpoint's threads to the runner's, with the wait for more."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.jobs: list[_Job] = []
+
+    def submit(self, job: _Job) -> None:
+        with self.cond:
+            self.jobs.append(job)
+            self.cond.notify_all()
+
+    def poke(self) -> None:
+        with self.cond:
+            self.cond.notify_all()
+
+    def take(self, window: float, running, over) -> list[_Job]:
+        """The waiting requests, once every running episode waits or ``window`` seconds after
+        the first; empty when ``over()`` (nothing will come) or after a second of quiet."""
+        with self.cond:
+            self.cond.wait_for(lambda: self.jobs or over(), timeout=1.0)
+            if not self.jobs:
+                return []
+            first = time.monotonic()
+            self.cond.wait_for(lambda: len(self.jobs) >= running(), timeout=max(0.0, first + window - time.monotonic()))
+            jobs, self.jobs = self.jobs, []
+            return jobs
+
+
+class _Tasks:
+    """The agents of one rollout, at most ``concurrency`` at once, in an event loop of their
+    own thread; a synchronous agent runs in a daemon thread per episode."""
+
+    def __init__(self, agent, episodes: list[_Live], base_url: str, concurrency: int, timeout: float,
+                 on_change) -> None:
+        self.agent, self.episodes, self.base_url = agent, episodes, base_url
+        self.concurrency, self.timeout, self.on_change = concurrency, timeout, on_change
+        self.running = 0
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._main, name="grpo-agents", daemon=True)
+        self.thread.start()
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self._all())
+        except asyncio.CancelledError:  # the rollout ended with agents still running
+            pass
+        finally:
+            self.loop.close()
+
+    async def _all(self) -> None:
+        gate = asyncio.Semaphore(self.concurrency)
+        self.tasks = [asyncio.ensure_future(self._one(e, gate)) for e in self.episodes]
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await asyncio.sleep(0)  # what the agents' closing clients scheduled runs before the loop closes
+
+    async def _one(self, e: _Live, gate: asyncio.Semaphore) -> None:
+        async with gate:
+            self.running += 1
+            e.deadline = time.monotonic() + self.timeout
+            try:
+                value = await asyncio.wait_for(self._call(e), self.timeout)
+                if value is not None and not isinstance(value, (int, float)):
+                    e.fail(f"returned {type(value).__name__}, not a float reward or None")
+                elif value is not None and not math.isfinite(value):
+                    e.fail(f"returned a non-finite reward {value}")
+                else:
+                    e.record.reward = None if value is None else float(value)
+            except asyncio.TimeoutError:
+                e.fail(f"timed out after {self.timeout:g} s (rollout.agent.timeout_s)")
+            except asyncio.CancelledError:
+                e.fail("cancelled")
+            except BaseException as exc:  # noqa: BLE001 - an agent's failure is its episode's, never the run's
+                e.fail(f"raised {fault_text(exc)}")
+            finally:
+                e.closed = True
+                self.running -= 1
+                self.on_change()
+
+    async def _call(self, e: _Live) -> Any:
+        info = AgentEpisode(self.base_url, e.key, "policy", dict(e.row), e.index, self.timeout)
+        if any(inspect.iscoroutinefunction(c) for c in (self.agent, inspect.unwrap(self.agent),
+                                                         type(self.agent).__call__)):
+            return await self.agent(info)
+        future = self.loop.create_future()
+
+        def work() -> None:
+            try:
+                outcome = (self.agent(info), None)
+            except BaseException as exc:  # noqa: BLE001 - the episode's failure, reported below
+                outcome = (None, exc)
+            try:
+                self.loop.call_soon_threadsafe(_settle, future, *outcome)
+            except RuntimeError:  # the rollout ended long ago (the agent ran past its deadline): nobody waits
+                pass
+
+        threading.Thread(target=work, name=f"grpo-agent-{e.index}", daemon=True).start()
+        return await future
+
+    def cancel(self) -> None:
+        """Cancel what still runs (a stuck agent's thread is left to end on its own)."""
+        if self.loop.is_closed():
+            return
+        try:
+            self.loop.call_soon_threadsafe(lambda: [t.cancel() for t in getattr(self, "tasks", []) if not t.done()])
+        except RuntimeError:  # the loop closed meanwhile
+            pass
+
+
+def _settle(future: asyncio.Future, value: Any, error: BaseException | None) -> None:
+    if not future.done():
+        future.set_exception(error) if error is not None else future.set_result(value)
+
+
+@dataclass
+class AgentRunner:
+    """Runs agent episodes against an endpoint backed by a rollout backend (module doc)."""
+
+    agent: Any
+    slot: Any  # the spec's rollout.agent (AgentSlot)
+    tokenizer: Any
+    eos_ids: list[int]
+    pad_id: int
+    max_n: int = 16
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # data.chat_template_kwargs
+
+    def __post_init__(self) -> None:
+        self.renderer = TurnRenderer(self.tokenizer, self.eos_ids)
+
+    @property
+    def tools(self) -> list[dict]:
+        """Agents send their tools with their requests: the prompts show none."""
+        return []
+
+    # ----------------------------------------------------------------- a rollout
+    def run(self, backend: Any, prompts: list, group_size: int, sampling: SamplingParams) -> RolloutBatch:
+        """``G = group_size`` agent episodes of each of the ``P`` prompts; a
+        :class:`RolloutBatch` of ``B = P*G`` rows whose mask has holes."""
+        episodes = [_Live(secrets.token_urlsafe(16), dict(p.row), g, EpisodeRecord([], None))
+                    for p in prompts for g in range(group_size)]
+        self._episodes = {e.key: e for e in episodes}
+        self._sampling, self._queue, self._with_logp = sampling, _Queue(), True
+        endpoint = Endpoint(self._handle, self._refuse, sampling, self.slot.max_request_bytes, self.max_n)
+        tasks = _Tasks(self.agent, episodes, endpoint.base_url, self.slot.concurrency, self.slot.timeout_s,
+                       self._queue.poke)
+        calls = [0]
+        try:
+            while not all(e.closed for e in episodes) or self._queue.jobs:
+                jobs = self._queue.take(self.slot.batch_window_ms / 1000, lambda: tasks.running,
+                                        lambda: all(e.closed for e in episodes))
+                self._expire(episodes)
+                if jobs:
+                    self._generate(backend, jobs, sampling, calls)
+        finally:
+            for job in self._queue.jobs:
+                job.error = "the rollout ended"
+                job.done.set()
+            tasks.cancel()
+            endpoint.close()
+        return self._assemble(prompts, episodes, group_size, backend)
+
+    def _expire(self, episodes: list[_Live]) -> None:
+        """Close episodes past their deadline whose agent did not stop (cancelled too late)."""
+        now = time.monotonic()
+        for e in episodes:
+            if not e.closed and now > e.deadline + 1.0:
+                e.fail(f"timed out after {self.slot.timeout_s:g} s (rollout.agent.timeout_s)")
+
+    def _generate(self, backend: Any, jobs: list[_Job], sampling: SamplingParams, calls: list[int]) -> None:
+        """The policy's answers to ``jobs``: one ``generate`` per stop set and copies per
+        prompt, identical prompts prefilled once."""
+        groups: dict[tuple, dict[tuple, list[_Job]]] = {}
+        for job in jobs:
+            groups.setdefault((job.stop, job.n), {}).setdefault(tuple(job.prompt), []).append(job)
+        for (stop, n), buckets in groups.items():
+            by_size: dict[int, list[tuple[tuple, list[_Job]]]] = {}
+            for prompt, same in buckets.items():
+                by_size.setdefault(len(same), []).append((prompt, same))
+            for size, entries in by_size.items():
+                todo = [j for _, same in entries for j in same]
+                params = replace(sampling, stop=stop, max_new_tokens=max(j.want for j in todo),
+                                 seed=None if sampling.seed is None else sampling.seed + 104_729 * calls[0])
+                calls[0] += 1
+                try:
+                    batch = backend.generate([list(p) for p, _ in entries], size * n, params)
+                except Exception as exc:
+                    for job in todo:
+                        job.error = f"generation failed: {fault_text(exc)}"
+                        job.done.set()
+                    raise
+                self._with_logp = self._with_logp and batch.sampling_logp is not None
+                for row_start, job in zip(range(0, len(todo) * n, n), todo):
+                    job.choices = [self._choice(batch, row, job.want) for row in range(row_start, row_start + n)]
+                    job.done.set()
+
+    def _choice(self, batch: RolloutBatch, row: int, want: int) -> dict[str, Any]:
+        size = int(batch.completion_mask[row].sum())
+        ids = batch.completion_ids[row, :size].tolist()
+        logp = batch.sampling_logp[row, :size].tolist() if batch.sampling_logp is not None else None
+        cut = len(ids) > want
+        ids, logp = ids[:want], None if logp is None else logp[:want]
+        text = self.tokenizer.decode(ids, skip_special_tokens=True) if cut else batch.completions[row]
+        finish = "length" if cut or bool(batch.truncated[row]) else "stop"
+        return {"ids": ids, "logp": logp, "text": text, "finish": finish,
+                "eos": bool(ids) and ids[-1] in self.eos_ids}
+
+    # ----------------------------------------------------------------- the endpoint's side
+    def _refuse(self, key: str, error: EndpointError) -> None:
+        episode = self._episodes.get(key)
+        if episode is not None and error.fatal:
+            episode.fail(f"HTTP {error.status}: {error.message}")
+
+    def _handle(self, request: Request) -> dict[str, Any]:
+        """Answer one request (called in an endpoint thread)."""
+        e = self._episodes.get(request.key)
+        if e is None:
+            raise EndpointError(401, "unknown episode key: use the api_key of the episode's AgentEpisode")
+        slot = self.slot
+        with e.lock:
+            if e.closed:
+                raise EndpointError(409, f"the episode is over ({e.failure or 'its agent returned'})")
+            if e.busy:
+                raise EndpointError(409, "one request at a time per episode: its history is one sequence", True)
+            e.calls += 1
+            if e.calls > slot.max_calls:
+                raise EndpointError(429, f"more than {slot.max_calls} requests (rollout.agent.max_calls)", True)
+            prompt_tokens = self._extend(e, request)
+            room = slot.max_total_tokens - len(e.record.ids)
+            if e.exhausted or room <= 0:
+                e.record.truncated = e.exhausted = True
+                empty = {"ids": [], "logp": None, "text": "", "finish": "length", "eos": False,
+                         "message": {"role": "assistant", "content": ""}}
+                return response_body(request, [empty] * request.n, prompt_tokens)
+            want = min(request.max_tokens or self._sampling.max_new_tokens, self._sampling.max_new_tokens, room)
+            stop = tuple(dict.fromkeys((*self._sampling.stop, *request.stop,
+                                        *((TOOL_STOP,) if request.tools else ()))))
+            job = _Job(e, e.first + e.record.ids, want, stop, request.n)
+            e.busy = True
+        self._queue.submit(job)
+        finished = job.done.wait(timeout=max(0.0, e.deadline - time.monotonic()))
+        with e.lock:
+            e.busy = False
+            if not finished or job.error is not None:
+                raise EndpointError(503 if finished else 504, job.error or f"timed out after {slot.timeout_s:g} s "
+                                    "(rollout.agent.timeout_s)", True)
+            if e.closed:
+                raise EndpointError(409, f"the episode is over ({e.failure or 'its agent returned'})")
+            return response_body(request, self._answer(e, request, job.choices), prompt_tokens)
+
+    def _extend(self, e: _Live, request: Request) -> int:
+        """Append what the agent added since its last call (context) to the episode; the
+        prompt's length in tokens. An edited history fails the episode."""
+        if request.chat:
+            messages = request.messages
+            if e.first is None:
+                shown, kwargs = with_tools(self.tokenizer, [plain(m) for m in messages], request.tools)
+                text = self.tokenizer.apply_chat_template(shown, tokenize=False, add_generation_prompt=True,
+                                                          **self.chat_template_kwargs, **kwargs)
+                e.first = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+                e.history = [(m, False) for m in messages]
+                return len(e.first)
+            known = len(e.history)
+            if e.pending is not None:  # an n > 1 call: the choice the agent went on with
+                kept = next((c for c in e.pending if known < len(messages)
+                             and same_message(messages[known], c["message"])), None)
+                if kept is None:
+                    raise EndpointError(400, f"message {known} is none of the {len(e.pending)} choices answered "
+                                             "before: the episode's history was edited", True)
+                self._keep(e, kept)
+                known += 1
+            for i, (sent, (had, answered)) in enumerate(zip(messages, e.history)):
+                if not (same_message(sent, had) if answered else plain(sent) == plain(had)):
+                    raise EndpointError(400, f"message {i} differs from the episode's history: a request must "
+                                             "repeat every earlier message and answer unchanged", True)
+            new = messages[known:]
+            if len(messages) < known or not new:
+                raise EndpointError(400, "the request adds no message to the episode's history (a retry of an "
+                                         "answered request edits the history)", True)
+            self._context(e, self.renderer.observation_ids([plain(m) for m in new], e.eos))
+            e.history.extend((m, False) for m in new)
+            e.record.messages.extend(plain(m) for m in new)
+        else:
+            if e.first is None:
+                e.first = self.tokenizer(request.prompt)["input_ids"]
+                e.text = request.prompt
+                return len(e.first)
+            if e.pending is not None:
+                kept = next((c for c in e.pending if request.prompt.startswith(e.text + c["text"])), None)
+                if kept is None:
+                    raise EndpointError(400, "the prompt continues none of the choices answered before", True)
+                self._keep(e, kept)
+            if not request.prompt.startswith(e.text) or request.prompt == e.text:
+                raise EndpointError(400, "the prompt must extend the episode's text so far (its previous prompt "
+                                         "and the completion answered)", True)
+            self._context(e, self.tokenizer(request.prompt[len(e.text):], add_special_tokens=False)["input_ids"])
+            e.text = request.prompt
+        return len(e.first) + len(e.record.ids)
+
+    def _context(self, e: _Live, ids: list[int]) -> None:
+        if len(e.record.ids) + len(ids) >= self.slot.max_total_tokens:
+            e.exhausted = True
+            return
+        e.record.extend(ids, False)
+
+    def _answer(self, e: _Live, request: Request, choices: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The choices as the agent receives them; a single one is the episode's at once,
+        several wait for the agent to go on with one."""
+        for choice in choices:
+            if request.chat:
+                choice["message"], calls = assistant_message(choice["text"], bool(request.tools))
+                choice["calls"] = len(choice["message"].get("tool_calls") or [])
+                if calls and choice["finish"] == "stop":
+                    choice["finish"] = "tool_calls"
+            else:
+                choice["message"], choice["calls"] = {"role": "assistant", "content": choice["text"]}, 0
+        if len(choices) == 1:
+            self._keep(e, choices[0])
+        else:
+            e.pending = choices
+        return choices
+
+    def _keep(self, e: _Live, choice: dict[str, Any]) -> None:
+        """The episode goes on with ``choice``: its tokens in the loss, its message in the history."""
+        e.pending = None
+        e.record.extend(choice["ids"], True, choice["logp"])
+        e.record.turns += 1
+        e.record.tool_calls += choice["calls"]
+        e.record.messages.append(plain(choice["message"]) | (
+            {"tool_calls": choice["message"]["tool_calls"]} if choice["message"].get("tool_calls") else {}))
+        e.history.append((choice["message"], True))
+        e.eos = choice["eos"]
+        if e.text is not None:
+            e.text += choice["text"]
+        if choice["finish"] == "length" and len(e.record.ids) >= self.slot.max_total_tokens:
+            e.record.truncated = e.exhausted = True
+        elif choice["finish"] == "length":
+            e.record.truncated = True
+
+    # ----------------------------------------------------------------- the batch
+    def _assemble(self, prompts: list, episodes: list[_Live], group_size: int, backend: Any) -> RolloutBatch:
+        """The rollout: per prompt, the longest common prefix of its episodes' first prompts;
+        the rest of each first prompt leads its completion as context. A failed episode
+        keeps no token in the loss and no reward."""
+        group_prompts = []
+        for p, prompt in enumerate(prompts):
+            group = episodes[p * group_size: (p + 1) * group_size]
+            for e in group:
+                if e.pending is not None:  # the episode ended on an n > 1 call: its first choice
+                    self._keep(e, e.pending[0])
+            firsts = [e.first for e in group if e.first is not None and e.failure is None]
+            common = _common_prefix(firsts) if firsts else list(prompt.ids)
+            if not common:
+                for e in group:
+                    e.fail("the group's first prompts share no token, so they cannot share a prompt")
+                common = list(prompt.ids)
+            for e in group:
+                rest = (e.first or [])[len(common):] if e.failure is None else []
+                record = e.record
+                record.ids, record.mask = rest + record.ids, [False] * len(rest) + record.mask
+                record.logp = [0.0] * len(rest) + record.logp
+                if e.failure is not None:
+                    record.mask = [False] * len(record.mask)
+                    record.reward = None
+                    record.messages.append({"role": "system", "content": f"agent failed: {e.failure}"})
+            group_prompts.append(common)
+        with_logp = self._with_logp and any(e.record.turns for e in episodes)
+        device = getattr(backend, "device", None)
+        return episodes_batch(group_prompts, [e.record for e in episodes], self.tokenizer, self.pad_id,
+                              torch.device(device) if device is not None else torch.device("cpu"), with_logp,
+                              failed=[e.failure is not None for e in episodes])
+
+
+def _common_prefix(sequences: list[list[int]]) -> list[int]:
+    first = sequences[0]
+    size = len(first)
+    for other in sequences[1:]:
+        size = min(size, len(other))
+        size = next((i for i in range(size) if first[i] != other[i]), size)
+    return list(first[:size])

@@ -1,0 +1,279 @@
+"""The OpenAI-compatible endpoint agents talk to: ``/v1/chat/completions``,
+``/v1/completions`` and ``/v1/models``, served on 127.0.0.1 while a rollout's agent episodes
+run (:mod:`grpo_core.train.agents`).
+
+Each request names its episode by its key (``Authorization: Bearer <key>``, the
+``api_key`` of an OpenAI client). The endpoint turns the request into the prompt token ids
+the policy continues, and never re-tokenizes what the policy wrote: an episode's history is
+the tokens of its first prompt, then, per call, the tokens the policy sampled and the
+tokens of the messages the agent added after them (tool results, user turns, rendered by the
+chat template as an in-process environment's observations are,
+:class:`~grpo_core.train.episodes.TurnRenderer`). A request whose messages do not extend that
+history (the agent edited or dropped a message) fails its episode.
+
+What a request may set: ``messages`` (or ``prompt``), ``tools``, ``max_tokens`` /
+``max_completion_tokens``, ``stop``, ``n``, ``logprobs``; ``temperature``, ``top_p`` and
+``top_k`` only at the spec's values (the learner's log-probs assume them). Streaming is not
+served. Every request is bounded: its body (``max_request_bytes``), the episode's calls
+(``max_calls``), tokens (``max_total_tokens``) and time (``timeout_s``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+#: A tool call in the policy's text, in the convention of the tools environment and of
+#: Qwen/Hermes templates: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+TOOL_STOP = "</tool_call>"
+_DECODER = json.JSONDecoder()
+
+
+class EndpointError(Exception):
+    """A refused request: the HTTP status and the message the agent receives. ``fatal``
+    also fails the episode (a broken limit, an edited history)."""
+
+    def __init__(self, status: int, message: str, fatal: bool = False):
+        super().__init__(message)
+        self.status, self.message, self.fatal = status, message, fatal
+
+
+@dataclass
+class Request:
+    """One completion request, parsed and checked: the episode, the messages (chat) or text
+    (completions), the tools, and what may vary per request."""
+
+    key: str
+    chat: bool
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    prompt: str = ""
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    max_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    n: int = 1
+    logprobs: bool = False
+
+
+def parse_request(body: dict[str, Any], key: str, chat: bool, sampling: Any, max_n: int) -> Request:
+    """Check one request body against what the endpoint serves; an :class:`EndpointError`
+    (400) naming the field otherwise."""
+    if body.get("stream"):
+        raise EndpointError(400, "stream: streaming is not served; send stream: false")
+    for name, spec_value in (("temperature", sampling.temperature), ("top_p", sampling.top_p)):
+        value = body.get(name)
+        if value is not None and (not isinstance(value, (int, float)) or not math.isclose(value, spec_value)):
+            raise EndpointError(400, f"{name}: {value!r}; this run samples at the spec's rollout.{name}, "
+                                     f"{spec_value} (the learner's log-probs assume it): omit it or send {spec_value}")
+    top_k = body.get("top_k")
+    if top_k is not None and top_k not in (sampling.top_k, -1 if sampling.top_k == 0 else None):
+        raise EndpointError(400, f"top_k: {top_k!r}; this run samples with the spec's rollout.top_k, {sampling.top_k}")
+    n = body.get("n", 1) or 1
+    if not isinstance(n, int) or not 1 <= n <= max_n:
+        raise EndpointError(400, f"n: {n!r}; 1 to {max_n} completions per request")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+        raise EndpointError(400, f"max_tokens: {max_tokens!r}; a positive integer")
+    stop = body.get("stop") or ()
+    stop = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 8:
+        raise EndpointError(400, "stop: a string or a list of at most 8 non-empty strings")
+    request = Request(key, chat, max_tokens=max_tokens, stop=tuple(stop), n=n, logprobs=bool(body.get("logprobs")))
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            raise EndpointError(400, "messages: a non-empty list of {role, content} objects")
+        request.messages = messages
+        tools = body.get("tools") or []
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            raise EndpointError(400, "tools: a list of tool objects ({type: function, function: {...}})")
+        request.tools = tools
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str) or not prompt:
+            raise EndpointError(400, "prompt: a non-empty string (token-id and list prompts are not served)")
+        request.prompt = prompt
+    return request
+
+
+def plain(message: dict[str, Any]) -> dict[str, Any]:
+    """What the chat template renders of a message the agent sent: its role and text (a
+    ``tool_call_id``, a name and other client fields left out, as the tools environment's
+    messages have none)."""
+    content = message.get("content")
+    if isinstance(content, list):  # typed parts: the text ones
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return {"role": message["role"], "content": "" if content is None else str(content)}
+
+
+def same_message(sent: dict[str, Any], answered: dict[str, Any]) -> bool:
+    """Whether ``sent`` (a message in a request) is the assistant message the endpoint
+    answered: the same text and the same tool calls (names and arguments), whatever other
+    fields the client echoed."""
+    if sent.get("role") != "assistant":
+        return False
+
+    def calls(message: dict[str, Any]) -> list[tuple[str, Any]]:
+        out = []
+        for call in message.get("tool_calls") or []:
+            function = call.get("function") or {}
+            arguments = function.get("arguments")
+            if isinstance(arguments, str):
+                try:
+                    arguments = json.loads(arguments)
+                except ValueError:
+                    pass
+            out.append((function.get("name"), arguments))
+        return out
+
+    return (plain(sent)["content"] or "") == (answered.get("content") or "") and calls(sent) == calls(answered)
+
+
+def assistant_message(text: str, with_tools: bool) -> tuple[dict[str, Any], bool]:
+    """The assistant message of the policy's ``text``, and whether it calls tools: with
+    tools offered, each well-formed ``<tool_call>`` becomes an OpenAI tool call and the text
+    around them the content."""
+    if not with_tools:
+        return {"role": "assistant", "content": text}, False
+    calls = []
+    for match in _TOOL_CALL.finditer(text):
+        try:
+            call, _ = _DECODER.raw_decode(match.group(1).strip())
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(call, dict) and isinstance(call.get("name"), str):
+            arguments = call.get("arguments", {})
+            calls.append({"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
+                          "function": {"name": call["name"], "arguments": json.dumps(arguments)}})
+    if not calls:
+        return {"role": "assistant", "content": text}, False
+    content = _TOOL_CALL.sub("", text).strip()
+    return {"role": "assistant", "content": content or None, "tool_calls": calls}, True
+
+
+def response_body(request: Request, choices: list[dict[str, Any]], prompt_tokens: int) -> dict[str, Any]:
+    """An OpenAI ``chat.completion`` or ``text_completion`` object; each choice dict holds
+    ``text``, ``ids``, ``logp`` (or None), ``finish`` and, for chat, ``message``."""
+    created, out = int(time.time()), []
+    for index, choice in enumerate(choices):
+        logprobs = None
+        if request.logprobs and choice["logp"] is not None:
+            logprobs = {"content": [{"token": str(t), "logprob": float(lp), "bytes": None, "top_logprobs": []}
+                                    for t, lp in zip(choice["ids"], choice["logp"])]}
+        entry: dict[str, Any] = {"index": index, "finish_reason": choice["finish"], "logprobs": logprobs,
+                                 "token_ids": list(choice["ids"])}
+        if request.chat:
+            entry["message"] = choice["message"]
+        else:
+            entry["text"] = choice["text"]
+        out.append(entry)
+    completion_tokens = sum(len(c["ids"]) for c in choices)
+    return {
+        "id": f"{'chatcmpl' if request.chat else 'cmpl'}-{uuid.uuid4().hex}",
+        "object": "chat.completion" if request.chat else "text_completion",
+        "created": created, "model": "policy", "choices": out,
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens},
+    }
+
+
+class Endpoint:
+    """The HTTP server of one rollout's agent episodes, on 127.0.0.1 at a free port.
+
+    ``handle(request) -> body`` (the agent runner's) does the work and ``refuse(key, error)``
+    hears of every refused request (a fatal one fails the episode); the server parses, bounds
+    and answers. :meth:`close` stops it."""
+
+    def __init__(self, handle, refuse, sampling: Any, max_request_bytes: int, max_n: int):
+        self.handle, self.refuse, self.sampling = handle, refuse, sampling
+        self.max_request_bytes, self.max_n = max_request_bytes, max_n
+        endpoint = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:  # no per-request lines on stderr
+                pass
+
+            def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+                if self.path.rstrip("/").endswith("/v1/models"):
+                    endpoint._send(self, 200, {"object": "list", "data": [{"id": "policy", "object": "model"}]})
+                else:
+                    endpoint._send(self, 404, _error(f"no route {self.path}"))
+
+            def do_POST(self) -> None:  # noqa: N802
+                endpoint._post(self)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.02,), name="grpo-agent-endpoint",
+                                       daemon=True)  # polls for shutdown every 20 ms: closing is quick
+        self.thread.start()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)
+
+    # ----------------------------------------------------------------- requests
+    def _post(self, http: BaseHTTPRequestHandler) -> None:
+        path = http.path.rstrip("/")
+        chat = path.endswith("/v1/chat/completions")
+        if not chat and not path.endswith("/v1/completions"):
+            self._send(http, 404, _error(f"no route {http.path}; /v1/chat/completions and /v1/completions"))
+            return
+        key = (http.headers.get("Authorization") or "").removeprefix("Bearer ").strip()
+        try:
+            body = self._read(http, key)
+            request = parse_request(body, key, chat, self.sampling, self.max_n)
+            self._send(http, 200, self.handle(request))
+        except EndpointError as exc:
+            self.refuse(key, exc)
+            self._send(http, exc.status, _error(exc.message))
+
+    def _read(self, http: BaseHTTPRequestHandler, key: str) -> dict[str, Any]:
+        try:
+            length = int(http.headers.get("Content-Length") or -1)
+        except ValueError:
+            length = -1
+        if length < 0:
+            raise EndpointError(411, "a Content-Length header is required")
+        if length > self.max_request_bytes:
+            http.close_connection = True  # the body is not read
+            raise EndpointError(413, f"request body of {length} bytes; rollout.agent.max_request_bytes is "
+                                     f"{self.max_request_bytes}", fatal=True)
+        try:
+            body = json.loads(http.rfile.read(length) or b"{}")
+        except ValueError as exc:
+            raise EndpointError(400, f"the body is not JSON ({exc})") from None
+        if not isinstance(body, dict):
+            raise EndpointError(400, "the body must be a JSON object")
+        return body
+
+    @staticmethod
+    def _send(http: BaseHTTPRequestHandler, status: int, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        try:
+            http.send_response(status)
+            http.send_header("Content-Type", "application/json")
+            http.send_header("Content-Length", str(len(data)))
+            http.end_headers()
+            http.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):  # the agent went away
+            pass
+
+
+def _error(message: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": "invalid_request_error"}}

@@ -1,0 +1,48 @@
+"""Episodes that differ per dataset row (``rollout.routing``): a column of each row names its
+route, and each route runs its rows with its own in-process environment or agent.
+
+A rollout splits its prompts by route, runs each route's runner on its prompts (all ``G``
+episodes of a prompt go the same way), and puts the rows back in the prompts' order, so the
+rest of the step sees one batch. The tools a row's prompt shows are its route's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from grpo_core.contracts import RolloutBatch, SamplingParams
+from grpo_core.errors import RunError
+from grpo_core.train.rollout import concat_rollouts, select_rollout
+
+
+@dataclass
+class RoutedRunner:
+    """Runs each row's episodes with the runner its ``column`` names."""
+
+    column: str
+    runners: dict[str, Any]  # route name -> EpisodeRunner or AgentRunner
+
+    def route(self, row: dict[str, Any]) -> str:
+        name = row.get(self.column)
+        if name not in self.runners:
+            raise RunError(f"rollout.routing: a row's column '{self.column}' is {name!r}, which names no route; "
+                           f"routes: {', '.join(self.runners)}")
+        return name
+
+    def tools_for(self, row: dict[str, Any]) -> list[dict]:
+        """The tools shown in ``row``'s prompt: its route's."""
+        return self.runners[self.route(row)].tools
+
+    def run(self, backend: Any, prompts: list, group_size: int, sampling: SamplingParams) -> RolloutBatch:
+        """``G = group_size`` episodes of each prompt, each prompt's by its route; rows in the
+        prompts' order."""
+        order: dict[str, list[int]] = {}
+        for index, prompt in enumerate(prompts):
+            order.setdefault(self.route(prompt.row), []).append(index)
+        parts, placed = [], []
+        for name, indices in order.items():
+            parts.append(self.runners[name].run(backend, [prompts[i] for i in indices], group_size, sampling))
+            placed.extend(indices)
+        merged = concat_rollouts(parts)
+        position = {prompt: at for at, prompt in enumerate(placed)}
+        return select_rollout(merged, [position[i] for i in range(len(prompts))])

@@ -1,0 +1,107 @@
+"""``bench/gpu/run.py``, the GPU check, in its CPU mode on tiny models: every part runs (with the
+packages the GPU machine lacks made unimportable for the engine's parts) and its JSON holds the
+correctness results; the dry run lists what a GPU run would send within its 64 MiB; a part over
+its time limit is killed and the parts after it run in a fresh process."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "bench" / "gpu" / "run.py"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+PARTS = ["correctness", "nccl", "fsdp2", "throughput", "trl"]
+
+
+def _check(args: list, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_the_gpu_check_runs_in_its_cpu_mode(tmp_path):
+    done = _check(["--out", tmp_path / "out", "--work", tmp_path / "work", "--device", "cpu", "--tiny",
+                   "--simulate-missing"])
+    assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
+    result = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert list(result["parts"]) == PARTS and result["status"] == "ok"
+    env = result["environment"]
+    assert env["device"] == "cpu" and {"mlflow", "datasets", "math_verify"} <= set(env["blocked_modules"])
+
+    checks = {part: record.get("checks", {}) for part, record in result["parts"].items()}
+    fp32 = [c for name, c in checks["correctness"].items() if name.startswith("gradient")]
+    bf16 = [c for name, c in checks["correctness"].items() if name.startswith("bf16_autocast")]
+    assert fp32 and bf16 and all(c["status"] == "ok" for c in fp32 + bf16)
+    for c in fp32:  # the engine's float32 update is the float64 textbook gradient
+        assert c["rel_error_token-mean"] < 1e-4 and c["rel_error_seq-mean-token-mean"] < 1e-4
+    for c in bf16:  # bf16 autocast moved it, within bf16 rounding
+        assert 1e-6 < c["rel_error_vs_fp32_token-mean"] and c["rel_error_token-mean"] < 3e-2
+    sampler = checks["correctness"]["sampler_logprobs"]
+    assert sampler["self_logp_diff_max"] < 1e-3 and 0 < sampler["bf16_logp_diff_max"] < 0.5
+    resumed = checks["correctness"]["checkpoint_to_cpu"]
+    assert resumed["cpu_resume_bit_exact"] and resumed["steps_logged"] == [1, 2, 3] and not resumed["cpu_sees_cuda"]
+    assert checks["nccl"]["two_members"]["bit_exact"] and checks["nccl"]["one_member"]["backend"] == "gloo"
+    assert checks["fsdp2"]["update_float32"]["rel_error_vs_unsharded"] < 1e-5
+    assert checks["fsdp2"]["generate_gathered"]["dtensor_parameters"]
+
+    throughput = result["parts"]["throughput"]
+    assert checks["throughput"]["generation"]["tokens_per_s"] > 0
+    learners = [c for name, c in checks["throughput"].items() if name.startswith("learner_")]
+    assert len(learners) in (2, 4) and all(c["tokens_per_s"] > 0 and c["model_tflop"] > 0 for c in learners)
+    if len(learners) == 2:
+        assert throughput["packing"] == "packing not available in this build"
+    else:
+        assert throughput["packing"] == "available"
+        assert set(throughput["padded_vs_packed"]) == {"generated", "long_tailed"}
+    trl = result["parts"]["trl"]
+    if trl["status"] == "skipped" or checks["trl"].get("import", {}).get("status") == "skipped":
+        assert "TRL cannot be imported" in json.dumps(trl)
+    else:
+        assert checks["trl"]["steps"]["step_seconds"] > 0
+
+    table = (tmp_path / "out" / "table.md").read_text()
+    assert all(f"| {part} |" in table for part in PARTS)
+    assert "correctness  gradient" in done.stdout  # the table printed at the end
+
+
+def test_the_dry_run_lists_every_file_sent_and_the_command():
+    done = _check(["--dry-run"], timeout=120)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    listed = re.findall(r"^\s*[\d,]+  (\S.*)$", out.split("by folder:")[0], re.M)
+    total = re.search(r"^total: (\d+) files, ([\d,]+) bytes", out, re.M)
+    assert total and int(total.group(1)) == len(listed)
+    assert int(total.group(2).replace(",", "")) <= 64 * 2**20 and "fits" in out
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    assert {name for name in tracked if (ROOT / name).is_file()} <= set(listed)
+    assert "bench/gpu/run.py" in listed
+    command = re.search(r"^  command: (.*)$", out, re.M).group(1)
+    assert "--target /tmp/site .whl/*.whl" in command and "python3 bench/gpu/run.py --out $OUT" in command
+    assert len(command) <= 2000  # the device tool's limit
+    assert re.search(r"^  carry: \['\.whl'\]$", out, re.M)
+
+
+@pytest.mark.slow
+def test_a_part_over_its_limit_is_killed_and_the_next_runs_in_a_fresh_process(tmp_path):
+    done = _check(["--out", tmp_path / "out", "--work", tmp_path / "work", "--device", "cpu", "--tiny",
+                   "--parts", "correctness,nccl", "--limit-s", "correctness=5", "--hang", "correctness"])
+    assert done.returncode == 1, (done.stdout + done.stderr)[-3000:]
+    parts = json.loads((tmp_path / "out" / "results.json").read_text())["parts"]
+    assert parts["correctness"]["status"] == "timeout" and "killed after 5 s" in parts["correctness"]["error"]
+    assert parts["nccl"]["status"] == "ok"
+
+
+def test_parts_that_do_not_fit_the_budget_are_skipped_with_the_reason(tmp_path):
+    done = _check(["--out", tmp_path / "out", "--work", tmp_path / "work", "--device", "cpu", "--tiny",
+                   "--parts", "throughput,trl", "--budget-s", "12"])
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    parts = json.loads((tmp_path / "out" / "results.json").read_text())["parts"]
+    for part in ("throughput", "trl"):
+        assert parts[part]["status"] == "skipped" and "would not fit" in parts[part]["reason"], parts[part]
