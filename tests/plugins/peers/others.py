@@ -3,8 +3,10 @@ for the peer-equivalence tests (none of them is installed):
 
 - ROLL's TOPR: ``roll/pipeline/agentic/agentic_actor_pg_worker.py`` ``_compute_topr_loss``
   (alibaba/ROLL at commit 8eb27cc2dc34c4d1310b169d9b86d339004d811a);
-- AReaL's M2PO mask: ``areal/trainer/ppo/actor.py`` ``_apply_m2po_masking`` / ``_get_m2po_loss_mask``
-  (inclusionAI/AReaL at commit 4aef98d8d818af55b43621aaadba047ae10f4e77);
+- AReaL's M2PO mask: ``areal/trainer/ppo/actor.py`` ``_apply_m2po_masking`` / ``_get_m2po_loss_mask``,
+  and its decoupled PPO loss with token-level rejection sampling: ``areal/utils/functional/functional.py``
+  ``apply_rejection_sampling`` / ``ppo_actor_loss_fn`` (inclusionAI/AReaL at commit
+  4aef98d8d818af55b43621aaadba047ae10f4e77);
 - the tinker-cookbook's on-policy distillation advantage: ``tinker_cookbook/distillation/train_on_policy.py``
   ``incorporate_kl_penalty`` and ``tinker_cookbook/rl/metrics.py`` ``discounted_future_sum_vectorized``
   (thinking-machines-lab/tinker-cookbook at commit 9dfcc3a2cf44432d621a01005073dc6d76a1e87a).
@@ -44,6 +46,25 @@ def areal_m2po_mask(old_logp, prox_logp, loss_mask, m2_threshold):
     full = torch.zeros_like(flat, dtype=torch.bool)
     full[flat] = keep_sorted[restored]
     return full.view_as(loss_mask)
+
+
+def areal_decoupled_ppo_loss(logprobs, proximal_logprobs, old_logprobs, advantages, loss_mask, eps_clip,
+                             eps_clip_higher, upper, lower=None):
+    """``ppo_actor_loss_fn`` (token level, no dual clip) with ``rejection_sampling: {level: token,
+    action: mask, metric: ratio, upper, lower}``: the behaviour weight ``exp(prox - old)`` where it lies
+    in ``[lower, upper]`` (``<= upper`` without a lower bound), the token taken out of the loss mask
+    elsewhere; the clipped loss against the proximal policy times that weight, summed over the kept
+    tokens and divided by the tokens of the original mask."""
+    count = loss_mask.count_nonzero() or 1
+    log_ratio = proximal_logprobs.detach() - old_logprobs.detach()
+    weight = torch.exp(log_ratio)
+    in_bounds = weight <= upper if lower is None else (weight >= lower) & (weight <= upper)
+    loss_mask = loss_mask & in_bounds
+    weight = torch.where(loss_mask, weight, 0.0)
+    ratio = torch.where(loss_mask, torch.exp(logprobs - proximal_logprobs), 0)
+    clipped = torch.clamp(ratio, 1.0 - eps_clip, 1.0 + (eps_clip if eps_clip_higher is None else eps_clip_higher))
+    pg_loss = torch.max(-advantages * ratio, -advantages * clipped) * weight
+    return torch.where(loss_mask, pg_loss, 0).sum() / count
 
 
 def tinker_kl_advantages(sampled_logprobs, teacher_logprobs, mask, kl_penalty_coef=1.0, kl_discount_factor=0.0):

@@ -1,6 +1,7 @@
 """The claims of docs/algorithms.md about the reference implementations outside verl, OpenRLHF and TRL
-(re-implemented in ``others.py``): ROLL's TOPR, AReaL's M2PO mask, the tinker-cookbook's on-policy
-distillation advantage."""
+(re-implemented in ``others.py``): ROLL's TOPR, AReaL's M2PO mask and its decoupled PPO loss with
+token-level rejection sampling (docs/guides/async.md), the tinker-cookbook's on-policy distillation
+advantage."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from grpo_core.contracts import BatchStats, Teacher
+from grpo_core.train.correction import rollout_correction
 
 from . import others
 from .conftest import F64, FAST, assert_same, component, groups, inputs_of, ours, peer
@@ -47,6 +49,27 @@ def test_m2po_mask_is_areal_s(batch, threshold, data):
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
     sampled = old + (torch.rand(old.shape, generator=gen, dtype=F64) * 1.2 - 0.6)
     assert torch.equal(m2po_mask(sampled, old, mask, threshold), others.areal_m2po_mask(sampled, old, mask, threshold))
+
+
+@FAST
+@given(groups(spread=0.5), st.sampled_from([(None, 1.3), (None, 2.0), (0.8, 1.3)]), st.data())
+def test_token_mask_under_clip_is_areal_decoupled_ppo_with_rejection_sampling(batch, bounds, data):
+    """``clip`` (``eps_low``, ``eps_high``) under token-mean with ``rollout_correction: {level: token,
+    mode: mask, cap: C}`` (and ``lower: L``) = AReaL's decoupled PPO loss (``actor.use_decoupled_loss``,
+    ``eps_clip``, ``eps_clip_higher``, no ``c_clip``) with ``actor.rejection_sampling: {level: token,
+    action: mask, metric: ratio, upper: C}`` (and ``lower: L``): behaviour = the sampler's log-probs,
+    proximal = the learner's old ones. AReaL divides by the tokens of the mask before the rejection, so
+    rejected tokens stay in the normalizer, as grpo-core's weight 0 leaves them."""
+    _, _, mask, logp, old, adv = batch
+    lower, cap = bounds
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    sampled = old + (torch.rand(old.shape, generator=gen, dtype=F64) * 1.2 - 0.6)
+    weight, _ = rollout_correction(old, sampled, mask, level="token", mode="mask", cap=cap, lower=lower)
+    mine = ours(component("policy_loss", "clip", eps_low=0.2, eps_high=0.28), "token-mean", logp, old, adv, mask,
+                weight=weight)
+    theirs = peer(lambda lp: others.areal_decoupled_ppo_loss(lp, old, sampled, adv, mask, 0.2, 0.28, cap, lower),
+                  logp)
+    assert_same(mine, theirs)
 
 
 @FAST
