@@ -27,7 +27,7 @@ class RefSyncSection(Section):
 
 class AdaptiveKLSection(Section):
     """After each step, ``beta *= 1 + clip(kl / target - 1, -0.2, 0.2) * min(1, B / horizon)``,
-    with ``kl`` the step's mean over completions of the per-token mean KL and ``B`` its rows
+    with ``kl`` the step's mean KL per token (over all its completion tokens) and ``B`` its rows
     (completions, all processes): Ziegler et al. 2019, https://arxiv.org/abs/1909.08593, with
     ``B / horizon`` capped at 1 so that beta stays positive (one step moves it 20% at most)."""
 
@@ -77,7 +77,8 @@ class KLSlot(Slot):
         "unset: the reference stays the initial policy.",
     )
     adaptive: AdaptiveKLSection | None = Field(
-        None, description="Adapt beta toward a target KL (Ziegler et al. 2019; verl's kl_ctrl: adaptive); "
+        None, description="Adapt beta toward a target KL (Ziegler et al. 2019; verl's kl_ctrl: adaptive has the "
+        "same update where rows per step <= horizon, from the mean of each completion's mean KL); "
         "unset: beta is fixed.",
     )
 

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from grpo_core.contracts import BatchStats, Teacher
 from grpo_core.train.correction import rollout_correction
+from grpo_core.train.kl import adapted_beta
 
 from . import verl_0_9_1 as verl
 from .conftest import F64, FAST, assert_same, component, groups, inputs_of, ours, peer
@@ -135,6 +136,21 @@ def test_kl_estimators_are_verl_kl_penalty(pairs, name):
     (g1,) = torch.autograd.grad(value.sum(), mine)
     (g2,) = torch.autograd.grad(expected.sum(), theirs)
     torch.testing.assert_close(g1, g2, rtol=1e-12, atol=1e-12)
+
+
+@FAST
+@given(st.floats(1e-3, 1.0), st.floats(0.0, 2.0), st.integers(1, 64), st.floats(0.01, 0.5),
+       st.sampled_from([64, 1000, 10_000]))
+def test_adaptive_kl_is_verl_adaptive_kl_controller_up_to_the_horizon(beta, kl, rows, target, horizon):
+    """``algorithm.kl.adaptive`` (``target``, ``horizon``) = verl's ``kl_ctrl: adaptive`` (``target_kl``,
+    ``horizon``) for one step of ``rows <= horizon`` completions, given the same step KL (verl's is the
+    mean of each completion's token mean, grpo-core's the token mean: the docs say so); above the
+    horizon verl's factor ``rows / horizon`` is not capped, and a horizon below ``rows / 5`` makes its
+    beta negative where grpo-core's stays within 20%."""
+    got = adapted_beta(beta, kl, rows, target=target, horizon=horizon)
+    assert got == pytest.approx(verl.adaptive_kl_update(beta, kl, rows, target, horizon), rel=1e-12)
+    assert adapted_beta(beta, 10 * target, 10 * horizon, target=target, horizon=horizon) == pytest.approx(1.2 * beta)
+    assert verl.adaptive_kl_update(beta, 10 * target, 10 * horizon, target, horizon) == pytest.approx(3.0 * beta)
 
 
 # --------------------------------------------------------------------------- aggregators

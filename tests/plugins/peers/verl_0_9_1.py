@@ -155,6 +155,12 @@ def kl_penalty(logprob, ref_logprob, name):
     return backward - backward.detach() + forward.detach()
 
 
+def adaptive_kl_update(value, current_kl, n_steps, target, horizon):
+    """``AdaptiveKLController.update``: the coefficient after one step of ``n_steps`` rows."""
+    proportional_error = min(max(current_kl / target - 1, -0.2), 0.2)
+    return value * (1 + proportional_error * n_steps / horizon)
+
+
 # --------------------------------------------------------------------------- aggregation
 def agg_loss(loss_mat, loss_mask, mode, loss_scale_factor=None):
     """``agg_loss`` in one process (``dp_size`` 1, the batch counts its own tokens and sequences)."""
