@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from grpo_core.contracts import BatchStats, PolicyLossInputs
 from grpo_core.train.correction import rollout_correction
+from grpo_core.train.kl import Reference
 
 from . import trl_1_16 as trl
 from .conftest import F64, FAST, assert_same, component, groups, inputs_of, ours, peer
@@ -163,3 +164,26 @@ def test_rollout_correction_is_vllm_importance_sampling(batch, case, data):
     mine = ours(component("policy_loss", "clip"), "seq-mean-token-mean", logp, old, adv, mask, weight=weight)
     theirs = peer(lambda lp: trl.compute_loss(lp, old, adv, mask.to(F64), importance_sampling_ratio=ratio), logp)
     assert_same(mine, theirs)
+
+
+# --------------------------------------------------------------------------- reference sync
+@FAST
+@given(st.sampled_from([0.6, 0.25, 1.0]), st.integers(0, 2**31 - 1))
+def test_ref_sync_is_sync_ref_model(alpha, seed):
+    """``algorithm.kl.ref_sync: {every: N, alpha: a}`` = ``sync_ref_model=True, ref_model_sync_steps=N,
+    ref_model_mixup_alpha=a``: each sync moves every reference parameter to ``a * policy + (1 - a) * ref``
+    (docs/guides/dynamic-sampling-and-kl.md)."""
+    torch.manual_seed(seed)
+    policy = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)).double()
+    reference = Reference(policy)
+    theirs = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)).double()
+    theirs.load_state_dict(reference.model.state_dict())
+    start = [p.detach().clone() for p in reference.model.parameters()]
+    with torch.no_grad():
+        for parameter in policy.parameters():
+            parameter.add_(torch.randn_like(parameter))
+    reference.mix_toward(policy, alpha)
+    trl.sync_target_model(policy, theirs, alpha)
+    for got, expected in zip(reference.model.parameters(), theirs.parameters(), strict=True):
+        torch.testing.assert_close(got, expected)
+    assert all(not torch.equal(got, before) for got, before in zip(reference.model.parameters(), start))

@@ -4,7 +4,8 @@ dependency of grpo-core, not a test one: the suite runs without it).
 Read in TRL 1.16.0 (``pip install trl==1.16``): ``trl/trainer/grpo_trainer.py``
 (``_generate_and_score_completions``: the advantages and the vLLM importance-sampling ratio;
 ``_compute_loss``: the per-token losses, the KL, the aggregation by ``loss_type``;
-``get_off_policy_mask``; ``get_gamma_weights``) and ``trl/trainer/utils.py`` (``nanstd``). One
+``get_off_policy_mask``; ``get_gamma_weights``), ``trl/trainer/utils.py`` (``nanstd``) and
+``trl/trainer/callbacks.py`` (``SyncRefModelCallback._sync_target_model``). One
 process, one gradient-accumulation step (``num_items_in_batch`` = the batch's tokens).
 """
 
@@ -138,3 +139,11 @@ def compute_loss(per_token_logps, old_per_token_logps, advantages, mask, *, loss
     if loss_type in ("cispo", "dapo", "vespo"):
         return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
     return (per_token_loss * mask).sum(-1).mean()  # luspo
+
+
+def sync_target_model(model, target_model, alpha):
+    """``SyncRefModelCallback._sync_target_model`` (``sync_ref_model``, ``ref_model_mixup_alpha``): each
+    reference parameter becomes ``(1 - alpha) * ref + alpha * policy``, in place."""
+    with torch.no_grad():
+        for target_param, copy_param in zip(target_model.parameters(), model.parameters(), strict=True):
+            target_param.mul_(1.0 - alpha).add_(copy_param, alpha=alpha)
