@@ -14,8 +14,9 @@ peak resident memory and, on a GPU, the peak CUDA memory. The configurations:
 - ``grpo+kl``: GRPO with ``beta: 0.04`` (the reference model's forward: what a teacher's costs
   when it is the same size);
 - ``opd-fp32`` / ``opd-bf16``: ``opd`` with a teacher of the policy's size in float32 / bfloat16
-  (the policy's own weights: what is measured is the cost, not the learning), the policy's
-  log-probs one more forward (``mu: 1``).
+  (the policy's weights with seeded noise, so that the reverse KL, hence every row's advantage,
+  is not 0: what is measured is the cost, not the learning), the policy's log-probs one more
+  forward (``mu: 1``).
 
 ``--tiny`` runs grpo_core.testing's tiny model instead (a smoke run: seconds). Timings measured
 on a shared machine are noise-prone: compare rows of one run only.
@@ -42,10 +43,31 @@ CONFIGS = {
 }
 
 
+def noisy_teacher(model: Path, folder: Path, scale: float = 0.02) -> Path:
+    """The policy's weights plus seeded Gaussian noise (``scale`` times each tensor's std), with its
+    tokenizer, saved in ``folder``: a teacher of the policy's size that disagrees with it. A teacher
+    equal to the policy gives a reverse KL of 0 on every token, so every row's advantage is 0 and
+    the update skips them all: the forward and backward would go unmeasured."""
+    if (folder / "config.json").exists():
+        return folder
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    teacher = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in teacher.parameters():
+            noise = torch.randn(parameter.shape, generator=generator)
+            parameter.add_(noise * scale * parameter.float().std().nan_to_num())
+    teacher.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(model).save_pretrained(folder)
+    return folder
+
+
 def spec_text(model: Path, args: argparse.Namespace, config: dict) -> str:
     advantage = "{name: grpo}"
     if "teacher_dtype" in config:
-        advantage = (f"{{name: opd, teacher: {{path: {model}, dtype: {config['teacher_dtype']}, "
+        advantage = (f"{{name: opd, teacher: {{path: {args.teacher}, dtype: {config['teacher_dtype']}, "
                      f"device: {args.device}}}}}")
     return f"""
 model: {{path: {model}}}
@@ -111,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--tiny", action="store_true", help="grpo_core.testing's tiny model (a smoke run)")
     parser.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--teacher", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(Path(tempfile.gettempdir()) / "grpo-bench-distillation"))
     parser.add_argument("--results", default=None, help="append one JSON line per configuration")
@@ -128,9 +151,12 @@ def main(argv: list[str] | None = None) -> int:
             from vs_trl import prepare_model
 
             args.model = str(prepare_model(Path(tempfile.gettempdir()) / "grpo-bench-smollm2"))
+    if args.teacher is None:
+        args.teacher = str(noisy_teacher(Path(args.model), Path(args.out) / "teacher-model"))
     rows = []
     for name in args.configs:
-        command = [sys.executable, __file__, "--one", name, "--model", args.model, "--out", args.out,
+        command = [sys.executable, __file__, "--one", name, "--model", args.model, "--teacher", args.teacher,
+                   "--out", args.out,
                    "--steps", str(args.steps), "--prompts", str(args.prompts), "--group", str(args.group),
                    "--tokens", str(args.tokens), "--threads", str(args.threads), "--device", args.device]
         done = subprocess.run(command, capture_output=True, text=True)
