@@ -53,7 +53,7 @@ def noisy_teacher(model: Path, folder: Path, scale: float = 0.02) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    teacher = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32)
+    teacher = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for parameter in teacher.parameters():
