@@ -209,8 +209,21 @@ def plugins_page() -> str:
             if doc and options.__doc__ not in (Options.__doc__, BaseModel.__doc__):
                 out.append(f"Options (`{options.__name__}`): {doc}\n\n")
             out.append(fields_table(options))
+            out.extend(_nested_tables(options))
     out.extend(_commands_section(plugins.commands))
     return "".join(out)
+
+
+def _nested_tables(model: type[BaseModel], path: str = "") -> list[str]:
+    """The fields of each options model nested in ``model``'s fields (``teacher.path``...), depth first."""
+    out = []
+    for name, field in model.model_fields.items():
+        for nested in _models_in(field.annotation):
+            key = f"{path}{name}"
+            out.append(f"\n`{key}` (`{nested.__name__}`):\n\n")
+            out.append(fields_table(nested))
+            out.extend(_nested_tables(nested, key + "."))
+    return out
 
 
 #: The width of a command's ``--help`` in the reference (argparse otherwise takes the terminal's).

@@ -11,7 +11,10 @@ Divergence" (http://joschu.net/blog/kl-approx.html); the choices and names match
 
 Every estimator has two optional clamps: ``log_ratio_clamp`` bounds the log-ratio before
 the estimator is applied (needed by k3, whose ``exp`` overflows), ``output_clamp`` bounds
-the estimate itself. A clamp that is active stops the gradient through that token.
+the estimate itself. In ``kl``, ``abs``, ``mse`` and ``low_var_kl`` a clamp that is active stops
+the gradient through that token. In the straight-through ``k1+`` and ``k3+`` the clamps bound the
+value only: the gradient is k2's on every token, clamped or not (the estimator's definition, and
+verl's ``kl_penalty``: the clamped k3 value is detached, the k2 surrogate is not clamped).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ __all__ = [
     "k1_plus_kl",
     "k3_plus_kl",
     "straight_through",
+    "straight_through_kl",
     "clamped_kl",
 ]
 
@@ -79,12 +83,14 @@ class LowVarKLOptions(KLOptions):
     log_ratio_clamp: float | None = Field(
         20.0,
         description="Clamp log(pi_ref/pi) to [-c, c] before exp, so it cannot overflow; a positive "
-        "number or null. Default 20, as verl.",
+        "number or null. Default 20, as verl's low_var_kl. Under k3+ it bounds the value only (the "
+        "gradient is k2's).",
     )
     output_clamp: float | None = Field(
         10.0,
         description="Clamp the per-token k3 estimate to [-c, c], so one token cannot dominate the "
-        "loss; a positive number or null. Default 10, as verl.",
+        "loss (low_var_kl: a clamped token gets no gradient; k3+: it keeps k2's gradient, as verl's k3+); "
+        "a positive number or null. Default 10, as verl.",
     )
 
 
@@ -119,8 +125,9 @@ def k3_kl(log_ratio: Tensor) -> Tensor:
 
 
 def straight_through(forward: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
-    """The estimator whose value is ``forward``'s and whose gradient is k2's:
-    ``k2(x) - sg(k2(x)) + sg(forward(x))``, as verl's ``k1+`` / ``k3+``.
+    """The elementwise estimator whose value is ``forward``'s and whose gradient is k2's:
+    ``k2(x) - sg(k2(x)) + sg(forward(x))``, as verl's ``k1+`` / ``k3+`` (no clamps; the
+    components add them with :func:`straight_through_kl`).
 
     k1 and k3 are unbiased estimates of KL(pi || pi_ref) under samples from pi, but their
     gradients are not unbiased estimates of the KL's gradient; k2's is
@@ -174,6 +181,29 @@ def clamped_kl(
     return masked_fill_zero(kl, mask)
 
 
+def straight_through_kl(
+    forward: Callable[[Tensor], Tensor],
+    logp: Tensor,
+    ref_logp: Tensor,
+    mask: Tensor,
+    *,
+    log_ratio_clamp: float | None = None,
+    output_clamp: float | None = None,
+) -> Tensor:
+    """The straight-through estimate: the value of ``forward`` (with the clamps, as
+    :func:`clamped_kl`), the gradient of k2 on the unclamped log-ratio.
+
+    ``k2(x) - sg(k2(x)) + sg(clamp(forward(clamp(x))))`` with ``x = logp - ref_logp``: the
+    clamps guard the value (k3's ``exp``) and never cut the gradient, which is k2's,
+    ``logp - ref_logp`` per token, clamped or not (verl's ``kl_penalty`` with ``"k3+"``:
+    logp -3, ref 0 gives value 10, gradient -3). Shapes and padding as :func:`clamped_kl`.
+    """
+    value = clamped_kl(forward, logp.detach(), ref_logp, mask, log_ratio_clamp=log_ratio_clamp,
+                       output_clamp=output_clamp)
+    surrogate = clamped_kl(k2_kl, logp, ref_logp, mask)
+    return surrogate - surrogate.detach() + value
+
+
 # --------------------------------------------------------------------------- components
 class _ClampedKL:
     """Binds an estimator to its clamp options."""
@@ -218,16 +248,30 @@ class MseKL(_ClampedKL):
     estimator = staticmethod(k2_kl)
 
 
-class K1PlusKL(_ClampedKL):
+class _StraightThroughKL(_ClampedKL):
+    """Binds a straight-through estimator (the value of ``estimator``, k2's gradient) to its clamps."""
+
+    def __call__(self, logp: Tensor, ref_logp: Tensor, mask: Tensor) -> Tensor:
+        return straight_through_kl(
+            type(self).estimator,
+            logp,
+            ref_logp,
+            mask,
+            log_ratio_clamp=self.options.log_ratio_clamp,
+            output_clamp=self.options.output_clamp,
+        )
+
+
+class K1PlusKL(_StraightThroughKL):
     """k1+: the value of k1 (logp - ref_logp), the gradient of k2 (straight-through, verl's k1+)."""
 
-    estimator = staticmethod(k1_plus_kl)
+    estimator = staticmethod(k1_kl)
 
 
-class K3PlusKL(_ClampedKL):
-    """k3+: the value of k3 (verl's clamps by default), the gradient of k2 (straight-through, verl's k3+)."""
+class K3PlusKL(_StraightThroughKL):
+    """k3+: the value of k3 (verl's clamps, on the value only), the gradient of k2 (straight-through, verl's k3+)."""
 
-    estimator = staticmethod(k3_plus_kl)
+    estimator = staticmethod(k3_kl)
 
 
 @hookimpl

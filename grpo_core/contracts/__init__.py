@@ -26,6 +26,7 @@ from grpo_core.contracts.algorithms import (
     PolicyLoss,
     PolicyLossInputs,
     PolicyLossOutput,
+    Teacher,
     masked_fill_zero,
 )
 from grpo_core.contracts.components import Dataset, Stateful, Tracker
@@ -53,6 +54,7 @@ from grpo_core.contracts.rollout import (
 __all__ = [
     "AdvantageInputs",
     "AdvantageEstimator",
+    "Teacher",
     "KLPenalty",
     "PolicyLossInputs",
     "PolicyLossOutput",

@@ -12,8 +12,31 @@ from torch import Tensor
 
 # --------------------------------------------------------------------------- advantages
 @dataclass
+class Teacher:
+    """A model that scores the policy's sampled tokens (on-policy distillation): a causal LM
+    sharing the policy's tokenizer, held by the advantage estimator that reads its log-probs
+    (:attr:`AdvantageEstimator.teacher`).
+
+    Attributes:
+        model: a transformers causal LM (``get_decoder()``, ``get_output_embeddings()``, as the
+            policy), in eval mode; never trained. Its forward runs where its parameters are
+            (another GPU, say): the engine moves the batch there and the log-probs back.
+        name: how messages name it (its path, say).
+        vocab: its tokenizer's vocabulary (token -> id), or None. The engine checks before the
+            first step that it equals the policy tokenizer's and stops the run, naming the
+            teacher, where it does not: a teacher reading other token ids scores nonsense.
+    """
+
+    model: torch.nn.Module
+    name: str = "teacher"
+    vocab: dict[str, int] | None = None
+
+
+@dataclass
 class AdvantageInputs:
-    """What an advantage estimator sees.
+    """What an advantage estimator sees. Fields are added over versions, never removed or
+    renamed; the ones after ``baseline_scores`` are None unless the engine fills them (the
+    reward table always, the log-probs for an estimator with a ``teacher``).
 
     Attributes:
         scores: ``float (B,)`` sequence scores; ``NaN`` marks an unscorable completion
@@ -27,6 +50,20 @@ class AdvantageInputs:
         baseline_scores: ``float (B,)`` the score of one greedy completion of each row's
             prompt (the same on every row of a group; ``NaN`` where it was unscorable), or
             ``None``; filled for an estimator that declares ``needs_greedy_baseline``.
+        reward_scores: ``float (B, F)`` each reward function's score of each row, ``NaN``
+            where that function said None; one column per entry of ``rewards`` in the spec, plus
+            a last column ``"kl_penalty"`` (``-beta * sum_t KL_t``, weight 1) when the KL is in
+            the reward. Filled by the engine for every estimator.
+        reward_weights: ``float (F,)`` the weight of each column: wherever a row has a score,
+            ``scores`` is ``sum_k reward_weights[k] * reward_scores[:, k]`` over its non-NaN
+            columns.
+        reward_names: ``tuple[str, ...]`` of ``F`` column names (``name#i`` when a reward is
+            listed twice).
+        logp: ``float (B, T)`` the policy's log-probs of the sampled tokens, computed by the
+            trainer before the update (the policy the batch is trained from), 0 on padding.
+            Filled, with ``teacher_logp``, for an estimator with a ``teacher``.
+        teacher_logp: ``float (B, T)`` the teacher's log-probs of the same tokens at the same
+            temperature, 0 on padding.
     """
 
     scores: Tensor
@@ -36,6 +73,11 @@ class AdvantageInputs:
     step_ends: Tensor | None = None
     step_mask: Tensor | None = None
     baseline_scores: Tensor | None = None
+    reward_scores: Tensor | None = None
+    reward_weights: Tensor | None = None
+    reward_names: tuple[str, ...] | None = None
+    logp: Tensor | None = None
+    teacher_logp: Tensor | None = None
 
 
 @runtime_checkable
@@ -54,10 +96,15 @@ class AdvantageEstimator(Protocol):
             (ReMax): the engine then generates one greedy completion per prompt with the
             rollout backend (the step's sampling settings with ``greedy=True``), scores it
             with the step's reward functions and fills them. Default False.
+        teacher: a :class:`Teacher`, or None (default). When set, the engine computes each
+            step the log-probs of the sampled tokens under the teacher and under the policy
+            (a reference-model-like forward of each, in the learner's micro-batches, without
+            gradients) and fills ``inputs.teacher_logp`` and ``inputs.logp``.
     """
 
     needs_step_scores: bool = False
     needs_greedy_baseline: bool = False
+    teacher: Teacher | None = None
 
     def __call__(self, inputs: AdvantageInputs) -> Tensor: ...
 
@@ -85,12 +132,18 @@ class PolicyLossInputs:
             ``logp.detach()`` when each rollout gets one update (``mu = 1``).
         advantages: per-token advantages.
         mask: ``bool`` completion tokens.
+        sampling_logp: log-probs under the sampler that generated the tokens (no grad), as
+            the rollout backend returned them (vLLM; ``hf`` from its bf16 copy), or the
+            behaviour policy's of an asynchronous run; None when the tokens were sampled from
+            the trained weights themselves. For losses that tell the sampler's
+            drift from the update's (off-policy sequence masking, M2PO).
     """
 
     logp: Tensor
     old_logp: Tensor
     advantages: Tensor
     mask: Tensor
+    sampling_logp: Tensor | None = None
 
 
 @dataclass

@@ -12,7 +12,9 @@ from grpo_core.spec.slots import Section, Slot
 
 class AdvantageSlot(Slot):
     kind = "advantage_estimator"
-    name: str = Field("grpo", description="Advantage estimator: grpo, process, dapo-token-scale, rloo, reinforce++.")
+    name: str = Field("grpo", description="Advantage estimator: grpo, process, dapo-token-scale, rloo, reinforce++, "
+                      "gdpo (per-reward normalization), opd (on-policy distillation from a teacher), ... "
+                      "(grpo-run plugins lists them).")
 
 
 class RefSyncSection(Section):
@@ -25,7 +27,7 @@ class RefSyncSection(Section):
 
 class AdaptiveKLSection(Section):
     """After each step, ``beta *= 1 + clip(kl / target - 1, -0.2, 0.2) * min(1, B / horizon)``,
-    with ``kl`` the step's mean over completions of the per-token mean KL and ``B`` its rows
+    with ``kl`` the step's mean KL per token (over all its completion tokens) and ``B`` its rows
     (completions, all processes): Ziegler et al. 2019, https://arxiv.org/abs/1909.08593, with
     ``B / horizon`` capped at 1 so that beta stays positive (one step moves it 20% at most)."""
 
@@ -75,7 +77,8 @@ class KLSlot(Slot):
         "unset: the reference stays the initial policy.",
     )
     adaptive: AdaptiveKLSection | None = Field(
-        None, description="Adapt beta toward a target KL (Ziegler et al. 2019; verl's kl_ctrl: adaptive); "
+        None, description="Adapt beta toward a target KL (Ziegler et al. 2019; verl's kl_ctrl: adaptive has the "
+        "same update where rows per step <= horizon, from the mean of each completion's mean KL); "
         "unset: beta is fixed.",
     )
 
@@ -83,8 +86,8 @@ class KLSlot(Slot):
 class PolicyLossSlot(Slot):
     kind = "policy_loss"
     name: str = Field(
-        "clip", description="Policy loss: clip (PPO clipped surrogate), gspo, cispo, sapo, gmpo, gpg, reinforce, "
-        "clip-cov, kl-cov.",
+        "clip", description="Policy loss: clip (PPO clipped surrogate), gspo, cispo, sapo, gmpo, dppo, gpg, reinforce, "
+        "clip-cov, kl-cov, opsm, m2po, topr, vespo.",
     )
 
 
@@ -109,12 +112,14 @@ class StepSplitterSlot(Slot):
 
 class RejectionSection(Section):
     """Rejection sampling of whole completions by their sequence-level sampler-to-trainer ratio
-    (verl's ``rollout_rs``): a completion whose ratio lies outside ``[low, high]`` gets weight 0 on
-    every token."""
+    (verl's ``rollout_rs`` ``seq_mean_k1`` / ``seq_sum_k1``, whose statistic is ``-log r``: its threshold
+    string for ``[low, high]`` here is ``"{1/high}_{1/low}"``): a completion whose ratio lies outside
+    ``[low, high]`` gets weight 0 on every token."""
 
     statistic: Literal["geometric", "product"] = Field(
-        "geometric", description="geometric: exp(mean_t d_t), length-invariant (verl's seq_mean_k1); product: "
-        "exp(sum_t d_t), the sequence's importance ratio (seq_sum_k1); d_t = logp_train_old - logp_sampler.",
+        "geometric", description="geometric: exp(mean_t d_t), length-invariant (verl's seq_mean_k1, with the "
+        "bounds inverted); product: exp(sum_t d_t), the sequence's importance ratio (seq_sum_k1); d_t = "
+        "logp_train_old - logp_sampler.",
     )
     low: float = Field(gt=0, description="Lower bound of the accepted ratio, e.g. 0.999 for geometric.")
     high: float = Field(gt=0, description="Upper bound of the accepted ratio, e.g. 1.001 for geometric.")
@@ -161,8 +166,9 @@ class RolloutCorrectionSection(Section):
     normalize: bool = Field(
         False, description="Divide the weights by their mean over the kept tokens (level token) or kept completions "
         "(level sequence) of each forward (one micro-batch: train.micro_batch_size rows, or the whole groups "
-        "within train.micro_batch_tokens), so that they "
-        "average 1 (verl's rollout_is_batch_normalize).",
+        "within train.micro_batch_tokens), so that they average 1 (verl's rollout_is_batch_normalize, which "
+        "averages over the batch and counts the tokens its mask zeroed: the same with mode truncate when a "
+        "forward is the batch).",
     )
 
     @property

@@ -14,11 +14,13 @@ With ``d_t = logp_trainer_old - logp_sampler`` on the completion tokens:
   ``M(r) = r if lower <= r <= cap else 0`` (Ring-1T, https://arxiv.org/abs/2510.18855);
 - ``reject``: rejection sampling of whole rows: every token of a row whose sequence ratio
   (``geometric``: ``exp(mean_t d_t)``, length-invariant; ``product``: ``exp(sum_t d_t)``) lies outside
-  ``[low, high]`` gets ``w = 0`` (verl's ``rollout_rs``, ``seq_mean_k1`` / ``seq_sum_k1``);
+  ``[low, high]`` gets ``w = 0`` (verl's ``rollout_rs``, ``seq_mean_k1`` / ``seq_sum_k1`` with the
+  threshold ``"{1/high}_{1/low}"``: verl's statistic is ``-log r``);
 - ``normalize``: ``w / mean(w)``, the mean over the kept tokens (``token``) or kept rows
   (``sequence``) of the call, so that the kept weights average 1 (verl's
-  ``rollout_is_batch_normalize``). The call is one micro-batch: ``train.micro_batch_size`` rows,
-  or with it unset the whole groups within ``train.micro_batch_tokens`` positions.
+  ``rollout_is_batch_normalize`` averages over the batch, zeroed tokens included). The call is
+  one micro-batch: ``train.micro_batch_size`` rows, or with it unset the whole groups within
+  ``train.micro_batch_tokens`` positions.
 
 Weights carry no gradient and are exactly 0 on padding.
 """

@@ -45,6 +45,8 @@ class Scores:
     ``per_function``: ``float (B, F)``, NaN where a function said None.
     ``failed``: completions whose reward function raised and were scored None.
     ``step_scores``: ``float (B, K)`` weighted step scores when steps were given, else None.
+    ``weights``: ``float (F,)`` each function's weight (``total`` is the weighted sum of the
+    non-NaN entries of ``per_function``), or None where they are not known (evaluation).
     """
 
     total: torch.Tensor
@@ -52,6 +54,7 @@ class Scores:
     names: list[str]
     failed: int = 0
     step_scores: torch.Tensor | None = None  # float (B, K), NaN where no function scored
+    weights: torch.Tensor | None = None  # float (F,)
 
 
 @dataclass

@@ -12,18 +12,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from grpo_core.contracts import AdvantageEstimator, AdvantageInputs, RolloutBatch
+from grpo_core.contracts import AdvantageEstimator, AdvantageInputs, RolloutBatch, Teacher
+from grpo_core.errors import RunError
 from grpo_core.train.distributed import Dist, pad_cat
 from grpo_core.train.experience import Experience, Scored, Timer
 from grpo_core.train.kl import KLTerm
 from grpo_core.train.packing import resolve_packing
 from grpo_core.train.parallel import Single, forward_of
 from grpo_core.train.reasoning_steps import step_tensors
+from grpo_core.train.teacher import check_vocabulary, teacher_logprobs
 from grpo_core.train.update import Objective, TrainBatch, batch_logprobs, micro_batches, update
 
 if TYPE_CHECKING:
@@ -67,6 +69,7 @@ class Learner:
     scaler: torch.amp.GradScaler | None = None  # under fp16 mixed precision
     version: int = 0  # training steps applied to the policy
     _packs: bool | None = field(default=None, init=False, repr=False)
+    teacher_checked: bool = field(default=False, repr=False)  # the estimator's teacher reads our token ids
 
     @property
     def dist(self) -> Dist:
@@ -103,8 +106,9 @@ class Learner:
 
     def prepare(self, experience: Experience, timer: Timer) -> tuple[TrainBatch, dict[str, float]]:
         """The batch to update on: old and reference log-probs where needed, the KL penalty
-        when it is in the reward, and the advantages."""
-        s, kl, scored = self.settings, self.kl, experience.scored
+        when it is in the reward, the policy's and the teacher's log-probs for an estimator
+        with a teacher, and the advantages."""
+        s, kl, scored, teacher = self.settings, self.kl, experience.scored, self.estimator.teacher
         batch = train_batch(scored.rollout, s.mask_truncated, experience.temperature)
         micro = self.micro_batches(batch)
         temperature = batch.temperature
@@ -121,13 +125,43 @@ class Learner:
                                                     self.autocast, packed=self.packs)
         if kl is not None and kl.in_reward:
             rewards, penalty, metrics["kl"] = kl.penalize(rewards, batch.old_logp, batch.ref_logp, batch.mask)
+        distilled = None
+        if teacher is not None:
+            with timer("teacher"):
+                distilled = self.distillation_logprobs(teacher, batch, micro)
+            if batch.mask.any():  # the sampled-token estimate of KL(policy || teacher), per token
+                metrics["teacher/kl"] = float((distilled[0] - distilled[1])[batch.mask].mean())
         with timer("advantage"):
             inputs = advantage_inputs(scored, rewards, penalty, batch.mask,
                                       with_steps=self.estimator.needs_step_scores, tokenizer=self.tokenizer)
             if experience.baseline_scores is not None:
                 inputs.baseline_scores = experience.baseline_scores.to(batch.mask.device)
+            if distilled is not None:
+                inputs.logp, inputs.teacher_logp = distilled
             batch.advantages = global_advantages(self.estimator, self.dist, inputs)
         return batch, metrics
+
+    def distillation_logprobs(self, teacher: Teacher, batch: TrainBatch,
+                              micro: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(policy, teacher)`` log-probs ``(B, T)`` of the batch's sampled tokens, 0 on padding:
+        the policy's are the old ones when they were computed, else one forward of the policy
+        (no gradient) before the update; the teacher's one forward of the teacher. The first
+        call checks that the teacher's vocabulary is the policy tokenizer's."""
+        if not self.teacher_checked:
+            if not isinstance(teacher, Teacher):
+                raise RunError(f"the advantage estimator's teacher must be a grpo_core.contracts.Teacher (a causal "
+                               f"LM with its name and vocabulary), got {type(teacher).__name__}")
+            check_vocabulary(teacher, self.tokenizer)
+            self.teacher_checked = True
+        policy = batch.old_logp
+        if policy is None:
+            policy = batch_logprobs(self.strategy.forward(self.model), batch, micro, batch.temperature, self.autocast,
+                                    packed=self.packs)
+        # the teacher is any causal LM (packing is checked against the policy only): padded
+        # forwards, its micro-batches counted in padded positions
+        s = self.settings
+        padded = micro_batches(batch, torch.arange(len(batch.mask)), s.micro_batch_size, s.micro_batch_tokens, False)
+        return policy.masked_fill(~batch.mask, 0.0), teacher_logprobs(teacher, batch, padded)
 
     def sampler_logprobs(self, sampler: torch.nn.Module, experience: Experience) -> torch.Tensor:
         """``(B, T)``: the log-probs of ``experience``'s sampled tokens under ``sampler`` (a
@@ -155,12 +189,14 @@ def train_batch(rollout: RolloutBatch, mask_truncated: bool, temperature: float 
 
 def advantage_inputs(scored: Scored, rewards: torch.Tensor, penalty: torch.Tensor | None, mask: torch.Tensor,
                      *, with_steps: bool = False, tokenizer: Any = None) -> AdvantageInputs:
-    """What the estimator sees: sequence rewards ``(B,)``, and with ``with_steps`` per-step
-    scores with the token index of each step's end (found with ``tokenizer``); a KL-in-reward
-    ``penalty (B,)`` counts on the last step."""
+    """What the estimator sees: sequence rewards ``(B,)``, the table of each reward function's
+    scores with their weights (plus a ``kl_penalty`` column of weight 1, ``-penalty``, when the
+    KL is in the reward), and with ``with_steps`` per-step scores with the token index of each
+    step's end (found with ``tokenizer``); a KL-in-reward ``penalty (B,)`` counts on the last step."""
     rollout = scored.rollout
     group_ids = torch.arange(rollout.prompt_ids.shape[0], device=mask.device).repeat_interleave(rollout.group_size)
     inputs = AdvantageInputs(rewards, group_ids, mask)
+    inputs.reward_scores, inputs.reward_weights, inputs.reward_names = reward_table(scored, penalty, mask.device)
     if with_steps:
         ends, step_mask = step_tensors(scored.layout, tokenizer, rollout.completion_ids,
                                        rollout.completion_mask, rollout.completions)
@@ -173,6 +209,28 @@ def advantage_inputs(scored: Scored, rewards: torch.Tensor, penalty: torch.Tenso
     return inputs
 
 
+def reward_table(scored: Scored, penalty: torch.Tensor | None, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor, tuple[str, ...]]:
+    """``(scores (B, F), weights (F,), names)`` of the step's reward functions, with the column
+    ``kl_penalty`` (``-penalty``, weight 1) appended when the KL is in the reward, so that the
+    weighted sum of a row's non-NaN columns is the reward the estimator receives."""
+    s = scored.scores
+    table = s.per_function.to(device, torch.float32)
+    weights = s.weights if s.weights is not None else torch.ones(table.shape[1])
+    weights, names = weights.to(device, torch.float32), tuple(s.names)
+    if penalty is not None:
+        table = torch.cat([table, -penalty.to(device, torch.float32)[:, None]], dim=1)
+        weights = torch.cat([weights, weights.new_ones(1)])
+        names += ("kl_penalty",)
+    return table, weights, names
+
+
+#: Fields of :class:`AdvantageInputs` padded along ``T`` or ``K`` when several processes' rows are
+#: gathered, with their padding value; the others are concatenated (row fields) or shared.
+_PADDED = {"mask": False, "step_scores": 0.0, "step_ends": 0, "step_mask": False, "logp": 0.0, "teacher_logp": 0.0}
+_SHARED = ("reward_weights", "reward_names")
+
+
 def global_advantages(estimator: AdvantageEstimator, dist: Dist, inputs: AdvantageInputs) -> torch.Tensor:
     """The estimator's advantages ``(b, T)`` for this process's rows. With several
     processes, the inputs of all are gathered (groups renumbered, ``T`` and ``K`` padded)
@@ -180,23 +238,24 @@ def global_advantages(estimator: AdvantageEstimator, dist: Dist, inputs: Advanta
     single-process run; each process keeps its own rows and width."""
     if not dist.active:
         return estimator(inputs).float()
-    parts = dist.gather(AdvantageInputs(*(None if t is None else t.cpu() for t in (
-        inputs.scores, inputs.group_ids, inputs.mask, inputs.step_scores, inputs.step_ends, inputs.step_mask,
-        inputs.baseline_scores))))
+    names = [f.name for f in fields(AdvantageInputs)]
+    values = {n: getattr(inputs, n) for n in names}
+    parts = dist.gather({n: v.cpu() if isinstance(v, torch.Tensor) else v for n, v in values.items()})
     offsets = [0]
     for part in parts:
-        offsets.append(offsets[-1] + int(part.group_ids.max()) + 1 if part.group_ids.numel() else offsets[-1])
-    steps = parts[0].step_scores is not None
-    full = AdvantageInputs(
-        torch.cat([p.scores for p in parts]),
-        torch.cat([p.group_ids + off for p, off in zip(parts, offsets)]),
-        pad_cat([p.mask for p in parts], False),
-        pad_cat([p.step_scores for p in parts], 0.0) if steps else None,
-        pad_cat([p.step_ends for p in parts], 0) if steps else None,
-        pad_cat([p.step_mask for p in parts], False) if steps else None,
-        None if parts[0].baseline_scores is None else torch.cat([p.baseline_scores for p in parts]),
-    )
-    adv = estimator(full).float()
-    start = sum(p.scores.shape[0] for p in parts[: dist.rank])
+        ids = part["group_ids"]
+        offsets.append(offsets[-1] + int(ids.max()) + 1 if ids.numel() else offsets[-1])
+    merged: dict[str, Any] = {}
+    for n in names:
+        if parts[0][n] is None or n in _SHARED:
+            merged[n] = parts[0][n]
+        elif n == "group_ids":
+            merged[n] = torch.cat([p[n] + off for p, off in zip(parts, offsets)])
+        elif n in _PADDED:
+            merged[n] = pad_cat([p[n] for p in parts], _PADDED[n])
+        else:
+            merged[n] = torch.cat([p[n] for p in parts])
+    adv = estimator(AdvantageInputs(**merged)).float()
+    start = sum(p["scores"].shape[0] for p in parts[: dist.rank])
     rows, width = inputs.mask.shape
     return adv[start: start + rows, :width].to(inputs.mask.device)

@@ -164,7 +164,7 @@ def select_groups(scored: Scored, groups: list[int]) -> Scored:
     idx = torch.tensor(rows, dtype=torch.long)
     rollout = select_rollout(scored.rollout, groups)
     scores = Scores(s.total[idx], s.per_function[idx], s.names, s.failed,
-                    None if s.step_scores is None else s.step_scores[idx])
+                    None if s.step_scores is None else s.step_scores[idx], s.weights)
     layout = None if lay is None else StepLayout([lay.spans[i] for i in rows], [lay.texts[i] for i in rows])
     return Scored([scored.prompts[i] for i in groups], rollout, scores, layout)
 
@@ -181,7 +181,7 @@ def concat_scored(parts: list[Scored]) -> Scored:
         k = max(s.step_scores.shape[1] for s in ss)
         step_scores = torch.cat([_pad_right(s.step_scores, k, math.nan) for s in ss])
     scores = Scores(torch.cat([s.total for s in ss]), torch.cat([s.per_function for s in ss]), ss[0].names,
-                    sum(s.failed for s in ss), step_scores)
+                    sum(s.failed for s in ss), step_scores, ss[0].weights)
     layout = None
     if parts[0].layout is not None:
         layout = StepLayout([x for p in parts for x in p.layout.spans], [x for p in parts for x in p.layout.texts])

@@ -459,4 +459,4 @@ def score(
             "None (or failed) for every one; these rows carry no learning signal", size,
             ", ".join(f"'{fn.name}'" for fn in fns),
         )
-    return Scores(total, table, [fn.name for fn in fns], failed, step_scores)
+    return Scores(total, table, [fn.name for fn in fns], failed, step_scores, weights)

@@ -264,12 +264,13 @@ def micro_batch_loss(
         )
     logp = logp.float()
     old = batch.old_logp[rows] if batch.old_logp is not None else logp.detach()
-    out = objective.policy_loss(PolicyLossInputs(logp, old, batch.advantages[rows], m))
+    sampled = batch.sampling_logp[rows] if batch.sampling_logp is not None else None
+    out = objective.policy_loss(PolicyLossInputs(logp, old, batch.advantages[rows], m, sampling_logp=sampled))
     per_token, metrics = out.loss, dict(out.metrics)
     correction = objective.correction
-    if batch.sampling_logp is not None and correction is not None and correction.active:
+    if sampled is not None and correction is not None and correction.active:
         weight, extra = rollout_correction(
-            old, batch.sampling_logp[rows], m, level=correction.level, mode=correction.mode, cap=correction.cap,
+            old, sampled, m, level=correction.level, mode=correction.mode, cap=correction.cap,
             lower=correction.lower, reject=correction.rejection, normalize=correction.normalize,
         )
         per_token = per_token * weight

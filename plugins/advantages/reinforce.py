@@ -29,9 +29,17 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------- options
+#: ``variance`` of the two REINFORCE++ estimators.
+VARIANCE_DESCRIPTION = (
+    "The whitening's variance over the batch's n tokens: 'unbiased' divides by n - 1 (default, verl's "
+    "masked_whiten); 'population' by n (OpenRLHF's reinforce_baseline and reinforce)."
+)
+
+
 class ReinforcePlusPlusOptions(Options):
     """Options of ``reinforce++``."""
 
+    variance: Literal["population", "unbiased"] = Field("unbiased", description=VARIANCE_DESCRIPTION)
     eps: float = Field(
         1e-8,
         gt=0.0,
@@ -52,6 +60,7 @@ class ReinforceNoBaselineOptions(Options):
         "return of completion token t is gamma^m * r_i, m the completion tokens after t (the sequence "
         "reward sits on the last token); then all returns of the batch are whitened. Default 1 (verl's).",
     )
+    variance: Literal["population", "unbiased"] = Field("unbiased", description=VARIANCE_DESCRIPTION)
     eps: float = Field(
         1e-8,
         gt=0.0,
@@ -104,16 +113,19 @@ def rloo(inputs: AdvantageInputs) -> Tensor:
 
 
 # --------------------------------------------------------------------------- reinforce++
-def masked_whiten(values: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
+def masked_whiten(values: Tensor, mask: Tensor, eps: float = 1e-8, unbiased: bool = True) -> Tensor:
     """``(x - mean) / sqrt(var + eps)`` over the ``n`` positions where ``mask`` is True.
 
-    ``var`` uses Bessel's correction (divides by ``n - 1``), as verl's ``masked_whiten``;
-    with ``n < 2`` the centred values are 0 and so is the result.
+    ``var`` uses Bessel's correction (divides by ``n - 1``), as verl's ``masked_whiten``, or
+    with ``unbiased=False`` divides by ``n``, as OpenRLHF's advantage normalization (which
+    takes ``max(var, eps)`` where this adds ``eps``: equal up to ``eps``); with ``n < 2`` the
+    centred values are 0 and so is the result.
 
     Args:
         values: ``float (B, T)``.
         mask: ``bool (B, T)``.
         eps: added to the variance.
+        unbiased: divide the squared deviations by ``n - 1`` (True) or ``n``.
 
     Returns:
         ``float (B, T)``, zero where ``mask`` is False.
@@ -121,7 +133,7 @@ def masked_whiten(values: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
     n = mask.sum().to(values.dtype)
     mean = torch.where(mask, values, 0.0).sum() / n.clamp(min=1)
     centered = torch.where(mask, values - mean, 0.0)
-    var = (centered**2).sum() / (n - 1).clamp(min=1)
+    var = (centered**2).sum() / ((n - 1) if unbiased else n).clamp(min=1)
     return masked_fill_zero(centered * torch.rsqrt(var + eps), mask)
 
 
@@ -131,7 +143,7 @@ class ReinforcePlusPlusAdvantage(BoundEstimator):
 
 @ReinforcePlusPlusAdvantage.binds
 def reinforce_plus_plus_advantages(
-    scores: Tensor, group_ids: Tensor, mask: Tensor, *, eps: float = 1e-8
+    scores: Tensor, group_ids: Tensor, mask: Tensor, *, variance: str = "unbiased", eps: float = 1e-8
 ) -> Tensor:
     """REINFORCE++ with a group-mean baseline (Hu et al., https://arxiv.org/abs/2501.03262).
 
@@ -139,7 +151,8 @@ def reinforce_plus_plus_advantages(
     to its tokens, then whitened over every valid token of the batch with
     :func:`masked_whiten`: ``A_it = (a_i - m) / sqrt(v + eps)``, ``m`` and ``v`` the mean
     and Bessel-corrected variance of ``a`` over those tokens (verl's
-    ``reinforce_plus_plus_baseline``). Longer completions weigh more in ``m`` and ``v``.
+    ``reinforce_plus_plus_baseline``; with ``variance="population"`` the variance divides by the
+    token count, OpenRLHF's ``reinforce_baseline``). Longer completions weigh more in ``m`` and ``v``.
 
     Differences from verl, both so that ``NaN`` and tiny groups behave as in ``grpo``: the
     tokens of unscorable rows are left out of the whitening and get 0, and a group with a
@@ -149,6 +162,7 @@ def reinforce_plus_plus_advantages(
         scores: ``float (B,)``; ``NaN`` = unscorable.
         group_ids: ``long (B,)``.
         mask: ``bool (B, T)``.
+        variance: ``"unbiased"`` (n - 1, verl's) or ``"population"`` (n, OpenRLHF's).
         eps: added to the variance before the square root.
 
     Returns:
@@ -157,7 +171,7 @@ def reinforce_plus_plus_advantages(
     scores = check_scores(scores, mask)
     baseline_adv = grpo_sequence_advantages(scores, group_ids, scale_by_std=False)
     scorable = mask & ~torch.isnan(scores)[:, None]
-    return masked_whiten(per_token(baseline_adv, scorable), scorable, eps)
+    return masked_whiten(per_token(baseline_adv, scorable), scorable, eps, unbiased=variance == "unbiased")
 
 
 # --------------------------------------------------------------------------- reinforce++ without baseline
@@ -179,7 +193,7 @@ class ReinforceNoBaselineAdvantage(BoundEstimator):
 
 @ReinforceNoBaselineAdvantage.binds
 def reinforce_no_baseline_advantages(
-    scores: Tensor, mask: Tensor, *, gamma: float = 1.0, eps: float = 1e-8
+    scores: Tensor, mask: Tensor, *, gamma: float = 1.0, variance: str = "unbiased", eps: float = 1e-8
 ) -> Tensor:
     """REINFORCE++ without a baseline (Hu et al., https://arxiv.org/abs/2501.03262; verl's
     ``reinforce_plus_plus``, OpenRLHF's ``reinforce``).
@@ -196,6 +210,7 @@ def reinforce_no_baseline_advantages(
         scores: ``float (B,)``; ``NaN`` = unscorable (left out of the whitening, 0).
         mask: ``bool (B, T)``.
         gamma: discount, ``0 < gamma <= 1``.
+        variance: ``"unbiased"`` (n - 1, verl's) or ``"population"`` (n, OpenRLHF's).
         eps: added to the variance.
 
     Returns:
@@ -207,7 +222,7 @@ def reinforce_no_baseline_advantages(
     valid = ~torch.isnan(scores)
     scorable = mask & valid[:, None]
     returns = discounted_returns(torch.where(valid, scores, 0.0), scorable, gamma)
-    return masked_whiten(returns, scorable, eps)
+    return masked_whiten(returns, scorable, eps, unbiased=variance == "unbiased")
 
 
 # --------------------------------------------------------------------------- remax

@@ -1,9 +1,10 @@
 """Built-in policy losses, by family: PPO's clip on the token and the sequence ratio (``clip``,
 ``gspo``: :mod:`~grpo_plugins.losses.clip`), other ways to bound the update (``cispo``, ``sapo``,
-``gmpo``: :mod:`~grpo_plugins.losses.trust_region`), the ratio-free policy gradient (``gpg``,
-``reinforce``: :mod:`~grpo_plugins.losses.policy_gradient`) and the entropy-mechanism paper's
-covariance losses (``clip-cov``, ``kl-cov``: :mod:`~grpo_plugins.losses.cov`); what they share is
-in :mod:`~grpo_plugins.losses.common`.
+``gmpo``, ``dppo``: :mod:`~grpo_plugins.losses.trust_region`), the ratio-free policy gradient
+(``gpg``, ``reinforce``: :mod:`~grpo_plugins.losses.policy_gradient`), the entropy-mechanism paper's
+covariance losses (``clip-cov``, ``kl-cov``: :mod:`~grpo_plugins.losses.cov`) and the losses for
+off-policy data (``opsm``, ``m2po``, ``topr``, ``vespo``: :mod:`~grpo_plugins.losses.off_policy`);
+what they share is in :mod:`~grpo_plugins.losses.common`.
 
 Each maps :class:`~grpo_core.contracts.PolicyLossInputs` (``logp``, ``old_logp``,
 ``advantages``, ``mask``, all ``(B, T)``) to a per-token loss to *minimise*, exactly zero on

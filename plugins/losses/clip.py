@@ -102,7 +102,9 @@ class GSPOOptions(RatioClipOptions):
         20.0,
         description="Clamp the token-form log-ratio sg(log s_i) + logp_t - sg(logp_t) to [-c, c] before exp, so it "
         "cannot overflow; a sequence whose log s_i lies outside [-c, c] gets no gradient on any of its tokens (the "
-        "clamp cuts it, as in clip). A positive number or null. Default 20, as verl's token ratio.",
+        "clamp cuts it, as in clip). A positive number or null. Default 20, symmetric, a guard of grpo-core's: "
+        "verl's gspo clamps the same log-ratio from above only, at 10, so the two agree wherever "
+        "-20 <= log s_i <= 10.",
     )
 
     eps_low: float = Field(

@@ -58,6 +58,17 @@ class ClipCovOptions(ClipOptions):
     )
     clip_cov_lb: float = Field(1.0, description="Lower bound of the covariance window. Default 1, verl's.")
     clip_cov_ub: float = Field(5.0, description="Upper bound of the covariance window. Default 5, verl's.")
+    dual_clip: float | None = Field(
+        None,
+        description="Dual clip c > 1 on PPO's loss, or null (default): verl's clip_cov has no dual clip (it "
+        "ignores clip_ratio_c).",
+    )
+    log_ratio_clamp: float | None = Field(
+        20.0,
+        description="Clamp log(pi/pi_old) to [-c, c] before exp (a clamped token gets no gradient); a positive "
+        "number or null. Default 20, a guard of grpo-core's: verl's clip_cov takes exp of the log-ratio "
+        "unclamped, so the two agree wherever |log(pi/pi_old)| <= c.",
+    )
 
     @field_validator("clip_cov_ratio")
     @classmethod
@@ -84,12 +95,15 @@ class KLCovOptions(Options):
         "entropy-mechanism paper's code (https://arxiv.org/abs/2505.22617).",
     )
     kl_coef: float = Field(
-        1.0, description="The penalty's coefficient beta (verl's ppo_kl_coef); a positive number. Default 1, verl's."
+        1.0, description="The penalty's coefficient beta (verl's ppo_kl_coef); a positive number. Default 1, the "
+        "entropy-mechanism paper's code and recipes; verl's shipped config sets 0.1 (its kl_cov function falls "
+        "back to 1 when the key is unset).",
     )
     log_ratio_clamp: float | None = Field(
         20.0,
         description="Clamp log(pi/pi_old) to [-c, c] before exp, so it cannot overflow (a clamped token gets no "
-        "gradient from the surrogate); a positive number or null. Default 20, as verl.",
+        "gradient from the surrogate); a positive number or null. Default 20, a guard of grpo-core's: verl's "
+        "kl_cov takes exp of the log-ratio unclamped, so the two agree wherever |log(pi/pi_old)| <= c.",
     )
 
     @field_validator("kl_cov_ratio")

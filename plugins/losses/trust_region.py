@@ -1,14 +1,18 @@
-"""Policy losses ``cispo``, ``sapo`` and ``gmpo``: three other ways than PPO's hard clip to keep
-an update near the sampling policy. CISPO (MiniMax-M1, https://arxiv.org/abs/2506.13585) clips
+"""Policy losses ``cispo``, ``sapo``, ``gmpo`` and ``dppo``: four other ways than PPO's hard clip
+to keep an update near the sampling policy. CISPO (MiniMax-M1, https://arxiv.org/abs/2506.13585) clips
 the detached importance weight instead of the objective, so no token loses its gradient; SAPO
 (Gao et al., https://arxiv.org/abs/2511.20347) replaces the clip with a sigmoid gate, with
 separate temperatures for ``A > 0`` and ``A <= 0``; GMPO (Zhao et al.,
 https://arxiv.org/abs/2507.20673) clips each token's log-ratio and takes their geometric mean per
-sequence. With ``logp == old_logp`` (``mu = 1``) each gives the vanilla policy gradient
+sequence; DPPO (Qi et al., https://arxiv.org/abs/2602.04879) drops the tokens whose probability
+moved too far in total variation or binary KL, a trust region on the divergence rather than the
+ratio. With ``logp == old_logp`` (``mu = 1``) each gives the vanilla policy gradient
 ``-A_t grad logp_t`` per token.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 from grpo_plugins.losses.common import (
@@ -20,7 +24,7 @@ from grpo_plugins.losses.common import (
     positive_fields,
     ratio_metrics,
 )
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 from torch import Tensor
 
 from grpo_core import hookimpl
@@ -28,8 +32,8 @@ from grpo_core.contracts import PolicyLossOutput, masked_fill_zero
 from grpo_core.options import Options
 
 __all__ = [
-    "CISPOOptions", "CISPOPolicyLoss", "GMPOOptions", "GMPOPolicyLoss", "SAPOOptions", "SAPOPolicyLoss",
-    "cispo_loss", "gmpo_loss", "sapo_loss",
+    "CISPOOptions", "CISPOPolicyLoss", "DPPOOptions", "DPPOPolicyLoss", "GMPOOptions", "GMPOPolicyLoss",
+    "SAPOOptions", "SAPOPolicyLoss", "cispo_loss", "dppo_loss", "gmpo_loss", "sapo_loss",
 ]
 
 
@@ -41,12 +45,14 @@ class CISPOOptions(Options):
     eps_low: float | None = Field(
         None,
         description="Lower clip of the importance-sampling weight at 1 - eps_low, in (0, 1), or null (default) for "
-        "none: MiniMax-M1 sets no lower bound (https://arxiv.org/abs/2506.13585).",
+        "none: MiniMax-M1 sets no lower bound (https://arxiv.org/abs/2506.13585), nor does TRL's cispo. verl's cispo "
+        "always clips below, at 1 - clip_ratio_low (0.2 by default): eps_low 0.2 is it.",
     )
     eps_high: float = Field(
         0.2,
         description="Upper clip of the importance-sampling weight at 1 + eps_high; a positive number. Default 0.2, "
-        "as verl's CISPO example (MiniMax-M1 tunes it).",
+        "verl's default clip_ratio_high (MiniMax-M1 tunes it). TRL caps the weight at its epsilon_high itself: "
+        "eps_high = epsilon_high - 1 (ScaleRL's recommended 5.0 is eps_high 4.0).",
     )
     log_ratio_clamp: float | None = Field(20.0, description=CLAMP_DESCRIPTION)
 
@@ -234,8 +240,95 @@ def gmpo_loss(
     return PolicyLossOutput(masked_fill_zero(loss, mask), metrics)
 
 
+# --------------------------------------------------------------------------- dppo
+#: DPPO's divergence bound when the spec leaves it unset: verl's DPPO examples (0.15 for TV, 0.05 for KL).
+DPPO_DELTA = {"tv": 0.15, "kl": 0.05}
+
+
+class DPPOOptions(Options):
+    """Options of ``dppo`` (Qi et al. 2026, "Rethinking the Trust Region in LLM Reinforcement Learning",
+    https://arxiv.org/abs/2602.04879)."""
+
+    divergence: Literal["tv", "kl"] = Field(
+        "tv", description="The sampled token's divergence: 'tv' (default, DPPO-Binary-TV, verl's dppo_tv): p - p_old; "
+        "'kl' (DPPO-Binary-KL, verl's dppo_kl): the KL between the two Bernoullis (p_old, 1 - p_old) and (p, 1 - p).",
+    )
+    delta_low: float | None = Field(
+        None, description="The bound for tokens with A <= 0 (the probability falling); null: 0.15 for tv, 0.05 for kl, "
+        "verl's DPPO examples (its clip_ratio_low carries it).",
+    )
+    delta_high: float | None = Field(
+        None, description="The bound for tokens with A > 0 (the probability rising); null: as delta_low's default "
+        "(verl's clip_ratio_high).",
+    )
+    truncation: float = Field(
+        20.0, description="The importance weight sg(min(r, C)) multiplying the gradient is truncated at C (in place "
+        "of a dual clip; the paper recommends a large C). Default 20, the fallback of verl's dppo functions, which "
+        "read actor.clip_ratio_c (3 in verl's shipped config) when it is set.",
+    )
+    log_ratio_clamp: float | None = Field(20.0, description=CLAMP_DESCRIPTION)
+
+    model_config = ConfigDict(allow_inf_nan=True)
+    _check_positive = positive_fields(
+        {"delta_low": "a divergence bound", "delta_high": "a divergence bound", "truncation": "a weight cap",
+         "log_ratio_clamp": "the clamp bound c"}, nullable=("delta_low", "delta_high", "log_ratio_clamp"))
+
+    @model_validator(mode="after")
+    def _fill_deltas(self):
+        for name in ("delta_low", "delta_high"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, DPPO_DELTA[self.divergence])
+        return self
+
+
+class DPPOPolicyLoss(BoundPolicyLoss):
+    """DPPO: the truncated-IS policy gradient on the tokens whose probability stays within a TV or binary-KL bound (https://arxiv.org/abs/2602.04879)."""
+
+
+@DPPOPolicyLoss.binds
+def dppo_loss(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
+    divergence: str = "tv", delta_low: float = 0.15, delta_high: float = 0.15, truncation: float = 20.0,
+    log_ratio_clamp: float | None = 20.0,
+) -> PolicyLossOutput:
+    """Divergence proximal policy optimization, binary approximations (DPPO, Qi et al. 2026,
+    https://arxiv.org/abs/2602.04879; verl's ``dppo_tv`` / ``dppo_kl``).
+
+    ``loss_t = -A_t * sg(min(r_t, C)) * logp_t * V_t`` with ``r_t = exp(logp_t - old_logp_t)``: the
+    truncated importance-weighted policy gradient, on the tokens ``V_t`` inside the trust region.
+    With ``p = exp(logp_t)``, ``p_old = exp(old_logp_t)``: ``tv``: ``V = p - p_old <= delta_high``
+    where ``A_t > 0``, ``p - p_old >= -delta_low`` elsewhere; ``kl``: with ``D = p_old log(p_old / p) +
+    (1 - p_old) log((1 - p_old + 1e-8) / (1 - p + 1e-8))``, ``V = D <= delta_high or p <= p_old``
+    where ``A_t > 0``, ``D <= delta_low or p >= p_old`` elsewhere (a move toward the advantage's
+    side only is bounded). ``V`` carries no gradient.
+
+    Returns:
+        ``loss (B, T)`` zero on padding; metrics ``ratio``, ``ratio/max``, ``clip/region`` (1 outside
+        the trust region), ``clip/high`` (the weight truncated at C, inside it).
+    """
+    if divergence not in ("tv", "kl"):
+        raise ValueError(f"divergence must be 'tv' or 'kl', got {divergence!r}")
+    advantages = masked_fill_zero(advantages, mask)
+    safe_logp, safe_old = masked_fill_zero(logp, mask), masked_fill_zero(old_logp, mask)
+    ratio = torch.exp(clamp_symmetric(safe_logp.detach() - safe_old, log_ratio_clamp))
+    p, p_old = safe_logp.detach().exp(), safe_old.exp()
+    if divergence == "tv":
+        rising, falling = p - p_old <= delta_high, p - p_old >= -delta_low
+    else:
+        binary_kl = p_old * (safe_old - safe_logp.detach()) + (1 - p_old) * torch.log(
+            (1.0 - p_old + 1e-8) / (1.0 - p + 1e-8))
+        rising, falling = (binary_kl <= delta_high) | (p <= p_old), (binary_kl <= delta_low) | (p >= p_old)
+    valid = mask & torch.where(advantages > 0, rising, falling)
+    loss = -advantages * ratio.clamp(max=truncation) * safe_logp
+    metrics = ratio_metrics(ratio, mask)
+    metrics.update(clip_metrics(torch.zeros_like(mask), valid & (ratio > truncation), ratio.dtype))
+    metrics["clip/region"] = (mask & ~valid).to(ratio.dtype)
+    return PolicyLossOutput(masked_fill_zero(loss, valid), metrics)
+
+
 @hookimpl
 def register_policy_losses(register):
     register.add("cispo", CISPOPolicyLoss, options=CISPOOptions)
     register.add("sapo", SAPOPolicyLoss, options=SAPOOptions)
     register.add("gmpo", GMPOPolicyLoss, options=GMPOOptions)
+    register.add("dppo", DPPOPolicyLoss, options=DPPOOptions)

@@ -15,7 +15,7 @@ from grpo_core.contracts import completion_text
 from grpo_core.errors import RunError
 from grpo_core.options import Options
 
-__all__ = ["RewardModelOptions", "RewardModelReward", "local_or_hub_id"]
+__all__ = ["RewardModelOptions", "RewardModelReward", "is_path_like", "local_or_hub_id"]
 
 
 class RewardModelOptions(Options):
@@ -81,7 +81,9 @@ def local_or_hub_id(value: str, base_dir: Any) -> str:
     return value
 
 
-def _is_path_like(value: str) -> bool:
+def is_path_like(value: str) -> bool:
+    """Whether ``value`` names a folder (it exists, or looks like a path) rather than a Hub id:
+    a folder loads as it is (``local_files_only``), a Hub id through transformers' resolution."""
     return value.startswith((".", "/", "~")) or Path(value).is_absolute() or Path(value).exists()
 
 
@@ -113,7 +115,7 @@ class RewardModelReward:
         opts = self.options
         path = str(opts.path)
         dtype = "auto" if opts.dtype == "auto" else getattr(torch, opts.dtype)
-        local = _is_path_like(path)
+        local = is_path_like(path)
         # A folder is read as it is; a Hub id goes through transformers' resolution
         # (the HF cache, then the Hub unless HF_HUB_OFFLINE=1).
         where = {"local_files_only": True} if local else {"revision": opts.revision}

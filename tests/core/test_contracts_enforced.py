@@ -143,7 +143,8 @@ def test_the_run_refuses_a_backend_without_sync_weights_with_exit_2(tmp_path, wr
 # --------------------------------------------------------------------------- flags
 def test_contracts_declare_the_flags_the_engine_reads_with_defaults():
     flags = {kind: contract_members(entry.protocol)[1] for kind, entry in KINDS.items()}
-    assert flags["advantage_estimator"] == {"needs_step_scores": False, "needs_greedy_baseline": False}
+    assert flags["advantage_estimator"] == {"needs_step_scores": False, "needs_greedy_baseline": False,
+                                            "teacher": None}
     assert flags["policy_loss"] == {"zero_advantage_is_zero_loss": False}
     assert flags["reward_function"] == {"required_columns": ()}
     assert contract_members(KINDS["rollout_backend"].protocol)[0] == ["setup", "generate", "sync_weights"]

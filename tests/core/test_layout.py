@@ -18,7 +18,8 @@ ENGINE = Path(__file__).resolve().parents[2] / "grpo_core"
 #: The actor's side of the seam (what collects experience, in the caller's thread or its own)
 #: and the learner's (what turns experience into optimizer steps).
 ACTOR_SIDE = {"actor", "rollout", "scoring", "episodes", "baseline", "pipeline", "feed"}
-LEARNER_SIDE = {"learner", "update", "kl", "correction", "optim", "lean_adamw", "parallel", "sharding", "logprobs"}
+LEARNER_SIDE = {"learner", "update", "kl", "teacher", "correction", "optim", "lean_adamw", "parallel", "sharding",
+                "logprobs"}
 
 
 def imports_of(path: Path) -> set[str]:

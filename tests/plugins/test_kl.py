@@ -224,11 +224,37 @@ def test_plus_estimators_give_the_true_kl_gradient_in_expectation():
     assert (expected_grad("low_var_kl") - true_grad).abs().max() > 1e-2
 
 
-def test_k3_plus_clamps_cut_the_gradient_like_k3():
-    logp = torch.tensor([[-100.0, -0.1]], requires_grad=True)
-    ref = torch.tensor([[0.0, -0.2]])
-    out = build("k3+")(logp, ref, full((1, 2)))
-    assert out[0, 0].item() == 10.0  # verl's output clamp on k3's value
+def test_k3_plus_clamp_bounds_the_value_and_keeps_the_k2_gradient():
+    """k3+ is the value of k3 and the gradient of k2 (verl 0.9.1 ``core_algos.kl_penalty``: the
+    clamped k3 value is detached, the k2 surrogate is not clamped). At logp -3, ref 0, k3 is
+    e^3 - 4 = 16.1, clamped to 10, and the gradient stays k2's, logp - ref = -3; plain k3
+    (low_var_kl) gets gradient 0 there."""
+    logp = torch.tensor([[-3.0, -100.0, -0.1]], dtype=F64, requires_grad=True)
+    ref = torch.tensor([[0.0, 0.0, -0.2]], dtype=F64)
+    out = build("k3+")(logp, ref, full((1, 3)))
+    assert out[0, 0].item() == 10.0 and out[0, 1].item() == 10.0  # verl's output clamp on k3's value
+    assert out[0, 2].item() == pytest.approx(math.exp(-0.1) + 0.1 - 1, rel=1e-12)
     (grad,) = torch.autograd.grad(out.sum(), logp)
-    assert grad[0, 0].item() == 0.0
-    assert grad[0, 1].item() == pytest.approx(0.1, rel=1e-5)  # k2's gradient logp - ref
+    assert grad[0].tolist() == pytest.approx([-3.0, -100.0, 0.1], rel=1e-12)
+    (k3_grad,) = torch.autograd.grad(build("low_var_kl")(logp, ref, full((1, 3))).sum(), logp)
+    assert k3_grad[0, 0].item() == 0.0 and k3_grad[0, 1].item() == 0.0
+
+
+@FAST
+@given(st.lists(st.tuples(st.floats(-40.0, 0.0), st.floats(-40.0, 0.0)), min_size=1, max_size=12),
+       st.sampled_from([(20.0, 10.0), (1.0, None), (None, 0.5), (3.0, 2.0)]))
+def test_plus_estimators_clamp_the_value_only(pairs, clamps):
+    """Whatever the clamps: the value of k1+ / k3+ is that of k1 / k3 with those clamps, and the
+    gradient is k2's (logp - ref) on every token."""
+    log_ratio_clamp, output_clamp = clamps
+    logp = torch.tensor([[a for a, _ in pairs]], dtype=F64)
+    ref = torch.tensor([[b for _, b in pairs]], dtype=F64)
+    mask = full(logp.shape)
+    for plus, value_of in (("k1+", klmod.K1KL), ("k3+", klmod.LowVarKL)):
+        leaf = logp.clone().requires_grad_(True)
+        opts = dict(log_ratio_clamp=log_ratio_clamp, output_clamp=output_clamp)
+        out = build(plus, **opts)(leaf, ref, mask)
+        expected = value_of(klmod.LowVarKLOptions(**opts))(logp, ref, mask)
+        torch.testing.assert_close(out.detach(), expected, rtol=1e-12, atol=1e-12)
+        (grad,) = torch.autograd.grad(out.sum(), leaf)
+        torch.testing.assert_close(grad, logp - ref, rtol=1e-12, atol=1e-12)

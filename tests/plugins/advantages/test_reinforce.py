@@ -60,7 +60,7 @@ def test_rloo_hand_values():
 
 
 # --------------------------------------------------------------------------- reinforce++
-def loop_reinforce_pp(scores, group_ids, mask, eps=1e-8):
+def loop_reinforce_pp(scores, group_ids, mask, eps=1e-8, variance="unbiased"):
     r = scores.tolist()
     a = [0.0] * len(r)
     for rows in members(group_ids).values():
@@ -77,19 +77,20 @@ def loop_reinforce_pp(scores, group_ids, mask, eps=1e-8):
     if not tokens:
         return out
     mean = sum(a[i] for i, _ in tokens) / len(tokens)
-    var = sum((a[i] - mean) ** 2 for i, _ in tokens) / max(len(tokens) - 1, 1)
+    divisor = len(tokens) - 1 if variance == "unbiased" else len(tokens)
+    var = sum((a[i] - mean) ** 2 for i, _ in tokens) / max(divisor, 1)
     for i, t in tokens:
         out[i, t] = (a[i] - mean) / math.sqrt(var + eps)
     return out
 
 
 @FAST
-@given(grouped_batches(), st.sampled_from([1e-8, 0.5]))
-def test_reinforce_pp_matches_loop_reference(batch, eps):
+@given(grouped_batches(), st.sampled_from([1e-8, 0.5]), st.sampled_from(["unbiased", "population"]))
+def test_reinforce_pp_matches_loop_reference(batch, eps, variance):
     scores, group_ids, mask = batch
-    est = ReinforcePlusPlusAdvantage(ReinforcePlusPlusOptions(eps=eps))
+    est = ReinforcePlusPlusAdvantage(ReinforcePlusPlusOptions(eps=eps, variance=variance))
     out = est(AdvantageInputs(scores, group_ids, mask))
-    expected = loop_reinforce_pp(scores, group_ids, mask, eps)
+    expected = loop_reinforce_pp(scores, group_ids, mask, eps, variance)
     torch.testing.assert_close(out, expected, rtol=1e-7, atol=1e-9)
 
 

@@ -10,10 +10,22 @@ import pytest
 import torch
 from grpo_plugins.losses.clip import ClipOptions, ClipPolicyLoss, GSPOOptions, GSPOPolicyLoss
 from grpo_plugins.losses.cov import ClipCovOptions, ClipCovPolicyLoss, KLCovOptions, KLCovPolicyLoss
+from grpo_plugins.losses.off_policy import (
+    M2POOptions,
+    M2POPolicyLoss,
+    OPSMOptions,
+    OPSMPolicyLoss,
+    TOPROptions,
+    TOPRPolicyLoss,
+    VESPOOptions,
+    VESPOPolicyLoss,
+)
 from grpo_plugins.losses.policy_gradient import GPGPolicyLoss, PolicyGradientOptions, REINFORCEPolicyLoss
 from grpo_plugins.losses.trust_region import (
     CISPOOptions,
     CISPOPolicyLoss,
+    DPPOOptions,
+    DPPOPolicyLoss,
     GMPOOptions,
     GMPOPolicyLoss,
     SAPOOptions,
@@ -36,6 +48,13 @@ SKIPPING = {
     "gmpo": GMPOPolicyLoss(GMPOOptions()),
     "gpg": GPGPolicyLoss(PolicyGradientOptions()),
     "reinforce": REINFORCEPolicyLoss(PolicyGradientOptions()),
+    "dppo": DPPOPolicyLoss(DPPOOptions()),
+    "dppo-kl": DPPOPolicyLoss(DPPOOptions(divergence="kl")),
+    "opsm": OPSMPolicyLoss(OPSMOptions(delta=0.01)),
+    "m2po": M2POPolicyLoss(M2POOptions(threshold=1e-4)),
+    "topr": TOPRPolicyLoss(TOPROptions()),
+    "topr-sequence": TOPRPolicyLoss(TOPROptions(level="sequence")),
+    "vespo": VESPOPolicyLoss(VESPOOptions()),
 }
 #: The covariance losses, selecting every token so that padding is next to selected tokens.
 COVARIANCE = {
@@ -51,7 +70,8 @@ def test_padding_inf_nan_never_leaks(name):
     old = torch.tensor([[-0.6, NAN, -math.inf], [-1.1, -math.inf, NAN]], dtype=F64)
     adv = torch.tensor([[1.0, NAN, math.inf], [-1.0, 2.0, NAN]], dtype=F64)
     mask = torch.tensor([[True, False, False], [True, False, False]])
-    out = loss(PolicyLossInputs(logp, old, adv, mask))
+    sampled = torch.tensor([[-0.9, math.inf, NAN], [-0.2, NAN, -math.inf]], dtype=F64)
+    out = loss(PolicyLossInputs(logp, old, adv, mask, sampling_logp=sampled))
     assert torch.equal(out.loss[~mask], torch.zeros(4, dtype=F64)) and torch.isfinite(out.loss).all()
     (grad,) = torch.autograd.grad(out.loss.sum(), logp)
     assert torch.isfinite(grad).all() and torch.equal(grad[~mask], torch.zeros(4, dtype=F64))
@@ -85,6 +105,11 @@ CLIP_METRICS = {"ratio", "ratio/max", "clip/low", "clip/high", "clip/region"}
     ("gmpo", GMPOPolicyLoss, GMPOOptions, "trust_region", {"ratio", "ratio/max"}),
     ("gpg", GPGPolicyLoss, PolicyGradientOptions, "policy_gradient", {"ratio", "ratio/max"}),
     ("reinforce", REINFORCEPolicyLoss, PolicyGradientOptions, "policy_gradient", {"ratio", "ratio/max"}),
+    ("dppo", DPPOPolicyLoss, DPPOOptions, "trust_region", CLIP_METRICS),
+    ("opsm", OPSMPolicyLoss, OPSMOptions, "off_policy", CLIP_METRICS | {"opsm/masked", "opsm/kl"}),
+    ("m2po", M2POPolicyLoss, M2POOptions, "off_policy", {"ratio", "ratio/max", "m2po/masked", "m2po/m2"}),
+    ("topr", TOPRPolicyLoss, TOPROptions, "off_policy", {"ratio", "ratio/max", "topr/negative", "clip/high"}),
+    ("vespo", VESPOPolicyLoss, VESPOOptions, "off_policy", {"ratio", "ratio/max", "vespo/weight"}),
 ])
 def test_registered_and_buildable(name, impl, options, module, metrics):
     component = load_plugins(external=False).registry.get("policy_loss", name)
@@ -98,7 +123,8 @@ def test_registered_and_buildable(name, impl, options, module, metrics):
 
 def test_the_registry_lists_the_losses_in_their_order():
     assert load_plugins(external=False).registry.names("policy_loss") == [
-        "clip", "gspo", "cispo", "sapo", "gmpo", "gpg", "reinforce", "clip-cov", "kl-cov"]
+        "clip", "gspo", "cispo", "sapo", "gmpo", "dppo", "gpg", "reinforce", "clip-cov", "kl-cov", "opsm", "m2po",
+        "topr", "vespo"]
 
 
 @pytest.mark.parametrize("model, kwargs, message", [
@@ -123,6 +149,15 @@ def test_the_registry_lists_the_losses_in_their_order():
     (KLCovOptions, {"kl_cov_ratio": 2.0}, "kl_cov_ratio must be in \\(0, 1\\]"),
     (KLCovOptions, {"kl_coef": 0.0}, "kl_coef must be a positive finite number"),
     (KLCovOptions, {"eps_low": 0.2}, "Extra inputs are not permitted"),
+    (DPPOOptions, {"divergence": "js"}, "Input should be 'tv' or 'kl'"),
+    (DPPOOptions, {"delta_low": 0.0}, "delta_low must be a positive finite number \\(a divergence bound\\)"),
+    (DPPOOptions, {"truncation": math.nan}, "truncation must be a positive finite number"),
+    (OPSMOptions, {"delta": 0.0}, "delta must be a positive finite number"),
+    (OPSMOptions, {"eps_low": 1.0}, "eps_low must be in \\(0, 1\\)"),
+    (M2POOptions, {"threshold": -0.04}, "threshold must be a positive finite number \\(the second-moment bound\\)"),
+    (TOPROptions, {"level": "batch"}, "Input should be 'token' or 'sequence'"),
+    (TOPROptions, {"negative_weight": -1.0}, "greater than or equal to 0"),
+    (VESPOOptions, {"k_pos": 0.0}, "k_pos must be a positive finite number \\(an exponent\\)"),
 ])
 def test_options_invalid_values_say_what_is_valid(model, kwargs, message):
     with pytest.raises(ValidationError, match=message):
@@ -130,7 +165,10 @@ def test_options_invalid_values_say_what_is_valid(model, kwargs, message):
 
 
 def test_option_descriptions_cite_their_papers():
-    for model, paper in [(CISPOOptions, "2506.13585"), (SAPOOptions, "2511.20347"), (GMPOOptions, "2507.20673")]:
-        assert any(paper in (f.description or "") for f in model.model_fields.values()), model
+    for model, paper in [(CISPOOptions, "2506.13585"), (SAPOOptions, "2511.20347"), (GMPOOptions, "2507.20673"),
+                         (OPSMOptions, "2512.02556"), (M2POOptions, "2510.01161"), (TOPROptions, "2503.14286"),
+                         (VESPOOptions, "2602.10693"), (DPPOOptions, "2602.04879")]:
+        texts = [model.__doc__ or ""] + [f.description or "" for f in model.model_fields.values()]
+        assert any(paper in text for text in texts), model
         assert all(f.description for f in model.model_fields.values()), model
     assert "2504.02546" in PolicyGradientOptions.__doc__

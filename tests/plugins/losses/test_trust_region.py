@@ -1,7 +1,7 @@
-"""``cispo``, ``sapo`` and ``gmpo`` against plain-loop references written from their papers: CISPO's
-kept gradient where PPO's clip drops it, SAPO's vanilla gradient at ratio 1 and the limits of its
-temperature, GMPO's token form against the paper's sequence objective and its one-token case (PPO's
-clip with the log-space range)."""
+"""``cispo``, ``sapo``, ``gmpo`` and ``dppo`` against plain-loop references written from their papers:
+CISPO's kept gradient where PPO's clip drops it, SAPO's vanilla gradient at ratio 1 and the limits of
+its temperature, GMPO's token form against the paper's sequence objective and its one-token case
+(PPO's clip with the log-space range), DPPO's TV and binary-KL trust regions."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from grpo_plugins.losses.clip import ClipOptions, ClipPolicyLoss
 from grpo_plugins.losses.trust_region import (
     CISPOOptions,
     CISPOPolicyLoss,
+    DPPOOptions,
+    DPPOPolicyLoss,
     GMPOOptions,
     GMPOPolicyLoss,
     SAPOOptions,
@@ -173,3 +175,63 @@ def test_gmpo_hand_values():
     torch.testing.assert_close(out.loss, torch.tensor([[-s0, -s0], [s1, s1]], dtype=F64))
     torch.testing.assert_close(grad, torch.tensor([[-s0, 0.0], [0.0, s1]], dtype=F64))
     assert out.metrics["clip/region"].tolist() == [[0.0, 1.0], [1.0, 0.0]]
+
+
+# --------------------------------------------------------------------------- dppo
+def dppo_token(divergence, low, high, cap=20.0):
+    """Qi et al. 2026 with the binary approximations: the truncated-IS gradient -A min(r, C) grad logp on
+    the tokens whose probability stays in the trust region (TV: p - p_old; KL: the Bernoulli KL)."""
+
+    def token(lp, old_lp, a):
+        p, q = math.exp(lp), math.exp(old_lp)
+        if divergence == "tv":
+            valid = (p - q <= high) if a > 0 else (p - q >= -low)
+        else:
+            kl = q * (old_lp - lp) + (1 - q) * math.log((1 - q + 1e-8) / (1 - p + 1e-8))
+            valid = (kl <= high or p <= q) if a > 0 else (kl <= low or p >= q)
+        w = min(math.exp(lp - old_lp), cap)
+        return (-a * w * lp, -a * w) if valid else (0.0, 0.0)
+
+    return token
+
+
+@FAST
+@given(off_policy(), st.sampled_from([("tv", 0.15, 0.15), ("tv", 0.05, 0.3), ("kl", 0.05, 0.05), ("kl", 0.02, 0.2)]),
+       st.sampled_from([20.0, 1.5]))
+def test_dppo_against_the_paper_loop(batch, setting, cap):
+    divergence, low, high = setting
+    logp, old, adv, mask = batch
+    batch = (logp, old.clamp(max=-1e-3), adv, mask)  # log-probabilities: p_old <= 1
+    loss = DPPOPolicyLoss(DPPOOptions(divergence=divergence, delta_low=low, delta_high=high, truncation=cap))
+    out, grad = loss_and_grad(loss, *batch)
+    ref_loss, ref_grad = per_token_reference(*batch, dppo_token(divergence, low, high, cap))
+    torch.testing.assert_close(out.loss, ref_loss, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-12)
+
+
+@FAST
+@given(off_policy(), st.sampled_from(["tv", "kl"]))
+def test_dppo_on_policy_is_the_vanilla_policy_gradient(batch, divergence):
+    logp, _, adv, mask = batch
+    _, grad = loss_and_grad(DPPOPolicyLoss(DPPOOptions(divergence=divergence)), logp, logp, adv, mask)
+    torch.testing.assert_close(grad, -adv * mask, rtol=0, atol=1e-15)
+
+
+def test_dppo_bounds_the_probability_move_not_the_ratio():
+    """A rare token tripling its probability (0.01 -> 0.03) moves it by 0.02 in TV: inside 0.15,
+    where PPO's clip at 1.2 would drop it; a likely one moving 0.5 -> 0.7 (ratio 1.4) is outside."""
+    logp = torch.tensor([[math.log(0.03), math.log(0.7)]], dtype=F64)
+    old = torch.tensor([[math.log(0.01), math.log(0.5)]], dtype=F64)
+    adv, mask = torch.ones(1, 2, dtype=F64), torch.ones(1, 2, dtype=torch.bool)
+    out, grad = loss_and_grad(DPPOPolicyLoss(DPPOOptions()), logp, old, adv, mask)
+    assert grad[0, 0].item() == pytest.approx(-3.0) and grad[0, 1].item() == 0.0
+    assert out.metrics["clip/region"].tolist() == [[0.0, 1.0]]
+    _, clip_grad = loss_and_grad(ClipPolicyLoss(ClipOptions()), logp, old, adv, mask)
+    assert clip_grad[0, 0].item() == 0.0
+
+
+def test_dppo_deltas_default_to_verl_s_examples():
+    assert (DPPOOptions().delta_low, DPPOOptions().delta_high) == (0.15, 0.15)
+    kl = DPPOOptions(divergence="kl")
+    assert (kl.delta_low, kl.delta_high) == (0.05, 0.05)
+    assert DPPOOptions(divergence="kl", delta_high=0.1).delta_low == 0.05
