@@ -38,7 +38,7 @@ def batch_of(tokenizer, temperature: float = 1.0) -> TrainBatch:
 def test_teacher_logprobs_are_the_learner_s_logprobs_of_that_model(tokenizer, temperature):
     model = build_model(tokenizer, seed=5).eval()
     batch = batch_of(tokenizer, temperature)
-    got = teacher_logprobs(Teacher(model), batch, micro_batch_size=2)
+    got = teacher_logprobs(Teacher(model), batch, 2)
     expected = batch_logprobs(forward_of(model), batch, 2, temperature, lambda: torch.autocast("cpu", enabled=False))
     torch.testing.assert_close(got, expected * batch.mask)
     assert (got[~batch.mask] == 0).all() and (got[batch.mask] < 0).all()
@@ -48,9 +48,9 @@ def test_a_teacher_in_another_dtype_runs_in_its_own_and_answers_in_float32(token
     model = build_model(tokenizer, seed=5).eval()
     half = copy.deepcopy(model).to(torch.bfloat16)
     batch = batch_of(tokenizer)
-    got = teacher_logprobs(Teacher(half), batch, micro_batch_size=4)
+    got = teacher_logprobs(Teacher(half), batch, 4)
     assert got.dtype == torch.float32
-    full = teacher_logprobs(Teacher(model), batch, micro_batch_size=4)
+    full = teacher_logprobs(Teacher(model), batch, 4)
     assert 0 < float((got - full).abs().max()) < 0.1  # bf16 rounding, not another model
 
 
@@ -59,7 +59,7 @@ def test_a_teacher_on_another_device_gets_the_batch_and_gives_back_logprobs(toke
         pytest.skip("needs a GPU: the teacher on cuda, the batch on cpu")
     model = build_model(tokenizer, seed=5).eval()
     batch = batch_of(tokenizer)
-    on_gpu = teacher_logprobs(Teacher(copy.deepcopy(model).cuda()), batch, micro_batch_size=4)
+    on_gpu = teacher_logprobs(Teacher(copy.deepcopy(model).cuda()), batch, 4)
     assert on_gpu.device == batch.mask.device
     torch.testing.assert_close(on_gpu, teacher_logprobs(Teacher(model), batch, 4), atol=1e-4, rtol=1e-4)
 

@@ -59,7 +59,7 @@ def test_new_estimators_registered_built_and_flagged():
 def test_the_registry_lists_the_estimators_by_module():
     assert load_plugins(external=False).registry.names("advantage_estimator") == [
         "grpo", "dapo-token-scale", "gpg", "opo", "process", "rloo", "reinforce++", "reinforce++-no-baseline",
-        "remax", "passk"]
+        "remax", "passk", "gdpo", "opd"]
 
 
 @pytest.mark.parametrize("model", [GRPOOptions, ProcessOptions, ReinforcePlusPlusOptions])
