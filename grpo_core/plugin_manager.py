@@ -59,6 +59,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "grpo_plugins.rewards.model",
     "grpo_plugins.rewards.remote",
     "grpo_plugins.rewards.code",
+    "grpo_plugins.rewards.judge",
     "grpo_plugins.rewards.process",
     "grpo_plugins.rewards.trainable",
     "grpo_plugins.datasets",
