@@ -269,6 +269,25 @@ class CheckpointSection(Section):
         "(bounds the work a crash can lose, whatever a step costs); 0: not by time."
     )
     keep: int = Field(2, ge=1, description="Keep the last K checkpoints of this run.")
+    best_metric: str | None = Field(
+        None, description="An evaluation metric as logged (e.g. eval/reward, eval/rewards/accuracy, "
+        "eval/<set>/reward): after each evaluation that puts the step among the keep_best best by it, the step is "
+        "checkpointed, and those checkpoints are kept beside the last K (checkpoints/best.json lists them)."
+    )
+    best_mode: Literal["max", "min"] = Field("max", description="Whether a higher or a lower best_metric is better.")
+    keep_best: int = Field(1, ge=1, description="With best_metric: how many of the best checkpoints to keep.")
+    final: Literal["last", "best"] = Field(
+        "last", description="The weights saved as the final model (and exported): the last step's, or with "
+        "best_metric the best checkpoint's."
+    )
+
+    @model_validator(mode="after")
+    def _best_needs_a_metric(self):
+        if self.final == "best" and self.best_metric is None:
+            raise ValueError("final: best needs best_metric, the evaluation metric that says which step is best")
+        if self.best_metric is not None and not self.best_metric.startswith("eval/"):
+            raise ValueError(f"best_metric must be an evaluation metric (eval/...), got {self.best_metric!r}")
+        return self
 
 
 class CorrectSection(Section):
