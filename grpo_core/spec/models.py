@@ -73,6 +73,12 @@ class ModelSection(Section):
 
 
 # --------------------------------------------------------------------------- data
+class SamplerSlot(Slot):
+    """Which training rows are drawn: a prompt sampler plugin (e.g. curriculum)."""
+
+    kind = "prompt_sampler"
+
+
 class DataSlot(Slot):
     """The task: a dataset plugin and how its rows become prompts."""
 
@@ -101,6 +107,10 @@ class DataSlot(Slot):
         False,
         description="Send a plain-string prompt as one user message (after system_prompt), so that "
         "the chat template applies; for datasets whose prompt column is text, e.g. GSM8K's question.",
+    )
+    sampler: SamplerSlot | None = Field(
+        None, description="A prompt sampler that chooses the training rows (e.g. {name: curriculum}); unset: "
+        "every row once per epoch, in a seeded shuffle (see shuffle)."
     )
 
 

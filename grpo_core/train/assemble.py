@@ -242,8 +242,9 @@ def build_run(loaded: LoadedSpec, dist: Dist | None = None, *, model=None, token
 
     max_prompt = prompt_budget(spec, model)
     tools = prompt_tools(actor.episodes)
+    sampler_slot = spec.data.sampler
     actor.source = PromptSource(train_rows, tokenizer, spec.data, seed=spec.train.seed, max_tokens=max_prompt,
-                                tools=tools)
+                                tools=tools, sampler=sampler_slot.build() if sampler_slot is not None else None)
     reference = learner.kl.reference if learner.kl is not None else None
     trackers: dict[str, Tracker] = {slot.name: slot.build() for slot in spec.tracking}
     return Run(
