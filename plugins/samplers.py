@@ -1,4 +1,5 @@
-"""Built-in prompt sampler ``curriculum``: draw the training rows whose pass rate is in a band
+"""Built-in prompt samplers: ``mixture`` (sources drawn by weight; see :class:`Mixture`) and
+``curriculum``: draw the training rows whose pass rate is in a band
 (not yet solved, not hopeless), learning each row's pass rate from its groups' rewards.
 
 Each row's pass rate is an exponential moving average of its groups' mean total reward:
@@ -27,9 +28,10 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from grpo_core import hookimpl
+from grpo_core.errors import RunError
 from grpo_core.options import Options
 
-__all__ = ["CurriculumOptions", "Curriculum"]
+__all__ = ["CurriculumOptions", "Curriculum", "MixtureOptions", "Mixture"]
 
 
 class CurriculumOptions(Options):
@@ -65,8 +67,8 @@ class Curriculum:
         o = self.options
         return f"curriculum(band=[{o.low}, {o.high}], decay={o.decay}, explore={o.explore})"
 
-    def start(self, size: int, seed: int) -> None:
-        self.size, self.seed = size, seed
+    def start(self, rows: list[dict[str, Any]], seed: int) -> None:
+        self.size, self.seed = len(rows), seed
 
     def in_band(self) -> np.ndarray:
         """Indices of the rows in the band (never-seen rows included)."""
@@ -102,6 +104,87 @@ class Curriculum:
         self.rates = {int(row): float(rate) for row, rate in state["rates"]}
 
 
+class MixtureOptions(Options):
+    """Options of the ``mixture`` prompt sampler."""
+
+    column: str = Field("source", min_length=1, description="Column naming each row's source (usually "
+                        "data.source_column).")
+    weights: dict[str, float] = Field(min_length=1, description="Source -> its share of the draws (normalized), "
+                                      "e.g. {math: 3, code: 1}; every source of the rows must be listed.")
+
+    @model_validator(mode="after")
+    def _positive(self):
+        bad = {k: v for k, v in self.weights.items() if not (v > 0 and math.isfinite(v))}
+        if bad:
+            raise ValueError(f"weights must be finite and > 0, got {bad}")
+        return self
+
+
+class Mixture:
+    """Rows drawn source by source: a draw picks a source with probability its weight's share,
+    then that source's next row in its own seeded shuffle (a new shuffle each time the source
+    runs out), so each source's rows come round equally often whatever its weight. Draw ``k``
+    uses a generator seeded with ``(train.seed, k)``; the state is the draw count and each
+    source's epoch and position, so a resumed run draws what the uninterrupted one did."""
+
+    def __init__(self, options: MixtureOptions):
+        self.options = options
+        self.names = sorted(options.weights)
+        total = sum(options.weights.values())
+        self.probs = np.array([options.weights[n] / total for n in self.names])
+        self.rows: dict[str, list[int]] = {}
+        self.seed = self.draws = 0
+        self.epoch = dict.fromkeys(self.names, 0)
+        self.position = dict.fromkeys(self.names, 0)
+
+    def __repr__(self) -> str:
+        return f"mixture({self.options.column}: {dict(self.options.weights)})"
+
+    def start(self, rows: list[dict[str, Any]], seed: int) -> None:
+        column, self.seed = self.options.column, seed
+        found: dict[str, list[int]] = {}
+        for i, row in enumerate(rows):
+            if column not in row:
+                raise RunError(f"data.sampler 'mixture': row {i} has no column '{column}'; its columns are: "
+                               f"{', '.join(row)}")
+            found.setdefault(str(row[column]), []).append(i)
+        unknown, empty = sorted(set(found) - set(self.names)), [n for n in self.names if n not in found]
+        if unknown or empty:
+            raise RunError(f"data.sampler 'mixture': weights name the sources {self.names}; the rows' column "
+                           f"'{column}' holds {sorted(found)}" + (f" (no weight for {unknown})" if unknown else "")
+                           + (f" (no rows for {empty})" if empty else ""))
+        self.rows = found
+
+    def _order(self, name: str) -> np.ndarray:
+        index = self.names.index(name)
+        return np.random.default_rng([self.seed, index, self.epoch[name]]).permutation(len(self.rows[name]))
+
+    def draw(self, n: int) -> list[int]:
+        out = []
+        for _ in range(n):
+            rng = np.random.default_rng([self.seed, self.draws])
+            self.draws += 1
+            name = self.names[int(rng.choice(len(self.names), p=self.probs))]
+            if self.position[name] >= len(self.rows[name]):
+                self.epoch[name] += 1
+                self.position[name] = 0
+            out.append(self.rows[name][int(self._order(name)[self.position[name]])])
+            self.position[name] += 1
+        return out
+
+    def observe(self, rows: list[int], rewards: list[float]) -> None:
+        pass  # the mixture does not depend on the rewards
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"draws": self.draws, "epoch": dict(self.epoch), "position": dict(self.position)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.draws = int(state["draws"])
+        self.epoch.update({k: int(v) for k, v in state["epoch"].items() if k in self.epoch})
+        self.position.update({k: int(v) for k, v in state["position"].items() if k in self.position})
+
+
 @hookimpl
 def register_prompt_samplers(register) -> None:
     register.add("curriculum", Curriculum, options=CurriculumOptions)
+    register.add("mixture", Mixture, options=MixtureOptions)

@@ -22,8 +22,9 @@ class PromptSampler(Protocol):
     """Chooses which training rows are drawn, and in what order (``data.sampler``; without
     one, each epoch is a seeded shuffle of the rows).
 
-    ``start(size, seed)`` is called once, before any draw, with the number of training rows
-    and ``train.seed``. ``draw(n)`` returns the indices (``0 <= i < size``) of the next ``n``
+    ``start(rows, seed)`` is called once, before any draw, with the training rows (dicts of
+    columns; read them, do not change them) and ``train.seed``. ``draw(n)`` returns the
+    indices (``0 <= i < len(rows)``) of the next ``n``
     rows; a row that cannot be used (an empty or too long prompt) is replaced by further
     draws. After each rollout round is scored, ``observe(rows, rewards)`` gets, for each
     group of that round (every process's), its row index and the mean of its completions'
@@ -32,7 +33,7 @@ class PromptSampler(Protocol):
     the uninterrupted one did), in plain data (numbers, strings, lists, dicts).
     """
 
-    def start(self, size: int, seed: int) -> None: ...
+    def start(self, rows: list[dict[str, Any]], seed: int) -> None: ...
 
     def draw(self, n: int) -> list[int]: ...
 

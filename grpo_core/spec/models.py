@@ -108,6 +108,10 @@ class DataSlot(Slot):
         description="Send a plain-string prompt as one user message (after system_prompt), so that "
         "the chat template applies; for datasets whose prompt column is text, e.g. GSM8K's question.",
     )
+    source_column: str | None = Field(
+        None, min_length=1, description="Column naming each row's source (a mixture of datasets): rewards may "
+        "score only some sources (their `sources`) and each step logs the reward per source (reward/source/<name>)."
+    )
     sampler: SamplerSlot | None = Field(
         None, description="A prompt sampler that chooses the training rows (e.g. {name: curriculum}); unset: "
         "every row once per epoch, in a seeded shuffle (see shuffle)."
@@ -177,6 +181,10 @@ class RewardSlot(Slot):
         1, ge=1, description="Cut each step's batch into this many contiguous chunks and score them "
         "at once: in parallel threads for a synchronous function, as concurrent tasks for an "
         "`async def` one. 1: one call on the whole batch (on the calling thread when synchronous)."
+    )
+    sources: list[str] | None = Field(
+        None, min_length=1, description="Score only the rows whose data.source_column is one of these (the "
+        "others get None from it: not counted in their total reward); default: every row."
     )
     call_timeout: Seconds | None = Field(
         None, gt=0, description="Seconds this function may take on one step's "
@@ -414,6 +422,14 @@ class Spec(Section):
                 f"train.mini_batches ({self.train.mini_batches}) must divide train.prompts_per_step "
                 f"({self.train.prompts_per_step}) so that every group stays in one mini-batch"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _sources_need_a_column(self):
+        routed = [slot.name for slot in self.rewards if slot.sources is not None]
+        if routed and self.data.source_column is None:
+            raise ValueError(f"reward function '{routed[0]}' has sources, which name values of data.source_column: "
+                             "set data.source_column to the column naming each row's source")
         return self
 
     @model_validator(mode="after")

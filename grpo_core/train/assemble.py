@@ -58,8 +58,9 @@ def build_rewards(spec: Spec, splitter: Any) -> list[RewardFn]:
     out = []
     for slot in spec.rewards:
         label = slot.name if names.count(slot.name) == 1 else f"{slot.name}#{len(out)}"
+        only = None if slot.sources is None else (spec.data.source_column, frozenset(slot.sources))
         out.append(RewardFn.of(label, slot.weight, slot.build(), splitter=cut,
-                               concurrency=slot.concurrency, timeout=slot.call_timeout))
+                               concurrency=slot.concurrency, timeout=slot.call_timeout, only=only))
     return out
 
 

@@ -26,6 +26,7 @@ class Prompt:
     text: str
     ids: list[int]
     index: int | None = None  # its row's index in the training rows (a prompt sampler's key)
+    source: str | None = None  # its row's data.source_column value (per-source metrics)
 
 
 def check_columns(rows: list[dict], needed: dict[str, str], split: str) -> None:
@@ -71,7 +72,7 @@ class PromptSource:
         self.tools = tools if callable(tools) else list(tools or [])
         self.sampler = sampler  # chooses the rows instead of the epochs' shuffle
         if sampler is not None:
-            sampler.start(len(rows), seed)
+            sampler.start(rows, seed)
         self._order = self._make_order()
 
     def _make_order(self) -> np.ndarray:
@@ -117,7 +118,8 @@ class PromptSource:
             )
         if len(ids) > self.max_tokens:
             return self._skip("prompt too long")
-        return Prompt(row, prompt, text, ids)
+        column = self.slot.source_column
+        return Prompt(row, prompt, text, ids, source=None if column is None else str(row.get(column)))
 
     def _skip(self, reason: str) -> None:
         self.skipped[reason] = self.skipped.get(reason, 0) + 1

@@ -24,7 +24,7 @@ CHI2_CRITICAL_19 = 43.82
 
 def sampler(size: int = 20, seed: int = 3, **options) -> Curriculum:
     s = Curriculum(CurriculumOptions(**options))
-    s.start(size, seed)
+    s.start([{}] * size, seed)
     return s
 
 
