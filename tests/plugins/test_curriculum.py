@@ -94,12 +94,12 @@ def test_bad_options_say_what_is_valid():
         CurriculumOptions(decay=1.0)
 
 
-def run(folder, model, *args: str) -> int:
+def run(folder, model, *args: str, staleness: int = 0) -> int:
     spec = {
         "model": {"path": str(model)},
         "data": {"name": "arithmetic", "train_size": 12, "eval_size": 0,
                  "sampler": {"name": "curriculum", "explore": 0.25, "low": 0.05, "high": 0.95}},
-        "rollout": {"group_size": 2, "max_new_tokens": 4, "temperature": 1.0},
+        "rollout": {"group_size": 2, "max_new_tokens": 4, "temperature": 1.0, "max_staleness": staleness},
         "rewards": [{"name": "format", "pattern": "^\\s*\\d"}],
         "train": {"steps": 4, "prompts_per_step": 3, "lr": 1.0e-2, "progress": False, "threads": 1,
                   "log_completions_every": 0, "output_dir": str(folder)},
@@ -113,12 +113,16 @@ def run(folder, model, *args: str) -> int:
     return main([str(path), *args])
 
 
-def test_a_tiny_run_resumes_drawing_exactly_what_the_uninterrupted_one_drew(tmp_path, monkeypatch):
+@pytest.mark.parametrize("staleness", [0, 1], ids=["synchronous", "asynchronous"])
+def test_a_tiny_run_resumes_drawing_exactly_what_the_uninterrupted_one_drew(tmp_path, monkeypatch, staleness):
+    """Asynchronous too: the actor draws step s + 1 after it scored step s, whatever the
+    learner is doing, and a checkpoint rewinds the sampler to its state before the first
+    untrained step's draw."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     model = save_tiny_model(tmp_path / "model")
-    assert run(tmp_path / "a", model) == 0
+    assert run(tmp_path / "a", model, staleness=staleness) == 0
     resume = str(tmp_path / "a" / "checkpoints" / "step-000002")
-    assert run(tmp_path / "b", model, "--resume", resume) == 0
+    assert run(tmp_path / "b", model, "--resume", resume, staleness=staleness) == 0
     a = load_state(tmp_path / "a" / "checkpoints" / "step-000004" / "state.pt")  # weights_only: plain data
     b = load_state(tmp_path / "b" / "checkpoints" / "step-000004" / "state.pt")
     sampler_a, sampler_b = a["data"]["sampler"], b["data"]["sampler"]
