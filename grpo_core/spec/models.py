@@ -79,6 +79,13 @@ class SamplerSlot(Slot):
     kind = "prompt_sampler"
 
 
+class SourceSlot(Slot):
+    """One more dataset whose rows join the task's, labelled in data.source_column."""
+
+    kind = "dataset"
+    source: str = Field(min_length=1, description="Its rows' value in data.source_column (e.g. code).")
+
+
 class DataSlot(Slot):
     """The task: a dataset plugin and how its rows become prompts."""
 
@@ -112,13 +119,38 @@ class DataSlot(Slot):
         None, min_length=1, description="Column naming each row's source (a mixture of datasets): rewards may "
         "score only some sources (their `sources`) and each step logs the reward per source (reward/source/<name>)."
     )
+    source: str | None = Field(
+        None, min_length=1, description="This dataset's rows' value in source_column (set for each row); unset: "
+        "the rows' own column."
+    )
+    more_sources: list[SourceSlot] = Field(
+        default_factory=list, description="More datasets whose rows join this one's (train and eval splits), "
+        "each {name: <dataset>, source: <label>, ...its options}; rendered as this one's (prompt_column...)."
+    )
     sampler: SamplerSlot | None = Field(
         None, description="A prompt sampler that chooses the training rows (e.g. {name: curriculum}); unset: "
         "every row once per epoch, in a seeded shuffle (see shuffle)."
     )
 
+    @model_validator(mode="after")
+    def _labelled_sources(self):
+        _check_sources(self)
+        return self
+
 
 # --------------------------------------------------------------------------- rollout
+def _check_sources(data: DataSlot) -> None:
+    """Labels need the column, and name each dataset once."""
+    labelled = data.source is not None or data.more_sources
+    if labelled and data.source_column is None:
+        raise ValueError("data.source and data.more_sources label rows in data.source_column: set it (e.g. source)")
+    labels = [data.source] + [m.source for m in data.more_sources] if data.more_sources else []
+    if data.more_sources and data.source is None:
+        raise ValueError("data.more_sources: set data.source too, the label of the main dataset's rows")
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"data.source and data.more_sources[].source must differ, got {labels}")
+
+
 class RolloutSlot(Slot):
     """How completions are sampled: the backend plugin and the sampling settings."""
 

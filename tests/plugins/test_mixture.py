@@ -126,3 +126,41 @@ def test_a_tiny_mixture_run_logs_each_source(tmp_path, monkeypatch):
     shares = [r.get("data/source/math/prompts", 0.0) + r.get("data/source/words/prompts", 0.0) for r in steps]
     assert shares == [pytest.approx(1.0)] * 3
     assert any("reward/source/math" in r for r in steps) and any("reward/source/words" in r for r in steps)
+
+
+def test_more_sources_join_the_task_labelled_and_routed(tmp_path, monkeypatch):
+    """Two datasets with different columns: math rows (answer) and code rows (tests), each
+    labelled, drawn half and half, each scored by its own reward (accuracy needs an answer
+    column the code rows lack, and the run starts all the same)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    math_rows = [{"prompt": f"{a} + 1 =", "answer": str(a + 1)} for a in range(5)]
+    code_rows = [{"prompt": f"def f{a}():", "tests": [f"assert f{a}() == {a}"]} for a in range(3)]
+    (tmp_path / "math.jsonl").write_text("".join(json.dumps(r) + "\n" for r in math_rows))
+    (tmp_path / "code.jsonl").write_text("".join(json.dumps(r) + "\n" for r in code_rows))
+    s = spec(tmp_path, save_tiny_model(tmp_path / "model"))
+    s["data"] = {"name": "file", "train": str(tmp_path / "math.jsonl"), "source_column": "source", "source": "math",
+                 "more_sources": [{"name": "file", "train": str(tmp_path / "code.jsonl"), "source": "code"}],
+                 "sampler": {"name": "mixture", "weights": {"math": 1, "code": 1}}}
+    s["rewards"] = [{"name": "accuracy", "sources": ["math"]},
+                    {"name": "code_tests", "sources": ["code"], "workers": 1, "timeout": 5}]
+    s["train"]["prompts_per_step"] = 4
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(s))
+    assert main([str(path)]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    shares = {k: v for r in rows for k, v in r.items() if k.startswith("data/source/")}
+    assert set(shares) == {"data/source/math/prompts", "data/source/code/prompts"}
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    ({"source": "math"}, "set it"),
+    ({"source_column": "source", "more_sources": [{"name": "arithmetic", "source": "b"}]}, "set data.source too"),
+    ({"source_column": "source", "source": "a", "more_sources": [{"name": "arithmetic", "source": "a"}]},
+     "must differ"),
+])
+def test_source_labels_say_what_is_missing(tmp_path, data, message):
+    s = {"model": {"path": "m"}, "data": {"name": "arithmetic", **data}, "rewards": [{"name": "accuracy"}]}
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(s))
+    with pytest.raises(Exception, match=message):
+        load_spec(path, external_plugins=False)
