@@ -106,7 +106,7 @@ def test_each_completion_is_one_request_with_the_rubric_and_its_score_is_normali
     scores = judge(prompts, completions, answer=["2", "7", "hi", "2"])
     assert scores == pytest.approx([3 / 10, 7 / 10, 10 / 10, 3 / 10])
     assert len(stub.requests) == 3  # the repeated (prompt, completion, reference) is asked once
-    first = stub.requests[0]
+    (first,) = [r for r in stub.requests if "What is 1+1?" in r["body"]["messages"][-1]["content"]]  # in flight
     assert first["path"] == "/v1/chat/completions" and first["headers"]["Authorization"] == f"Bearer {KEY}"
     body = first["body"]
     assert body["model"] == "grader" and body["temperature"] == 0.0 and body["max_tokens"] == 512
