@@ -130,9 +130,10 @@ def new_trajectory() -> str:
 
 def write_checkpoint(
     root: Path, step: int, model, state: dict[str, Any], keep: int, trajectory: str | None = None,
-    weights: dict[str, torch.Tensor] | None = None,
+    weights: dict[str, torch.Tensor] | None = None, protect: set[int] | frozenset[int] = frozenset(),
 ) -> Path:
-    """Write ``<root>/step-NNNNNN`` atomically and prune the trajectory's to the last ``keep``.
+    """Write ``<root>/step-NNNNNN`` atomically and prune the trajectory's to the last ``keep``
+    (the steps in ``protect``, the best by a metric, aside).
     ``weights``: the model's whole state dict when it is sharded (gathered by the caller)."""
     if not params_finite(model, weights):
         raise RunError(f"refusing to checkpoint step {step}: the model has non-finite weights")
@@ -161,10 +162,16 @@ def write_checkpoint(
         shutil.rmtree(old, ignore_errors=True)
     else:
         tmp.rename(final)
+    prune(root, keep, trajectory, protect)
+    return final
+
+
+def prune(root: Path, keep: int, trajectory: str | None, protect: set[int] | frozenset[int] = frozenset()) -> None:
+    """Delete the trajectory's checkpoints but the last ``keep`` and the steps in ``protect``."""
     ours = [p for p in list_checkpoints(root) if _manifest(p).get("trajectory") == trajectory]
     for stale in ours[:-keep]:
-        shutil.rmtree(stale, ignore_errors=True)
-    return final
+        if int(stale.name[len(PREFIX):]) not in protect:
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def _set_aside(root: Path, folder: Path) -> None:

@@ -102,6 +102,16 @@ def register_datasets(register: Registrar) -> None:
 
 
 @hookspec
+def register_prompt_samplers(register: Registrar) -> None:
+    """Register prompt samplers (which training rows are drawn); called once when the
+    registry is built.
+
+    Each component follows :class:`~grpo_core.contracts.PromptSampler`. Selected by
+    ``data.sampler.name``.
+    """
+
+
+@hookspec
 def register_step_splitters(register: Registrar) -> None:
     """Register step splitters for process supervision; called once when the registry is built.
 

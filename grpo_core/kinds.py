@@ -42,6 +42,7 @@ KINDS: dict[str, Kind] = {
     "rollout_backend": Kind("register_rollout_backends", "rollout backend", "RolloutBackend"),
     "reward_function": Kind("register_reward_functions", "reward function", "RewardFunction"),
     "dataset": Kind("register_datasets", "dataset", "Dataset"),
+    "prompt_sampler": Kind("register_prompt_samplers", "prompt sampler", "PromptSampler"),
     "step_splitter": Kind("register_step_splitters", "step splitter", "StepSplitter"),
     "tracker": Kind("register_trackers", "tracker", "Tracker"),
     "environment": Kind("register_environments", "environment", "Environment"),

@@ -29,7 +29,7 @@ from grpo_core.contracts.algorithms import (
     Teacher,
     masked_fill_zero,
 )
-from grpo_core.contracts.components import Dataset, Stateful, Tracker
+from grpo_core.contracts.components import Dataset, PromptSampler, Stateful, Tracker
 from grpo_core.contracts.episodes import Agent, AgentEpisode, Environment, Episodes, Observation
 from grpo_core.contracts.rewards import (
     RewardExample,
@@ -70,6 +70,7 @@ __all__ = [
     "RewardExample",
     "TrainableReward",
     "Dataset",
+    "PromptSampler",
     "Tracker",
     "Stateful",
     "Observation",

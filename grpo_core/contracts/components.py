@@ -17,6 +17,33 @@ class Dataset(Protocol):
     def load(self, split: str) -> list[dict[str, Any]]: ...
 
 
+@runtime_checkable
+class PromptSampler(Protocol):
+    """Chooses which training rows are drawn, and in what order (``data.sampler``; without
+    one, each epoch is a seeded shuffle of the rows).
+
+    ``start(rows, seed)`` is called once, before any draw, with the training rows (dicts of
+    columns; read them, do not change them) and ``train.seed``. ``draw(n)`` returns the
+    indices (``0 <= i < len(rows)``) of the next ``n``
+    rows; a row that cannot be used (an empty or too long prompt) is replaced by further
+    draws. After each rollout round is scored, ``observe(rows, rewards)`` gets, for each
+    group of that round (every process's), its row index and the mean of its completions'
+    total rewards (NaN when none was scorable). A sampler is :class:`Stateful`: its
+    ``state_dict`` must hold everything its next draws depend on (a resumed run draws what
+    the uninterrupted one did), in plain data (numbers, strings, lists, dicts).
+    """
+
+    def start(self, rows: list[dict[str, Any]], seed: int) -> None: ...
+
+    def draw(self, n: int) -> list[int]: ...
+
+    def observe(self, rows: list[int], rewards: list[float]) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
 # --------------------------------------------------------------------------- tracking
 @runtime_checkable
 class Tracker(Protocol):

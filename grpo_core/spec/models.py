@@ -73,6 +73,19 @@ class ModelSection(Section):
 
 
 # --------------------------------------------------------------------------- data
+class SamplerSlot(Slot):
+    """Which training rows are drawn: a prompt sampler plugin (e.g. curriculum)."""
+
+    kind = "prompt_sampler"
+
+
+class SourceSlot(Slot):
+    """One more dataset whose rows join the task's, labelled in data.source_column."""
+
+    kind = "dataset"
+    source: str = Field(min_length=1, description="Its rows' value in data.source_column (e.g. code).")
+
+
 class DataSlot(Slot):
     """The task: a dataset plugin and how its rows become prompts."""
 
@@ -102,9 +115,42 @@ class DataSlot(Slot):
         description="Send a plain-string prompt as one user message (after system_prompt), so that "
         "the chat template applies; for datasets whose prompt column is text, e.g. GSM8K's question.",
     )
+    source_column: str | None = Field(
+        None, min_length=1, description="Column naming each row's source (a mixture of datasets): rewards may "
+        "score only some sources (their `sources`) and each step logs the reward per source (reward/source/<name>)."
+    )
+    source: str | None = Field(
+        None, min_length=1, description="This dataset's rows' value in source_column (set for each row); unset: "
+        "the rows' own column."
+    )
+    more_sources: list[SourceSlot] = Field(
+        default_factory=list, description="More datasets whose rows join this one's (train and eval splits), "
+        "each {name: <dataset>, source: <label>, ...its options}; rendered as this one's (prompt_column...)."
+    )
+    sampler: SamplerSlot | None = Field(
+        None, description="A prompt sampler that chooses the training rows (e.g. {name: curriculum}); unset: "
+        "every row once per epoch, in a seeded shuffle (see shuffle)."
+    )
+
+    @model_validator(mode="after")
+    def _labelled_sources(self):
+        _check_sources(self)
+        return self
 
 
 # --------------------------------------------------------------------------- rollout
+def _check_sources(data: DataSlot) -> None:
+    """Labels need the column, and name each dataset once."""
+    labelled = data.source is not None or data.more_sources
+    if labelled and data.source_column is None:
+        raise ValueError("data.source and data.more_sources label rows in data.source_column: set it (e.g. source)")
+    labels = [data.source] + [m.source for m in data.more_sources] if data.more_sources else []
+    if data.more_sources and data.source is None:
+        raise ValueError("data.more_sources: set data.source too, the label of the main dataset's rows")
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"data.source and data.more_sources[].source must differ, got {labels}")
+
+
 class RolloutSlot(Slot):
     """How completions are sampled: the backend plugin and the sampling settings."""
 
@@ -167,6 +213,10 @@ class RewardSlot(Slot):
         1, ge=1, description="Cut each step's batch into this many contiguous chunks and score them "
         "at once: in parallel threads for a synchronous function, as concurrent tasks for an "
         "`async def` one. 1: one call on the whole batch (on the calling thread when synchronous)."
+    )
+    sources: list[str] | None = Field(
+        None, min_length=1, description="Score only the rows whose data.source_column is one of these (the "
+        "others get None from it: not counted in their total reward); default: every row."
     )
     call_timeout: Seconds | None = Field(
         None, gt=0, description="Seconds this function may take on one step's "
@@ -283,6 +333,25 @@ class CheckpointSection(Section):
         "(bounds the work a crash can lose, whatever a step costs); 0: not by time."
     )
     keep: int = Field(2, ge=1, description="Keep the last K checkpoints of this run.")
+    best_metric: str | None = Field(
+        None, description="An evaluation metric as logged (e.g. eval/reward, eval/rewards/accuracy, "
+        "eval/<set>/reward): after each evaluation that puts the step among the keep_best best by it, the step is "
+        "checkpointed, and those checkpoints are kept beside the last K (checkpoints/best.json lists them)."
+    )
+    best_mode: Literal["max", "min"] = Field("max", description="Whether a higher or a lower best_metric is better.")
+    keep_best: int = Field(1, ge=1, description="With best_metric: how many of the best checkpoints to keep.")
+    final: Literal["last", "best"] = Field(
+        "last", description="The weights saved as the final model (and exported): the last step's, or with "
+        "best_metric the best checkpoint's."
+    )
+
+    @model_validator(mode="after")
+    def _best_needs_a_metric(self):
+        if self.final == "best" and self.best_metric is None:
+            raise ValueError("final: best needs best_metric, the evaluation metric that says which step is best")
+        if self.best_metric is not None and not self.best_metric.startswith("eval/"):
+            raise ValueError(f"best_metric must be an evaluation metric (eval/...), got {self.best_metric!r}")
+        return self
 
 
 class CorrectSection(Section):
@@ -399,6 +468,14 @@ class Spec(Section):
                 f"train.mini_batches ({self.train.mini_batches}) must divide train.prompts_per_step "
                 f"({self.train.prompts_per_step}) so that every group stays in one mini-batch"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _sources_need_a_column(self):
+        routed = [slot.name for slot in self.rewards if slot.sources is not None]
+        if routed and self.data.source_column is None:
+            raise ValueError(f"reward function '{routed[0]}' has sources, which name values of data.source_column: "
+                             "set data.source_column to the column naming each row's source")
         return self
 
     @model_validator(mode="after")

@@ -129,7 +129,13 @@ class Actor:
             rollout = generate_rollout(self.backend, prompts, s.group_size, replace(s.sampling, seed=seed),
                                        self.episodes)
         with timer("score"):
-            return self._score_everywhere(prompts, rollout)
+            scored = self._score_everywhere(prompts, rollout)
+        sampler = getattr(self.source, "sampler", None)
+        if sampler is not None:  # every process's groups, in draw order
+            means = group_means(scored.scores.total, s.group_size)
+            parts = self.dist.gather(([p.index for p in prompts], means))
+            sampler.observe([i for rows, _ in parts for i in rows], [m for _, ms in parts for m in ms])
+        return scored
 
     def _score_everywhere(self, prompts: list[Prompt], rollout) -> Scored:
         """Score this process's rollout; with several processes a reward failure on any one
@@ -185,3 +191,13 @@ def _spread_metric(scored: Scored, metric: str) -> torch.Tensor:
         return scores.total
     column = next(j for j, n in enumerate(scores.names) if n == metric or n.startswith(f"{metric}#"))
     return scores.per_function[:, column]
+
+
+def group_means(totals: torch.Tensor, group_size: int) -> list[float]:
+    """Each group's mean total reward over its scorable (non-NaN) completions; NaN for a
+    group with none."""
+    out = []
+    for group in totals.reshape(-1, group_size).tolist():
+        finite = [v for v in group if v == v]
+        out.append(sum(finite) / len(finite) if finite else float("nan"))
+    return out

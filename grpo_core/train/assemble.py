@@ -58,8 +58,9 @@ def build_rewards(spec: Spec, splitter: Any) -> list[RewardFn]:
     out = []
     for slot in spec.rewards:
         label = slot.name if names.count(slot.name) == 1 else f"{slot.name}#{len(out)}"
+        only = None if slot.sources is None else (spec.data.source_column, frozenset(slot.sources))
         out.append(RewardFn.of(label, slot.weight, slot.build(), splitter=cut,
-                               concurrency=slot.concurrency, timeout=slot.call_timeout))
+                               concurrency=slot.concurrency, timeout=slot.call_timeout, only=only))
     return out
 
 
@@ -70,18 +71,44 @@ def build_scorer(spec: Spec, rewards: list[RewardFn], splitter: Any, with_steps:
 
 
 def load_rows(spec: Spec, split: str) -> list[dict]:
-    """The rows of ``split`` (``train`` or ``eval``) of the spec's dataset; a failure names it."""
+    """The rows of ``split`` (``train`` or ``eval``) of the spec's dataset, then of each of
+    ``data.more_sources``, each labelled in ``data.source_column`` when it has a label; a
+    failure names the dataset."""
+    data = spec.data
+    rows = _labelled(_load(data, split), data.source_column, data.source)
+    for more in data.more_sources:
+        rows += _labelled(_load(more, split), data.source_column, more.source)
+    return rows
+
+
+def _load(slot: Any, split: str) -> list[dict]:
     try:
-        return spec.data.build().load(split)
+        return slot.build().load(split)
     except RunError:
         raise
     except Exception as exc:
-        raise RunError(f"data: dataset '{spec.data.name}' failed to load: {type(exc).__name__}: {exc}") from exc
+        raise RunError(f"data: dataset '{slot.name}' failed to load: {type(exc).__name__}: {exc}") from exc
+
+
+def _labelled(rows: list[dict], column: str | None, label: str | None) -> list[dict]:
+    if column is None or label is None:
+        return rows
+    return [{**row, column: label} for row in rows]
 
 
 def required_columns(rewards: list[RewardFn]) -> dict[str, str]:
-    """Each dataset column a reward function needs, with who needs it."""
-    return {c: f"reward function '{fn.name}'" for fn in rewards for c in fn.required_columns}
+    """Each dataset column a reward function that scores every row needs, with who needs it."""
+    return {c: f"reward function '{fn.name}'" for fn in rewards if fn.only is None for c in fn.required_columns}
+
+
+def check_routed_columns(rows: list[dict], rewards: list[RewardFn], split: str) -> None:
+    """The columns a reward with ``sources`` needs, in the first row of one of its sources."""
+    for fn in rewards:
+        if fn.only is not None and fn.required_columns:
+            column, allowed = fn.only
+            mine = [row for row in rows if str(row.get(column)) in allowed][:1]
+            check_columns(mine, dict.fromkeys(fn.required_columns, f"reward function '{fn.name}'"),
+                          f"{split} rows of source {sorted(allowed)}")
 
 
 def build_episodes(spec: Spec, model, tokenizer, scorer: Scorer) -> EpisodeRunner | AgentRunner | RoutedRunner | None:
@@ -224,6 +251,8 @@ def build_run(loaded: LoadedSpec, dist: Dist | None = None, *, model=None, token
     needed.update({c: who for c, who in required_columns(rewards).items() if c not in needed})
     check_columns(train_rows, needed, "training")
     check_columns(eval_rows, needed, "held-out")
+    check_routed_columns(train_rows, rewards, "training")
+    check_routed_columns(eval_rows, rewards, "held-out")
     check_routes(spec, train_rows + eval_rows)
 
     tokenizer = (modeling.load_tokenizer(spec.model, loaded.base_dir) if tokenizer is None
@@ -242,8 +271,9 @@ def build_run(loaded: LoadedSpec, dist: Dist | None = None, *, model=None, token
 
     max_prompt = prompt_budget(spec, model)
     tools = prompt_tools(actor.episodes)
+    sampler_slot = spec.data.sampler
     actor.source = PromptSource(train_rows, tokenizer, spec.data, seed=spec.train.seed, max_tokens=max_prompt,
-                                tools=tools)
+                                tools=tools, sampler=sampler_slot.build() if sampler_slot is not None else None)
     reference = learner.kl.reference if learner.kl is not None else None
     trackers: dict[str, Tracker] = {slot.name: slot.build() for slot in spec.tracking}
     return Run(

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from grpo_core.errors import RunError
 from grpo_core.spec.models import DataSlot
 from grpo_core.train.episodes import with_tools
+
+if TYPE_CHECKING:
+    from grpo_core.contracts import PromptSampler
 
 
 @dataclass
@@ -22,6 +25,8 @@ class Prompt:
     prompt: Any  # a string, or the list of chat messages (system prompt included)
     text: str
     ids: list[int]
+    index: int | None = None  # its row's index in the training rows (a prompt sampler's key)
+    source: str | None = None  # its row's data.source_column value (per-source metrics)
 
 
 def check_columns(rows: list[dict], needed: dict[str, str], split: str) -> None:
@@ -50,6 +55,7 @@ class PromptSource:
     def __init__(
         self, rows: list[dict], tokenizer, slot: DataSlot, *, seed: int, max_tokens: int,
         shuffle: bool | None = None, tools: list[dict] | Callable[[dict], list[dict]] | None = None,
+        sampler: PromptSampler | None = None,
     ):
         if not rows:
             raise RunError(f"data: dataset '{slot.name}' has no rows to train on")
@@ -64,6 +70,9 @@ class PromptSource:
         self.skipped: dict[str, int] = {}
         # JSON schemas shown to the model: the environment's, or a row's route's (row -> schemas)
         self.tools = tools if callable(tools) else list(tools or [])
+        self.sampler = sampler  # chooses the rows instead of the epochs' shuffle
+        if sampler is not None:
+            sampler.start(rows, seed)
         self._order = self._make_order()
 
     def _make_order(self) -> np.ndarray:
@@ -109,14 +118,18 @@ class PromptSource:
             )
         if len(ids) > self.max_tokens:
             return self._skip("prompt too long")
-        return Prompt(row, prompt, text, ids)
+        column = self.slot.source_column
+        return Prompt(row, prompt, text, ids, source=None if column is None else str(row.get(column)))
 
     def _skip(self, reason: str) -> None:
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
         return None
 
     def next(self, n: int) -> list[Prompt]:
-        """The next ``n`` usable prompts, starting a new (reshuffled) epoch as needed."""
+        """The next ``n`` usable prompts, starting a new (reshuffled) epoch as needed (or as
+        the sampler draws them)."""
+        if self.sampler is not None:
+            return self._drawn(n)
         out: list[Prompt] = []
         misses = 0
         while len(out) < n:
@@ -127,6 +140,8 @@ class PromptSource:
             row = self.rows[int(self._order[self.position])]
             self.position += 1
             prompt = self.render(row)
+            if prompt is not None:
+                prompt.index = int(self._order[self.position - 1])
             if prompt is None:
                 misses += 1
                 if misses > len(self.rows):
@@ -137,11 +152,36 @@ class PromptSource:
             out.append(prompt)
         return out
 
+    def _drawn(self, n: int) -> list[Prompt]:
+        """``n`` usable prompts of the rows the sampler draws (unusable rows drawn again are
+        replaced by further draws)."""
+        out: list[Prompt] = []
+        misses = 0
+        while len(out) < n:
+            for index in self.sampler.draw(n - len(out)):
+                if not 0 <= index < len(self.rows):
+                    raise RunError(f"data.sampler: drew row {index}, outside the {len(self.rows)} training rows")
+                prompt = self.render(self.rows[index])
+                if prompt is None:
+                    misses += 1
+                    if misses > 10 * len(self.rows):
+                        raise RunError(f"data: the sampler drew no usable prompt in {misses} draws from dataset "
+                                       f"'{self.slot.name}' (skipped: {self.skipped})")
+                    continue
+                prompt.index = index
+                out.append(prompt)
+        return out
+
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position, "skipped": dict(self.skipped)}
+        state = {"epoch": self.epoch, "position": self.position, "skipped": dict(self.skipped)}
+        if self.sampler is not None:
+            state["sampler"] = self.sampler.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
         self.skipped = dict(state.get("skipped", {}))
         self._order = self._make_order()
+        if self.sampler is not None and "sampler" in state:
+            self.sampler.load_state_dict(state["sampler"])

@@ -42,10 +42,11 @@ def shown_completion(rollout: RolloutBatch, row: int) -> str:
 
 
 def columns_of(prompts: list[Prompt], group_size: int, exclude: str) -> dict[str, list]:
-    """Every dataset column but the prompt, repeated per completion."""
+    """Every dataset column but the prompt, repeated per completion (None where a row lacks
+    one: rows of several datasets, ``data.more_sources``, need not share their columns)."""
     if not prompts:
         return {}
-    keys = [k for k in prompts[0].row if k != exclude]
+    keys = [k for k in dict.fromkeys(k for p in prompts for k in p.row) if k != exclude]
     return {k: [p.row.get(k) for p in prompts for _ in range(group_size)] for k in keys}
 
 

@@ -56,6 +56,9 @@ def run_loop(run: Run, loaded: LoadedSpec, resume: str | None = None, hooks: Hoo
     (a second Ctrl-C) propagates at once, unless ``checkpoint_on_interrupt`` (a notebook's
     Ctrl-C): then the last completed step is checkpointed and the run ends ``KILLED``."""
     spec = run.spec
+    if run.best is not None and not run.has_eval:
+        raise RunError("checkpoint.best_metric ranks steps by an evaluation, but this run has no held-out "
+                       "prompts (data.eval_size, eval.sets): add some or drop best_metric")
     hooks = run.hooks = hooks or Hooks()
     _start_logging(run, loaded, _resume(run, resume))
     status = "FAILED"
@@ -66,6 +69,7 @@ def run_loop(run: Run, loaded: LoadedSpec, resume: str | None = None, hooks: Hoo
                 run.last_eval = evaluate_run(run)  # before the feed starts: the actor is at rest
                 run.log.log_metrics(run.last_eval, run.step)
                 hooks.on_eval(run.step, run.last_eval)
+                run.after_eval()
             run.feed.start(run.model, run.learner.version)
             # With several processes, a signal or a hook seen by any stops all of them at the same step.
             while run.step < spec.train.steps and not run.dist.any(stop.signum is not None or run.stop_asked):
@@ -141,6 +145,7 @@ def _step_and_record(run: Run) -> dict[str, float]:
     if spec.eval.every and run.step % spec.eval.every == 0 and run.step < spec.train.steps:
         with run.at_rest():
             run.last_eval = evaluate_run(run)
+            run.after_eval()
         metrics.update(run.last_eval)
         run.stop_asked = bool(run.hooks.on_eval(run.step, run.last_eval)) or run.stop_asked
     run.log.log_metrics(metrics, run.step)
@@ -281,6 +286,7 @@ def _finish(run: Run, stop: StopSignal) -> tuple[str, int]:
         run.last_eval = evaluate_run(run)
         run.log.log_metrics(run.last_eval, run.step)
         run.hooks.on_eval(run.step, run.last_eval)
+        run.after_eval()
     if spec.checkpoint.every or spec.checkpoint.every_minutes:
         run.save_checkpoint()
     final = _save_final(run)
@@ -293,6 +299,13 @@ def _finish(run: Run, stop: StopSignal) -> tuple[str, int]:
 
 def _save_final(run: Run) -> Path:
     final = run.output_dir / "final"
+    best = run.best_folder()
+    if best is not None:  # checkpoint.final: best; training is over, so the live weights may go
+        ckpt.load_model_weights(run.model, best, run.learner.strategy.load_model_state)
+        if run.dist.is_main:
+            value = run.best.entries[0][0]
+            print(f"grpo-run: the final model is {best.name} ({run.spec.checkpoint.best_metric} = {value:.4g})",
+                  file=sys.stderr)
     weights = run.learner.strategy.model_state(run.model)
     if run.dist.is_main:
         run.model.save_pretrained(final, state_dict=weights)

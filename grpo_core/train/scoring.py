@@ -88,19 +88,20 @@ class RewardFn:
     splitter: Callable[[list], Any] | None = None  # completions -> StepLayout
     concurrency: int = 1
     timeout: float | None = None
+    only: tuple[str, frozenset[str]] | None = None  # (column, values): it scores those rows only
 
     @classmethod
     def of(
         cls, name: str, weight: float, fn: Callable[..., list], splitter: Callable[[list], Any] | None = None,
-        concurrency: int = 1, timeout: float | None = None,
+        concurrency: int = 1, timeout: float | None = None, only: tuple[str, frozenset[str]] | None = None,
     ) -> RewardFn:
         fn = conform("reward_function", fn, f"reward function '{name}'")  # declared flags present
         try:
             sig = inspect.signature(fn)
         except (TypeError, ValueError):
-            return cls(name, weight, fn, True, frozenset(), splitter, concurrency, timeout)
+            return cls(name, weight, fn, True, frozenset(), splitter, concurrency, timeout, only)
         takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
-        return cls(name, weight, fn, takes_kwargs, frozenset(sig.parameters), splitter, concurrency, timeout)
+        return cls(name, weight, fn, takes_kwargs, frozenset(sig.parameters), splitter, concurrency, timeout, only)
 
     @property
     def is_async(self) -> bool:
@@ -334,6 +335,31 @@ class _EventLoop:
         return {j: _joined(fn, self.chunks[j], list(self.outcomes[j]), self.on_error) for j, fn in self.fns.items()}
 
 
+def _call_routed(fns: list[RewardFn], kwargs: dict[str, Any], on_error: str) -> list[tuple[list, int]]:
+    """:func:`call_all`, but a function with ``only = (column, values)`` is called on the rows
+    whose ``column`` holds one of ``values`` (its other rows are None: not counted)."""
+    size = len(kwargs["completions"])
+    plain = [j for j, fn in enumerate(fns) if fn.only is None]
+    results = dict(zip(plain, call_all([fns[j] for j in plain], kwargs, on_error)))
+    for j, fn in enumerate(fns):
+        if fn.only is None:
+            continue
+        column, allowed = fn.only
+        if column not in kwargs:
+            raise RunError(f"reward function '{fn.name}' scores the rows whose column '{column}' (data.source_column) "
+                           f"is one of {sorted(allowed)}, but the batch has no such column")
+        rows = [i for i, value in enumerate(kwargs[column]) if str(value) in allowed]
+        full: list = [None] * size
+        n_failed = 0
+        if rows:
+            sub = {k: [v[i] for i in rows] if isinstance(v, list) and len(v) == size else v for k, v in kwargs.items()}
+            ((values, n_failed),) = call_all([fn], sub, on_error)
+            for i, value in zip(rows, _checked(values, fn, len(rows))):
+                full[i] = value
+        results[j] = (full, n_failed)
+    return [results[j] for j in range(len(fns))]
+
+
 def call_all(fns: list[RewardFn], kwargs: dict[str, Any], on_error: str) -> list[tuple[list, int]]:
     """Every function's ``(values, failed)`` on the batch: async functions and threaded
     synchronous ones start first, then the others run on this thread, in order."""
@@ -435,7 +461,7 @@ def score(
     k = max((len(s) for s in steps), default=0) if steps is not None else 0
     step_table = torch.full((size, k, len(fns)), math.nan, dtype=torch.float32)
     failed = 0
-    for j, (fn, (values, n_failed)) in enumerate(zip(fns, call_all(fns, kwargs, on_error))):
+    for j, (fn, (values, n_failed)) in enumerate(zip(fns, _call_routed(fns, kwargs, on_error))):
         failed += n_failed
         values = _checked(values, fn, size)
         for i, v in enumerate(values):

@@ -3,6 +3,7 @@ held-out data, the loop's counters, and what a checkpoint saves and restores of 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,12 +15,15 @@ from grpo_core.contracts import Stateful
 from grpo_core.spec import LoadedSpec, Spec
 from grpo_core.tracking import RunLog
 from grpo_core.train.actor import Actor
+from grpo_core.train.best import BestCheckpoints
 from grpo_core.train.data import Prompt, PromptSource
 from grpo_core.train.distributed import Dist
 from grpo_core.train.evaluate import EvalSet
 from grpo_core.train.feed import Feed
 from grpo_core.train.iterative import IterativeStage
 from grpo_core.train.learner import Learner
+
+log = logging.getLogger("grpo.checkpoint")
 
 
 @dataclass
@@ -58,6 +62,12 @@ class Run:
     trajectory: str = field(default_factory=ckpt.new_trajectory)  # this line of steps' id
     hooks: Hooks = field(default_factory=lambda: Hooks())
     stop_asked: bool = False  # a hook asked to stop after the current step
+    best: BestCheckpoints | None = None  # the best checkpoints by checkpoint.best_metric
+
+    def __post_init__(self) -> None:
+        c = self.spec.checkpoint
+        if c.best_metric is not None and self.best is None:
+            self.best = BestCheckpoints(c.best_metric, c.best_mode, c.keep_best)
 
     def at_rest(self):
         """The context in which the actor is idle with the learner's current weights and the
@@ -118,6 +128,7 @@ class Run:
             "last_eval": dict(self.last_eval),
             "components": {k: v.state_dict() for k, v in self.stateful().items()},
             "scaler": learner.scaler.state_dict() if learner.scaler is not None else None,
+            "best": self.best.state_dict() if self.best is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -132,6 +143,8 @@ class Run:
         for key, component in self.stateful().items():
             if key in state.get("components", {}):
                 component.load_state_dict(state["components"][key])
+        if self.best is not None and state.get("best"):
+            self.best.load_state_dict(state["best"])
         if learner.scaler is not None and state.get("scaler"):
             learner.scaler.load_state_dict(state["scaler"])
         ckpt.set_rng_state(state["rng"])
@@ -161,11 +174,33 @@ class Run:
         if self.dist.is_main:
             folder = ckpt.write_checkpoint(
                 self.checkpoint_dir, self.step, self.model, state, self.spec.checkpoint.keep,
-                self.trajectory, weights=weights,
+                self.trajectory, weights=weights, protect=self.best.steps if self.best is not None else set(),
             )
         if not alone:
             self.dist.barrier()
         self.saved_step = self.step
         self.saved_at = time.monotonic()
         self.hooks.on_save(self.step, folder)
+        return folder
+
+    def after_eval(self) -> None:
+        """Rank the step just evaluated by ``checkpoint.best_metric`` and checkpoint it when it
+        is among the best (call it with the actor at rest, right after the evaluation)."""
+        if self.best is None or not self.last_eval:
+            return
+        if self.best.offer(self.step, self.last_eval):
+            self.best.saved(self.step, self.save_checkpoint())
+            if self.dist.is_main:  # a step saved before its evaluation was not pruned with this ranking
+                ckpt.prune(self.checkpoint_dir, self.spec.checkpoint.keep, self.trajectory, self.best.steps)
+                self.best.write(self.checkpoint_dir)
+
+    def best_folder(self) -> Path | None:
+        """The best checkpoint's folder under ``checkpoint.final: best`` (None otherwise, or
+        when no evaluation ranked a step)."""
+        if self.spec.checkpoint.final != "best" or self.best is None or self.best.best_step is None:
+            return None
+        folder = self.best.best_folder()
+        if folder is None:
+            log.warning("checkpoint.final is best, but the checkpoint of step %d is gone; the final model is the "
+                        "last step's", self.best.best_step)
         return folder

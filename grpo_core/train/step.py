@@ -44,12 +44,28 @@ def reward_metrics(scored: Scored) -> dict[str, float]:
         if ok.any():
             out[f"rewards/{name}/std"] = float(col[ok].std(unbiased=False))
     out["frac_reward_zero_std"] = float(zero_spread_groups(total, scored.rollout.group_size).float().mean())
+    out.update(source_metrics(scored))
     if scored.layout is not None:
         out["steps/per_completion"] = sum(scored.layout.counts) / max(1, len(scored.layout.counts))
         if scores.step_scores is not None:
             found = scores.step_scores[~torch.isnan(scores.step_scores)]
             if found.numel():
                 out["steps/score_mean"] = float(found.mean())
+    return out
+
+
+def source_metrics(scored: Scored) -> dict[str, float]:
+    """With data.source_column: each source's share of the step's prompts and mean total reward."""
+    if not scored.prompts or scored.prompts[0].source is None:
+        return {}
+    g, total, out = scored.rollout.group_size, scored.scores.total, {}
+    for source in sorted({p.source for p in scored.prompts}):
+        groups = [i for i, p in enumerate(scored.prompts) if p.source == source]
+        values = torch.cat([total[i * g:(i + 1) * g] for i in groups])
+        out[f"data/source/{source}/prompts"] = len(groups) / len(scored.prompts)
+        found = values[~torch.isnan(values)]
+        if found.numel():
+            out[f"reward/source/{source}"] = float(found.mean())
     return out
 
 

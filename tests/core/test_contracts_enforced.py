@@ -35,6 +35,18 @@ class NoLoadDataset:
     def rows(self, split): ...
 
 
+class NoObserveSampler:
+    """A prompt sampler that does not hear back the rewards."""
+
+    def start(self, rows, seed): ...
+
+    def draw(self, n): ...
+
+    def state_dict(self): ...
+
+    def load_state_dict(self, state): ...
+
+
 class NoFinishTracker:
     """A tracker without finish."""
 
@@ -69,6 +81,7 @@ BROKEN = {
     "rollout_backend": (NoSyncBackend(), "sync_weights"),
     "reward_function": (NOT_CALLABLE, "__call__"),
     "dataset": (NoLoadDataset(), "load"),
+    "prompt_sampler": (NoObserveSampler(), "observe"),
     "step_splitter": (NOT_CALLABLE, "__call__"),
     "tracker": (NoFinishTracker(), "finish"),
     "environment": (NoStepEnvironment(), "step"),
