@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     seconds: dict[str, list[float]] = {name: [] for name in runs}
     turns: dict[str, float] = {}
+    failed: dict[str, float] = {}
     for step in range(args.repeats + 1):  # the first round warms up, untimed
         for name, run in runs.items():
             t0 = time.perf_counter()
@@ -104,11 +105,13 @@ def main(argv: list[str] | None = None) -> int:
             if step:
                 seconds[name].append(time.perf_counter() - t0)
             turns[name] = float(experience.scored.rollout.episodes.turns.float().mean())
+            failed[name] = max(failed.get(name, 0.0), float(experience.scored.rollout.episodes.failed.float().mean()))
     episodes = args.prompts * args.group
     result = {
         "backend": args.backend, "client": args.client, "prompts": args.prompts, "group_size": args.group,
         "repeats": args.repeats,
         "episodes_per_rollout": episodes, "turns_per_episode": turns,
+        "failed_episodes_max": failed,  # the most of any rollout: the figures mean little unless 0
         "seconds_median": {k: statistics.median(v) for k, v in seconds.items()},
         "episodes_per_second": {k: episodes / statistics.median(v) for k, v in seconds.items()},
     }

@@ -37,6 +37,14 @@ TOOL_STOP = "</tool_call>"
 _DECODER = json.JSONDecoder()
 
 
+class _Server(ThreadingHTTPServer):
+    """The standard library's threading server with a listen backlog for every episode at once:
+    its default (5) made the kernel drop connections when 32 agents connected together, which
+    their clients reported as connection errors and the run as failed episodes."""
+
+    request_queue_size = 1024
+
+
 class EndpointError(Exception):
     """A refused request: the HTTP status and the message the agent receives. ``fatal``
     also fails the episode (a broken limit, an edited history)."""
@@ -212,7 +220,7 @@ class Endpoint:
             def do_POST(self) -> None:  # noqa: N802
                 endpoint._post(self)
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = _Server(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, args=(0.02,), name="grpo-agent-endpoint",
                                        daemon=True)  # polls for shutdown every 20 ms: closing is quick

@@ -158,6 +158,21 @@ def test_concurrent_episodes_share_generate_calls(long_model, tmp_path):
     assert plugin.backend.calls <= 4, plugin.backend.calls
 
 
+def test_sixty_four_agents_connecting_at_once_are_all_served(long_model, tmp_path):
+    """64 openai-client agents open their connections together: none is refused (the server's
+    listen backlog was the standard library's 5, and a real run lost episodes to
+    'APIConnectionError: Connection error.')."""
+    spec = _spec(long_model, tmp_path / "o", name="scripted", group_size=16,
+                 agent={"concurrency": 64, "max_total_tokens": 240})
+    spec = merge(spec, {"train": {"prompts_per_step": 4}})
+    run = Trainer(spec, agent=calculator_agent, plugins=[ScriptedPlugin()])._build()
+    for step in range(2):
+        episodes = run.actor.collect(step).scored.rollout.episodes
+        assert len(episodes.failed) == 64
+        assert not episodes.failed.any(), [m[-1]["content"] for m, f in zip(episodes.messages, episodes.failed) if f]
+        assert episodes.turns.tolist() == [2] * 64
+
+
 def test_a_slow_or_crashing_agent_does_not_stall_the_others(long_model, tmp_path):
     """Episode 0 of each group raises, episode 1 hangs past its deadline: both are failed
     episodes (no token in the loss), the rest finish, and the rollout ends at the deadline."""
