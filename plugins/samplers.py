@@ -15,8 +15,9 @@ the band; when the band is empty, uniformly among all rows. So one row's probabi
 generator seeded with ``(train.seed, k)``, and the state is the draw count and the rates:
 a resumed run draws exactly what the uninterrupted one did.
 
-Curriculum sampling by pass rate follows the online difficulty filtering of, e.g., Bae et
-al., "Online Difficulty Filtering for Reasoning Oriented Reinforcement Learning" (2025).
+Curriculum sampling by pass rate follows the balanced online difficulty filtering of Bae et
+al., "Online Difficulty Filtering for Reasoning Oriented Reinforcement Learning" (EACL 2026,
+https://arxiv.org/abs/2504.03380): prompts of intermediate pass rate carry the most signal.
 """
 
 from __future__ import annotations
