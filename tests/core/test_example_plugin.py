@@ -196,8 +196,8 @@ def test_grpo_run_validate_prints_its_option_defaults(example_plugin, tmp_path):
     assert result.returncode == 0, result.stderr
     resolved = yaml.safe_load(result.stdout)
     assert resolved["rewards"][1] == {
-        "name": "length_penalty", "weight": 0.1, "concurrency": 1, "call_timeout": None, "target_chars": 50,
-        "scale": 2.0, "only_longer": False,
+        "name": "length_penalty", "weight": 0.1, "concurrency": 1, "sources": None, "call_timeout": None,
+        "target_chars": 50, "scale": 2.0, "only_longer": False,
     }
     assert resolved["algorithm"]["advantage"] == {"name": "sign", "dead_zone": 0.25}
 
@@ -208,7 +208,7 @@ def test_grpo_run_validate_prints_its_option_defaults(example_plugin, tmp_path):
         ("    target_chars: 0", "spec.rewards.1.target_chars (line 5): Input should be greater than or equal to 1"),
         ("    target_char: 50", "spec.rewards.1.target_char (line 5): unknown key 'target_char' for reward "
                                 "function 'length_penalty'; did you mean 'target_chars'?; valid keys: name, "
-                                "weight, concurrency, call_timeout, target_chars, scale, only_longer"),
+                                "weight, concurrency, sources, call_timeout, target_chars, scale, only_longer"),
         ("    scale: .inf", "spec.rewards.1.scale (line 5): Input should be a finite number"),
     ],
 )
@@ -242,7 +242,7 @@ def test_schema_includes_its_options(example_plugin, monkeypatch):
     schema = json.loads(out.getvalue())
     (variant,) = [v for v in schema["$defs"]["RewardSlot"]["anyOf"] if v["title"] == "length_penalty (example)"]
     assert set(variant["properties"]) == {
-        "name", "weight", "concurrency", "call_timeout", "target_chars", "scale", "only_longer",
+        "name", "weight", "concurrency", "sources", "call_timeout", "target_chars", "scale", "only_longer",
     }
     assert all(p.get("description") for p in variant["properties"].values())
     jsonschema = pytest.importorskip("jsonschema")
