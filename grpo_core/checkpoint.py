@@ -128,6 +128,11 @@ def new_trajectory() -> str:
     return uuid.uuid4().hex[:16]
 
 
+def step_folder(root: Path, step: int) -> Path:
+    """``<root>/step-NNNNNN``: where :func:`write_checkpoint` writes ``step``."""
+    return root / f"{PREFIX}{step:06d}"
+
+
 def write_checkpoint(
     root: Path, step: int, model, state: dict[str, Any], keep: int, trajectory: str | None = None,
     weights: dict[str, torch.Tensor] | None = None, protect: set[int] | frozenset[int] = frozenset(),
@@ -139,7 +144,7 @@ def write_checkpoint(
         raise RunError(f"refusing to checkpoint step {step}: the model has non-finite weights")
     root.mkdir(parents=True, exist_ok=True)
     clean_leftovers(root)
-    final = root / f"{PREFIX}{step:06d}"
+    final = step_folder(root, step)
     tmp = root / f".{final.name}.tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)

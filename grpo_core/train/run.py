@@ -145,10 +145,13 @@ def _step_and_record(run: Run) -> dict[str, float]:
     if spec.eval.every and run.step % spec.eval.every == 0 and run.step < spec.train.steps:
         with run.at_rest():
             run.last_eval = evaluate_run(run)
+            metrics.update(run.last_eval)
+            # logged before a ranked step is checkpointed, so its saved tracker state holds them
+            run.log.log_metrics(metrics, run.step)
             run.after_eval()
-        metrics.update(run.last_eval)
         run.stop_asked = bool(run.hooks.on_eval(run.step, run.last_eval)) or run.stop_asked
-    run.log.log_metrics(metrics, run.step)
+    else:
+        run.log.log_metrics(metrics, run.step)
     every = spec.train.log_completions_every
     if every and run.step % every == 0:
         run.log.log_table("completions", result.samples, run.step)

@@ -157,14 +157,15 @@ class Run:
         self.trajectory = ckpt.trajectory_after_resume(self.checkpoint_dir, found)
         self.log.rewind(self.step)
 
-    def save_checkpoint(self, alone: bool = False) -> Path:
+    def save_checkpoint(self, alone: bool = False, again: bool = False) -> Path:
         """Checkpoint the current step (call it with the actor at rest, :meth:`at_rest`); a step
         this process already saved is not written twice. With several processes the main one
         writes and the others wait for it; a sharded model's weights and optimizer state are
         gathered by every process. ``alone``: the main process writes without the others (they
-        failed, or cannot be reached), which only whole copies (not shards) allow."""
-        folder = self.checkpoint_dir / f"{ckpt.PREFIX}{self.step:06d}"
-        if self.saved_step == self.step and folder.is_dir():
+        failed, or cannot be reached), which only whole copies (not shards) allow. ``again``:
+        rewrite a step already saved (its state changed: an evaluation ranked it)."""
+        folder = ckpt.step_folder(self.checkpoint_dir, self.step)
+        if not again and self.saved_step == self.step and folder.is_dir():
             return folder
         sharded = self.learner.strategy.sharded
         if alone and sharded:
@@ -189,7 +190,10 @@ class Run:
         if self.best is None or not self.last_eval:
             return
         if self.best.offer(self.step, self.last_eval):
-            self.best.saved(self.step, self.save_checkpoint())
+            # recorded before writing: the checkpoint's own state lists its folder, so a run
+            # resumed from it can still export it as the best
+            self.best.saved(self.step, ckpt.step_folder(self.checkpoint_dir, self.step))
+            self.save_checkpoint(again=True)  # the last step was saved before its final evaluation
             if self.dist.is_main:  # a step saved before its evaluation was not pruned with this ranking
                 ckpt.prune(self.checkpoint_dir, self.spec.checkpoint.keep, self.trajectory, self.best.steps)
                 self.best.write(self.checkpoint_dir)

@@ -101,6 +101,12 @@ def test_a_run_keeps_the_best_beside_the_last_and_saves_the_best_as_final(tiny_m
         last = weights(out / "checkpoints" / "step-000005" / "model")
         assert any(not torch.equal(final[k], last[k]) for k in final)
 
+    # each ranked checkpoint's own state names its folder (a run resumed from it can export it)
+    for step, _ in ranked:
+        folder = out / "checkpoints" / f"step-{step:06d}"
+        state = torch.load(folder / "state.pt", weights_only=False)
+        assert state["best"]["folders"][str(step)] == str(folder.resolve())
+
     # resumed from the best-so-far checkpoint at an earlier step, the ranking goes on from its state
     first = min(s for s, _ in ranked)
     resume = str(out / "checkpoints" / f"step-{first:06d}")
