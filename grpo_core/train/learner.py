@@ -80,7 +80,7 @@ class Learner:
         """Whether the forwards run padding-free (``train.packing`` resolved for this model and
         device, :func:`grpo_core.train.packing.resolve_packing`); decided once."""
         if self._packs is None:
-            self._packs = resolve_packing(self.settings.packing, self.model)
+            self._packs = resolve_packing(self.settings.packing, self.model, self.dist.device)
         return self._packs
 
     @property

@@ -290,10 +290,12 @@ def _structural_reason(model: Any) -> str | None:
     return None
 
 
-def resolve_packing(setting: bool | str, model: Any) -> bool:
+def resolve_packing(setting: bool | str, model: Any, device: torch.device | None = None) -> bool:
     """``train.packing`` for ``model``: False stays False; True needs a model packing can run
     exactly (RunError naming the reason otherwise); ``"auto"`` packs where it was measured to
-    win (:data:`AUTO_DEVICES`) and the model allows it."""
+    win (:data:`AUTO_DEVICES`) and the model allows it. ``device``: where the forwards compute
+    (the process's device; weights offloaded to the CPU still compute on the GPU); default
+    the decoder's weights' device."""
     if setting is False:
         return False
     decoder = model.get_decoder()
@@ -303,5 +305,6 @@ def resolve_packing(setting: bool | str, model: Any) -> bool:
             raise RunError(f"train.packing: true cannot run this model exactly: {reason}; "
                            "set train.packing: auto or false")
         return True
-    device = next(decoder.parameters()).device
+    if device is None:
+        device = next(decoder.parameters()).device
     return reason is None and device.type in AUTO_DEVICES

@@ -309,6 +309,9 @@ def test_packing_setting_resolves_by_device_and_refuses_a_model_it_cannot_run(to
     assert resolve_packing("auto", llama) is True
     elsewhere = copy.deepcopy(llama).to("meta")  # weights on another device (a GPU): padded until measured there
     assert resolve_packing("auto", elsewhere) is False and resolve_packing(True, elsewhere) is True
+    # the compute device decides, not where the weights sit (fsdp2's CPU offload on a GPU run)
+    assert resolve_packing("auto", llama, torch.device("meta")) is False
+    assert resolve_packing("auto", elsewhere, torch.device("cpu")) is True
     from transformers import MistralConfig, MistralForCausalLM
 
     windowed = MistralForCausalLM(MistralConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
