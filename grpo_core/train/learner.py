@@ -118,11 +118,11 @@ class Learner:
             # has moved the policy since the rollout (one pass, one mini-batch) and no KL-in-reward needs them first
             if s.mu > 1 or s.mini_batches > 1 or (kl is not None and kl.in_reward):
                 batch.old_logp = batch_logprobs(self.strategy.forward(self.model), batch, micro, temperature,
-                                                self.autocast, packed=self.packs)
+                                                self.autocast, packed=self.packs, strategy=self.strategy)
             if kl is not None:
                 with kl.reference.active() as ref_model:
                     batch.ref_logp = batch_logprobs(self.strategy.forward(ref_model), batch, micro, temperature,
-                                                    self.autocast, packed=self.packs)
+                                                    self.autocast, packed=self.packs, strategy=self.strategy)
         if kl is not None and kl.in_reward:
             rewards, penalty, metrics["kl"] = kl.penalize(rewards, batch.old_logp, batch.ref_logp, batch.mask)
         distilled = None
@@ -156,7 +156,7 @@ class Learner:
         policy = batch.old_logp
         if policy is None:
             policy = batch_logprobs(self.strategy.forward(self.model), batch, micro, batch.temperature, self.autocast,
-                                    packed=self.packs)
+                                    packed=self.packs, strategy=self.strategy)
         # the teacher is any causal LM (packing is checked against the policy only): padded
         # forwards, its micro-batches counted in padded positions
         s = self.settings

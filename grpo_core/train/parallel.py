@@ -11,6 +11,8 @@ that several processes change about it is a method of the run's strategy:
   losses, metrics);
 - ``lockstep``: how many zero-gradient passes a process adds so that every process takes
   part in each collective of a mini-batch, and whether they encode prompts once;
+- ``no_grad_passes``: how many unused no-grad forwards a process adds so that every process
+  makes as many calls to a sharded model (old, reference log-probs) as the one with most;
 - ``grad_sync``: the context of one micro-batch's backward (DDP sums only on the last);
 - ``rollout_weights``: the context of a rollout phase (FSDP2 gathers the policy for a
   backend that generates with it);
@@ -89,6 +91,12 @@ class Single:
         if this process must join collectives it has no rows for; return whether the
         passes encode prompts once. One process: nothing to join, prompts shared."""
         return True
+
+    def no_grad_passes(self, passes: int) -> int:
+        """Unused forwards to add after ``passes`` no-grad forwards of a model, so that every
+        process calls it as often (each call of a sharded model is a collective). Whole
+        copies: none."""
+        return 0
 
     def grad_sync(self, last: bool):
         """The context of one micro-batch's forward and backward (``last`` of its mini-batch)."""
@@ -187,6 +195,11 @@ class FSDP2(Single):
         share = all(can for _, can in every)
         idle(max(n for n, _ in every) - passes, share)
         return share
+
+    def no_grad_passes(self, passes: int) -> int:
+        """Micro-batches are counted in each process's own tokens, so their number differs
+        between processes (packed, or padded to another width): up to the largest count."""
+        return max(self.gather(passes)) - passes
 
     @contextlib.contextmanager
     def rollout_weights(self, backend: Any):

@@ -431,3 +431,79 @@ def test_two_sharded_processes_pack_per_token_log_probs_as_they_pad_them(tmp_pat
             assert rank[what] < 1e-6, (what, rank)
         assert rank["grads"] < 1e-5, rank
         assert rank["reference_is_another_model"] > 1e-3
+
+
+# The worker of the next test: each process computes the no-grad log-probs of its own rows in
+# another number of micro-batches (one forward on rank 0, one per group on rank 1), as the
+# token budget makes them when completion lengths differ; every call of the sharded model is a
+# collective, so rank 0 must add unused forwards. It writes the largest difference from an
+# unsharded computation of the same rows (or the error, if the collectives did not match).
+NO_GRAD_WORKER = '''
+import copy, json, sys
+from contextlib import nullcontext
+import torch
+from grpo_core.spec.parallel import ParallelSection
+from grpo_core.testing import build_model, build_tokenizer
+from grpo_core.train.distributed import Dist
+from grpo_core.train.parallel import FSDP2, forward_of
+from grpo_core.train.update import TrainBatch, batch_logprobs
+
+torch.set_num_threads(1)
+dist = Dist.from_env("cpu", timeout_s=40)
+aligned = sys.argv[2] == "aligned"
+tok = build_tokenizer()
+policy = build_model(tok)
+plain = copy.deepcopy(policy)
+strategy = FSDP2(dist, ParallelSection(strategy="fsdp2"))
+strategy.setup(policy)
+gen = torch.Generator().manual_seed(5 + dist.rank)
+prompt = torch.randint(2, policy.config.vocab_size, (2, 5), generator=gen)
+comp = torch.randint(2, policy.config.vocab_size, (6, 7 + 3 * dist.rank), generator=gen)
+mask = torch.rand(comp.shape, generator=gen) < 0.8
+batch = TrainBatch(prompt, torch.ones_like(prompt, dtype=torch.bool), comp, mask, torch.zeros(comp.shape))
+rows = torch.arange(6)
+micro = [rows] if dist.rank == 0 else [rows[:3], rows[3:]]
+out = {}
+for packed in (False, True):
+    try:
+        got = batch_logprobs(strategy.forward(policy), batch, micro, 1.0, nullcontext, packed=packed,
+                             strategy=strategy if aligned else None)
+        want = batch_logprobs(forward_of(plain), batch, 6, 1.0, nullcontext)
+        out[str(packed)] = float((got - want)[mask].abs().max())
+    except Exception as exc:
+        out[str(packed)] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        break
+with open(sys.argv[1] + f"/rank{dist.rank}.json", "w") as f:
+    json.dump(out, f)
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("aligned", [True, False])
+def test_sharded_no_grad_forwards_match_across_processes_with_other_micro_batch_counts(tmp_path, aligned):
+    """Old and reference log-probs under FSDP2 when the processes' micro-batch counts differ
+    (packed, or padded to other widths): the process with fewer forwards adds unused ones, and
+    the log-probs equal an unsharded model's. Without the added forwards (the negative
+    control) the collectives do not pair up: an error, a hang cut by the timeout, or log-probs
+    of mixed weights."""
+    script = tmp_path / "worker.py"
+    script.write_text(NO_GRAD_WORKER)
+    env = {**os.environ, **CHILD_ENV}
+    env.pop("WORLD_SIZE", None)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    try:
+        done = subprocess.run([*launcher, str(script), str(tmp_path), "aligned" if aligned else "plain"],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
+    except subprocess.TimeoutExpired:
+        assert not aligned, "the aligned forwards hung"
+        return
+    ranks = [yaml.safe_load(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
+    if aligned:
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert len(ranks) == 2
+        for rank in ranks:
+            assert rank["False"] < 1e-5 and rank["True"] < 1e-5, rank
+    else:
+        good = done.returncode == 0 and len(ranks) == 2 and all(
+            isinstance(v, float) and v < 1e-5 for rank in ranks for v in rank.values())
+        assert not good, ranks
