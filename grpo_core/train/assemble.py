@@ -189,12 +189,14 @@ def build_learner(spec: Spec, model, tokenizer, strategy: Single) -> Learner:
         correction=algo.rollout_correction,
     )
     optimizer, scheduler = make_optimizer(model, spec.train, spec.train.steps * algo.mu * spec.train.mini_batches)
-    return Learner(
+    learner = Learner(
         model=model, optimizer=optimizer, scheduler=scheduler, objective=objective,
         settings=UpdateSettings.from_spec(spec), estimator=algo.advantage.build(), kl=kl, tokenizer=tokenizer,
         strategy=strategy, autocast=partial(modeling.autocast, spec.train.mixed_precision, dist.device),
         scaler=torch.amp.GradScaler(dist.device.type) if spec.train.mixed_precision == "fp16" else None,
     )
+    learner.check_teacher()
+    return learner
 
 
 def build_actor(spec: Spec, backend, scorer: Scorer, dist: Dist, episodes: EpisodeRunner | None, weights,

@@ -141,18 +141,25 @@ class Learner:
             batch.advantages = global_advantages(self.estimator, self.dist, inputs)
         return batch, metrics
 
+    def check_teacher(self) -> None:
+        """The estimator's teacher, if it has one, is a :class:`Teacher` whose vocabulary is the
+        policy tokenizer's (a RunError naming it otherwise); checked once, when the learner is
+        built, before any rollout or paid reward call."""
+        teacher = self.estimator.teacher
+        if teacher is None or self.teacher_checked:
+            return
+        if not isinstance(teacher, Teacher):
+            raise RunError(f"the advantage estimator's teacher must be a grpo_core.contracts.Teacher (a causal "
+                           f"LM with its name and vocabulary), got {type(teacher).__name__}")
+        check_vocabulary(teacher, self.tokenizer)
+        self.teacher_checked = True
+
     def distillation_logprobs(self, teacher: Teacher, batch: TrainBatch,
                               micro: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(policy, teacher)`` log-probs ``(B, T)`` of the batch's sampled tokens, 0 on padding:
         the policy's are the old ones when they were computed, else one forward of the policy
-        (no gradient) before the update; the teacher's one forward of the teacher. The first
-        call checks that the teacher's vocabulary is the policy tokenizer's."""
-        if not self.teacher_checked:
-            if not isinstance(teacher, Teacher):
-                raise RunError(f"the advantage estimator's teacher must be a grpo_core.contracts.Teacher (a causal "
-                               f"LM with its name and vocabulary), got {type(teacher).__name__}")
-            check_vocabulary(teacher, self.tokenizer)
-            self.teacher_checked = True
+        (no gradient) before the update; the teacher's one forward of the teacher."""
+        self.check_teacher()
         policy = batch.old_logp
         if policy is None:
             policy = batch_logprobs(self.strategy.forward(self.model), batch, micro, batch.temperature, self.autocast,

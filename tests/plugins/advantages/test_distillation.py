@@ -220,13 +220,13 @@ def test_a_teacher_with_another_tokenizer_stops_the_run_before_the_first_step(mo
     spec = tmp_path / "spec.yaml"
     spec.write_text(textwrap.dedent(f"""
         model: {{path: {student_path}}}
-        data: {{name: arithmetic, train_size: 8, eval_size: 0}}
+        data: {{name: arithmetic, train_size: 8, eval_size: 2}}
         rollout: {{group_size: 2, max_new_tokens: 4}}
         rewards: [{{name: accuracy}}]
         algorithm:
           advantage: {{name: opd, teacher: {{path: {tmp_path / "other"}, device: cpu}}}}
         train: {{steps: 1, prompts_per_step: 2, progress: false, output_dir: {tmp_path / "out"}}}
-        eval: {{at_start: false, at_end: false}}
+        eval: {{at_start: true, at_end: false}}
         tracking: []
     """))
     import contextlib
@@ -238,3 +238,6 @@ def test_a_teacher_with_another_tokenizer_stops_the_run_before_the_first_step(mo
     assert code != 0
     assert "its tokenizer is not the policy's" in err.getvalue() and "Traceback" not in err.getvalue()
     assert not (tmp_path / "out" / "final").exists()  # nothing trained
+    # refused when the learner is built: not even the evaluation at the start ran
+    metrics = tmp_path / "out" / "metrics.jsonl"
+    assert not metrics.exists() or "eval/" not in metrics.read_text()
