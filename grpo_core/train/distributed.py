@@ -26,7 +26,8 @@ T = TypeVar("T")
 
 #: How :meth:`Dist.combine_metrics` combines a metric over processes, by exact name.
 #: A name not listed is a maximum if it ends in ``/max``, a minimum if it ends in ``/min``,
-#: a maximum if it starts with ``time/`` (the slowest process sets the pace), else a mean.
+#: a maximum if it starts with ``time/`` (the slowest process sets the pace), a sum if it ends
+#: in ``/rows`` or starts with ``data/source/`` (counts), else a mean.
 REDUCTIONS: dict[str, str] = {
     "reward/failed": "sum",
     "perf/tokens_per_second": "sum",
@@ -47,11 +48,28 @@ def reduction(name: str) -> str:
     """The reduction of metric ``name`` over processes: ``sum``, ``max``, ``min`` or ``mean``."""
     if name in REDUCTIONS:
         return REDUCTIONS[name]
+    if name.endswith("/rows") or name.startswith("data/source/"):  # counts of this process's rows, prompts
+        return "sum"
     if name.endswith("/max") or name.startswith("time/"):
         return "max"
     if name.endswith("/min"):
         return "min"
     return "mean"
+
+
+def combine_metrics(every: list[dict[str, float]]) -> dict[str, float]:
+    """One metrics dict from each process's ``every``: each metric reduced as :func:`reduction`
+    says, except that a mean with a ``<name>/rows`` count beside it on every process is weighted
+    by those counts (a per-source reward mean over processes holding other numbers of its rows)."""
+    out = {}
+    for key in sorted({k for m in every for k in m}):
+        found = [m for m in every if key in m]
+        weights = [float(m[key + "/rows"]) for m in found if key + "/rows" in m]
+        if reduction(key) == "mean" and len(weights) == len(found) and sum(weights) > 0:
+            out[key] = sum(float(m[key]) * w for m, w in zip(found, weights)) / sum(weights)
+        else:
+            out[key] = float(_REDUCE[reduction(key)]([float(m[key]) for m in found]))
+    return out
 
 
 def world_size_from_env() -> int:
@@ -177,9 +195,7 @@ class Dist:
         """One metrics dict from every process's, each metric reduced as :func:`reduction` says."""
         if not self.active:
             return metrics
-        every = self.gather(metrics)
-        keys = sorted({k for m in every for k in m})
-        return {key: float(_REDUCE[reduction(key)]([float(m[key]) for m in every if key in m])) for key in keys}
+        return combine_metrics(self.gather(metrics))
 
 
 def close_process_group() -> None:

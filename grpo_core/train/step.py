@@ -55,17 +55,19 @@ def reward_metrics(scored: Scored) -> dict[str, float]:
 
 
 def source_metrics(scored: Scored) -> dict[str, float]:
-    """With data.source_column: each source's share of the step's prompts and mean total reward."""
+    """With data.source_column: each source's number of the step's prompts and mean total
+    reward (with its count of scored rows, ``/rows``, so that processes combine exactly)."""
     if not scored.prompts or scored.prompts[0].source is None:
         return {}
     g, total, out = scored.rollout.group_size, scored.scores.total, {}
     for source in sorted({p.source for p in scored.prompts}):
         groups = [i for i, p in enumerate(scored.prompts) if p.source == source]
         values = torch.cat([total[i * g:(i + 1) * g] for i in groups])
-        out[f"data/source/{source}/prompts"] = len(groups) / len(scored.prompts)
+        out[f"data/source/{source}/prompts"] = float(len(groups))
         found = values[~torch.isnan(values)]
         if found.numel():
             out[f"reward/source/{source}"] = float(found.mean())
+            out[f"reward/source/{source}/rows"] = float(found.numel())
     return out
 
 

@@ -123,8 +123,8 @@ def test_a_tiny_mixture_run_logs_each_source(tmp_path, monkeypatch):
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward" in r]
     assert len(steps) == 3
-    shares = [r.get("data/source/math/prompts", 0.0) + r.get("data/source/words/prompts", 0.0) for r in steps]
-    assert shares == [pytest.approx(1.0)] * 3
+    counts = [r.get("data/source/math/prompts", 0.0) + r.get("data/source/words/prompts", 0.0) for r in steps]
+    assert counts == [3.0] * 3  # prompts_per_step
     assert any("reward/source/math" in r for r in steps) and any("reward/source/words" in r for r in steps)
 
 
@@ -150,6 +150,23 @@ def test_more_sources_join_the_task_labelled_and_routed(tmp_path, monkeypatch):
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     shares = {k: v for r in rows for k, v in r.items() if k.startswith("data/source/")}
     assert set(shares) == {"data/source/math/prompts", "data/source/code/prompts"}
+
+
+def test_per_source_metrics_combine_exactly_over_processes():
+    """Process 0 holds a math and a code prompt, process 1 two math prompts (G=2): the code
+    share is 1 of 4 prompts, and each source's mean reward is over all its rows, not a mean of
+    the processes' means."""
+    from grpo_core.train.distributed import combine_metrics
+
+    p0 = {"data/source/math/prompts": 1.0, "data/source/code/prompts": 1.0,
+          "reward/source/math": 1.0, "reward/source/math/rows": 2.0,
+          "reward/source/code": 0.0, "reward/source/code/rows": 2.0, "reward": 0.5}
+    p1 = {"data/source/math/prompts": 2.0, "reward/source/math": 0.25, "reward/source/math/rows": 4.0, "reward": 0.25}
+    out = combine_metrics([p0, p1])
+    assert out["data/source/math/prompts"] == 3.0 and out["data/source/code/prompts"] == 1.0
+    assert out["reward/source/math"] == pytest.approx((1.0 * 2 + 0.25 * 4) / 6)
+    assert out["reward/source/code"] == 0.0 and out["reward/source/math/rows"] == 6.0
+    assert out["reward"] == pytest.approx(0.375)  # a plain mean is unchanged
 
 
 @pytest.mark.parametrize(("data", "message"), [
