@@ -137,6 +137,7 @@ class Mixture:
         self.seed = self.draws = 0
         self.epoch = dict.fromkeys(self.names, 0)
         self.position = dict.fromkeys(self.names, 0)
+        self._orders: dict[str, tuple[tuple[str, int], np.ndarray]] = {}  # source -> ((source, epoch), shuffle)
 
     def __repr__(self) -> str:
         return f"mixture({self.options.column}: {dict(self.options.weights)})"
@@ -149,6 +150,7 @@ class Mixture:
                 raise RunError(f"data.sampler 'mixture': row {i} has no column '{column}'; its columns are: "
                                f"{', '.join(row)}")
             found.setdefault(str(row[column]), []).append(i)
+        self._orders = {}
         unknown, empty = sorted(set(found) - set(self.names)), [n for n in self.names if n not in found]
         if unknown or empty:
             raise RunError(f"data.sampler 'mixture': weights name the sources {self.names}; the rows' column "
@@ -157,8 +159,14 @@ class Mixture:
         self.rows = found
 
     def _order(self, name: str) -> np.ndarray:
-        index = self.names.index(name)
-        return np.random.default_rng([self.seed, index, self.epoch[name]]).permutation(len(self.rows[name]))
+        """The source's shuffle for its current epoch, made once per epoch (a function of the
+        seed, the source and the epoch: a resumed run makes the same one)."""
+        key = (name, self.epoch[name])
+        if self._orders.get(name, (None,))[0] != key:
+            index = self.names.index(name)
+            order = np.random.default_rng([self.seed, index, self.epoch[name]]).permutation(len(self.rows[name]))
+            self._orders[name] = (key, order)
+        return self._orders[name][1]
 
     def draw(self, n: int) -> list[int]:
         out = []
