@@ -17,8 +17,9 @@ or a JSON string holding one:
 Statement tests run in one process: a harness (:mod:`grpo_plugins.rewards.code_harness`)
 runs the code, then each test within ``test_timeout``, and reports each verdict with a token
 the code never sees, so neither printing ``PASS`` nor ``sys.exit(0)`` before the tests earns
-anything. Code that searches the harness's memory for the token could forge a result:
-input/output tests, whose expected output never enters the process, cannot be forged.
+anything. But the code runs in the harness's process, so one line (``sys._getframe(1).f_locals``)
+reaches the token and the report file and forges every verdict, which a policy under RL
+pressure can learn: prefer input/output tests, whose expected output never enters the process.
 
 Where the code runs: locally in :class:`~grpo_plugins.rewards.sandbox.Sandbox` (no network,
 its own processes and working directory, limits, a deadline; ``workers`` at a time), or on a
