@@ -10,6 +10,7 @@ test that passes ``scores`` only) the table is the one column ``scores`` with we
 
 from __future__ import annotations
 
+import warnings
 from typing import Literal
 
 import torch
@@ -81,14 +82,14 @@ def normalize_over_batch(advantage: Tensor, scorable: Tensor, mask: Tensor, *, h
 class GDPOAdvantage(BoundEstimator):
     """GDPO: each reward function normalized within its group, then summed and normalized over the batch (https://arxiv.org/abs/2601.05242)."""
 
-    reads = ("reward_scores", "reward_weights", "scores", "group_ids", "mask")
+    reads = ("reward_scores", "reward_weights", "scores", "group_ids", "mask", "reward_names")
 
 
 @GDPOAdvantage.binds
 def gdpo_advantages(
-    reward_scores: Tensor | None, reward_weights: Tensor | None, scores: Tensor, group_ids: Tensor, mask: Tensor, *,
-    scale_by_std: bool = True, std: str = "unbiased", eps: float = 1e-6, batch_norm: str = "sequence",
-    batch_eps: float = 1e-6,
+    reward_scores: Tensor | None, reward_weights: Tensor | None, scores: Tensor, group_ids: Tensor, mask: Tensor,
+    reward_names: tuple[str, ...] | None = None, *, scale_by_std: bool = True, std: str = "unbiased",
+    eps: float = 1e-6, batch_norm: str = "sequence", batch_eps: float = 1e-6,
 ) -> Tensor:
     """GDPO's advantages (Group reward-Decoupled normalization Policy Optimization, Liu et al. 2026,
     https://arxiv.org/abs/2601.05242).
@@ -106,6 +107,8 @@ def gdpo_advantages(
         scores: ``float (B,)`` the weighted total (``NaN`` = unscorable row).
         group_ids: ``long (B,)``.
         mask: ``bool (B, T)``.
+        reward_names: the columns' names; a ``kl_penalty`` column (the KL in the reward) is
+            normalized like the others, so ``beta`` cancels out: warned once.
         scale_by_std, std, eps: the per-function group normalization, as ``grpo``'s.
         batch_norm: ``"sequence"``, ``"token"`` or ``"none"``; batch_eps: its constant.
 
@@ -122,6 +125,10 @@ def gdpo_advantages(
             f"gdpo: reward_scores must be (B, F) and reward_weights (F,) with B = {scores.shape[0]}; got "
             f"{tuple(table.shape)} and {tuple(weights.shape)}"
         )
+    if reward_names is not None and "kl_penalty" in reward_names:
+        warnings.warn("gdpo normalizes the KL-in-reward column (algorithm.kl.placement: reward) like every reward "
+                      "function, so its beta has no effect; put the KL in the loss to keep beta's meaning",
+                      UserWarning, stacklevel=2)
     summed = torch.zeros_like(scores)
     for k in range(table.shape[1]):
         column = grpo_sequence_advantages(table[:, k], group_ids, scale_by_std=scale_by_std, std=std, eps=eps)

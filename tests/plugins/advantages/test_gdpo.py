@@ -213,3 +213,23 @@ def test_registered_with_its_options_and_reading_the_reward_table():
                         torch.ones(3, 1, dtype=torch.bool))
     with pytest.raises(ValueError, match="batch_norm"):
         GDPOOptions(batch_norm="group")
+
+
+def test_a_kl_in_the_reward_is_warned_about_since_its_beta_cancels_out():
+    """The KL-in-reward column is normalized like a reward: beta 1e-3 and 1 give the same
+    advantages, so gdpo says so (once per call site) when the table holds it."""
+    table = torch.tensor([[1.0, -0.001], [0.0, -0.003], [1.0, -0.002], [0.0, -0.0005]], dtype=F64)
+    mask, groups = torch.ones(4, 2, dtype=torch.bool), torch.zeros(4, dtype=torch.long)
+    weights = torch.ones(2, dtype=F64)
+    with pytest.warns(UserWarning, match="beta has no effect"):
+        small = gdpo_advantages(table, weights, table.sum(1), groups, mask, ("accuracy", "kl_penalty"))
+    big = table.clone()
+    big[:, 1] *= 1000  # beta 1000 times larger
+    with pytest.warns(UserWarning, match="beta has no effect"):
+        large = gdpo_advantages(big, weights, big.sum(1), groups, mask, ("accuracy", "kl_penalty"))
+    assert torch.allclose(small, large, atol=1e-3)  # what the warning is about (eps aside)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gdpo_advantages(table[:, :1], weights[:1], table[:, 0], groups, mask, ("accuracy",))
