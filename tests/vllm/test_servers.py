@@ -193,6 +193,34 @@ def test_a_learner_without_the_secret_is_refused_naming_the_variable(servers, to
         backend([servers[0].url], retries=0, timeout_s=30).setup(model, tokenizer)
 
 
+def test_the_judge_reward_grades_through_a_real_vllm_server(servers, model_dir, monkeypatch):
+    """The judge against a real OpenAI-compatible server (vLLM behind grpo-run serve, its own
+    --api-key as the key; placed before the tests that stop a server): the request is one vLLM
+    accepts, the answer is parsed (a tiny random model's text holds a number or not: a score in
+    [0, 1] or None), and a second call of the same completions is answered from the cache
+    without a request."""
+    from grpo_plugins.rewards.judge import Judge, JudgeOptions
+
+    server = servers[1]  # started with vLLM's own --api-key SECRET
+    monkeypatch.setenv("JUDGE_TEST_KEY", SECRET)
+    rubric = "Grade 0-10. Q: {prompt} A: {completion} Expected: {reference}. Grade:"  # the server's context is 256
+    judge = Judge(JudgeOptions(url=server.url + "/v1", model=str(model_dir), api_key_env="JUDGE_TEST_KEY",
+                               template=rubric, reference_column="answer", max_tokens=8, temperature=0.0,
+                               retries=0, timeout=60))
+    before = server.finished_requests()
+    prompts = [[{"role": "user", "content": "What is 2 + 2?"}]] * 2
+    scores = judge(prompts, ["4", "5"], answer=["4", "4"])
+    assert len(scores) == 2 and all(s is None or 0.0 <= s <= 1.0 for s in scores), scores
+    assert server.finished_requests() - before == 2
+    assert judge(prompts, ["4", "5"], answer=["4", "4"]) == scores
+    assert server.finished_requests() - before == 2  # the cache answered
+    monkeypatch.setenv("JUDGE_TEST_KEY", "not-the-key")
+    with pytest.raises(Exception, match="401"):
+        Judge(JudgeOptions(url=server.url + "/v1", model=str(model_dir), api_key_env="JUDGE_TEST_KEY",
+                           template=rubric, reference_column="answer", retries=0, cache=False,
+                           max_tokens=8))(prompts[:1], ["4"], answer=["4"])
+
+
 def test_pushes_reach_every_server(servers, tokenizer):
     """Each server's log-probs of a fixed sequence differ from the learner's before a push
     (it serves other weights) and equal them to 1e-4 (float32) after each push; with
@@ -401,29 +429,3 @@ def test_a_run_whose_last_server_dies_stops_with_its_last_step_checkpointed(serv
     assert folders[-1].name == f"step-{max(completed):06d}", (folders, completed)
 
 
-
-def test_the_judge_reward_grades_through_a_real_vllm_server(servers, model_dir, monkeypatch):
-    """The judge against a real OpenAI-compatible server (vLLM behind grpo-run serve, its own
-    --api-key as the key): the request is one vLLM accepts, the answer is parsed (a tiny random
-    model's text holds a number or not: a score in [0, 1] or None), and a second call of the
-    same completions is answered from the cache without a request."""
-    from grpo_plugins.rewards.judge import Judge, JudgeOptions
-
-    server = servers[1]  # started with vLLM's own --api-key SECRET
-    monkeypatch.setenv("JUDGE_TEST_KEY", SECRET)
-    rubric = "Grade 0-10. Q: {prompt} A: {completion} Expected: {reference}. Grade:"  # the server's context is 256
-    judge = Judge(JudgeOptions(url=server.url + "/v1", model=str(model_dir), api_key_env="JUDGE_TEST_KEY",
-                               template=rubric, reference_column="answer", max_tokens=8, temperature=0.0,
-                               retries=0, timeout=60))
-    before = server.finished_requests()
-    prompts = [[{"role": "user", "content": "What is 2 + 2?"}]] * 2
-    scores = judge(prompts, ["4", "5"], answer=["4", "4"])
-    assert len(scores) == 2 and all(s is None or 0.0 <= s <= 1.0 for s in scores), scores
-    assert server.finished_requests() - before == 2
-    assert judge(prompts, ["4", "5"], answer=["4", "4"]) == scores
-    assert server.finished_requests() - before == 2  # the cache answered
-    monkeypatch.setenv("JUDGE_TEST_KEY", "not-the-key")
-    with pytest.raises(Exception, match="401"):
-        Judge(JudgeOptions(url=server.url + "/v1", model=str(model_dir), api_key_env="JUDGE_TEST_KEY",
-                           template=rubric, reference_column="answer", retries=0, cache=False,
-                           max_tokens=8))(prompts[:1], ["4"], answer=["4"])
