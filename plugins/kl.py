@@ -209,12 +209,13 @@ class _ClampedKL:
     """Binds an estimator to its clamp options."""
 
     estimator: Callable[[Tensor], Tensor]
+    combine = staticmethod(clamped_kl)  # how the estimator meets the clamps
 
     def __init__(self, options: KLOptions):
         self.options = options
 
     def __call__(self, logp: Tensor, ref_logp: Tensor, mask: Tensor) -> Tensor:
-        return clamped_kl(
+        return type(self).combine(
             type(self).estimator,
             logp,
             ref_logp,
@@ -251,15 +252,7 @@ class MseKL(_ClampedKL):
 class _StraightThroughKL(_ClampedKL):
     """Binds a straight-through estimator (the value of ``estimator``, k2's gradient) to its clamps."""
 
-    def __call__(self, logp: Tensor, ref_logp: Tensor, mask: Tensor) -> Tensor:
-        return straight_through_kl(
-            type(self).estimator,
-            logp,
-            ref_logp,
-            mask,
-            log_ratio_clamp=self.options.log_ratio_clamp,
-            output_clamp=self.options.output_clamp,
-        )
+    combine = staticmethod(straight_through_kl)
 
 
 class K1PlusKL(_StraightThroughKL):
