@@ -6,12 +6,13 @@ Every field has a description: ``grpo-run schema`` and the docs are made from th
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from grpo_core.options import Seconds
 from grpo_core.spec.algorithm import AlgorithmSection
+from grpo_core.spec.data import DataSlot
 from grpo_core.spec.episodes import AgentSlot, EnvironmentSlot, RoutingSection
 from grpo_core.spec.export import ExportSection
 from grpo_core.spec.iterative import IterativeSection
@@ -72,85 +73,7 @@ class ModelSection(Section):
         return self
 
 
-# --------------------------------------------------------------------------- data
-class SamplerSlot(Slot):
-    """Which training rows are drawn: a prompt sampler plugin (e.g. curriculum)."""
-
-    kind = "prompt_sampler"
-
-
-class SourceSlot(Slot):
-    """One more dataset whose rows join the task's, labelled in data.source_column."""
-
-    kind = "dataset"
-    source: str = Field(min_length=1, description="Its rows' value in data.source_column (e.g. code).")
-
-
-class DataSlot(Slot):
-    """The task: a dataset plugin and how its rows become prompts."""
-
-    kind = "dataset"
-    name: str = Field("arithmetic", description="Dataset plugin to use.")
-    prompt_column: str = Field("prompt", description="Column holding the prompt: a string or chat messages.")
-    system_prompt: str | None = Field(
-        None, description="A system message put before every conversational prompt."
-    )
-    chat_template: bool = Field(
-        True,
-        description="Apply the tokenizer's chat template to conversational prompts (lists of "
-        "messages). Plain string prompts are always used as they are.",
-    )
-    max_prompt_tokens: int | None = Field(
-        None, ge=1, description="Prompts longer than this are skipped and counted; default: no limit "
-        "below the model's context."
-    )
-    shuffle: bool = Field(True, description="Shuffle the training rows (seeded by train.seed) every epoch.")
-    chat_template_kwargs: dict[str, Any] = Field(
-        default_factory=dict,
-        description="Extra keyword arguments of the tokenizer's apply_chat_template, which its "
-        "template reads as variables, e.g. {enable_thinking: false} for Qwen3.",
-    )
-    as_user_message: bool = Field(
-        False,
-        description="Send a plain-string prompt as one user message (after system_prompt), so that "
-        "the chat template applies; for datasets whose prompt column is text, e.g. GSM8K's question.",
-    )
-    source_column: str | None = Field(
-        None, min_length=1, description="Column naming each row's source (a mixture of datasets): rewards may "
-        "score only some sources (their `sources`) and each step logs the reward per source (reward/source/<name>)."
-    )
-    source: str | None = Field(
-        None, min_length=1, description="This dataset's rows' value in source_column (set for each row); unset: "
-        "the rows' own column."
-    )
-    more_sources: list[SourceSlot] = Field(
-        default_factory=list, description="More datasets whose rows join this one's (train and eval splits), "
-        "each {name: <dataset>, source: <label>, ...its options}; rendered as this one's (prompt_column...)."
-    )
-    sampler: SamplerSlot | None = Field(
-        None, description="A prompt sampler that chooses the training rows (e.g. {name: curriculum}); unset: "
-        "every row once per epoch, in a seeded shuffle (see shuffle)."
-    )
-
-    @model_validator(mode="after")
-    def _labelled_sources(self):
-        _check_sources(self)
-        return self
-
-
 # --------------------------------------------------------------------------- rollout
-def _check_sources(data: DataSlot) -> None:
-    """Labels need the column, and name each dataset once."""
-    labelled = data.source is not None or data.more_sources
-    if labelled and data.source_column is None:
-        raise ValueError("data.source and data.more_sources label rows in data.source_column: set it (e.g. source)")
-    labels = [data.source] + [m.source for m in data.more_sources] if data.more_sources else []
-    if data.more_sources and data.source is None:
-        raise ValueError("data.more_sources: set data.source too, the label of the main dataset's rows")
-    if len(set(labels)) != len(labels):
-        raise ValueError(f"data.source and data.more_sources[].source must differ, got {labels}")
-
-
 class RolloutSlot(Slot):
     """How completions are sampled: the backend plugin and the sampling settings."""
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from grpo_core.errors import RunError
-from grpo_core.spec.models import DataSlot
+from grpo_core.spec.data import DataSlot
 from grpo_core.train.episodes import with_tools
 
 if TYPE_CHECKING:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from grpo_core.cli import main
-from grpo_core.spec.models import DataSlot
+from grpo_core.spec.data import DataSlot
 from grpo_core.testing import build_tokenizer, save_tiny_model
 from grpo_core.train.data import PromptSource
 
