@@ -113,13 +113,23 @@ def valid_specs(draw) -> dict:
         rewards.append(reward)
     spec["rewards"] = rewards
 
-    def slot(kind: str) -> dict:
-        name = draw(st.sampled_from(REGISTRY.names(kind)))
+    def required(kind: str, name: str) -> list[str]:
         options = REGISTRY.get(kind, name).options
-        required = [] if options is None else [f for f, info in options.model_fields.items() if info.is_required()]
-        for field in required:  # e.g. passk's k: a positive integer
-            assert options.model_fields[field].annotation is int, (name, field)
-        return {"name": name, **{field: draw(st.integers(1, 8)) for field in required}}
+        return [] if options is None else [f for f, info in options.model_fields.items() if info.is_required()]
+
+    def drawable(kind: str, name: str) -> bool:
+        """Its required options are positive integers (passk's k), which the draw can fill; a
+        component that requires a nested model (opd's teacher) is left to its own tests, and a
+        new one must be named here to be left out."""
+        options = REGISTRY.get(kind, name).options
+        if all(options.model_fields[f].annotation is int for f in required(kind, name)):
+            return True
+        assert (kind, name) in {("advantage_estimator", "opd")}, (kind, name, required(kind, name))
+        return False
+
+    def slot(kind: str) -> dict:
+        name = draw(st.sampled_from([n for n in REGISTRY.names(kind) if drawable(kind, n)]))
+        return {"name": name, **{field: draw(st.integers(1, 8)) for field in required(kind, name)}}
 
     spec["algorithm"] = {
         "advantage": slot("advantage_estimator"),
