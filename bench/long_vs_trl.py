@@ -12,6 +12,12 @@ unbiased group std against the spec's population std, a constant factor sqrt(G/(
 every advantage that AdamW's normalization and the gradient-norm clip cancel. Both tools are
 evaluated by the same function (``vs_trl.greedy_accuracy``) on the same 50 held-out additions.
 
+``--gen-dtype float32`` makes both tools generate (training rollouts and evaluation) in
+float32, as they do on a CPU without bfloat16 (an AVX-512 Xeon without ``avx512_bf16``, an AVX2
+machine), where ``rollout.dtype: auto`` falls back to float32; TRL generates with its
+float32 model in either case. ``--stop-at N`` ends the runs after step N of a ``--steps``
+schedule, to screen settings on the early steps of a long run.
+
 Each run is a process of its own with one thread; ``--parallel`` runs that many at once.
 Wall times under ``--parallel 2`` on 2 cores are not benchmark figures: this script measures
 learning, ``vs_trl.py`` measures speed.
@@ -101,13 +107,14 @@ def grpo_worker(a, model: str, log: Log) -> None:
     from grpo_core.train.run import _step_and_record
 
     folder = tempfile.mkdtemp(prefix="grpo-long-")
-    run = build_run(load(a.spec, model, a.seed, a.steps, [*a.grpo_set, f"train.output_dir={folder}"]))
+    dtype = [f"rollout.dtype={a.gen_dtype}"]
+    run = build_run(load(a.spec, model, a.seed, a.steps, [*a.grpo_set, *dtype, f"train.output_dir={folder}"]))
     _, eval_rows = task_rows(a.eval_size)
-    log.write(0, {"eval/accuracy": greedy_accuracy(run.model, run.tokenizer, eval_rows, a.tokens)})
-    while run.step < a.steps:
+    log.write(0, {"eval/accuracy": greedy_accuracy(run.model, run.tokenizer, eval_rows, a.tokens, dtype=a.gen_dtype)})
+    while run.step < a.stop_at:
         metrics = _step_and_record(run)
-        if run.step % a.eval_every == 0 or run.step == a.steps:
-            metrics["eval/accuracy"] = greedy_accuracy(run.model, run.tokenizer, eval_rows, a.tokens)
+        if run.step % a.eval_every == 0 or run.step == a.stop_at:
+            metrics["eval/accuracy"] = greedy_accuracy(run.model, run.tokenizer, eval_rows, a.tokens, dtype=a.gen_dtype)
         log.write(run.step, metrics)
 
 
@@ -130,8 +137,10 @@ def trl_worker(a, model: str, log: Log) -> None:
             if "train_runtime" in (logs or {}):  # the summary at the end, not a step
                 return
             row = dict(logs or {})
-            if state.global_step % a.eval_every == 0 or state.global_step == a.steps:
-                row["eval/accuracy"] = greedy_accuracy(kw["model"], tokenizer, eval_rows, a.tokens)
+            if state.global_step % a.eval_every == 0 or state.global_step == a.stop_at:
+                row["eval/accuracy"] = greedy_accuracy(kw["model"], tokenizer, eval_rows, a.tokens, dtype=a.gen_dtype)
+            if state.global_step >= a.stop_at:
+                control.should_training_stop = True
             log.write(state.global_step, row)
 
     config = GRPOConfig(
@@ -143,7 +152,7 @@ def trl_worker(a, model: str, log: Log) -> None:
         model=model, reward_funcs=[comp.build(comp.options())], args=config,
         train_dataset=Dataset.from_list(train_rows), processing_class=tokenizer, callbacks=[Record()],
     )
-    log.write(0, {"eval/accuracy": greedy_accuracy(trainer.model, tokenizer, eval_rows, a.tokens)})
+    log.write(0, {"eval/accuracy": greedy_accuracy(trainer.model, tokenizer, eval_rows, a.tokens, dtype=a.gen_dtype)})
     trainer.train()
 
 
@@ -179,6 +188,9 @@ def main() -> int:
     p.add_argument("--tools", nargs="+", default=["grpo-core", "trl"], choices=["grpo-core", "trl"])
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--eval-size", type=int, default=50)
+    p.add_argument("--gen-dtype", default="auto", choices=["auto", "float32"],
+                   help="generation dtype of both tools' rollouts and evaluation (float32: a CPU without bfloat16)")
+    p.add_argument("--stop-at", type=int, help="end after this step of the --steps schedule (default: --steps)")
     p.add_argument("--parallel", type=int, default=2)
     p.add_argument("--out", default="bench/runs/long")
     p.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "grpo-bench-smollm2"))
@@ -189,12 +201,14 @@ def main() -> int:
     model = str(prepare_model(Path(a.model_dir)))
     if a.worker is None:
         keep = ["--spec", a.spec, "--steps", str(a.steps), "--eval-every", str(a.eval_every),
-                "--eval-size", str(a.eval_size), "--out", a.out, "--model-dir", a.model_dir]
+                "--eval-size", str(a.eval_size), "--out", a.out, "--model-dir", a.model_dir,
+                "--gen-dtype", a.gen_dtype, "--stop-at", str(a.stop_at or a.steps)]
         a.passthrough = keep + [x for s in a.grpo_set for x in ("--grpo-set", s)]
         return launch(a)
     import torch
 
     torch.set_num_threads(1)
+    a.stop_at = a.stop_at or a.steps
     a.tokens = load(a.spec, model, a.seed, a.steps, a.grpo_set).spec.rollout.max_new_tokens
     log = Log(Path(a.out) / f"{a.worker}-seed{a.seed}", a.worker, a.seed)
     (grpo_worker if a.worker == "grpo-core" else trl_worker)(a, model, log)

@@ -115,14 +115,15 @@ def accuracy_reward():
     return comp.build(comp.options())
 
 
-def greedy_accuracy(model, tokenizer, rows, max_new_tokens: int, batch: int = 25) -> float:
-    """Held-out greedy accuracy, with the same code for both tools."""
+def greedy_accuracy(model, tokenizer, rows, max_new_tokens: int, batch: int = 25, dtype: str = "auto") -> float:
+    """Held-out greedy accuracy, with the same code for both tools; ``dtype`` is the ``hf``
+    backend's generation dtype (``"float32"`` is what a CPU without bfloat16 gets)."""
     import torch
-    from grpo_plugins.rollout.hf import HFRollout
+    from grpo_plugins.rollout.hf import HFRollout, HFRolloutOptions
 
     from grpo_core.contracts import SamplingParams
 
-    backend = HFRollout()
+    backend = HFRollout(HFRolloutOptions(dtype=dtype))
     backend.setup(model, tokenizer)
     reward = accuracy_reward()
     correct = 0
