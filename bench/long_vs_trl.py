@@ -126,11 +126,14 @@ def trl_worker(a, model: str, log: Log) -> None:
 
     from grpo_core.plugin_manager import load_plugins
 
-    settings = trl_settings(load(a.spec, model, a.seed, a.steps, a.grpo_set).spec)
+    spec = load(a.spec, model, a.seed, a.steps, a.grpo_set).spec
+    settings = trl_settings(spec)
     train_rows, eval_rows = task_rows(a.eval_size)
     tokenizer = AutoTokenizer.from_pretrained(model)
     tokenizer.padding_side = "left"
-    comp = load_plugins(external=False).registry.get("reward_function", "accuracy")
+    # the spec's reward functions and weights, built by grpo-core's registry (TRL's signature)
+    registry = load_plugins(external=False).registry
+    rewards = [registry.get("reward_function", slot.name).build(slot.options) for slot in spec.rewards]
 
     class Record(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kw):
@@ -146,10 +149,11 @@ def trl_worker(a, model: str, log: Log) -> None:
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="trl-long-"), use_cpu=True, report_to=[], bf16=False,
         max_steps=a.steps, logging_steps=1, save_strategy="no", seed=a.seed,
-        model_init_kwargs={"dtype": torch.float32}, **settings,
+        model_init_kwargs={"dtype": torch.float32}, reward_weights=[slot.weight for slot in spec.rewards],
+        **settings,
     )
     trainer = GRPOTrainer(
-        model=model, reward_funcs=[comp.build(comp.options())], args=config,
+        model=model, reward_funcs=rewards, args=config,
         train_dataset=Dataset.from_list(train_rows), processing_class=tokenizer, callbacks=[Record()],
     )
     log.write(0, {"eval/accuracy": greedy_accuracy(trainer.model, tokenizer, eval_rows, a.tokens, dtype=a.gen_dtype)})

@@ -4,7 +4,9 @@ reward and completion length, one colour per tool.
 
     python bench/plot_curves.py bench/runs/long --out docs/curves.png
 
-Also prints the held-out table (mean, min and max over seeds at each evaluated step).
+Also prints the held-out tables: mean, min and max over seeds at each evaluated step, every
+seed's own row, and for each seed the two checks of a run that climbs and holds (points gained
+by step 20; the largest fall below the best earlier evaluation, from step 20 on).
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from pathlib import Path
 #: Panel -> the metric's name in each tool's log (the first one present is used).
 PANELS = {
     "held-out greedy accuracy": ("eval/accuracy",),
-    "training reward (mean of the step's completions)": ("reward", "rewards/accuracy/mean"),
+    "training accuracy (the step's sampled completions)": ("rewards/accuracy/mean", "reward"),
     "completion length (tokens)": ("completions/mean_length",),
+    "truncated share (cut off at max_new_tokens)": ("completions/clipped_ratio",),
 }
 COLOURS = {"grpo-core": "tab:blue", "trl": "tab:orange"}
 
@@ -70,13 +73,33 @@ def table(runs) -> str:
     return "\n".join(lines)
 
 
+def per_seed(runs, by: int = 20) -> str:
+    """Every seed's held-out accuracy, with its gain by step ``by`` and, from step ``by`` on,
+    its largest fall below the best evaluation before it (points)."""
+    keys = PANELS["held-out greedy accuracy"]
+    lines = []
+    for tool, seeds in runs.items():
+        curves = {seed: series(rows, keys) for seed, rows in sorted(seeds.items())}
+        steps = sorted(set().union(*curves.values()))
+        lines += [f"| {tool} seed | " + " | ".join(map(str, steps)) + f" | gain by {by} | worst fall after {by} |",
+                  "|---|" + "---|" * (len(steps) + 2)]
+        for seed, curve in curves.items():
+            cells = [f"{100 * curve[t]:.0f}%" if t in curve else "" for t in steps]
+            gain = max((curve[t] for t in curve if t <= by), default=0.0) - curve.get(0, 0.0)
+            falls = [max(curve[u] for u in curve if u < t) - curve[t] for t in curve if t > by]
+            lines.append(f"| {seed} | " + " | ".join(cells)
+                         + f" | {100 * gain:+.0f} | {100 * max([0.0, *falls]):.0f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def plot(runs, out: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 4))
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(4.5 * len(PANELS), 4))
     for ax, (panel, keys) in zip(axes, PANELS.items(), strict=True):
         for tool, seeds in runs.items():
             steps, mean, low, high = band([series(r, keys) for r in seeds.values()])
@@ -107,6 +130,8 @@ def main() -> int:
     if not runs:
         sys.exit(f"no */metrics.jsonl under {a.folder}")
     print(table(runs))
+    print()
+    print(per_seed(runs))
     plot(runs, Path(a.out), a.title)
     print(f"wrote {a.out}")
     return 0
