@@ -29,7 +29,7 @@ rollout:
   group_size: 8                         # G completions per prompt
   max_new_tokens: 384
   temperature: 1.0
-  mask_truncated_completions: true      # a cut-off answer is left out of the loss, not scored as wrong (DAPO)
+  mask_truncated_completions: false     # a cut-off answer stays in the loss as a wrong one (masked, drifting long costs nothing)
 rewards:
   - name: accuracy                      # 1 when the final answer equals the gold one (math-verify)
     answer_column: answer

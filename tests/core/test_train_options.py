@@ -164,7 +164,7 @@ def test_the_learner_scores_a_batch_at_the_temperature_it_was_sampled_at(tiny_mo
 
 @pytest.mark.parametrize("mask_truncated", [True, False])
 def test_truncated_completions_leave_the_loss_only_when_asked(mask_truncated):
-    """``rollout.mask_truncated_completions`` (DAPO's overlong filtering, on in the quickstart):
+    """``rollout.mask_truncated_completions`` (DAPO's overlong filtering, off by default):
     a completion cut off at max_new_tokens has no token in the loss; the others keep their
     own mask, holes included."""
     from grpo_core.contracts import RolloutBatch
