@@ -191,6 +191,7 @@ def train_batch(rollout: RolloutBatch, mask_truncated: bool, temperature: float 
                        torch.zeros(mask.shape, device=mask.device), temperature=temperature)
     if rollout.sampling_logp is not None:
         batch.sampling_logp = rollout.sampling_logp.to(mask.device, torch.float32)
+    batch.prompt_images = rollout.prompt_images
     return batch
 
 

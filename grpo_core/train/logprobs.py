@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from grpo_core.contracts.images import image_inputs, repeat_rows
 from grpo_core.train.head_logprobs import DEFAULT_CHUNK_SIZE, logit_transform, token_logprobs
 from grpo_core.train.packing import pack_rows, packed_decoder_call, packing_unsupported
 
@@ -68,6 +69,30 @@ def _hidden_plain(decoder, prompt_ids, prompt_mask, completion_ids, group_size) 
     out = decoder(
         input_ids=ids, attention_mask=mask, position_ids=_position_ids(mask), use_cache=False
     )
+    length, steps = prompt_ids.shape[1], completion_ids.shape[1]
+    return out.last_hidden_state[:, length - 1 : length - 1 + steps]
+
+
+def image_text_body(model: Any) -> nn.Module:
+    """The body of an image-text-to-text model (its forward takes the image inputs and returns
+    the last hidden states): the base model under a peft or DDP wrapper, then its
+    ``base_model_prefix`` module (``model`` of Qwen2-VL and SmolVLM)."""
+    plain = getattr(model, "module", model)
+    if hasattr(plain, "get_base_model"):
+        plain = plain.get_base_model()
+    return getattr(plain, plain.base_model_prefix)
+
+
+def _hidden_images(model, prompt_ids, prompt_mask, completion_ids, group_size, images) -> Tensor:
+    """:func:`_hidden_plain` for prompts with images: the model's own body runs every row
+    (prompt then completion) with its prompt's image inputs, so that the image features and
+    the positions (Qwen2-VL's 3-D ones) are the model's; no prompt is shared. ``images``: one
+    :class:`~grpo_core.contracts.PromptImages` (or None) per prompt. Returns ``(B, T, H)``."""
+    ids = torch.cat([prompt_ids.repeat_interleave(group_size, 0), completion_ids], dim=1)
+    row_mask = prompt_mask.repeat_interleave(group_size, 0)
+    mask = torch.cat([row_mask, torch.ones_like(completion_ids, dtype=torch.bool)], dim=1)
+    inputs = image_inputs(repeat_rows(images, group_size), row_mask, completion_ids.shape[1])
+    out = image_text_body(model)(input_ids=ids, attention_mask=mask, use_cache=False, **inputs)
     length, steps = prompt_ids.shape[1], completion_ids.shape[1]
     return out.last_hidden_state[:, length - 1 : length - 1 + steps]
 
@@ -249,6 +274,7 @@ def completion_logprobs(
     length_buckets: bool = True,
     packed: bool = False,
     prompt_index: Tensor | None = None,
+    images: list | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs (and entropies) of completion tokens under a causal LM, ``(B, T)`` each.
 
@@ -292,6 +318,9 @@ def completion_logprobs(
         packed: run the rows packed into one sequence (see above).
         prompt_index: ``long (B,)`` the prompt of each completion, for rows that are not whole
             groups of equal size (default: ``G`` consecutive rows per prompt).
+        images: ``P`` :class:`~grpo_core.contracts.PromptImages` (or None each) for prompts with
+            images: every row then runs through the image-text-to-text model's own body with
+            its prompt's image inputs (:func:`_hidden_images`; neither packed nor shared).
 
     Returns:
         ``(logp, entropy)``: ``float32 (B, T)`` (float64 for a float64 model), exactly 0
@@ -309,7 +338,12 @@ def completion_logprobs(
     if steps == 0:
         return logp, entropy
     decoder = model.get_decoder()
-    if packed and packing_unsupported(model, decoder) is None:
+    if images is not None:
+        if group_size is None:  # one prompt row per completion
+            p_ids, p_mask, images, group_size = p_ids[prompt_index], p_mask[prompt_index], [
+                images[int(i)] for i in prompt_index], 1
+        hidden = _hidden_images(model, p_ids, p_mask, c_ids, group_size, images)[c_mask]
+    elif packed and packing_unsupported(model, decoder) is None:
         layout = pack_rows(p_ids, p_mask, c_ids, c_mask, prompt_index)
         hidden = packed_decoder_call(decoder, layout)[layout.hidden_index[c_mask]]
     else:

@@ -1,0 +1,103 @@
+"""Prompts with images: what a prompt's images add to its token ids, and how the prompts of a
+batch become the keyword arguments of an image-text-to-text model's forward.
+
+A prompt rendered by a processor (``data.image_column``) is its token ids, in which the
+processor expanded each image placeholder into the tokens the model fills with the image's
+features, plus the processor's tensors. Those come in two kinds, told apart by their shape:
+
+- per-token tensors, one value per prompt token (``mm_token_type_ids`` of Qwen2-VL), which a
+  batch left-pads like the ids and extends with zeros over the completion tokens;
+- per-image tensors (``pixel_values``, ``image_grid_thw``, ``pixel_attention_mask``,
+  ``image_sizes``), which a batch concatenates along their first dimension, in row order:
+  each model's own forward finds the features of its rows' images in that order, as it does
+  for a batch its processor made.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+#: Processor outputs that are not model inputs carried with a prompt (the ids and mask are the
+#: prompt's own).
+_NOT_CARRIED = ("input_ids", "attention_mask")
+
+
+@dataclass
+class PromptImages:
+    """The images of one prompt and the processor's tensors for them.
+
+    Attributes:
+        images: the images (PIL), in the order of their placeholders: for a backend that takes
+            raw images (vLLM's ``multi_modal_data``).
+        per_image: tensors concatenated across prompts along dim 0 (``pixel_values`` ...).
+        per_token: 1-D tensors with one value per prompt token (``mm_token_type_ids``).
+    """
+
+    images: list[Any]
+    per_image: dict[str, Tensor] = field(default_factory=dict)
+    per_token: dict[str, Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def from_processor(cls, images: list[Any], encoded: Any) -> PromptImages:
+        """From a processor's output for one prompt (batch of 1, ``return_tensors="pt"``)."""
+        length = int(encoded["input_ids"].shape[-1])
+        per_image, per_token = {}, {}
+        for key, value in encoded.items():
+            if key in _NOT_CARRIED or not isinstance(value, Tensor):
+                continue
+            if value.dim() == 2 and value.shape == (1, length):
+                per_token[key] = value[0]
+            else:
+                per_image[key] = value
+        return cls(list(images), per_image, per_token)
+
+
+def image_inputs(prompts: Sequence[PromptImages | None], prompt_mask: Tensor, completion_width: int = 0
+                 ) -> dict[str, Tensor]:
+    """The image keyword arguments of a forward over ``n`` rows.
+
+    Args:
+        prompts: each row's prompt images (None: a row without images), ``n`` of them.
+        prompt_mask: ``bool (n, L)`` the rows' left-padded prompt mask; a per-token tensor's
+            values land on its row's ``True`` positions (so trimmed padding columns are fine).
+        completion_width: columns after the prompt (the completion tokens), where per-token
+            tensors are 0 (text).
+
+    Returns:
+        ``{name: tensor}`` on ``prompt_mask``'s device: per-token tensors ``(n, L + width)``,
+        per-image tensors concatenated; empty when no row has images.
+    """
+    if all(p is None for p in prompts):
+        return {}
+    device = prompt_mask.device
+    out: dict[str, Tensor] = {}
+    names = dict.fromkeys(k for p in prompts if p is not None for k in p.per_image)
+    for name in names:
+        parts = [p.per_image[name] for p in prompts if p is not None and name in p.per_image]
+        out[name] = torch.cat(parts).to(device)
+    token_names = dict.fromkeys(k for p in prompts if p is not None for k in p.per_token)
+    rows, width = prompt_mask.shape
+    for name in token_names:
+        sample = next(p.per_token[name] for p in prompts if p is not None and name in p.per_token)
+        full = torch.zeros((rows, width + completion_width), dtype=sample.dtype, device=device)
+        for row, prompt in enumerate(prompts):
+            if prompt is None or name not in prompt.per_token:
+                continue
+            values = prompt.per_token[name].to(device)
+            positions = prompt_mask[row].nonzero().squeeze(1)
+            if len(positions) != len(values):
+                raise ValueError(f"image inputs: row {row}'s '{name}' has {len(values)} values for "
+                                 f"{len(positions)} prompt tokens")
+            full[row, positions] = values
+        out[name] = full
+    return out
+
+
+def repeat_rows(prompts: Sequence[PromptImages | None], times: int) -> list[PromptImages | None]:
+    """Each prompt's images ``times`` times in a row (one entry per completion row)."""
+    return [p for p in prompts for _ in range(times)]
