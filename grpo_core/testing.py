@@ -5,6 +5,7 @@ a small corpus of arithmetic and chat text, and the model is a randomly initiali
 Llama of a few thousand parameters.
 
     python -m grpo_core.testing DIR     # writes a tiny model and tokenizer to DIR
+    python -m grpo_core.testing --vision DIR   # a tiny SmolVLM-shaped model and its processor
 """
 
 from __future__ import annotations
@@ -230,6 +231,8 @@ def save_tiny_vision_model(path: str | Path, *, seed: int = 0, **model_kwargs) -
 
 
 if __name__ == "__main__":  # pragma: no cover
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m grpo_core.testing DIR")
-    print(save_tiny_model(sys.argv[1]))
+    args = sys.argv[1:]
+    vision = args[:1] == ["--vision"]
+    if len(args) != 1 + vision:
+        sys.exit("usage: python -m grpo_core.testing [--vision] DIR")
+    print(save_tiny_vision_model(args[-1]) if vision else save_tiny_model(args[-1]))

@@ -101,3 +101,33 @@ def image_inputs(prompts: Sequence[PromptImages | None], prompt_mask: Tensor, co
 def repeat_rows(prompts: Sequence[PromptImages | None], times: int) -> list[PromptImages | None]:
     """Each prompt's images ``times`` times in a row (one entry per completion row)."""
     return [p for p in prompts for _ in range(times)]
+
+
+#: Config attributes naming the tokens a vision-language model fills with image (or video)
+#: features (Qwen2-VL, SmolVLM/Idefics3, Gemma 3: ``image_token_id``; LLaVA: ``image_token_index``).
+PLACEHOLDER_ATTRIBUTES = ("image_token_id", "video_token_id", "image_token_index", "video_token_index")
+
+
+def placeholder_ids(config: Any) -> list[int]:
+    """The ids of the tokens ``config``'s model fills with image or video features."""
+    found = (getattr(config, name, None) for name in PLACEHOLDER_ATTRIBUTES)
+    return sorted({int(v) for v in found if isinstance(v, int)})
+
+
+def without_placeholders(completion_ids: Tensor, mask: Tensor, config: Any) -> tuple[Tensor, Tensor]:
+    """``(ids, mask)`` where a completion that wrote an image placeholder token is left out
+    of the loss (its mask all False) and its placeholders are replaced by another token.
+
+    A model's forward fills every placeholder of its input with an image's features and
+    refuses more placeholders than images; a completion holding one (a random model writes
+    them, a trained one does not) cannot be scored the way it was sampled (generation fed it
+    back as a plain token), so it trains nothing, like a truncated completion."""
+    ids = placeholder_ids(config)
+    if not ids:
+        return completion_ids, mask
+    found = torch.isin(completion_ids, torch.tensor(ids, device=completion_ids.device)) & mask
+    if not bool(found.any()):
+        return completion_ids, mask
+    other = next(i for i in range(len(ids) + 1) if i not in ids)
+    rows = found.any(dim=1)
+    return completion_ids.masked_fill(found, other), mask & ~rows[:, None]

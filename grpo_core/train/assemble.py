@@ -35,6 +35,7 @@ from grpo_core.train.iterative import build_iterative
 from grpo_core.train.kl import KLTerm
 from grpo_core.train.learner import Learner, UpdateSettings
 from grpo_core.train.optim import make_optimizer
+from grpo_core.train.packing import resolve_packing
 from grpo_core.train.parallel import Single, strategy_for
 from grpo_core.train.pipeline import Pipeline
 from grpo_core.train.reasoning_steps import split_steps
@@ -253,8 +254,10 @@ def load_processing(loaded: LoadedSpec, given: Any = None) -> tuple[Any, Any]:
     return processor, tokenizer
 
 
-def check_image_run(spec: Spec, backend: Any) -> None:
-    """Refuse what prompts with images cannot run with yet, naming the setting."""
+def check_image_run(spec: Spec, backend: Any, model: Any) -> None:
+    """Refuse what prompts with images cannot run with yet, naming the setting (``train.packing:
+    true`` before the first step: :func:`~grpo_core.train.packing.resolve_packing`)."""
+    resolve_packing(spec.train.packing, model)
     if not getattr(backend, "accepts_images", False):
         raise RunError(f"data.image_column: rollout backend '{spec.rollout.name}' does not take images; "
                        "use rollout.name: hf")
@@ -300,7 +303,7 @@ def build_run(loaded: LoadedSpec, dist: Dist | None = None, *, model=None, token
     # module, the weights the actor samples from while the learner's move.
     backend, k = spec.rollout.build(), spec.rollout.max_staleness
     if processor is not None:
-        check_image_run(spec, backend)
+        check_image_run(spec, backend, model)
     snapshot = policy_copy(model) if k else None
     sampler = policy_copy(model) if k and backend.generates_with_policy else None
     learner = build_learner(spec, model, tokenizer, strategy_for(dist, parallel))

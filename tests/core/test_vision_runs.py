@@ -1,0 +1,81 @@
+"""Whole runs with prompts that have images, on a tiny random SmolVLM-shaped model saved to
+disk (loaded by transformers' auto classes and AutoProcessor): specs/vision.yaml trains and
+exports with its processor, a LoRA run resumes bit for bit, and the KL's reference sees the
+images too."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_core.cli import main
+from grpo_core.errors import RunError
+from grpo_core.spec import load_spec
+from grpo_core.testing import save_tiny_vision_model
+from grpo_core.train.assemble import build_run
+
+SPECS = Path(__file__).resolve().parents[2] / "specs"
+QUIET = ["tracking=[]", "train.threads=1", "data.train_size=16", "data.eval_size=4", "eval.max_prompts=2"]
+
+
+@pytest.fixture(scope="module")
+def tiny_vlm(tmp_path_factory) -> Path:
+    return save_tiny_vision_model(tmp_path_factory.mktemp("vlm") / "model")
+
+
+def _grpo(out: Path, model: Path, *sets: str, resume: bool = False) -> int:
+    args = [str(SPECS / "vision.yaml"), "--set", f"model.path={model}", "--set", f"train.output_dir={out}"]
+    args += [x for s in (*QUIET, *sets) for x in ("--set", s)]
+    return main([*args, "--resume", "latest"] if resume else args)
+
+
+def test_the_vision_spec_trains_and_exports_the_merged_model_with_its_processor(tiny_vlm, tmp_path, kit):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    assert _grpo(tmp_path / "out", tiny_vlm, "export.merged=true") == 0
+    rows = [r for r in kit.read_metrics(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all("kl" in r for r in rows)  # the reference (the base without the adapter) saw the images
+    final = tmp_path / "out" / "final"
+    assert (final / "processor_config.json").exists() and (final / "adapter_model.safetensors").exists()
+    merged = final / "merged"
+    processor = AutoProcessor.from_pretrained(merged)
+    model = AutoModelForImageTextToText.from_pretrained(merged)
+    assert processor.image_processor is not None and type(model).__name__ == "Idefics3ForConditionalGeneration"
+    base = AutoModelForImageTextToText.from_pretrained(tiny_vlm)
+    vision = dict(base.model.vision_model.named_parameters())
+    for name, p in model.model.vision_model.named_parameters():  # frozen: the merge left the tower as it was
+        assert torch.equal(p, vision[name]), name
+    assert any(not torch.equal(p, dict(base.model.text_model.named_parameters())[n])
+               for n, p in model.model.text_model.named_parameters())
+
+
+def test_a_lora_run_with_images_resumes_bit_for_bit(tiny_vlm, tmp_path, kit):
+    # a reward whose value differs within groups, so that the resumed steps move the adapter
+    sets = ("train.steps=4", "checkpoint.every=2", "checkpoint.keep=3", "eval.every=0",
+            "rewards=[{name: format, pattern: '[aeiou]'}]")
+    assert _grpo(tmp_path / "whole", tiny_vlm, *sets) == 0
+    assert _grpo(tmp_path / "cut", tiny_vlm, *sets, "train.steps=2") == 0
+    assert _grpo(tmp_path / "cut", tiny_vlm, *sets, resume=True) == 0
+    whole, cut = kit.load_weights(tmp_path / "whole" / "final"), kit.load_weights(tmp_path / "cut" / "final")
+    assert whole and set(whole) == set(cut)
+    for name in whole:
+        assert torch.equal(whole[name], cut[name]), name
+    at_two = kit.load_weights(tmp_path / "cut" / "checkpoints" / "step-000002" / "model")
+    assert any(not torch.equal(at_two[name], whole[name]) for name in whole)  # steps 3 and 4 trained
+    want = {r["step"]: r for r in kit.read_metrics(tmp_path / "whole" / "metrics.jsonl") if "loss" in r}
+    got = {r["step"]: r for r in kit.read_metrics(tmp_path / "cut" / "metrics.jsonl") if "loss" in r}
+    for step in (3, 4):
+        assert got[step]["loss"] == want[step]["loss"] and got[step]["reward"] == want[step]["reward"]
+    assert any(want[step]["advantage/std"] > 0 for step in (3, 4))
+
+
+def test_an_image_run_refuses_what_it_cannot_run(tiny_vlm, tmp_path):
+    base = [f"model.path={tiny_vlm}", f"train.output_dir={tmp_path / 'out'}", *QUIET]
+    with pytest.raises(RunError, match="train.packing: true cannot run this model exactly: the model takes images"):
+        build_run(load_spec(SPECS / "vision.yaml", [*base, "train.packing=true"]))
+    tools = "rollout.environment={name: tools, tools: [calculator]}"
+    with pytest.raises(RunError, match="multi-turn episodes .* do not take images yet"):
+        build_run(load_spec(SPECS / "vision.yaml", [*base, tools]))
