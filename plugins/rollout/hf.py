@@ -26,10 +26,8 @@ from grpo_core.contracts import (
     SamplingParams,
     check_request,
     cut_after_stop,
-    image_inputs,
     left_pad,
     policy_copy,
-    repeat_rows,
     special_ids,
 )
 from grpo_core.options import Options
@@ -377,13 +375,18 @@ class HFRollout:
     def _generate_part_images(
         self, ids: Tensor, mask: Tensor, group_size: int, sampling: SamplingParams, images: list
     ) -> tuple[Tensor, Tensor, None]:
-        """:meth:`_generate_part` for prompts with images: transformers ``generate`` on the
-        ``p*G`` rows with each row's image inputs, so that the model places its image features
-        and positions (Qwen2-VL's 3-D ones) itself; the prompt is encoded per row."""
+        """:meth:`_generate_part` for prompts with images: transformers ``generate`` with each
+        row's image inputs, or (``share_prompt_prefill``) from each prompt encoded once with its
+        images (:func:`~grpo_plugins.rollout.images.prefill_with_images`); the model places its
+        image features and positions (Qwen2-VL's 3-D ones) itself."""
+        from grpo_plugins.rollout.images import prefill_with_images, row_image_inputs
+
         first = int(mask.any(0).nonzero()[0])
-        rows = mask[:, first:].repeat_interleave(group_size, 0)
-        inputs = image_inputs(repeat_rows(images, group_size), rows)
-        return self._generate_part(ids, mask, group_size, sampling, inputs)
+        ids, mask = ids[:, first:], mask[:, first:]
+        cache = prefill_with_images(self.model, ids, mask, images, group_size) if self._can_share(
+            ids, group_size) else None
+        kwargs = {"past_key_values": cache} if cache is not None else row_image_inputs(images, mask, group_size)
+        return self._generate_part(ids, mask, group_size, sampling, kwargs)
 
     def _generate_part(
         self, ids: Tensor, mask: Tensor, group_size: int, sampling: SamplingParams,

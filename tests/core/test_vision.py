@@ -177,14 +177,18 @@ def test_one_update_is_the_textbook_gradient_on_image_prompts(vlm):
 
 
 # ----------------------------------------------------------------------------- generation
+@pytest.mark.parametrize("shared", [True, False], ids=["prompt-encoded-once", "per-row"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_hf_generation_with_images_equals_transformers_generate(kind):
-    from grpo_plugins.rollout.hf import HFRollout
+def test_hf_generation_with_images_equals_transformers_generate(kind, shared):
+    """Each prompt encoded once with its images and its cache (and Qwen2-VL's position
+    offsets) repeated for the group, or every row encoded: the tokens of transformers' own
+    generate on the processor's encoding of the prompt alone."""
+    from grpo_plugins.rollout.hf import HFRollout, HFRolloutOptions
 
     processor = build_vision_processor(kind)
     model = build_vision_model(processor, kind=kind).eval()
     prompts = image_prompts(processor, ROWS)
-    backend = HFRollout()
+    backend = HFRollout(HFRolloutOptions(share_prompt_prefill=shared))
     backend.setup(model, processor.tokenizer)
     out = backend.generate([p.ids for p in prompts], G, SamplingParams(max_new_tokens=8, greedy=True),
                            images=[p.images for p in prompts])
