@@ -36,14 +36,18 @@ class PromptImages:
             raw images (vLLM's ``multi_modal_data``).
         per_image: tensors concatenated across prompts along dim 0 (``pixel_values`` ...).
         per_token: 1-D tensors with one value per prompt token (``mm_token_type_ids``).
+        text_ids: the prompt's tokens before the processor expanded its image placeholders
+            (the chat template's text tokenized), for a backend whose engine expands them
+            itself (vLLM); the prompt's ids are the expanded ones.
     """
 
     images: list[Any]
     per_image: dict[str, Tensor] = field(default_factory=dict)
     per_token: dict[str, Tensor] = field(default_factory=dict)
+    text_ids: list[int] | None = None
 
     @classmethod
-    def from_processor(cls, images: list[Any], encoded: Any) -> PromptImages:
+    def from_processor(cls, images: list[Any], encoded: Any, text_ids: list[int] | None = None) -> PromptImages:
         """From a processor's output for one prompt (batch of 1, ``return_tensors="pt"``)."""
         length = int(encoded["input_ids"].shape[-1])
         per_image, per_token = {}, {}
@@ -54,7 +58,7 @@ class PromptImages:
                 per_token[key] = value[0]
             else:
                 per_image[key] = value
-        return cls(list(images), per_image, per_token)
+        return cls(list(images), per_image, per_token, None if text_ids is None else list(text_ids))
 
 
 def image_inputs(prompts: Sequence[PromptImages | None], prompt_mask: Tensor, completion_width: int = 0

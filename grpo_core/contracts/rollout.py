@@ -152,11 +152,12 @@ class RolloutBackend(Protocol):
             :class:`~grpo_core.contracts.PromptImages` (or None) per prompt, passed only when
             the prompts have images (``data.image_column``); the prompt ids then hold the
             processor's image tokens. Default False: the engine refuses image prompts for it.
+            Before ``setup`` the engine sets such a backend's ``processor`` attribute to the
+            model's processor. Optional (read with a default, not part of the runtime check).
     """
 
     generates_with_policy: bool = False
     device: Any = None
-    accepts_images: bool = False
 
     def setup(self, model: Any, tokenizer: Any) -> None: ...
 

@@ -260,7 +260,7 @@ def check_image_run(spec: Spec, backend: Any, model: Any) -> None:
     resolve_packing(spec.train.packing, model)
     if not getattr(backend, "accepts_images", False):
         raise RunError(f"data.image_column: rollout backend '{spec.rollout.name}' does not take images; "
-                       "use rollout.name: hf")
+                       "use rollout.name: hf or vllm")
     r = spec.rollout
     if r.environment is not None or r.agent is not None or r.routing is not None:
         raise RunError("data.image_column: multi-turn episodes (rollout.environment, agent, routing) do not take "
@@ -304,6 +304,7 @@ def build_run(loaded: LoadedSpec, dist: Dist | None = None, *, model=None, token
     backend, k = spec.rollout.build(), spec.rollout.max_staleness
     if processor is not None:
         check_image_run(spec, backend, model)
+        backend.processor = processor
     snapshot = policy_copy(model) if k else None
     sampler = policy_copy(model) if k and backend.generates_with_policy else None
     learner = build_learner(spec, model, tokenizer, strategy_for(dist, parallel))

@@ -105,7 +105,8 @@ def render_images(processor: Any, messages: list[dict], images: list[Any], templ
     template places the image parts, the processor expands each into its image tokens."""
     messages = as_parts(with_images(messages, len(images)))
     text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template_kwargs)
+    text_ids = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
     if not images:
-        return text, processor.tokenizer(text, add_special_tokens=False)["input_ids"], None
+        return text, text_ids, None
     encoded = processor(text=[text], images=[images], return_tensors="pt", add_special_tokens=False)
-    return text, encoded["input_ids"][0].tolist(), PromptImages.from_processor(images, encoded)
+    return text, encoded["input_ids"][0].tolist(), PromptImages.from_processor(images, encoded, text_ids)
