@@ -148,7 +148,8 @@ def build_vision_processor(kind: str = "qwen2-vl", image_size: int = 56):
     ``qwen2-vl``: Qwen2-VL's processor, images resized to at most ``image_size`` pixels a side
     (14-pixel patches merged 2x2: a 56x56 image is 4 image tokens). transformers checks a
     Qwen2-VL processor's video processor against a class that needs torchvision; the processor
-    is therefore assembled here without that check (it renders images, not videos).
+    is therefore assembled here without a video processor (it renders images, not videos); it
+    saves as a Qwen2-VL processor, which ``AutoProcessor`` loads where torchvision is installed.
     ``smolvlm``: Idefics3's (SmolVLM's) processor, each image resized to one ``image_size``
     tile of one token (no splitting); it saves and loads with ``AutoProcessor``.
     """
@@ -167,7 +168,13 @@ def build_vision_processor(kind: str = "qwen2-vl", image_size: int = 56):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from transformers.models.qwen2_vl.processing_qwen2_vl import Qwen2VLProcessor
 
-    processor = Qwen2VLProcessor.__new__(Qwen2VLProcessor)
+    class ImagesOnly(Qwen2VLProcessor):  # saved as (and loaded back by) Qwen2VLProcessor
+        @classmethod
+        def get_attributes(cls):
+            return ["image_processor", "tokenizer"]
+
+    ImagesOnly.__name__ = ImagesOnly.__qualname__ = "Qwen2VLProcessor"
+    processor = ImagesOnly.__new__(ImagesOnly)
     processor.image_processor = Qwen2VLImageProcessorPil(
         min_pixels=28 * 28, max_pixels=image_size * image_size, patch_size=14, merge_size=2, temporal_patch_size=2)
     processor.tokenizer, processor.video_processor = tokenizer, None

@@ -79,3 +79,32 @@ def test_an_image_run_refuses_what_it_cannot_run(tiny_vlm, tmp_path):
     tools = "rollout.environment={name: tools, tools: [calculator]}"
     with pytest.raises(RunError, match="multi-turn episodes .* do not take images yet"):
         build_run(load_spec(SPECS / "vision.yaml", [*base, tools]))
+
+
+def test_a_qwen2_vl_policy_trains_from_python_with_its_reference_and_old_logprobs(tmp_path):
+    """The Python trainer with a tiny Qwen2-VL (3-D positions) and its processor as the
+    tokenizer: a full fine-tune with the KL's frozen reference and mu = 2 (old log-probs), the
+    language model moved, the vision tower frozen (the default)."""
+    from grpo_core import Trainer
+    from grpo_core.testing import build_vision_model, build_vision_processor
+
+    processor = build_vision_processor("qwen2-vl")
+    model = build_vision_model(processor)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    spec = {
+        "data": {"name": "shapes", "image_column": "image", "train_size": 8, "eval_size": 0},
+        "rollout": {"group_size": 4, "max_new_tokens": 6},
+        "rewards": [{"name": "format", "pattern": "[aeiou]"}],
+        "algorithm": {"kl": {"name": "low_var_kl", "beta": 0.04}, "mu": 2},
+        "train": {"steps": 2, "prompts_per_step": 2, "lr": 1.0e-2, "progress": False, "threads": 1,
+                  "output_dir": str(tmp_path / "out")},
+        "eval": {"at_start": False, "at_end": False}, "tracking": [],
+    }
+    result = Trainer(spec, model=model, tokenizer=processor).train()
+    rows = [r for r in result.history if "loss" in r]
+    assert len(rows) == 2 and all("kl" in r and "policy/ratio" in r for r in rows)
+    assert (result.final_model / "processor_config.json").exists()  # saved with its processor
+    after = model.state_dict()
+    moved = [k for k in before if not torch.equal(before[k], after[k])]
+    assert moved and all("visual" not in k for k in moved)
+    assert any("language_model" in k for k in moved)
