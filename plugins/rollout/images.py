@@ -47,13 +47,16 @@ def prefill_with_images(model: Any, ids: Tensor, mask: Tensor, images: list[Prom
     if bool(torch.isin(ids[:, -1], torch.tensor(placeholder_ids(model.config), device=ids.device)).any()):
         return None
     inputs = image_inputs(images, mask)
+    # the positions generate gives these rows (its own rule: from the mask's left padding, or
+    # Qwen2-VL's 3-D ones from the image grids), for the L - 1 positions prefilled
+    positions = model._prepare_position_ids_for_generation(ids, {"attention_mask": mask.long(), **inputs})
     for name, value in inputs.items():  # per-token inputs cover the L columns: drop the last
         if value.dim() == 2 and value.shape == ids.shape:
             inputs[name] = value[:, :-1]
     config = model.config.get_text_config(decoder=True)
     cache = DynamicCache(config=config)
-    model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], past_key_values=cache, use_cache=True,
-          logits_to_keep=1, **inputs)
+    model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions[..., :-1], past_key_values=cache,
+          use_cache=True, logits_to_keep=1, **inputs)
     cache.batch_repeat_interleave(group_size)
     repeat_position_state(model, ids.shape[0], group_size)
     return cache

@@ -1,5 +1,5 @@
-"""Prompts with images on tiny random vision-language models built from configs (Qwen2-VL's
-architecture, with its 3-D rotary positions, and SmolVLM's): the learner's log-probs equal a
+"""Prompts with images on tiny random vision-language models built from configs (Qwen2-VL's and
+Qwen2.5-VL's architectures, with their 3-D rotary positions, Gemma 3's and SmolVLM's): the learner's log-probs equal a
 plain forward of the model, one update is the textbook gradient, the hf backend generates what
 transformers' generate does, the images are really used, and bad image data is refused when it
 loads."""
@@ -17,7 +17,7 @@ from grpo_core.errors import RunError
 from grpo_core.plugin_manager import load_plugins
 from grpo_core.spec.data import DataSlot
 from grpo_core.spec.models import LoraSection, ModelSection
-from grpo_core.testing import build_vision_model, build_vision_processor, save_tiny_model
+from grpo_core.testing import VISION_KINDS, build_vision_model, build_vision_processor, save_tiny_model
 from grpo_core.train.data import PromptSource
 from grpo_core.train.learner import Learner, UpdateSettings
 from grpo_core.train.model import load_processor, prepare_policy, vision_modules
@@ -26,7 +26,14 @@ from grpo_core.train.parallel import forward_of
 from grpo_core.train.update import Objective, TrainBatch, batch_logprobs, update
 
 torch.set_num_threads(1)
-KINDS = ["qwen2-vl", "smolvlm"]
+KINDS = ["qwen2-vl", "qwen2.5-vl", "gemma3", "smolvlm"]
+#: The token each kind's model fills with image features; the per-token input it needs
+#: (Qwen's modality of each token for the 3-D positions, Gemma 3's for its image attention).
+IMAGE_TOKEN = {"qwen2-vl": "<|image_pad|>", "qwen2.5-vl": "<|image_pad|>", "gemma3": "<image_soft_token>",
+               "smolvlm": "<image>"}
+PER_TOKEN = {"qwen2-vl": "mm_token_type_ids", "qwen2.5-vl": "mm_token_type_ids", "gemma3": "token_type_ids"}
+VISION = {"smolvlm": ["model.vision_model", "model.connector"],
+          "gemma3": ["model.vision_tower", "model.multi_modal_projector"]}
 G = 2
 
 
@@ -92,18 +99,18 @@ def plain_logprobs(model, processor, prompt, completion) -> torch.Tensor:
 def test_prompts_hold_the_processors_image_tokens_and_tensors(vlm):
     kind, processor, _ = vlm
     prompts = image_prompts(processor, ROWS)
-    image_id = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>" if kind == "qwen2-vl" else "<image>")
+    image_id = processor.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN[kind])
     for prompt, row in zip(prompts, ROWS):
         # the image first in the user message; the rewards' prompt stays the row's text
         assert prompt.prompt == [{"role": "user", "content": row["prompt"]}]
-        assert prompt.text.startswith("<|user|>" + ("<|vision_start|>" if kind == "qwen2-vl" else "<"))
+        assert prompt.text.startswith("<|user|>" + VISION_KINDS[kind][0])
         assert prompt.ids.count(image_id) >= 1
         assert prompt.images.images[0].size == row["image"].size
         assert "pixel_values" in prompt.images.per_image
         assert prompt.row is row  # the rewards see the row's columns as they are
-    if kind == "qwen2-vl":  # 3-D positions need each token's modality
-        assert prompts[0].images.per_token["mm_token_type_ids"].tolist().count(1) == prompts[0].ids.count(image_id)
-        assert prompts[0].ids.count(image_id) == 4  # 56x56: 4x4 patches of 14, merged 2x2
+    if kind in PER_TOKEN:
+        assert prompts[0].images.per_token[PER_TOKEN[kind]].tolist().count(1) == prompts[0].ids.count(image_id)
+        assert prompts[0].ids.count(image_id) == 4  # Qwen: 56x56 is 4x4 patches of 14, merged 2x2
 
 
 # ----------------------------------------------------------------------------- log-probs
@@ -266,7 +273,7 @@ def test_the_vision_tower_is_frozen_by_default_and_lora_adapts_the_language_mode
     processor = build_vision_processor(kind)
     tok = processor.tokenizer
     vision = vision_modules(build_vision_model(processor, kind=kind))
-    assert vision == (["model.visual"] if kind == "qwen2-vl" else ["model.vision_model", "model.connector"])
+    assert vision == VISION.get(kind, ["model.visual"])
 
     frozen = prepare_policy(build_vision_model(processor, kind=kind), ModelSection(path="x"), tok)
     assert not any(p.requires_grad for v in vision for p in frozen.get_submodule(v).parameters())

@@ -108,3 +108,11 @@ def test_a_qwen2_vl_policy_trains_from_python_with_its_reference_and_old_logprob
     moved = [k for k in before if not torch.equal(before[k], after[k])]
     assert moved and all("visual" not in k for k in moved)
     assert any("language_model" in k for k in moved)
+
+
+def test_an_asynchronous_image_run_trains(tiny_vlm, tmp_path, kit):
+    """rollout.max_staleness: 1: the actor's thread samples image prompts from its own copy of
+    the policy while the learner trains."""
+    assert _grpo(tmp_path / "out", tiny_vlm, "rollout.max_staleness=1", "train.steps=3", "eval.every=0") == 0
+    rows = [r for r in kit.read_metrics(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
+    assert [r["async/staleness"] for r in rows] == [0, 1, 1]
