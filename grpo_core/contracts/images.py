@@ -135,3 +135,29 @@ def without_placeholders(completion_ids: Tensor, mask: Tensor, config: Any) -> t
     other = next(i for i in range(len(ids) + 1) if i not in ids)
     rows = found.any(dim=1)
     return completion_ids.masked_fill(found, other), mask & ~rows[:, None]
+
+
+def generation_positions(model: Any, ids: Tensor, mask: Tensor, inputs: dict[str, Tensor], cache: Any = None
+                         ) -> Tensor:
+    """The position ids transformers ``generate`` gives the rows ``ids (b, S)`` (left-padded
+    ``mask``) of a model: the model's own rule (``_prepare_position_ids_for_generation``): from
+    the mask for most models, Qwen2-VL's 3-D ones from the image grids in ``inputs`` (which it
+    stores as per-row offsets), or, after a ``cache`` of the prompts, the text positions plus
+    those offsets. ``(b, S)``, or ``(k, b, S)`` for a model with several position axes."""
+    plain = model.get_base_model() if hasattr(model, "get_base_model") else model
+    plain = getattr(plain, "module", plain)
+    kwargs = {"attention_mask": mask.long(), **inputs}
+    if cache is not None:
+        kwargs["cache"] = cache
+    return plain._prepare_position_ids_for_generation(ids, kwargs)
+
+
+def repeat_position_state(model: Any, prompts: int, group_size: int) -> None:
+    """Repeat each row of any ``rope_deltas`` tensor the model's modules hold for ``prompts``
+    rows ``group_size`` times (rows prompt-major), as a prompt's KV cache is for its group
+    (Qwen2-VL keeps the offset of each row's text positions after its images there, and adds
+    it to the positions of the tokens that follow a cache)."""
+    for module in model.modules():
+        deltas = getattr(module, "rope_deltas", None)
+        if isinstance(deltas, Tensor) and deltas.shape[0] == prompts:
+            module.rope_deltas = deltas.repeat_interleave(group_size, 0)

@@ -7,7 +7,7 @@ itself; transformers ``generate`` then continues from the cache.
 A model that keeps position state between its calls (Qwen2-VL's ``rope_deltas``: the offset of
 each row's text positions after its images, which ``generate`` adds to the positions of the
 new tokens) gets that state repeated for the group's rows too
-(:func:`repeat_position_state`)."""
+(:func:`~grpo_core.contracts.images.repeat_position_state`)."""
 
 from __future__ import annotations
 
@@ -17,23 +17,14 @@ import torch
 from torch import Tensor
 
 from grpo_core.contracts import PromptImages, image_inputs, repeat_rows
-from grpo_core.contracts.images import placeholder_ids
+from grpo_core.contracts.images import generation_positions, placeholder_ids, repeat_position_state
 
-__all__ = ["row_image_inputs", "prefill_with_images", "repeat_position_state"]
+__all__ = ["row_image_inputs", "prefill_with_images"]
 
 
 def row_image_inputs(images: list[PromptImages | None], mask: Tensor, group_size: int) -> dict[str, Tensor]:
     """The image inputs of the ``p*G`` rows of ``p`` prompts (left-padded ``mask (p, L)``)."""
     return image_inputs(repeat_rows(images, group_size), mask.repeat_interleave(group_size, 0))
-
-
-def repeat_position_state(model: torch.nn.Module, prompts: int, group_size: int) -> None:
-    """Repeat each row of any ``rope_deltas`` tensor the model's modules hold for ``prompts``
-    rows ``group_size`` times (rows prompt-major), as the KV cache is."""
-    for module in model.modules():
-        deltas = getattr(module, "rope_deltas", None)
-        if isinstance(deltas, Tensor) and deltas.shape[0] == prompts:
-            module.rope_deltas = deltas.repeat_interleave(group_size, 0)
 
 
 def prefill_with_images(model: Any, ids: Tensor, mask: Tensor, images: list[PromptImages | None],
@@ -49,7 +40,7 @@ def prefill_with_images(model: Any, ids: Tensor, mask: Tensor, images: list[Prom
     inputs = image_inputs(images, mask)
     # the positions generate gives these rows (its own rule: from the mask's left padding, or
     # Qwen2-VL's 3-D ones from the image grids), for the L - 1 positions prefilled
-    positions = model._prepare_position_ids_for_generation(ids, {"attention_mask": mask.long(), **inputs})
+    positions = generation_positions(model, ids, mask, inputs)
     for name, value in inputs.items():  # per-token inputs cover the L columns: drop the last
         if value.dim() == 2 and value.shape == ids.shape:
             inputs[name] = value[:, :-1]
