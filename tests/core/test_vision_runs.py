@@ -31,7 +31,7 @@ def _grpo(out: Path, model: Path, *sets: str, resume: bool = False) -> int:
     return main([*args, "--resume", "latest"] if resume else args)
 
 
-def test_the_vision_spec_trains_and_exports_the_merged_model_with_its_processor(tiny_vlm, tmp_path, kit):
+def test_the_vision_spec_trains_and_exports_the_merged_model_with_its_processor(tiny_vlm, tmp_path, kit, capsys):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     assert _grpo(tmp_path / "out", tiny_vlm, "export.merged=true") == 0
@@ -50,6 +50,13 @@ def test_the_vision_spec_trains_and_exports_the_merged_model_with_its_processor(
         assert torch.equal(p, vision[name]), name
     assert any(not torch.equal(p, dict(base.model.text_model.named_parameters())[n])
                for n, p in model.model.text_model.named_parameters())
+    # grpo-run eval renders the held-out images with the saved processor
+    sets = [f"model.path={tiny_vlm}", *QUIET]
+    capsys.readouterr()
+    assert main(["eval", str(SPECS / "vision.yaml"), *[a for s in sets for a in ("--set", s)], "--model",
+                 str(final)]) == 0
+    out = capsys.readouterr()
+    assert "grpo-run eval:" in out.err and "rewards/accuracy" in out.out + out.err
 
 
 def test_a_lora_run_with_images_resumes_bit_for_bit(tiny_vlm, tmp_path, kit):
