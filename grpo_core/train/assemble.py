@@ -261,6 +261,9 @@ def check_image_run(spec: Spec, backend: Any, model: Any) -> None:
     if not getattr(backend, "accepts_images", False):
         raise RunError(f"data.image_column: rollout backend '{spec.rollout.name}' does not take images; "
                        "use rollout.name: hf or vllm")
+    if getattr(spec.algorithm.advantage.options, "teacher", None) is not None:
+        raise RunError(f"data.image_column: the advantage estimator '{spec.algorithm.advantage.name}' scores with a "
+                       "teacher model, which does not see the images; train image prompts without a teacher")
     r = spec.rollout
     if r.environment is not None or r.agent is not None or r.routing is not None:
         raise RunError("data.image_column: multi-turn episodes (rollout.environment, agent, routing) do not take "

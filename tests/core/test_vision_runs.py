@@ -86,6 +86,9 @@ def test_an_image_run_refuses_what_it_cannot_run(tiny_vlm, tmp_path):
     tools = "rollout.environment={name: tools, tools: [calculator]}"
     with pytest.raises(RunError, match="multi-turn episodes .* do not take images yet"):
         build_run(load_spec(SPECS / "vision.yaml", [*base, tools]))
+    teacher = f"algorithm.advantage={{name: opd, teacher: {{path: {tiny_vlm}}}}}"
+    with pytest.raises(RunError, match="estimator 'opd' scores with a teacher model, which does not see the images"):
+        build_run(load_spec(SPECS / "vision.yaml", [*base, teacher]))
 
 
 def test_a_qwen2_vl_policy_trains_from_python_with_its_reference_and_old_logprobs(tmp_path):
