@@ -71,19 +71,21 @@ def write_environment(folder: Path) -> Path:
 def write_merged(spec: Spec, base_dir: Path, final: Path) -> Path:
     """``final/merged``: the base model of ``spec`` loaded afresh on the CPU, the adapter
     saved in ``final`` loaded onto it and folded in (``merge_and_unload``), saved as a plain
-    transformers model with the tokenizer."""
+    transformers model with the tokenizer (the processor, for a run whose prompts had images)."""
     from peft import PeftModel
-    from transformers import AutoTokenizer
+    from transformers import AutoProcessor, AutoTokenizer
 
     from grpo_core.train import model as modeling
 
-    tokenizer = AutoTokenizer.from_pretrained(final)
+    with_images = spec.data.image_column is not None
+    processor = AutoProcessor.from_pretrained(final) if with_images else None
+    tokenizer = processor.tokenizer if with_images else AutoTokenizer.from_pretrained(final)
     base = modeling.load_policy(spec.model.model_copy(update={"lora": None, "gradient_checkpointing": False}),
                                 base_dir, tokenizer)
     merged = PeftModel.from_pretrained(base, final).merge_and_unload().eval()
     out = final / MERGED
     merged.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    (processor or tokenizer).save_pretrained(out)
     return out
 
 

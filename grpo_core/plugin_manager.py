@@ -66,6 +66,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "grpo_plugins.rewards.process",
     "grpo_plugins.rewards.trainable",
     "grpo_plugins.datasets",
+    "grpo_plugins.shapes",
     "grpo_plugins.samplers",
     "grpo_plugins.step_splitters",
     "grpo_plugins.trackers.mlflow",

@@ -402,7 +402,7 @@ class Trainer:
         weights = run.learner.strategy.model_state(run.model)
         if run.dist.is_main:
             run.model.save_pretrained(folder, state_dict=weights)
-            run.tokenizer.save_pretrained(folder)
+            (run.processor or run.tokenizer).save_pretrained(folder)
         run.dist.barrier()
         return folder
 

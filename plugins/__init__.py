@@ -10,7 +10,8 @@
   backends with their own copy (``weights.py``);
 - ``vllm/``: the ``vllm`` and ``vllm-server`` rollout backends, the ``grpo-run serve`` command and
   what they share (its ``__init__`` draws their imports);
-- ``datasets.py``: datasets; ``trackers/``: trackers; ``environments/``: the tools environment.
+- ``datasets.py``: datasets; ``shapes.py``: a visual counting dataset that draws its images;
+  ``trackers/``: trackers; ``environments/``: the tools environment.
 
 Each module that registers something is one plugin, registered on the same plugin manager as
 third-party ones (``grpo_core.plugin_manager.DEFAULT_PLUGINS`` lists them); what the modules of

@@ -31,6 +31,7 @@ from grpo_core.contracts.algorithms import (
 )
 from grpo_core.contracts.components import Dataset, PromptSampler, Stateful, Tracker
 from grpo_core.contracts.episodes import Agent, AgentEpisode, Environment, Episodes, Observation
+from grpo_core.contracts.images import PromptImages, image_inputs, repeat_rows
 from grpo_core.contracts.rewards import (
     RewardExample,
     RewardFunction,
@@ -52,6 +53,9 @@ from grpo_core.contracts.rollout import (
 )
 
 __all__ = [
+    "PromptImages",
+    "image_inputs",
+    "repeat_rows",
     "AdvantageInputs",
     "AdvantageEstimator",
     "Teacher",

@@ -13,6 +13,7 @@ from torch import Tensor
 
 if TYPE_CHECKING:
     from grpo_core.contracts.episodes import Episodes
+    from grpo_core.contracts.images import PromptImages
 
 
 # --------------------------------------------------------------------------- rollouts
@@ -51,6 +52,8 @@ class RolloutBatch:
         completions: decoded completion text, ``B`` strings (for an episode: the whole
             conversation after the prompt, environment turns included).
         episodes: what the environment recorded for multi-turn rollouts, else ``None``.
+        prompt_images: each prompt's images (``P`` entries, None for a prompt without),
+            or ``None`` for text-only prompts; set by the engine after ``generate``.
     """
 
     prompt_ids: Tensor
@@ -61,6 +64,7 @@ class RolloutBatch:
     completions: list[str]
     sampling_logp: Tensor | None = None
     episodes: Episodes | None = None
+    prompt_images: list[PromptImages | None] | None = None
 
     @property
     def group_size(self) -> int:
@@ -144,6 +148,12 @@ class RolloutBackend(Protocol):
             around each rollout phase. Default False (a backend with its own copy).
         device: the device of the tensors ``generate`` returns, or None for the CPU. The
             engine builds the tensors of multi-turn episodes there.
+        accepts_images: True for a backend whose ``generate`` takes ``images=``: one
+            :class:`~grpo_core.contracts.PromptImages` (or None) per prompt, passed only when
+            the prompts have images (``data.image_column``); the prompt ids then hold the
+            processor's image tokens. Default False: the engine refuses image prompts for it.
+            Before ``setup`` the engine sets such a backend's ``processor`` attribute to the
+            model's processor. Optional (read with a default, not part of the runtime check).
     """
 
     generates_with_policy: bool = False

@@ -52,6 +52,15 @@ class DataSlot(Slot):
         description="Send a plain-string prompt as one user message (after system_prompt), so that "
         "the chat template applies; for datasets whose prompt column is text, e.g. GSM8K's question.",
     )
+    image_column: str | None = Field(
+        None, min_length=1,
+        description="Column holding each row's image(s): a path to an image file (relative to the working "
+        "directory), a PIL image, a datasets.Image value, or a list of them. The model must be an "
+        "image-text-to-text one with a processor: prompts are rendered by the processor's chat template, "
+        "the images first in the first user message unless the prompt's messages place image parts "
+        "themselves (a string prompt is sent as a user message). Images are loaded and checked when the "
+        "data loads. Rewards see the column as it is.",
+    )
     source_column: str | None = Field(
         None, min_length=1, description="Column naming each row's source (a mixture of datasets): rewards may "
         "score only some sources (their `sources`) and each step logs the reward per source (reward/source/<name>)."

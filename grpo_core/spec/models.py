@@ -65,6 +65,10 @@ class ModelSection(Section):
         False, description="Recompute activations in backward to save memory (slower)."
     )
     lora: LoraSection | None = Field(None, description="Train a LoRA adapter instead of all weights.")
+    train_vision: bool = Field(
+        False, description="For an image-text-to-text model: train the vision tower and its projector too. "
+        "false (default): they stay frozen; with lora, the adapter goes on the language model's layers only."
+    )
 
     @model_validator(mode="after")
     def _needs_a_source(self):

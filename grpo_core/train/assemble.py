@@ -35,6 +35,7 @@ from grpo_core.train.iterative import build_iterative
 from grpo_core.train.kl import KLTerm
 from grpo_core.train.learner import Learner, UpdateSettings
 from grpo_core.train.optim import make_optimizer
+from grpo_core.train.packing import resolve_packing
 from grpo_core.train.parallel import Single, strategy_for
 from grpo_core.train.pipeline import Pipeline
 from grpo_core.train.reasoning_steps import split_steps
@@ -162,15 +163,17 @@ def prompt_tools(episodes) -> Any:
 def prompt_budget(spec: Spec, model) -> int:
     """The longest prompt in tokens: ``data.max_prompt_tokens``, else what the model's context
     leaves after the longest completion (or episode)."""
-    context = getattr(model.config, "max_position_embeddings", None) or 10**9
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    context = getattr(config, "max_position_embeddings", None) or 10**9
     return spec.data.max_prompt_tokens or max(1, context - spec.rollout.episode_tokens)
 
 
-def held_out_prompts(spec: Spec, rows: list[dict], tokenizer, max_tokens: int, tools) -> list[Prompt]:
+def held_out_prompts(spec: Spec, rows: list[dict], tokenizer, max_tokens: int, tools, processor=None
+                     ) -> list[Prompt]:
     """The default held-out set: ``rows`` rendered, unrenderable ones left out, at most
     ``eval.max_prompts``."""
     source = PromptSource(rows or [{}], tokenizer, spec.data, seed=0, max_tokens=max_tokens, shuffle=False,
-                          tools=tools)
+                          tools=tools, processor=processor, split="held-out")
     return [p for p in map(source.render, rows) if p is not None][: spec.eval.max_prompts]
 
 
@@ -229,6 +232,44 @@ def _actor_and_feed(spec: Spec, model, tokenizer, backend, learner: Learner, sco
                            behaviour=learner.sampler_logprobs if sampler is not None else None)
 
 
+def load_processing(loaded: LoadedSpec, given: Any = None) -> tuple[Any, Any]:
+    """``(processor, tokenizer)``: with ``data.image_column``, the model's processor (or
+    ``given``, when it is a processor) and its tokenizer; otherwise no processor and the
+    tokenizer loaded (or ``given``) as ever."""
+    spec = loaded.spec
+    processor = None
+    if given is not None and getattr(given, "image_processor", None) is not None:
+        processor, given = given, given.tokenizer
+    elif spec.data.image_column is not None and given is None:
+        processor = modeling.load_processor(spec.model, loaded.base_dir)
+        given = processor.tokenizer
+    tokenizer = modeling.load_tokenizer(spec.model, loaded.base_dir) if given is None else modeling.prepare_tokenizer(
+        given)
+    if spec.data.image_column is None:
+        return None, tokenizer
+    if processor is None:
+        from grpo_core.train.images import check_processor
+
+        check_processor(None, "given from Python: pass its processor as the tokenizer")
+    return processor, tokenizer
+
+
+def check_image_run(spec: Spec, backend: Any, model: Any) -> None:
+    """Refuse what prompts with images cannot run with yet, naming the setting (``train.packing:
+    true`` before the first step: :func:`~grpo_core.train.packing.resolve_packing`)."""
+    resolve_packing(spec.train.packing, model)
+    if not getattr(backend, "accepts_images", False):
+        raise RunError(f"data.image_column: rollout backend '{spec.rollout.name}' does not take images; "
+                       "use rollout.name: hf or vllm")
+    if getattr(spec.algorithm.advantage.options, "teacher", None) is not None:
+        raise RunError(f"data.image_column: the advantage estimator '{spec.algorithm.advantage.name}' scores with a "
+                       "teacher model, which does not see the images; train image prompts without a teacher")
+    r = spec.rollout
+    if r.environment is not None or r.agent is not None or r.routing is not None:
+        raise RunError("data.image_column: multi-turn episodes (rollout.environment, agent, routing) do not take "
+                       "images yet")
+
+
 def build_run(loaded: LoadedSpec, dist: Dist | None = None, *, model=None, tokenizer=None) -> Run:
     """The run of ``loaded``: every component built, nothing trained yet. ``model`` and
     ``tokenizer``: objects to train instead of loading ``model.path`` (the Python trainer's)."""
@@ -257,14 +298,16 @@ def build_run(loaded: LoadedSpec, dist: Dist | None = None, *, model=None, token
     check_routed_columns(eval_rows, rewards, "held-out")
     check_routes(spec, train_rows + eval_rows)
 
-    tokenizer = (modeling.load_tokenizer(spec.model, loaded.base_dir) if tokenizer is None
-                 else modeling.prepare_tokenizer(tokenizer))
+    processor, tokenizer = load_processing(loaded, tokenizer)
     model = (modeling.load_policy(spec.model, loaded.base_dir, tokenizer) if model is None
              else modeling.prepare_policy(model, spec.model, tokenizer)).to(dist.device)
     # Asynchronous rollouts: whole copies of the policy, made before the strategy shards it: the
     # snapshot the learner's weights cross in, and for a backend that generates with the policy
     # module, the weights the actor samples from while the learner's move.
     backend, k = spec.rollout.build(), spec.rollout.max_staleness
+    if processor is not None:
+        check_image_run(spec, backend, model)
+        backend.processor = processor
     snapshot = policy_copy(model) if k else None
     sampler = policy_copy(model) if k and backend.generates_with_policy else None
     learner = build_learner(spec, model, tokenizer, strategy_for(dist, parallel))
@@ -275,13 +318,15 @@ def build_run(loaded: LoadedSpec, dist: Dist | None = None, *, model=None, token
     tools = prompt_tools(actor.episodes)
     sampler_slot = spec.data.sampler
     actor.source = PromptSource(train_rows, tokenizer, spec.data, seed=spec.train.seed, max_tokens=max_prompt,
-                                tools=tools, sampler=sampler_slot.build() if sampler_slot is not None else None)
+                                tools=tools, sampler=sampler_slot.build() if sampler_slot is not None else None,
+                                processor=processor)
     reference = learner.kl.reference if learner.kl is not None else None
     trackers: dict[str, Tracker] = {slot.name: slot.build() for slot in spec.tracking}
     return Run(
         spec=spec, loaded=loaded, output_dir=output_dir, actor=actor, learner=learner, feed=feed,
-        eval_prompts=held_out_prompts(spec, eval_rows, tokenizer, max_prompt, tools),
+        eval_prompts=held_out_prompts(spec, eval_rows, tokenizer, max_prompt, tools, processor),
         log=RunLog(trackers, output_dir, enabled=dist.is_main),
         iterative=build_iterative(spec, rewards, reference),
-        eval_sets=load_eval_sets(spec, tokenizer, max_prompt, required_columns(rewards), tools),
+        eval_sets=load_eval_sets(spec, tokenizer, max_prompt, required_columns(rewards), tools, processor),
+        processor=processor,
     )

@@ -12,9 +12,10 @@ import numpy as np
 from grpo_core.errors import RunError
 from grpo_core.spec.data import DataSlot
 from grpo_core.train.episodes import with_tools
+from grpo_core.train.images import check_processor, load_row_images, render_images
 
 if TYPE_CHECKING:
-    from grpo_core.contracts import PromptSampler
+    from grpo_core.contracts import PromptImages, PromptSampler
 
 
 @dataclass
@@ -27,6 +28,7 @@ class Prompt:
     ids: list[int]
     index: int | None = None  # its row's index in the training rows (a prompt sampler's key)
     source: str | None = None  # its row's data.source_column value (per-source metrics)
+    images: PromptImages | None = None  # its images and the processor's tensors (data.image_column)
 
 
 def check_columns(rows: list[dict], needed: dict[str, str], split: str) -> None:
@@ -50,15 +52,27 @@ class PromptSource:
 
     Empty prompts and prompts longer than the limit are skipped and counted in
     ``self.skipped`` (reason -> count).
+
+    With ``slot.image_column`` every row's images are loaded and checked here (a bad one
+    raises, naming its row), and prompts are rendered by ``processor`` (the model's, which
+    must be given): the images placed by its chat template, their tokens and tensors in the
+    prompt (:mod:`grpo_core.train.images`).
     """
 
     def __init__(
         self, rows: list[dict], tokenizer, slot: DataSlot, *, seed: int, max_tokens: int,
         shuffle: bool | None = None, tools: list[dict] | Callable[[dict], list[dict]] | None = None,
-        sampler: PromptSampler | None = None,
+        sampler: PromptSampler | None = None, processor: Any = None, split: str = "training",
     ):
         if not rows:
             raise RunError(f"data: dataset '{slot.name}' has no rows to train on")
+        self.processor = processor
+        column = getattr(slot, "image_column", None)
+        # the images of each row (by the row's identity: rows are rendered by value, not index)
+        self._images: dict[int, list] | None = None
+        if column is not None and rows != [{}]:
+            check_processor(processor, "model.path")
+            self._images = {id(row): found for row, found in zip(rows, load_row_images(rows, column, split))}
         self.rows = rows
         self.tokenizer = tokenizer
         self.slot = slot
@@ -84,7 +98,7 @@ class PromptSource:
         """The prompt of ``row``, or None (counted) when it cannot be used."""
         prompt = row[self.slot.prompt_column]
         tools = self.tools(row) if callable(self.tools) else self.tools
-        if isinstance(prompt, str) and self.slot.as_user_message:
+        if isinstance(prompt, str) and (self.slot.as_user_message or self._images is not None):
             prompt = [{"role": "user", "content": prompt}]
         if isinstance(prompt, list):
             messages = list(prompt)
@@ -92,6 +106,12 @@ class PromptSource:
                 messages = [{"role": "system", "content": self.slot.system_prompt}] + messages
             if not any(str(m.get("content", "")).strip() for m in messages if m.get("role") != "system"):
                 return self._skip("empty prompt")
+            if self._images is not None:
+                text, ids, images = render_images(self.processor, messages, self._images.get(id(row), []),
+                                                  self.slot.chat_template_kwargs)
+                if len(ids) > self.max_tokens:
+                    return self._skip("prompt too long")
+                return Prompt(row, messages, text, ids, source=self._source_of(row), images=images)
             if self.slot.chat_template and getattr(self.tokenizer, "chat_template", None):
                 messages, extra = with_tools(self.tokenizer, messages, tools)
                 text = self.tokenizer.apply_chat_template(
@@ -118,8 +138,11 @@ class PromptSource:
             )
         if len(ids) > self.max_tokens:
             return self._skip("prompt too long")
+        return Prompt(row, prompt, text, ids, source=self._source_of(row))
+
+    def _source_of(self, row: dict) -> str | None:
         column = self.slot.source_column
-        return Prompt(row, prompt, text, ids, source=None if column is None else str(row.get(column)))
+        return None if column is None else str(row.get(column))
 
     def _skip(self, reason: str) -> None:
         self.skipped[reason] = self.skipped.get(reason, 0) + 1

@@ -19,6 +19,7 @@ from grpo_core.train.assemble import (
     build_episodes,
     build_rewards,
     build_scorer,
+    check_image_run,
     held_out_prompts,
     load_rows,
     prompt_budget,
@@ -79,6 +80,18 @@ def _load_saved(spec: Spec, base_dir: Path, folder: Path):
     return tokenizer, model
 
 
+def _processor(spec: Spec, base_dir: Path, folder: Path | None):
+    """The processor of prompts with images (``data.image_column``): the saved folder's when
+    it has one, else the spec model's; None for text prompts."""
+    if spec.data.image_column is None:
+        return None
+    section = spec.model
+    if folder is not None and (folder / "processor_config.json").is_file():
+        section = section.model_copy(update={"path": str(folder), "package": None, "gguf_file": None,
+                                             "revision": None})
+    return modeling.load_processor(section, base_dir)
+
+
 def build_eval_run(loaded: LoadedSpec, model_dir: str | None = None) -> EvalRun:
     """The model (saved in ``model_dir``, or the spec's), the reward functions and the
     held-out sets of the spec."""
@@ -100,16 +113,20 @@ def build_eval_run(loaded: LoadedSpec, model_dir: str | None = None) -> EvalRun:
     else:
         tokenizer, model = _load_saved(spec, loaded.base_dir, folder)
     model = model.to(dist.device).eval()
+    processor = _processor(spec, loaded.base_dir, folder)
     scorer = build_scorer(spec, rewards, splitter)
     episodes = build_episodes(spec, model, tokenizer, scorer)
     tools = prompt_tools(episodes)
     max_prompt = prompt_budget(spec, model)
-    eval_prompts = held_out_prompts(spec, rows, tokenizer, max_prompt, tools)
-    eval_sets = load_eval_sets(spec, tokenizer, max_prompt, required, tools)
+    eval_prompts = held_out_prompts(spec, rows, tokenizer, max_prompt, tools, processor)
+    eval_sets = load_eval_sets(spec, tokenizer, max_prompt, required, tools, processor)
     if not eval_prompts and not any(s.prompts for s in eval_sets.values()):
         raise UsageError(f"{loaded.name}: the spec has no held-out prompts to evaluate on; give data a "
                          "held-out split (e.g. eval_size, or eval: FILE) or name sets in eval.sets")
     backend = spec.rollout.build()
+    if processor is not None:
+        check_image_run(spec, backend, model)
+        backend.processor = processor
     backend.setup(model, tokenizer)
     sets = [EvalSet("eval/", eval_prompts, spec.data.prompt_column), *eval_sets.values()]
     actor = build_actor(spec, backend, scorer, dist, episodes, weights=nullcontext, greedy_baseline=False)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -177,11 +178,12 @@ def evaluate_sets(spec, actor: Actor, sets: list[EvalSet]) -> dict[str, float]:
 
 
 def load_eval_sets(
-    spec, tokenizer, max_tokens: int, required: dict[str, str], tools: list[dict] | None = None
+    spec, tokenizer, max_tokens: int, required: dict[str, str], tools: list[dict] | None = None,
+    processor: Any = None,
 ) -> dict[str, EvalSet]:
     """The named sets of ``eval.sets``, loaded and rendered (with the environment's ``tools``
-    shown to the chat template); ``required`` maps each column the reward functions need to
-    who needs it."""
+    shown to the chat template, and images by the model's ``processor``); ``required`` maps
+    each column the reward functions need to who needs it."""
     out: dict[str, EvalSet] = {}
     for name, section in spec.eval.sets.items():
         dataset = section.data.build()
@@ -197,7 +199,8 @@ def load_eval_sets(
             raise RunError(f"eval.sets.{name}: dataset '{section.data.name}' has no rows in its {section.split} split")
         needed = {section.data.prompt_column: f"eval.sets.{name}.data.prompt_column", **required}
         check_columns(rows, needed, f"eval set '{name}'")
-        source = PromptSource(rows, tokenizer, section.data, seed=0, max_tokens=max_tokens, shuffle=False, tools=tools)
+        source = PromptSource(rows, tokenizer, section.data, seed=0, max_tokens=max_tokens, shuffle=False, tools=tools,
+                              processor=processor, split=f"eval set '{name}'")
         prompts = [p for p in map(source.render, rows) if p is not None][: section.max_prompts]
         out[name] = EvalSet(f"eval/{name}/", prompts, section.data.prompt_column)
     return out

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from grpo_core.contracts import AdvantageEstimator, AdvantageInputs, RolloutBatch, Teacher
+from grpo_core.contracts.images import without_placeholders
 from grpo_core.errors import RunError
 from grpo_core.train.distributed import Dist, pad_cat
 from grpo_core.train.experience import Experience, Scored, Timer
@@ -109,7 +110,8 @@ class Learner:
         when it is in the reward, the policy's and the teacher's log-probs for an estimator
         with a teacher, and the advantages."""
         s, kl, scored, teacher = self.settings, self.kl, experience.scored, self.estimator.teacher
-        batch = train_batch(scored.rollout, s.mask_truncated, experience.temperature)
+        batch = train_batch(scored.rollout, s.mask_truncated, experience.temperature,
+                            getattr(getattr(self.model, "module", self.model), "config", None))
         micro = self.micro_batches(batch)
         temperature = batch.temperature
         rewards, penalty, metrics = scored.scores.total.to(batch.mask.device), None, {}
@@ -175,22 +177,29 @@ class Learner:
         plain, unsharded copy of the policy that generated them: an asynchronous run's), computed
         as the learner computes its own (micro-batches, temperature, mixed precision), zero
         outside the completion masks: the behaviour policy of the rollout correction."""
-        batch = train_batch(experience.scored.rollout, False, experience.temperature)
+        batch = train_batch(experience.scored.rollout, False, experience.temperature, getattr(sampler, "config", None))
         logp = batch_logprobs(forward_of(sampler), batch, self.micro_batches(batch), batch.temperature, self.autocast,
                               packed=self.packs)
         return logp.masked_fill(~batch.mask, 0.0)
 
 
-def train_batch(rollout: RolloutBatch, mask_truncated: bool, temperature: float = 1.0) -> TrainBatch:
+def train_batch(rollout: RolloutBatch, mask_truncated: bool, temperature: float = 1.0, config: Any = None
+                ) -> TrainBatch:
     """The rollout (sampled at ``temperature``) as a :class:`TrainBatch`; the loss mask drops
-    truncated completions when ``mask_truncated`` (``rollout.mask_truncated_completions``)."""
+    truncated completions when ``mask_truncated`` (``rollout.mask_truncated_completions``),
+    and for prompts with images the completions that wrote one of the model's (``config``)
+    image placeholder tokens (:func:`~grpo_core.contracts.images.without_placeholders`)."""
     mask = rollout.completion_mask.bool()
     if mask_truncated:
         mask = mask & ~rollout.truncated.bool()[:, None]
-    batch = TrainBatch(rollout.prompt_ids, rollout.prompt_mask.bool(), rollout.completion_ids, mask,
+    completion_ids = rollout.completion_ids
+    if rollout.prompt_images is not None and config is not None:
+        completion_ids, mask = without_placeholders(completion_ids, mask, config)
+    batch = TrainBatch(rollout.prompt_ids, rollout.prompt_mask.bool(), completion_ids, mask,
                        torch.zeros(mask.shape, device=mask.device), temperature=temperature)
     if rollout.sampling_logp is not None:
         batch.sampling_logp = rollout.sampling_logp.to(mask.device, torch.float32)
+    batch.prompt_images = rollout.prompt_images
     return batch
 
 

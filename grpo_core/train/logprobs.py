@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from grpo_core.contracts.images import generation_positions, image_inputs, repeat_position_state, repeat_rows
 from grpo_core.train.head_logprobs import DEFAULT_CHUNK_SIZE, logit_transform, token_logprobs
 from grpo_core.train.packing import pack_rows, packed_decoder_call, packing_unsupported
 
@@ -70,6 +71,61 @@ def _hidden_plain(decoder, prompt_ids, prompt_mask, completion_ids, group_size) 
     )
     length, steps = prompt_ids.shape[1], completion_ids.shape[1]
     return out.last_hidden_state[:, length - 1 : length - 1 + steps]
+
+
+def image_text_body(model: Any) -> nn.Module:
+    """The body of an image-text-to-text model (its forward takes the image inputs and returns
+    the last hidden states): the base model under a peft or DDP wrapper, then its
+    ``base_model_prefix`` module (``model`` of Qwen2-VL and SmolVLM)."""
+    plain = getattr(model, "module", model)
+    if hasattr(plain, "get_base_model"):
+        plain = plain.get_base_model()
+    return getattr(plain, plain.base_model_prefix)
+
+
+def _hidden_images(model, prompt_ids, prompt_mask, completion_ids, group_size, images) -> Tensor:
+    """:func:`_hidden_plain` for prompts with images: the model's own body runs every row
+    (prompt then completion) with its prompt's image inputs, so that the image features and
+    the positions (Qwen2-VL's 3-D ones) are the model's; no prompt is shared. ``images``: one
+    :class:`~grpo_core.contracts.PromptImages` (or None) per prompt. Returns ``(B, T, H)``."""
+    ids = torch.cat([prompt_ids.repeat_interleave(group_size, 0), completion_ids], dim=1)
+    row_mask = prompt_mask.repeat_interleave(group_size, 0)
+    mask = torch.cat([row_mask, torch.ones_like(completion_ids, dtype=torch.bool)], dim=1)
+    inputs = image_inputs(repeat_rows(images, group_size), row_mask, completion_ids.shape[1])
+    out = image_text_body(model)(input_ids=ids, attention_mask=mask, use_cache=False, **inputs)
+    length, steps = prompt_ids.shape[1], completion_ids.shape[1]
+    return out.last_hidden_state[:, length - 1 : length - 1 + steps]
+
+
+def _hidden_images_shared(model, prompt_ids, prompt_mask, completion_ids, group_size, images) -> Tensor | None:
+    """:func:`_hidden_images` with each prompt (its images included) encoded once: its keys and
+    values, and the model's per-row position state (Qwen2-VL's offsets), repeated ``G`` times
+    for the completions, which continue from them; gradients flow back through the
+    repetition. Positions are the ones ``generate`` gives (the model's own rule,
+    :func:`~grpo_core.contracts.images.generation_positions`), prompt and completions alike.
+    Returns ``(B, T, H)``, or None if the body kept no cache."""
+    from transformers import DynamicCache
+
+    body, length, steps = image_text_body(model), prompt_ids.shape[1], completion_ids.shape[1]
+    inputs = image_inputs(images, prompt_mask)
+    positions = generation_positions(model, prompt_ids, prompt_mask, inputs)
+    cache = DynamicCache(config=model.config.get_text_config(decoder=True))
+    prompt = body(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, past_key_values=cache,
+                  use_cache=True, **inputs)
+    if cache.get_seq_length() != length:
+        return None
+    cache.batch_repeat_interleave(group_size)
+    repeat_position_state(model, prompt_ids.shape[0], group_size)
+    rows_mask = prompt_mask.repeat_interleave(group_size, 0)
+    mask = torch.cat([rows_mask, torch.ones_like(completion_ids, dtype=torch.bool)], dim=1)
+    ids = torch.cat([prompt_ids.repeat_interleave(group_size, 0), completion_ids], dim=1)
+    following = generation_positions(model, ids, mask, {}, cache)[..., length:]
+    text = {k: v[:, length:] for k, v in image_inputs(repeat_rows(images, group_size), rows_mask, steps).items()
+            if v.dim() == 2 and v.shape == ids.shape}  # per-token inputs of the completions (text: 0)
+    comp = body(input_ids=completion_ids, attention_mask=mask, position_ids=following, past_key_values=cache,
+                use_cache=True, **text).last_hidden_state
+    last = prompt.last_hidden_state[:, -1:].repeat_interleave(group_size, 0)
+    return torch.cat([last, comp[:, :-1]], dim=1)
 
 
 def _length_buckets(lengths: Tensor, min_saving: float = 0.2, max_buckets: int = 4) -> list[Tensor] | None:
@@ -249,6 +305,7 @@ def completion_logprobs(
     length_buckets: bool = True,
     packed: bool = False,
     prompt_index: Tensor | None = None,
+    images: list | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs (and entropies) of completion tokens under a causal LM, ``(B, T)`` each.
 
@@ -292,6 +349,10 @@ def completion_logprobs(
         packed: run the rows packed into one sequence (see above).
         prompt_index: ``long (B,)`` the prompt of each completion, for rows that are not whole
             groups of equal size (default: ``G`` consecutive rows per prompt).
+        images: ``P`` :class:`~grpo_core.contracts.PromptImages` (or None each) for prompts with
+            images: the rows then run through the image-text-to-text model's own body with
+            their prompt's image inputs, each prompt encoded once where ``share_prompt`` allows
+            (:func:`_hidden_images_shared`, else :func:`_hidden_images`); never packed.
 
     Returns:
         ``(logp, entropy)``: ``float32 (B, T)`` (float64 for a float64 model), exactly 0
@@ -309,7 +370,17 @@ def completion_logprobs(
     if steps == 0:
         return logp, entropy
     decoder = model.get_decoder()
-    if packed and packing_unsupported(model, decoder) is None:
+    if images is not None:
+        if group_size is None:  # one prompt row per completion
+            p_ids, p_mask, images, group_size = p_ids[prompt_index], p_mask[prompt_index], [
+                images[int(i)] for i in prompt_index], 1
+        hidden = None
+        if share_prompt and _shares_prompt_safely(model, decoder, group_size):
+            hidden = _hidden_images_shared(model, p_ids, p_mask, c_ids, group_size, images)
+        if hidden is None:
+            hidden = _hidden_images(model, p_ids, p_mask, c_ids, group_size, images)
+        hidden = hidden[c_mask]
+    elif packed and packing_unsupported(model, decoder) is None:
         layout = pack_rows(p_ids, p_mask, c_ids, c_mask, prompt_index)
         hidden = packed_decoder_call(decoder, layout)[layout.hidden_index[c_mask]]
     else:

@@ -153,10 +153,46 @@ def _plain_copy(model):
     return plain
 
 
-def load_policy(section: ModelSection, base_dir: Path, tokenizer):
-    """The trainable policy (with a LoRA adapter when ``section.lora`` is set)."""
-    from transformers import AutoModelForCausalLM
+def load_processor(section: ModelSection, base_dir: Path):
+    """The model's processor (transformers ``AutoProcessor``): what renders prompts with images.
+    A RunError naming the folder when it has none that handles images."""
+    from transformers import AutoProcessor
 
+    from grpo_core.train.images import check_processor
+
+    where, revision = model_source(section, base_dir)
+    try:
+        processor = AutoProcessor.from_pretrained(where, trust_remote_code=section.trust_remote_code,
+                                                  revision=revision)
+    except Exception as exc:
+        raise RunError(f"data.image_column: cannot load the model's processor from {where} (transformers "
+                       f"AutoProcessor): {type(exc).__name__}: {exc}") from exc
+    check_processor(processor, where)
+    prepare_tokenizer(processor.tokenizer)
+    return processor
+
+
+def is_image_text(config: Any) -> bool:
+    """Whether a transformers config is a vision-language one (it has a vision tower)."""
+    return getattr(config, "vision_config", None) is not None
+
+
+def _auto_class(where: str, section: ModelSection, revision: str | None):
+    """``AutoModelForImageTextToText`` for a vision-language config, else ``AutoModelForCausalLM``."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    if section.gguf_file:
+        return AutoModelForCausalLM
+    try:
+        config = AutoConfig.from_pretrained(where, trust_remote_code=section.trust_remote_code, revision=revision)
+    except Exception:  # from_pretrained below reports it
+        return AutoModelForCausalLM
+    return AutoModelForImageTextToText if is_image_text(config) else AutoModelForCausalLM
+
+
+def load_policy(section: ModelSection, base_dir: Path, tokenizer):
+    """The trainable policy (with a LoRA adapter when ``section.lora`` is set): a causal LM, or
+    an image-text-to-text model when its config has a vision tower."""
     where, revision = model_source(section, base_dir)
     kwargs: dict[str, Any] = {
         "trust_remote_code": section.trust_remote_code,
@@ -168,7 +204,7 @@ def load_policy(section: ModelSection, base_dir: Path, tokenizer):
     if section.attn_implementation:
         kwargs["attn_implementation"] = section.attn_implementation
     try:
-        model = AutoModelForCausalLM.from_pretrained(where, **kwargs)
+        model = _auto_class(where, section, revision).from_pretrained(where, **kwargs)
     except Exception as exc:
         raise RunError(f"model: cannot load {where}: {type(exc).__name__}: {exc}") from exc
     if section.gguf_file:
@@ -187,19 +223,67 @@ def prepare_policy(model, section: ModelSection, tokenizer):
     if section.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
+    vision = vision_modules(model)
     if section.lora is not None:
         try:
             from peft import LoraConfig, get_peft_model
         except ImportError as exc:
             raise RunError("model.lora needs peft: pip install 'grpo-core[lora]'") from exc
         lora = section.lora
+        targets = lora.target_modules
+        if vision and not section.train_vision:
+            targets = language_targets(model, targets)
         model = get_peft_model(
             model,
             LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                       target_modules=lora.target_modules, task_type="CAUSAL_LM"),
+                       target_modules=targets, task_type="CAUSAL_LM"),
         )
+    elif vision and not section.train_vision:
+        for name in vision:
+            model.get_submodule(name).requires_grad_(False)
     model.train()
     return model
+
+
+def vision_modules(model: torch.nn.Module) -> list[str]:
+    """The names of an image-text-to-text model's top modules outside its language part (the
+    vision tower and the projector into the language model's embeddings); empty for a causal
+    LM. The language part is the decoder (``get_decoder()``) and the output layer."""
+    if not is_image_text(getattr(model, "config", None)):
+        return []
+    language = {id(model.get_decoder()), id(model.get_output_embeddings())}
+    out: list[str] = []
+
+    def visit(prefix: str, module: torch.nn.Module) -> None:
+        for name, child in module.named_children():
+            full = f"{prefix}{name}"
+            if id(child) in language:
+                continue
+            holds_language = any(id(m) in language for m in child.modules())
+            if holds_language:
+                visit(full + ".", child)
+            elif any(True for _ in child.parameters()):
+                out.append(full)
+
+    visit("", model)
+    return out
+
+
+def language_targets(model: torch.nn.Module, targets: list[str] | str) -> list[str]:
+    """The full names of the linear layers LoRA adapts in the language part only (the decoder):
+    ``targets`` is ``all-linear`` or module name suffixes, as peft reads them."""
+    decoder = model.get_decoder()
+    inside = {id(m) for m in decoder.modules()}
+    wanted = None if targets == "all-linear" else ([targets] if isinstance(targets, str) else list(targets))
+    names = []
+    for name, module in model.named_modules():
+        if id(module) not in inside or not isinstance(module, torch.nn.Linear):
+            continue
+        if wanted is None or any(name == t or name.endswith("." + t) for t in wanted):
+            names.append(name)
+    if not names:
+        raise RunError(f"model.lora.target_modules {targets!r} matches no linear layer of the language model")
+    return names
 
 
 def autocast(mixed_precision: str, device: torch.device):

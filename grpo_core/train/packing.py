@@ -278,6 +278,9 @@ def packing_unsupported(model: Any, decoder: nn.Module) -> str | None:
 
 def _structural_reason(model: Any) -> str | None:
     """Why the model's attention cannot be packed exactly whatever the call, or None."""
+    if getattr(model.config, "vision_config", None) is not None:
+        return ("the model takes images (packing runs text-only models: an image-text-to-text model's own "
+                "forward places the image features and, for Qwen2-VL, the 3-D positions)")
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     kinds = sorted({str(kind) for kind in getattr(config, "layer_types", None) or ()} - {"full_attention"})
     if kinds:

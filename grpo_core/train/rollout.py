@@ -87,7 +87,12 @@ def generate_rollout(
     (an :class:`~grpo_core.train.episodes.EpisodeRunner`) is given."""
     if episodes is not None:
         return episodes.run(backend, prompts, group_size, sampling)
-    return backend.generate([p.ids for p in prompts], group_size, sampling)
+    images = [p.images for p in prompts]
+    if all(i is None for i in images):
+        return backend.generate([p.ids for p in prompts], group_size, sampling)
+    rollout = backend.generate([p.ids for p in prompts], group_size, sampling, images=images)
+    rollout.prompt_images = images
+    return rollout
 
 
 def reward_means(scores: Scores, prefix: str = "", suffix: str = "") -> dict[str, float]:
@@ -135,6 +140,7 @@ def select_rollout(r: RolloutBatch, groups: list[int]) -> RolloutBatch:
         r.prompt_ids[pidx], r.prompt_mask[pidx], r.completion_ids[idx], r.completion_mask[idx], r.truncated[idx],
         [r.completions[i] for i in rows], None if r.sampling_logp is None else r.sampling_logp[idx],
         None if r.episodes is None else r.episodes.select(rows),
+        None if r.prompt_images is None else [r.prompt_images[i] for i in groups],
     )
 
 
@@ -154,7 +160,15 @@ def concat_rollouts(rs: list[RolloutBatch]) -> RolloutBatch:
         [c for r in rs for c in r.completions],
         torch.cat([_pad_right(r.sampling_logp, width_c, 0.0) for r in rs]) if with_logp else None,
         None if rs[0].episodes is None else Episodes.concat([r.episodes for r in rs]),
+        _concat_images(rs),
     )
+
+
+def _concat_images(rs: list[RolloutBatch]) -> list | None:
+    """The parts' prompt images in order (None entries for a text-only part), or None."""
+    if all(r.prompt_images is None for r in rs):
+        return None
+    return [i for r in rs for i in (r.prompt_images or [None] * r.prompt_ids.shape[0])]
 
 
 def select_groups(scored: Scored, groups: list[int]) -> Scored:

@@ -312,7 +312,7 @@ def _save_final(run: Run) -> Path:
     weights = run.learner.strategy.model_state(run.model)
     if run.dist.is_main:
         run.model.save_pretrained(final, state_dict=weights)
-        run.tokenizer.save_pretrained(final)
+        (run.processor or run.tokenizer).save_pretrained(final)
     run.dist.barrier()
     return final
 

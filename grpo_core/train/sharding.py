@@ -49,7 +49,7 @@ class LogprobModel(nn.Module):
     def forward(
         self, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor,
         with_entropy: bool = False, temperature: float = 1.0, share_prompt: bool = True,
-        packed: bool = False, prompt_index: Tensor | None = None,
+        packed: bool = False, prompt_index: Tensor | None = None, images: list | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """:func:`completion_logprobs` of the wrapped model, ``(B, T)`` each. ``share_prompt``:
         encode each prompt once for its completions (two decoder calls) where the rows allow
@@ -71,7 +71,7 @@ class LogprobModel(nn.Module):
         logp, entropy = completion_logprobs(
             self.model, prompt_ids, prompt_mask, completion_ids, completion_mask,
             with_entropy=with_entropy, temperature=temperature, share_prompt=share_prompt,
-            length_buckets=self.length_buckets, packed=packed, prompt_index=prompt_index,
+            length_buckets=self.length_buckets, packed=packed, prompt_index=prompt_index, images=images,
         )
         if empty:
             logp = logp * 0.0

@@ -54,6 +54,7 @@ class Run:
     log: RunLog
     iterative: IterativeStage | None = None  # the iteration stage of iterative GRPO
     eval_sets: dict[str, EvalSet] = field(default_factory=dict)  # the named sets of eval.sets
+    processor: Any = None  # the model's processor when prompts have images (saved with the weights)
     step: int = 0
     nonfinite_streak: int = 0
     last_eval: dict[str, float] = field(default_factory=dict)

@@ -55,6 +55,7 @@ class TrainBatch:
     ref_logp: Tensor | None = None  # float (B, T)
     sampling_logp: Tensor | None = None  # float (B, T): the sampler's, when the backend gives them
     temperature: float = 1.0
+    prompt_images: list | None = None  # P PromptImages (or None each) when the prompts have images
 
     @property
     def group_size(self) -> int:
@@ -98,12 +99,10 @@ def forward_logprobs(
         prompts, index = torch.unique(prompt_of, return_inverse=True)
         return forward(batch.prompt_ids[prompts], batch.prompt_mask[prompts], batch.completion_ids[rows], mask,
                        packed=True, prompt_index=index, **common)
-    if shares_prompts(batch, rows):
-        prompts = torch.unique_consecutive(prompt_of)
-        p_ids, p_mask = batch.prompt_ids[prompts], batch.prompt_mask[prompts]
-    else:  # ragged: one prompt row per completion
-        p_ids, p_mask = batch.prompt_ids[prompt_of], batch.prompt_mask[prompt_of]
-    return forward(p_ids, p_mask, batch.completion_ids[rows], mask, **common)
+    prompts = torch.unique_consecutive(prompt_of) if shares_prompts(batch, rows) else prompt_of  # else ragged
+    if batch.prompt_images is not None:  # only then: text-only forwards keep their signature
+        common["images"] = [batch.prompt_images[int(p)] for p in prompts]
+    return forward(batch.prompt_ids[prompts], batch.prompt_mask[prompts], batch.completion_ids[rows], mask, **common)
 
 
 def shares_prompts(batch: TrainBatch, rows: Tensor) -> bool:

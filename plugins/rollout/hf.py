@@ -21,6 +21,7 @@ from torch import Tensor
 
 from grpo_core import hookimpl
 from grpo_core.contracts import (
+    PromptImages,
     RolloutBatch,
     SamplingParams,
     check_request,
@@ -196,6 +197,8 @@ class HFRollout:
     #: The engine gathers a sharded (fsdp2) policy whole around each rollout phase (generation
     #: and scoring) for this backend, and frees the gathered copy after.
     generates_with_policy = True
+    #: Prompts with images (``data.image_column``) are generated with their image inputs.
+    accepts_images = True
 
     def __init__(self, options: HFRolloutOptions | None = None):
         self.options = options or HFRolloutOptions()
@@ -270,7 +273,8 @@ class HFRollout:
                 self._release()
 
     def generate(
-        self, prompt_ids: list[list[int]], group_size: int, sampling: SamplingParams
+        self, prompt_ids: list[list[int]], group_size: int, sampling: SamplingParams,
+        images: list[PromptImages | None] | None = None,
     ) -> RolloutBatch:
         """``G = group_size`` completions for each of the ``P`` prompts (token id lists).
 
@@ -286,6 +290,9 @@ class HFRollout:
         is set when the lean loop samples from a copy in another dtype than the policy's
         (the sampled tokens' log-probs under the distribution drawn from); else None: the
         backend samples from the very weights the trainer evaluates.
+
+        ``images``: each prompt's :class:`~grpo_core.contracts.PromptImages` (or None), for
+        prompts with images: :meth:`_generate_part_images` then generates each part.
         """
         if self.model is None:
             raise RuntimeError("hf rollout: setup(model, tokenizer) must be called before generate")
@@ -299,7 +306,11 @@ class HFRollout:
                 part = slice(start, start + step)
                 seed = None if sampling.seed is None else sampling.seed + start
                 with _seeded(seed, device):
-                    pieces.append(self._part_fn()(ids[part], mask[part], group_size, sampling))
+                    if images is None:
+                        pieces.append(self._part_fn()(ids[part], mask[part], group_size, sampling))
+                    else:
+                        pieces.append(self._generate_part_images(ids[part], mask[part], group_size, sampling,
+                                                                 images[part]))
         completion_ids, completion_mask, truncated, logp = self._assemble(pieces, sampling)
         return RolloutBatch(
             prompt_ids=ids.clone(),
@@ -361,19 +372,37 @@ class HFRollout:
         cache.batch_repeat_interleave(group_size)
         return cache
 
+    def _generate_part_images(
+        self, ids: Tensor, mask: Tensor, group_size: int, sampling: SamplingParams, images: list
+    ) -> tuple[Tensor, Tensor, None]:
+        """:meth:`_generate_part` for prompts with images: transformers ``generate`` with each
+        row's image inputs, or (``share_prompt_prefill``) from each prompt encoded once with its
+        images (:func:`~grpo_plugins.rollout.images.prefill_with_images`); the model places its
+        image features and positions (Qwen2-VL's 3-D ones) itself."""
+        from grpo_plugins.rollout.images import prefill_with_images, row_image_inputs
+
+        first = int(mask.any(0).nonzero()[0])
+        ids, mask = ids[:, first:], mask[:, first:]
+        cache = prefill_with_images(self.model, ids, mask, images, group_size) if self._can_share(
+            ids, group_size) else None
+        kwargs = {"past_key_values": cache} if cache is not None else row_image_inputs(images, mask, group_size)
+        return self._generate_part(ids, mask, group_size, sampling, kwargs)
+
     def _generate_part(
-        self, ids: Tensor, mask: Tensor, group_size: int, sampling: SamplingParams
+        self, ids: Tensor, mask: Tensor, group_size: int, sampling: SamplingParams,
+        image_kwargs: dict[str, Tensor] | None = None,
     ) -> tuple[Tensor, Tensor, None]:
         """Generate for ``p`` prompts ``(p, L)``; returns completion ids ``(p*G, n)`` (tokens
         after each row's end are arbitrary), lengths ``long (p*G,)``, -1 where the row
-        did not end (EOS / stop string) within ``n`` tokens, and no log-probs."""
+        did not end (EOS / stop string) within ``n`` tokens, and no log-probs.
+        ``image_kwargs``: the rows' image inputs (then no prefill is shared)."""
         from transformers import StoppingCriteriaList
 
         first = int(mask.any(0).nonzero()[0])  # drop columns that are padding in every row
         ids, mask = ids[:, first:], mask[:, first:]
         recorder = _EndRecorder(torch.tensor(self.eos_ids), self._stop_criterion(sampling.stop))
-        kwargs: dict[str, Any] = {}
-        if self._can_share(ids, group_size):
+        kwargs: dict[str, Any] = dict(image_kwargs or {})
+        if image_kwargs is None and self._can_share(ids, group_size):
             kwargs["past_key_values"] = self._prefill(ids, mask, group_size)
         out = self.model.generate(
             input_ids=ids.repeat_interleave(group_size, 0),

@@ -30,12 +30,20 @@ from grpo_plugins.vllm.engine import (
     unlink_shared_memory,
     write_model_files,
 )
-from grpo_plugins.vllm.io import outputs_to_batch, repeat_greedy, request_seed, sampling_kwargs
+from grpo_plugins.vllm.io import (
+    check_expansion,
+    engine_prompts,
+    outputs_to_batch,
+    repeat_greedy,
+    request_seed,
+    sampling_kwargs,
+)
 from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from grpo_core import hookimpl
 from grpo_core.contracts import (
+    PromptImages,
     RolloutBatch,
     SamplingParams,
     check_request,
@@ -220,12 +228,15 @@ class VLLMRollout:
 
     #: The engine holds its own copy of the weights (pushed by ``sync_weights``).
     generates_with_policy = False
+    #: Prompts with images go to vLLM with their images as multimodal data.
+    accepts_images = True
 
     def __init__(self, options: VLLMRolloutOptions | None = None):
         # model_construct: the defaults without the install check, which setup repeats.
         self.options = options or VLLMRolloutOptions.model_construct()
         self.llm: Any = None
         self.tokenizer: Any = None
+        self.processor: Any = None  # the model's, set by the engine for prompts with images
         self.device = torch.device("cpu")
         self._folder: tempfile.TemporaryDirectory | None = None
         self._tp_group: Any = None
@@ -271,7 +282,7 @@ class VLLMRollout:
                 [list(range(start, start + tp)) for start in range(0, world, tp)]
             )
         self._folder = tempfile.TemporaryDirectory(prefix="grpo-vllm-")
-        write_model_files(model, tokenizer, self._folder.name)
+        write_model_files(model, tokenizer, self._folder.name, self.processor)
         kwargs = engine_kwargs(self.options, self._folder.name, replica=rank // tp)
         known = {f.name for f in dataclasses.fields(EngineArgs)}
         kwargs, dropped = drop_unknown(kwargs, known, keep=self.options.engine_kwargs)
@@ -305,7 +316,8 @@ class VLLMRollout:
             self.llm.reset_prefix_cache()
 
     def generate(
-        self, prompt_ids: list[list[int]], group_size: int, sampling: SamplingParams
+        self, prompt_ids: list[list[int]], group_size: int, sampling: SamplingParams,
+        images: list[PromptImages | None] | None = None,
     ) -> RolloutBatch:
         """``G = group_size`` completions for each of the ``P`` prompts (token id lists).
 
@@ -316,6 +328,11 @@ class VLLMRollout:
         ``B = P * G`` rows, prompt-major; ``sampling_logp`` is vLLM's processed log-prob
         (after temperature and top-k/p), the trainer's own when ``top_k = 0`` and
         ``top_p = 1`` up to numerics (``bench/vllm_check.py`` measures the agreement).
+
+        ``images``: each prompt's :class:`~grpo_core.contracts.PromptImages` (or None): such a
+        prompt goes to vLLM as its unexpanded tokens with the images as multimodal data
+        (:func:`~grpo_plugins.vllm.io.engine_prompts`), and vLLM's expansion must be the
+        processor's.
         """
         if self.llm is None:
             raise RuntimeError("vllm rollout: setup(model, tokenizer) must be called before generate")
@@ -324,15 +341,17 @@ class VLLMRollout:
         from vllm.inputs import TokensPrompt
 
         seeds = [None if sampling.seed is None else request_seed(sampling.seed + i) for i in range(len(prompt_ids))]
-        prompts, seeds, mine = self._gather(list(map(list, prompt_ids)), seeds)
+        prompts, seeds, mine = self._gather(engine_prompts(prompt_ids, images), seeds)
         self._wake("weights", "kv_cache")
         outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in prompts],
+            [TokensPrompt(**p) for p in prompts],
             [VLLMSamplingParams(**sampling_kwargs(sampling, group_size, self.eos_ids, s)) for s in seeds],
             use_tqdm=False,
         )
         self._sleep()
         outputs = list(outputs)[mine]
+        if images is not None:
+            check_expansion(outputs, prompt_ids)
         if sampling.greedy:
             outputs = repeat_greedy(outputs, group_size)
         return outputs_to_batch(

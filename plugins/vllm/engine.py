@@ -26,16 +26,17 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------- model and weights
-def write_model_files(model: Any, tokenizer: Any, folder: str) -> None:
-    """The policy's (base model's) config, with ``architectures``, and tokenizer in
-    ``folder``: what vLLM reads to build the model; no weights."""
+def write_model_files(model: Any, tokenizer: Any, folder: str, processor: Any = None) -> None:
+    """The policy's (base model's) config, with ``architectures``, and tokenizer (the
+    processor, for prompts with images) in ``folder``: what vLLM reads to build the model;
+    no weights."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = copy.deepcopy(base.config)
     if hasattr(config, "quantization_config"):
         delattr(config, "quantization_config")  # GGUF: the weights pushed are plain floats
     config.architectures = [type(base).__name__]
     config.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    (processor or tokenizer).save_pretrained(folder)
 
 
 def engine_dtype(llm: Any) -> torch.dtype:

@@ -105,6 +105,33 @@ def _token_logps(completion: Any, ids: list[int], where: str) -> list[float] | N
     return values
 
 
+def engine_prompts(prompt_ids: Sequence[Sequence[int]], images: Sequence[Any] | None) -> list[dict[str, Any]]:
+    """The keyword arguments of vLLM's ``TokensPrompt`` for each prompt: its token ids, or for
+    a prompt with images (a :class:`~grpo_core.contracts.PromptImages`) its tokens before the
+    image placeholders were expanded and the images as ``multi_modal_data`` (vLLM expands
+    the placeholders itself, and would expand already expanded ones again)."""
+    out: list[dict[str, Any]] = []
+    for index, ids in enumerate(prompt_ids):
+        found = None if images is None else images[index]
+        if found is None:
+            out.append({"prompt_token_ids": list(ids)})
+        else:
+            out.append({"prompt_token_ids": list(found.text_ids), "multi_modal_data": {"image": list(found.images)}})
+    return out
+
+
+def check_expansion(outputs: Sequence[Any], prompt_ids: Sequence[Sequence[int]]) -> None:
+    """Refuse outputs whose prompt (as vLLM expanded its image placeholders) is not the
+    prompt the trainer scores (as the model's processor expanded them)."""
+    for index, (output, ids) in enumerate(zip(outputs, prompt_ids, strict=True)):
+        got = getattr(output, "prompt_token_ids", None)
+        if got is not None and list(got) != list(ids):
+            raise ValueError(
+                f"vllm rollout: vLLM expanded the image placeholders of prompt {index} into other tokens than the "
+                f"model's processor did ({len(got)} tokens against {len(ids)}); the trainer would score another "
+                "prompt than the one sampled. Use rollout.name: hf for this model")
+
+
 def outputs_to_batch(
     outputs: Sequence[Any],
     prompt_ids: Sequence[Sequence[int]],
