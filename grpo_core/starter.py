@@ -29,7 +29,7 @@ rollout:
   group_size: 8                         # G completions per prompt
   max_new_tokens: 384
   temperature: 1.0
-  mask_truncated_completions: false     # a cut-off answer stays in the loss as a wrong one (masked, drifting long costs nothing)
+  mask_truncated_completions: false     # a cut-off answer stays in the loss, scored 0: running long costs
 rewards:
   - name: accuracy                      # 1 when the final answer equals the gold one (math-verify)
     answer_column: answer
