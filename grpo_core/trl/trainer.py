@@ -39,7 +39,9 @@ ARGUMENTS: list[tuple[str, str, str]] = [
      "every other column reaches the reward functions. Required. An IterableDataset is refused (materialize it)."),
     ("eval_dataset", "the held-out split, or eval.sets",
      "One dataset, or {name: dataset} (a DatasetDict too) for named sets logged under eval/NAME/."),
-    ("processing_class", "grpo_core.Trainer(tokenizer=...)", "A tokenizer; a multimodal processor is refused."),
+    ("processing_class", "grpo_core.Trainer(tokenizer=...)",
+     "A tokenizer, or for rows with images (an 'image' or 'images' column, TRL's names) the model's processor "
+     "(None loads it from the model); the column becomes data.image_column."),
     ("reward_processing_classes", "refused unless None",
      "grpo-core's reward_model loads the tokenizer saved with the reward model."),
     ("callbacks", "grpo_core.Trainer(callbacks=...)",
@@ -86,6 +88,21 @@ class TRLTrainResult(TrainResult):
 
 
 # --------------------------------------------------------------------------- arguments
+def _image_column(rows: list[dict], processing_class: Any, problems: list[str]) -> str | None:
+    """TRL's image column of ``rows`` (``image``, or ``images`` for several a row), which
+    becomes ``data.image_column``; a processor without one, or a plain tokenizer with one,
+    is a problem named in ``problems``."""
+    column = next((c for c in ("image", "images") if rows and c in rows[0]), None)
+    multimodal = getattr(processing_class, "image_processor", None) is not None
+    if multimodal and column is None:
+        problems.append("processing_class: the model's processor, but train_dataset has no 'image' or 'images' "
+                        "column (TRL's names for a row's images); instead: its tokenizer, or add the column")
+    elif column is not None and processing_class is not None and not multimodal:
+        problems.append(f"processing_class: a tokenizer, but train_dataset's '{column}' column holds images; "
+                        "instead: the model's processor (AutoProcessor), or None to load it from the model")
+    return column
+
+
 def _lora(peft_config: Any, model: Any, model_spec: Mapping[str, Any], problems: list[str]) -> dict | None:
     """``model.lora`` of a ``peft.LoraConfig``; a setting it cannot carry is a problem."""
     if peft_config is None:
@@ -283,9 +300,6 @@ class GRPOTrainer:
         model_object = not isinstance(model, str)
         if model_object and hasattr(model, "peft_config"):
             problems.append("model: a PeftModel; instead: pass its base model with peft_config (model.lora)")
-        if processing_class is not None and hasattr(processing_class, "image_processor"):
-            problems.append("processing_class: a multimodal processor; grpo-core trains text models "
-                            "(instead: the tokenizer)")
         if train_dataset is None:
             problems.append("train_dataset: required (grpo-core trains on the rows passed here)")
         if eval_dataset is None and getattr(args.eval_strategy, "value", args.eval_strategy) != "no":
@@ -300,6 +314,9 @@ class GRPOTrainer:
         except TRLConfigError as exc:
             problems = [*exc.problems, *problems]
             data = {}
+        image_column = _image_column(rows, processing_class, problems)
+        if image_column is not None:
+            data.setdefault("data", {})["image_column"] = image_column
         model_spec = data.setdefault("model", {})
         if not model_object:
             model_spec["path"] = model

@@ -126,3 +126,57 @@ def test_an_asynchronous_image_run_trains(tiny_vlm, tmp_path, kit):
     assert _grpo(tmp_path / "out", tiny_vlm, "rollout.max_staleness=1", "train.steps=3", "eval.every=0") == 0
     rows = [r for r in kit.read_metrics(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
     assert [r["async/staleness"] for r in rows] == [0, 1, 1]
+
+
+# --------------------------------------------------------------------------- TRL's door
+def _shape_rows(n: int) -> list[dict]:
+    from PIL import Image, ImageDraw
+
+    rows = []
+    for i in range(n):
+        image = Image.new("RGB", (56, 56), "white")
+        ImageDraw.Draw(image).rectangle([4 + i, 4, 20 + i, 20], fill="black")
+        rows.append({"prompt": [{"role": "user", "content": "How many shapes?"}], "image": image, "answer": "1"})
+    return rows
+
+
+def test_trls_vlm_recipe_runs_through_the_door_with_the_image_column(tiny_vlm, tmp_path, monkeypatch):
+    """TRL's vision-language usage (rows with an ``image`` column, the model's processor as
+    ``processing_class`` or None): the column becomes data.image_column and the run trains."""
+    from datasets import Dataset
+    from transformers import AutoProcessor
+
+    from grpo_core.trl import GRPOConfig, GRPOTrainer
+
+    monkeypatch.chdir(tmp_path)
+    rows = _shape_rows(4)
+
+    def short(completions, **kwargs):
+        assert "image" in kwargs  # the rewards see the row's columns, the images included
+        return [-float(len(str(c))) for c in completions]
+
+    args = GRPOConfig(output_dir="vlm", max_steps=1, max_completion_length=4, num_generations=2,
+                      per_device_train_batch_size=4, bf16=False, report_to=[], logging_steps=1)
+    trainer = GRPOTrainer(model=str(tiny_vlm), reward_funcs=short, args=args,
+                          train_dataset=Dataset.from_list(rows), processing_class=AutoProcessor.from_pretrained(tiny_vlm))
+    assert trainer.spec.data.image_column == "image"
+    assert trainer.train().global_step == 1
+    assert (tmp_path / "vlm" / "final" / "processor_config.json").exists()
+
+
+def test_the_door_names_a_processor_without_images_and_a_tokenizer_with_them(tiny_vlm, tmp_path, monkeypatch):
+    from transformers import AutoProcessor
+
+    from grpo_core.trl import GRPOConfig, GRPOTrainer
+    from grpo_core.trl.config import TRLConfigError
+
+    monkeypatch.chdir(tmp_path)
+    processor = AutoProcessor.from_pretrained(tiny_vlm)
+    args = GRPOConfig(output_dir="vlm", max_steps=1, num_generations=2, per_device_train_batch_size=4, bf16=False)
+    text_rows = [{"prompt": "How many?"} for _ in range(4)]
+    with pytest.raises(TRLConfigError, match="no 'image' or 'images' column"):
+        GRPOTrainer(model=str(tiny_vlm), reward_funcs=lambda completions, **k: [0.0] * len(completions), args=args,
+                    train_dataset=text_rows, processing_class=processor)
+    with pytest.raises(TRLConfigError, match="'image' column holds images; instead: the model's processor"):
+        GRPOTrainer(model=str(tiny_vlm), reward_funcs=lambda completions, **k: [0.0] * len(completions), args=args,
+                    train_dataset=_shape_rows(4), processing_class=processor.tokenizer)
