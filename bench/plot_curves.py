@@ -47,11 +47,15 @@ def series(rows: list[dict], keys: tuple[str, ...]) -> dict[int, float]:
     return out
 
 
-def band(per_seed: list[dict[int, float]]) -> tuple[list[int], list[float], list[float], list[float]]:
-    """Steps every seed has, with the mean, min and max over seeds."""
-    steps = sorted(set.intersection(*(set(s) for s in per_seed))) if per_seed else []
-    values = [[s[t] for s in per_seed] for t in steps]
-    return steps, [statistics.fmean(v) for v in values], [min(v) for v in values], [max(v) for v in values]
+def band(per_seed: list[dict[int, float]], every: bool = False
+         ) -> tuple[list[int], list[float], list[float], list[float], list[int]]:
+    """Steps every seed has (``every``: any seed has), with the mean, min and max over the
+    seeds that have it, and how many those are (a run stopped early has fewer steps)."""
+    sets = [set(s) for s in per_seed]
+    steps = sorted((set.union if every else set.intersection)(*sets)) if per_seed else []
+    values = [[s[t] for s in per_seed if t in s] for t in steps]
+    return (steps, [statistics.fmean(v) for v in values], [min(v) for v in values], [max(v) for v in values],
+            [len(v) for v in values])
 
 
 def smooth(values: list[float], width: int = 5) -> list[float]:
@@ -61,14 +65,18 @@ def smooth(values: list[float], width: int = 5) -> list[float]:
 def table(runs) -> str:
     lines = ["| step | " + " | ".join(f"{t} mean (min-max)" for t in runs) + " |",
              "|---|" + "---|" * len(runs)]
-    bands = {t: band([series(r, PANELS["held-out greedy accuracy"]) for r in seeds.values()])
+    bands = {t: band([series(r, PANELS["held-out greedy accuracy"]) for r in seeds.values()], every=True)
              for t, seeds in runs.items()}
-    steps = sorted(set.intersection(*(set(b[0]) for b in bands.values())))
+    steps = sorted(set.union(*(set(b[0]) for b in bands.values())))
     for step in steps:
         cells = []
-        for b in bands.values():
+        for tool, b in bands.items():
+            if step not in b[0]:
+                cells.append("")
+                continue
             i = b[0].index(step)
-            cells.append(f"{100 * b[1][i]:.0f}% ({100 * b[2][i]:.0f}-{100 * b[3][i]:.0f})")
+            fewer = f", {b[4][i]} of {len(runs[tool])} seeds" if b[4][i] < len(runs[tool]) else ""
+            cells.append(f"{100 * b[1][i]:.0f}% ({100 * b[2][i]:.0f}-{100 * b[3][i]:.0f}{fewer})")
         lines.append(f"| {step} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -102,12 +110,14 @@ def plot(runs, out: Path, title: str) -> None:
     fig, axes = plt.subplots(1, len(PANELS), figsize=(4.5 * len(PANELS), 4))
     for ax, (panel, keys) in zip(axes, PANELS.items(), strict=True):
         for tool, seeds in runs.items():
-            steps, mean, low, high = band([series(r, keys) for r in seeds.values()])
+            steps, mean, low, high, _ = band([series(r, keys) for r in seeds.values()], every=True)
             if not steps:
                 continue
             if panel != "held-out greedy accuracy":
                 mean, low, high = smooth(mean), smooth(low), smooth(high)
-            label = f"{tool} ({len(seeds)} seeds)"
+            ends = sorted({rows[-1]["step"] for rows in seeds.values()})
+            stopped = f", stopped at steps {'/'.join(map(str, ends))}" if len(ends) > 1 else ""
+            label = f"{tool} ({len(seeds)} seeds{stopped})"
             ax.plot(steps, mean, color=COLOURS.get(tool), label=label, marker="o" if "accuracy" in panel else None)
             ax.fill_between(steps, low, high, color=COLOURS.get(tool), alpha=0.2)
         ax.set_title(panel, fontsize=10)

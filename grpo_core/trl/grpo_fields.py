@@ -545,7 +545,7 @@ FIELDS: list[TRLField] = [
     mapped("log_completions", False, "train.log_completions_every",
            "True: every logging_steps (in rollout steps); False: 0", _completions_log,
            examples=((True, {"train.log_completions_every": 10}),)),
-    ignored("log_multimodal", True, "display of images in the completions table; grpo-core logs the completions as text"),
+    ignored("log_multimodal", True, "images in the completions table; grpo-core logs completions as text"),
     ignored("num_completions_to_print", None, "how many completions TRL prints"),
     ignored("log_unique_prompts", False, "how TRL's completions table shows prompts"),
     refused("log_completions_hub_repo", None, "grpo-core does not upload completion tables",

@@ -157,8 +157,9 @@ def test_trls_vlm_recipe_runs_through_the_door_with_the_image_column(tiny_vlm, t
 
     args = GRPOConfig(output_dir="vlm", max_steps=1, max_completion_length=4, num_generations=2,
                       per_device_train_batch_size=4, bf16=False, report_to=[], logging_steps=1)
+    processor = AutoProcessor.from_pretrained(tiny_vlm)
     trainer = GRPOTrainer(model=str(tiny_vlm), reward_funcs=short, args=args,
-                          train_dataset=Dataset.from_list(rows), processing_class=AutoProcessor.from_pretrained(tiny_vlm))
+                          train_dataset=Dataset.from_list(rows), processing_class=processor)
     assert trainer.spec.data.image_column == "image"
     assert trainer.train().global_step == 1
     assert (tmp_path / "vlm" / "final" / "processor_config.json").exists()
