@@ -55,6 +55,16 @@ class GDPOOptions(Options):
     )
 
 
+def _exact_zero_spread(centred: Tensor, values: Tensor, active: Tensor) -> Tensor:
+    """``centred``, or zeros when every ``active`` value is the same: their float mean can miss
+    that value by an ulp, and with ``batch_eps`` 0 the rounding left over would be divided by
+    a spread of the same size (every completion then gets +-sqrt(2/3) from nothing)."""
+    picked = values[active]
+    if picked.numel() and bool((picked == picked[0]).all()):
+        return torch.zeros_like(centred)
+    return centred
+
+
 def normalize_over_batch(advantage: Tensor, scorable: Tensor, mask: Tensor, *, how: str, std: str,
                          eps: float) -> Tensor:
     """GDPO's batch-wise step on per-completion advantages ``(B,)``: ``(B, T)`` out, 0 on
@@ -67,6 +77,7 @@ def normalize_over_batch(advantage: Tensor, scorable: Tensor, mask: Tensor, *, h
         values = per_token(advantage, tokens)
         n = tokens.sum().to(advantage.dtype)
         centred = torch.where(tokens, values - values.sum() / n.clamp(min=1), 0.0)
+        centred = _exact_zero_spread(centred, values, tokens)
         root = ((centred**2).sum() / (n - 1).clamp(min=1) + eps).sqrt()
         return safe_divide(centred, root.expand_as(centred))
     if how != "sequence":
@@ -74,6 +85,7 @@ def normalize_over_batch(advantage: Tensor, scorable: Tensor, mask: Tensor, *, h
     n = scorable.sum().to(advantage.dtype)
     ddof = 1.0 if std == "unbiased" else 0.0
     centred = torch.where(scorable, advantage - torch.where(scorable, advantage, 0.0).sum() / n.clamp(min=1), 0.0)
+    centred = _exact_zero_spread(centred, advantage, scorable)
     spread = ((centred**2).sum() / (n - ddof).clamp(min=1)).sqrt()
     normalized = safe_divide(centred, (spread + eps).expand_as(centred))
     return per_token(torch.where(scorable & (n > ddof), normalized, 0.0), mask)

@@ -233,3 +233,15 @@ def test_a_kl_in_the_reward_is_warned_about_since_its_beta_cancels_out():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         gdpo_advantages(table[:, :1], weights[:1], table[:, 0], groups, mask, ("accuracy",))
+
+
+def test_a_token_batch_without_spread_gets_zero_even_without_batch_eps():
+    """Every counted token holds the same advantage: the token step's spread is 0, so the
+    advantages are 0. The float mean of three copies of 0.2182 misses it by an ulp; divided by
+    a spread of that same size (batch_eps 0) the rounding became +-sqrt(2/3), found by the
+    affine-map property above."""
+    table = torch.tensor([[-0.25], [0.5], [0.25]], dtype=F64)
+    mask = torch.tensor([[False] * 3, [False] * 3, [True] * 3])
+    got = gdpo(table, torch.ones(1, dtype=F64), torch.tensor([0, 0, 0]), mask, eps=0.0, batch_eps=0.0,
+               batch_norm="token")
+    assert torch.equal(got, torch.zeros_like(got))
