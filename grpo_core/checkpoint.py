@@ -52,7 +52,7 @@ RUN_FILES = ("checkpoints", "metrics.jsonl", "metrics.superseded.jsonl", "final"
              "environment.json")
 #: Where a checkpoint of another trajectory goes when this one writes the same step.
 SUPERSEDED = "superseded"
-_LEFTOVER = re.compile(rf"\.({PREFIX}\d+)\.(tmp|old)-(\d+)")
+_LEFTOVER = re.compile(rf"\.({PREFIX}\d+)\.(tmp|old|del)-(\d+)")
 
 
 def _sha256(path: Path) -> str:
@@ -107,8 +107,9 @@ def pid_alive(pid: int) -> bool:
 
 def clean_leftovers(root: Path) -> None:
     """Remove what a writer killed mid-write left under ``root`` (a process that is gone, or
-    this one): its temporary folders, each a full copy of the model. A checkpoint it had moved
-    aside to replace (``.old``) is put back when the replacement never arrived."""
+    this one): its temporary folders, each a full copy of the model, and the remains of a
+    checkpoint it was deleting (``.del``). A checkpoint it had moved aside to replace (``.old``)
+    is put back when the replacement never arrived."""
     if not root.is_dir():
         return
     for path in root.iterdir():
@@ -176,7 +177,17 @@ def prune(root: Path, keep: int, trajectory: str | None, protect: set[int] | fro
     ours = [p for p in list_checkpoints(root) if _manifest(p).get("trajectory") == trajectory]
     for stale in ours[:-keep]:
         if int(stale.name[len(PREFIX):]) not in protect:
-            shutil.rmtree(stale, ignore_errors=True)
+            remove_checkpoint(stale)
+
+
+def remove_checkpoint(folder: Path) -> None:
+    """Delete a checkpoint folder so that a kill at any moment leaves it whole or gone: it is
+    renamed out of the listing first (``.step-N.del-<pid>``, which :func:`clean_leftovers`
+    removes later), then deleted. Deleted in place, a kill mid-way left a listed folder
+    without its manifest, which no later prune recognized as its own."""
+    doomed = folder.with_name(f".{folder.name}.del-{os.getpid()}")
+    folder.rename(doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _set_aside(root: Path, folder: Path) -> None:

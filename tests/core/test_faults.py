@@ -310,7 +310,8 @@ def test_sigkill_mid_run_leaves_a_usable_checkpoint(tmp_path, write_spec, child,
         expect = (good, broken)
     # Every checkpoint verifies at the end, no temporary folder is left behind, and
     # the final weights are finite.
-    assert all(ckpt.verify(f) is None for f in ckpt.list_checkpoints(root))
+    failing = {f.name: ckpt.verify(f) for f in ckpt.list_checkpoints(root) if ckpt.verify(f) is not None}
+    assert not failing, (failing, proc.output())
     assert [p.name for p in root.iterdir() if p.name.startswith(".")] == []
     assert _all_finite(kit.load_weights(out / "final"))
     # Steps redone after a kill log exactly what they logged the first time (the first rows

@@ -11,6 +11,7 @@ import shlex
 import shutil
 import signal
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -246,3 +247,29 @@ def test_a_metrics_row_torn_by_a_crash_does_not_swallow_the_next(tmp_path, write
     assert json.loads(text[2]) == json.loads(lines[2]) | {
         k: v for k, v in json.loads(text[2]).items() if k.startswith(VOLATILE)
     }
+
+
+def test_a_kill_while_pruning_leaves_no_listed_checkpoint_half_deleted(tmp_path, monkeypatch):
+    """Pruning deletes a checkpoint out of the listing: a kill mid-deletion (here, the deletion
+    stops after the manifest, as rmtree would when killed) leaves every listed checkpoint whole,
+    and the remains are cleaned by the next write. Deleted in place, the remains stayed listed
+    without a manifest, so no later prune took them for the run's own (a SIGKILL test found it)."""
+    from grpo_core.testing import build_model, build_tokenizer
+
+    model, root = build_model(build_tokenizer()), tmp_path / "checkpoints"
+    for step in (1, 2):
+        ckpt.write_checkpoint(root, step, model, {"step": step}, keep=5, trajectory="t")
+    real_rmtree = shutil.rmtree
+
+    def killed_mid_way(path, ignore_errors=False):
+        (Path(path) / ckpt.MANIFEST).unlink()
+        raise KeyboardInterrupt  # stands for the kill: nothing after this line of the writer runs
+
+    monkeypatch.setattr(ckpt.shutil, "rmtree", killed_mid_way)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.write_checkpoint(root, 3, model, {"step": 3}, keep=2, trajectory="t")  # prunes step 1
+    monkeypatch.setattr(ckpt.shutil, "rmtree", real_rmtree)
+    assert [f.name for f in ckpt.list_checkpoints(root)] == ["step-000002", "step-000003"]
+    assert all(ckpt.verify(f) is None for f in ckpt.list_checkpoints(root))
+    ckpt.write_checkpoint(root, 4, model, {"step": 4}, keep=2, trajectory="t")  # cleans what the kill left
+    assert sorted(p.name for p in root.iterdir()) == ["step-000003", "step-000004"]
