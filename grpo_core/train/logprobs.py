@@ -128,6 +128,22 @@ def _hidden_images_shared(model, prompt_ids, prompt_mask, completion_ids, group_
     return torch.cat([last, comp[:, :-1]], dim=1)
 
 
+def _hidden_with_images(model, decoder, prompt_ids, prompt_mask, completion_ids, group_size, images,
+                        share_prompt: bool, prompt_index: Tensor | None) -> Tensor:
+    """``(B, T, H)`` for prompts with images: each prompt encoded once for its group where that
+    is safe (:func:`_hidden_images_shared`), else every row whole (:func:`_hidden_images`);
+    ``group_size`` None: one prompt row per completion (``prompt_index``)."""
+    if group_size is None:
+        prompt_ids, prompt_mask, group_size = prompt_ids[prompt_index], prompt_mask[prompt_index], 1
+        images = [images[int(i)] for i in prompt_index]
+    hidden = None
+    if share_prompt and _shares_prompt_safely(model, decoder, group_size):
+        hidden = _hidden_images_shared(model, prompt_ids, prompt_mask, completion_ids, group_size, images)
+    if hidden is None:
+        hidden = _hidden_images(model, prompt_ids, prompt_mask, completion_ids, group_size, images)
+    return hidden
+
+
 def _length_buckets(lengths: Tensor, min_saving: float = 0.2, max_buckets: int = 4) -> list[Tensor] | None:
     """Rows grouped by length so that a forward of each group, trimmed to its longest row,
     skips most padding: rows sorted longest first, a new group started when a row is at most
@@ -371,15 +387,8 @@ def completion_logprobs(
         return logp, entropy
     decoder = model.get_decoder()
     if images is not None:
-        if group_size is None:  # one prompt row per completion
-            p_ids, p_mask, images, group_size = p_ids[prompt_index], p_mask[prompt_index], [
-                images[int(i)] for i in prompt_index], 1
-        hidden = None
-        if share_prompt and _shares_prompt_safely(model, decoder, group_size):
-            hidden = _hidden_images_shared(model, p_ids, p_mask, c_ids, group_size, images)
-        if hidden is None:
-            hidden = _hidden_images(model, p_ids, p_mask, c_ids, group_size, images)
-        hidden = hidden[c_mask]
+        hidden = _hidden_with_images(model, decoder, p_ids, p_mask, c_ids, group_size, images, share_prompt,
+                                     prompt_index)[c_mask]
     elif packed and packing_unsupported(model, decoder) is None:
         layout = pack_rows(p_ids, p_mask, c_ids, c_mask, prompt_index)
         hidden = packed_decoder_call(decoder, layout)[layout.hidden_index[c_mask]]
