@@ -1,9 +1,9 @@
 """A gradient sum after backward against torch's ``DistributedDataParallel`` (which
 all-reduces gradient buckets while backward still runs): the measurement behind the ddp
-path's use of DDP (:func:`grpo_core.train.sharding.wrap_ddp`).
+path's use of DDP (:func:`grpo_core.train.learner.sharding.wrap_ddp`).
 
 Two processes (gloo on CPU; NCCL with ``--device cuda``) each run the engine's log-prob
-computation (:class:`grpo_core.train.sharding.LogprobModel`: shared prompt, chunked
+computation (:class:`grpo_core.train.learner.sharding.LogprobModel`: shared prompt, chunked
 completion-only head) on their own rows, then backward:
 
 - ``engine``: forward + backward, then :meth:`grpo_core.train.distributed.Dist.sum_grads`
@@ -57,7 +57,7 @@ def worker(rank: int, world: int, args) -> None:
 
     from grpo_core.testing import build_model, build_tokenizer
     from grpo_core.train.distributed import Dist
-    from grpo_core.train.sharding import LogprobModel
+    from grpo_core.train.learner.sharding import LogprobModel
 
     torch.set_num_threads(args.threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))

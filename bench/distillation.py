@@ -89,8 +89,8 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
     import torch
 
     from grpo_core.spec import load_spec
-    from grpo_core.train.assemble import build_run
-    from grpo_core.train.step import train_step
+    from grpo_core.train.loop.assemble import build_run
+    from grpo_core.train.loop.step import train_step
 
     spec = Path(args.out) / f"{name}.yaml"
     spec.parent.mkdir(parents=True, exist_ok=True)

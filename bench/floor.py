@@ -14,7 +14,7 @@ median of ``--reps`` runs after one warm-up:
   the sampled lengths;
 - ``forward+backward (plain)``: ``model(prompt+completion).logits``, a full log-softmax,
   the completion tokens' log-probs summed, backward: the textbook computation;
-- ``forward+backward (engine)``: :func:`grpo_core.train.logprobs.completion_logprobs`
+- ``forward+backward (engine)``: :func:`grpo_core.train.learner.logprobs.completion_logprobs`
   (prompt encoded once per group, rows in length groups, completion-only chunked head),
   sum, backward; and the same as one forward padded to the longest row;
 - ``no-grad forward``: the same without gradients (what the reference log-probs cost),
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     from vs_trl import prepare_model, task_rows
 
     from grpo_core.contracts import SamplingParams
-    from grpo_core.train.logprobs import completion_logprobs
+    from grpo_core.train.learner.logprobs import completion_logprobs
 
     folder = prepare_model(Path(args.model_dir))
     tokenizer = AutoTokenizer.from_pretrained(folder)

@@ -103,8 +103,8 @@ class Log:
 
 
 def grpo_worker(a, model: str, log: Log) -> None:
-    from grpo_core.train.assemble import build_run
-    from grpo_core.train.run import _step_and_record
+    from grpo_core.train.loop.assemble import build_run
+    from grpo_core.train.loop.run import _step_and_record
 
     folder = tempfile.mkdtemp(prefix="grpo-long-")
     dtype = [f"rollout.dtype={a.gen_dtype}"]

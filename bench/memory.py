@@ -87,7 +87,7 @@ def tensor_bytes(run) -> dict[str, int]:
 
 def instrument(sampler: Sampler, held: dict) -> None:
     """Label the engine's phases: its Timer, the update and the optimizer step."""
-    import grpo_core.train.step as stepmod
+    import grpo_core.train.loop.step as stepmod
 
     timer_call = stepmod.Timer.__call__
 
@@ -133,8 +133,8 @@ def main() -> int:
         import vs_trl
 
         from grpo_core.spec import load_spec
-        from grpo_core.train.assemble import build_run
-        from grpo_core.train.step import train_step
+        from grpo_core.train.loop.assemble import build_run
+        from grpo_core.train.loop.step import train_step
 
         held: dict = {}
         instrument(sampler, held)

@@ -27,7 +27,7 @@ def step_time(optimizer, reps: int) -> float:
 
 
 def main() -> int:
-    from grpo_core.train.lean_adamw import BF16StateAdamW
+    from grpo_core.train.learner.lean_adamw import BF16StateAdamW
 
     parser = argparse.ArgumentParser(description="AdamW step time, float32 vs bfloat16 moments")
     parser.add_argument("--params", type=int, default=8 * 2**20)

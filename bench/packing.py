@@ -15,7 +15,7 @@ Two batches, each ``P`` arithmetic prompts (the quickstart's chat-formatted prom
   default) and the others short (``16 + Exponential(mean 48)`` tokens, at most the limit),
   random token ids.
 
-For each, the learner's forward and backward of the batch (``grpo_core.train.update``'s
+For each, the learner's forward and backward of the batch (``grpo_core.train.learner.update``'s
 micro-batches under the default ``train.micro_batch_tokens: 2048``, ``micro_batch_loss`` with
 the ``clip`` loss and ``token-mean``, backward; no optimizer step) three ways: padded
 (``train.packing: false``), packed (``true``), and packed one group per forward (the padded
@@ -147,7 +147,7 @@ def saved_bytes(result: dict, model):
 # ---------------------------------------------------------------------------- the batches
 def build_batch(name: str, model, tokenizer, prompts: list[list[int]], group: int, seed: int, limit: int = 512):
     """A ``TrainBatch`` of ``name``'s shapes with random non-zero advantages."""
-    from grpo_core.train.update import TrainBatch
+    from grpo_core.train.learner.update import TrainBatch
 
     gen = torch.Generator().manual_seed(seed)
     P = len(prompts)
@@ -180,7 +180,7 @@ def build_batch(name: str, model, tokenizer, prompts: list[list[int]], group: in
 
 def model_flops(config, batch) -> dict[str, float]:
     """The model FLOPs of one forward+backward of ``batch`` (the module doc's formula)."""
-    from grpo_core.train.packing import needed_lengths
+    from grpo_core.train.learner.packing import needed_lengths
 
     hidden, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
     head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
@@ -207,7 +207,7 @@ def model_flops(config, batch) -> dict[str, float]:
 def padded_positions(batch) -> int:
     """Positions the padded path runs without length buckets: prompts once per group, every
     row to the longest needed completion."""
-    from grpo_core.train.packing import needed_lengths
+    from grpo_core.train.learner.packing import needed_lengths
 
     need = needed_lengths(batch.mask)
     return batch.prompt_ids.shape[0] * batch.prompt_ids.shape[1] + len(need) * int(need.max())
@@ -216,7 +216,7 @@ def padded_positions(batch) -> int:
 # ---------------------------------------------------------------------------- the sides
 def objective():
     from grpo_core.plugin_manager import load_plugins
-    from grpo_core.train.update import Objective
+    from grpo_core.train.learner.update import Objective
 
     registry = load_plugins(external=False).registry
     return Objective(policy_loss=registry.get("policy_loss", "clip").build(),
@@ -226,7 +226,7 @@ def objective():
 
 def micros(batch, packed: bool, tokens: int):
     """The learner's micro-batches of the whole batch under ``train.micro_batch_tokens``."""
-    from grpo_core.train.update import micro_batches
+    from grpo_core.train.learner.update import micro_batches
 
     return micro_batches(batch, torch.arange(len(batch.mask)), None, tokens, packed)
 
@@ -235,8 +235,8 @@ def forward_backward(model, batch, packed: bool, tokens: int = 2048, loss_of=Non
     """The learner's forward and backward of every micro-batch (what ``update`` does before the
     optimizer step: ``micro_batch_loss`` then backward), gradients freed after."""
     from grpo_core.contracts import BatchStats
-    from grpo_core.train.parallel import forward_of
-    from grpo_core.train.update import micro_batch_loss
+    from grpo_core.train.learner.parallel import forward_of
+    from grpo_core.train.learner.update import micro_batch_loss
 
     loss_of = loss_of or objective()
     stats = BatchStats(int(batch.mask.sum()), len(batch.mask), 512)
@@ -250,8 +250,8 @@ def forward_backward(model, batch, packed: bool, tokens: int = 2048, loss_of=Non
 
 def nograd_forward(model, batch, packed: bool, tokens: int = 2048) -> Clock:
     """The no-grad log-probs of the whole batch (old policy, reference)."""
-    from grpo_core.train.parallel import forward_of
-    from grpo_core.train.update import batch_logprobs
+    from grpo_core.train.learner.parallel import forward_of
+    from grpo_core.train.learner.update import batch_logprobs
 
     with Clock() as clock:
         batch_logprobs(forward_of(model), batch, micros(batch, packed, tokens), 1.0, nullcontext, packed=packed)
@@ -261,8 +261,8 @@ def nograd_forward(model, batch, packed: bool, tokens: int = 2048) -> Clock:
 def memory(model, batch, packed: bool, tokens: int = 2048) -> dict[str, float]:
     """Saved activation bytes of the largest micro-batch and the peak RSS above the start of a
     forward and backward of the batch."""
-    from grpo_core.train.parallel import forward_of
-    from grpo_core.train.update import forward_logprobs
+    from grpo_core.train.learner.parallel import forward_of
+    from grpo_core.train.learner.update import forward_logprobs
 
     largest = 0
     for rows in micros(batch, packed, tokens):
@@ -285,8 +285,8 @@ def dense_mask_seconds(model, batch, reps: int) -> dict[str, float]:
     engine's segment attention against a dense ``N x N`` block mask given to the model as its
     4D attention mask (transformers passes it to ``sdpa`` as it is); the same output layer
     after both; and their largest log-prob difference."""
-    from grpo_core.train.logprobs import token_logprobs
-    from grpo_core.train.packing import pack_rows, packed_decoder_call
+    from grpo_core.train.learner.logprobs import token_logprobs
+    from grpo_core.train.learner.packing import pack_rows, packed_decoder_call
 
     G = batch.group_size
     index = torch.arange(batch.prompt_ids.shape[0]).repeat_interleave(G)

@@ -79,8 +79,8 @@ def worker(args) -> None:
     import torch
 
     from grpo_core.spec import load_spec
-    from grpo_core.train.assemble import build_run
-    from grpo_core.train.step import train_step
+    from grpo_core.train.loop.assemble import build_run
+    from grpo_core.train.loop.step import train_step
 
     torch.set_num_threads(args.threads)
     loaded = load_spec(json.loads(args.spec))

@@ -17,8 +17,8 @@ import sys
 import time
 
 from grpo_core.spec import load_spec
-from grpo_core.train.assemble import build_run
-from grpo_core.train.step import train_step
+from grpo_core.train.loop.assemble import build_run
+from grpo_core.train.loop.step import train_step
 
 PHASES = ("generate", "score", "logprobs", "advantage", "forward_backward", "optimizer", "sync")
 

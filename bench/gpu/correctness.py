@@ -64,7 +64,7 @@ def run(record: Record, device: torch.device, work: Path, args: Any) -> None:
 def textbook_batch(seed: int = 0):
     """``P`` prompts of ``L`` tokens (the first left-padded by 2), ``G`` completions each of
     1..``T`` tokens, per-row advantages; the second group's are all 0."""
-    from grpo_core.train.update import TrainBatch
+    from grpo_core.train.learner.update import TrainBatch
 
     gen = torch.Generator().manual_seed(seed)
     prompt_ids = torch.randint(10, 300, (P, L), generator=gen)
@@ -108,9 +108,9 @@ def spec_learner(model, device: torch.device, work: Path, *, aggregation: str = 
     rate 1 so that an update's weight change is its gradient. ``strategy``: the parallel
     strategy (default: one process, unsharded)."""
     from grpo_core.testing import build_tokenizer
-    from grpo_core.train.assemble import build_learner
     from grpo_core.train.distributed import Dist
-    from grpo_core.train.parallel import Single
+    from grpo_core.train.learner.parallel import Single
+    from grpo_core.train.loop.assemble import build_learner
 
     overrides = [f"algorithm.aggregation.name={aggregation}", f"train.mixed_precision={mixed}",
                  f"train.micro_batch_size={G}", "train.max_grad_norm=null"]
@@ -131,7 +131,7 @@ def on(batch, device: torch.device):
 def engine_gradient(model, batch, device: torch.device, work: Path, **choices) -> dict[str, torch.Tensor]:
     """The weight change of one update by the engine on ``device`` (:func:`spec_learner` with
     ``choices``): its gradient."""
-    from grpo_core.train.update import update
+    from grpo_core.train.learner.update import update
 
     trained = copy.deepcopy(model).to(device)
     before = {k: p.detach().clone() for k, p in trained.named_parameters()}
@@ -170,8 +170,8 @@ def sampler_check(model, tok, device: torch.device) -> dict[str, Any]:
     from transformers import DynamicCache
 
     from grpo_core.contracts import SamplingParams, left_pad, special_ids
-    from grpo_core.train.correction import rollout_correction
-    from grpo_core.train.logprobs import completion_logprobs
+    from grpo_core.train.learner.correction import rollout_correction
+    from grpo_core.train.learner.logprobs import completion_logprobs
 
     policy = copy.deepcopy(model).to(device).eval()
     prompts = [tok(text)["input_ids"] for text in TEXTS]

@@ -7,7 +7,7 @@
   With one member nothing crosses a wire, but NCCL makes its communicator and runs its kernels.
   A second member (a receiver thread on a second GPU, or gloo on the CPU) checks the tensors
   arrive bit for bit; NCCL refuses two members on one GPU, so with one GPU that is skipped.
-- ``fsdp2`` (:func:`run_fsdp2`): the engine's FSDP2 strategy (``grpo_core.train.parallel.FSDP2``:
+- ``fsdp2`` (:func:`run_fsdp2`): the engine's FSDP2 strategy (``grpo_core.train.learner.parallel.FSDP2``:
   ``fully_shard`` on each decoder layer and the root, DTensor parameters, all-gather and
   reduce-scatter) in a default process group of one member: one update equals the unsharded
   one (float32, and bf16 gathered weights with ``param_dtype: bfloat16``), the gathered state
@@ -157,7 +157,7 @@ def _joined(device: torch.device):
 def _strategy(device: torch.device, param_dtype: str | None, joined: bool = False):
     from grpo_core.spec.parallel import ParallelSection
     from grpo_core.train.distributed import Dist
-    from grpo_core.train.parallel import FSDP2
+    from grpo_core.train.learner.parallel import FSDP2
 
     dist = _joined(device) if joined else Dist(0, 1, device)
     return FSDP2(dist, ParallelSection(strategy="fsdp2", param_dtype=param_dtype))
@@ -212,8 +212,8 @@ def _sharded_update(device: torch.device, work: Path, param_dtype: str | None, j
     same device (float32): the weight change is the gradient."""
     from correctness import engine_gradient, on, spec_learner, textbook_batch
 
-    from grpo_core.train import sharding
-    from grpo_core.train.update import update
+    from grpo_core.train.learner.learner import sharding
+    from grpo_core.train.learner.update import update
 
     model, _ = _tiny_policy(device)
     batch = textbook_batch()

@@ -135,7 +135,7 @@ class RejectionSection(Section):
 class RolloutCorrectionSection(Section):
     """Importance weights for the gap between the sampler's and the trainer's log-probs (a vLLM
     backend samples with other kernels, and often another precision): pure functions in
-    :mod:`grpo_core.train.correction`.
+    :mod:`grpo_core.train.learner.correction`.
 
     With ``r = exp(logp_train_old - logp_sampler)`` per token (``level: token``) or per
     completion (``level: sequence``, the product over its tokens), each completion token's
@@ -178,7 +178,7 @@ class RolloutCorrectionSection(Section):
 
     @property
     def rejection(self) -> tuple[str, float, float] | None:
-        """``(statistic, low, high)`` for :func:`grpo_core.train.correction.rollout_correction`, or None."""
+        """``(statistic, low, high)`` for :func:`grpo_core.train.learner.correction.rollout_correction`, or None."""
         return None if self.reject is None else (self.reject.statistic, self.reject.low, self.reject.high)
 
 

@@ -1,10 +1,10 @@
 """Data-parallel runs: one process per device, each holding the whole model (ddp) or a
-shard of it (fsdp2, :mod:`grpo_core.train.sharding`).
+shard of it (fsdp2, :mod:`grpo_core.train.learner.sharding`).
 
 :class:`Dist` is the process group as the engine uses it (sharding of a step's groups,
 sums of normalizers, gathers, combined metrics); the README's "Several processes" section
 says what ``N`` processes do together. How the learner's gradients are summed is its
-parallel strategy's (:mod:`grpo_core.train.parallel`: ``DistributedDataParallel`` during
+parallel strategy's (:mod:`grpo_core.train.learner.parallel`: ``DistributedDataParallel`` during
 backward; ``bench/ddp_overlap.py`` measures the gain over :meth:`Dist.sum_grads` after it).
 :func:`parallel_from_launcher` reads an accelerate FSDP config.
 """

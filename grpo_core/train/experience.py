@@ -1,8 +1,8 @@
 """What crosses the seam between the actor and the learner, defined on neither side.
 
-The actor (:mod:`grpo_core.train.actor`, and its thread in an asynchronous run,
+The actor (:mod:`grpo_core.train.actor.actor`, and its thread in an asynchronous run,
 :mod:`grpo_core.train.pipeline`) makes an :class:`Experience`; the learner
-(:mod:`grpo_core.train.learner`) consumes it. Both import this module and neither imports
+(:mod:`grpo_core.train.learner.learner`) consumes it. Both import this module and neither imports
 the other, so a queue or a process boundary can stand between them.
 """
 
@@ -18,7 +18,7 @@ import torch
 from grpo_core.contracts import RolloutBatch
 
 if TYPE_CHECKING:
-    from grpo_core.train.data import Prompt
+    from grpo_core.train.actor.data import Prompt
     from grpo_core.train.reasoning_steps import StepLayout
 
 

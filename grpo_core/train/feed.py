@@ -1,6 +1,6 @@
 """How experience reaches the learner: one interface, a synchronous and an asynchronous feed.
 
-The loop (:mod:`grpo_core.train.run`) sees one object, the run's feed, whatever the mode:
+The loop (:mod:`grpo_core.train.loop.run`) sees one object, the run's feed, whatever the mode:
 
 - ``take(step)``: the :class:`~grpo_core.train.experience.Experience` of ``step`` and the
   feed's own metrics;
@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from grpo_core.train.actor import Actor
+from grpo_core.train.actor.actor import Actor
 from grpo_core.train.experience import Experience
 
 

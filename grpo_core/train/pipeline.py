@@ -34,7 +34,7 @@ The pipeline's one job is the thread, the queue and the weight slot. What it is 
 the run is built: the actor (with a process group of its own for its collectives, which run
 in its thread while the learner's run in the caller's), the snapshot and sampler copies
 (:func:`~grpo_core.contracts.policy_copy`), and the function that computes the sampler's
-log-probs (the learner's, :meth:`~grpo_core.train.learner.Learner.sampler_logprobs`).
+log-probs (the learner's, :meth:`~grpo_core.train.learner.learner.Learner.sampler_logprobs`).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from grpo_core.train.actor import Actor
+from grpo_core.train.actor.actor import Actor
 from grpo_core.train.experience import Experience
 from grpo_core.train.feed import kept_position
 from grpo_core.train.signals import leave_running

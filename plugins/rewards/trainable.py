@@ -3,7 +3,7 @@
 It scores completions like ``reward_model`` (a transformers sequence-classification
 model reading prompt + completion), as the probability ``sigmoid(logit)`` that the
 completion is good, and it is a :class:`grpo_core.contracts.TrainableReward`: at each
-iteration start the engine (:mod:`grpo_core.train.iterative`) calls ``fit`` with fresh
+iteration start the engine (:mod:`grpo_core.train.loop.iterative`) calls ``fit`` with fresh
 samples of the latest policy labelled by the task's verifier, and ``evaluate`` on held-out
 ones. ``fit`` trains on the fresh samples plus a replay of historical ones, drawn so that
 they make up ``replay_fraction`` of the training set (10% by default, as in DeepSeekMath),

@@ -1,4 +1,4 @@
-"""What the learner hands an advantage estimator (grpo_core.train.learner): the reward table the
+"""What the learner hands an advantage estimator (grpo_core.train.learner.learner): the reward table the
 engine fills for every estimator (each function's scores and weights, whose weighted sum is the
 reward; the KL-in-reward penalty as a column of its own), kept through dynamic sampling's group
 selection and concatenation, and every field gathered from several processes as one would have it."""
@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from grpo_core.contracts import AdvantageInputs, RolloutBatch
+from grpo_core.train.actor.rollout import concat_scored, select_groups
+from grpo_core.train.actor.scoring import RewardFn, score
 from grpo_core.train.experience import Scored
-from grpo_core.train.learner import advantage_inputs, global_advantages
-from grpo_core.train.rollout import concat_scored, select_groups
-from grpo_core.train.scoring import RewardFn, score
+from grpo_core.train.learner.learner import advantage_inputs, global_advantages
 
 VALUE = st.one_of(st.none(), st.integers(-4, 4).map(lambda k: k / 2))
 

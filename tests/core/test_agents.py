@@ -398,7 +398,7 @@ def test_the_agent_spec_runs_its_loop_on_a_tiny_model(long_model, tmp_path):
 
 
 def test_the_dry_run_shows_why_an_agent_failed(long_model, tmp_path, capsys):
-    from grpo_core.dryrun import dry_run
+    from grpo_core.cli.dryrun import dry_run
 
     def broken(episode):
         raise KeyError("prompt")

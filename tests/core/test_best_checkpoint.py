@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from grpo_core.cli import main
 from grpo_core.errors import RunError
 from grpo_core.spec.models import CheckpointSection
-from grpo_core.train.best import BestCheckpoints
+from grpo_core.train.loop.best import BestCheckpoints
 
 from .conftest import BASE_SPEC, merge, read_metrics
 

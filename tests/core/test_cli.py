@@ -53,7 +53,7 @@ def cli(*argv: str) -> tuple[int, str, str]:
 
 @pytest.fixture
 def stub_train(monkeypatch):
-    """Replace ``grpo_core.train.run`` with a stub whose ``train`` records its calls and
+    """Replace ``grpo_core.train.loop.run`` with a stub whose ``train`` records its calls and
     does what ``behaviour`` says (return a code, or raise)."""
     calls: list[tuple] = []
     behaviour: dict = {"result": 0}
@@ -64,7 +64,7 @@ def stub_train(monkeypatch):
             raise behaviour["raise"]
         return behaviour["result"]
 
-    monkeypatch.setitem(sys.modules, "grpo_core.train.run", types.SimpleNamespace(train=train))
+    monkeypatch.setitem(sys.modules, "grpo_core.train.loop.run", types.SimpleNamespace(train=train))
     return types.SimpleNamespace(calls=calls, behaviour=behaviour)
 
 

@@ -1,4 +1,4 @@
-"""Rollout correction (grpo_core.train.correction): IcePop's two-sided mask, rejection of whole
+"""Rollout correction (grpo_core.train.learner.correction): IcePop's two-sided mask, rejection of whole
 rows by the sequence ratio and batch-normalised weights, against a plain loop, by hand, as
 invariants, through the spec section, and in the engine's loss."""
 
@@ -17,9 +17,9 @@ from grpo_core.contracts import BatchStats
 from grpo_core.plugin_manager import load_plugins
 from grpo_core.spec.algorithm import RolloutCorrectionSection
 from grpo_core.testing import build_model, build_tokenizer
-from grpo_core.train.correction import rollout_correction
-from grpo_core.train.parallel import forward_of
-from grpo_core.train.update import Objective, TrainBatch, micro_batch_loss
+from grpo_core.train.learner.correction import rollout_correction
+from grpo_core.train.learner.parallel import forward_of
+from grpo_core.train.learner.update import Objective, TrainBatch, micro_batch_loss
 
 F64 = torch.float64
 FAST = settings(max_examples=60, deadline=None)

@@ -385,7 +385,7 @@ def test_a_greedy_baseline_estimator_takes_the_same_steps_on_two_processes_as_on
 
 _EXIT_PROBE = """
 import atexit, sys
-from grpo_core import cli
+from grpo_core.cli import app as cli
 
 
 class Finalized:

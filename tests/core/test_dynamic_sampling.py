@@ -19,11 +19,11 @@ from grpo_core.errors import SpecError
 from grpo_core.spec import load_spec
 from grpo_core.spec.algorithm import DynamicSamplingSection
 from grpo_core.testing import build_model, build_tokenizer
-from grpo_core.train.actor import Actor, RolloutSettings
-from grpo_core.train.data import Prompt
-from grpo_core.train.kl import KLTerm, Reference, adapted_beta
-from grpo_core.train.rollout import Scorer
-from grpo_core.train.scoring import RewardFn
+from grpo_core.train.actor.actor import Actor, RolloutSettings
+from grpo_core.train.actor.data import Prompt
+from grpo_core.train.actor.rollout import Scorer
+from grpo_core.train.actor.scoring import RewardFn
+from grpo_core.train.learner.kl import KLTerm, Reference, adapted_beta
 
 G = 3
 

@@ -20,7 +20,7 @@ import pytest
 from grpo_core.cli import main
 from grpo_core.spec.data import DataSlot
 from grpo_core.testing import build_tokenizer, save_tiny_model
-from grpo_core.train.data import PromptSource
+from grpo_core.train.actor.data import PromptSource
 
 SPECS = Path(__file__).resolve().parents[2] / "specs"
 

@@ -1,6 +1,6 @@
 """FSDP2 (``train.parallel.strategy: fsdp2``): real multi-process runs (``grpo-run --nproc``
 and ``torchrun``, gloo on CPU) against one process; resumes across process counts and
-strategies; the pieces of :mod:`grpo_core.train.sharding` in a one-process group."""
+strategies; the pieces of :mod:`grpo_core.train.learner.sharding` in a one-process group."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from grpo_core import checkpoint as ckpt
 from grpo_core.errors import RunError
 from grpo_core.spec.parallel import ParallelSection
 from grpo_core.testing import build_model, build_tokenizer, save_tiny_model
-from grpo_core.train import sharding
 from grpo_core.train.distributed import parallel_from_launcher
+from grpo_core.train.learner.learner import sharding
 
 from .conftest import CHILD_ENV, load_weights, read_metrics
 
@@ -363,9 +363,9 @@ import torch
 import torch.distributed as dist
 from grpo_core.spec.parallel import ParallelSection
 from grpo_core.testing import build_model, build_tokenizer
-from grpo_core.train import sharding
-from grpo_core.train.logprobs import completion_logprobs
-from grpo_core.train.packing import pack_rows
+from grpo_core.train.learner.learner import sharding
+from grpo_core.train.learner.logprobs import completion_logprobs
+from grpo_core.train.learner.packing import pack_rows
 
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
@@ -445,8 +445,8 @@ import torch
 from grpo_core.spec.parallel import ParallelSection
 from grpo_core.testing import build_model, build_tokenizer
 from grpo_core.train.distributed import Dist
-from grpo_core.train.parallel import FSDP2, forward_of
-from grpo_core.train.update import TrainBatch, batch_logprobs
+from grpo_core.train.learner.parallel import FSDP2, forward_of
+from grpo_core.train.learner.update import TrainBatch, batch_logprobs
 
 torch.set_num_threads(1)
 dist = Dist.from_env("cpu", timeout_s=40)

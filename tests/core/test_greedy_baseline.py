@@ -16,10 +16,10 @@ from grpo_plugins.rollout.hf import HFRollout, HFRolloutOptions
 from grpo_core.cli import main
 from grpo_core.contracts import SamplingParams
 from grpo_core.testing import build_model, build_tokenizer
-from grpo_core.train.baseline import greedy_baseline_scores
-from grpo_core.train.data import Prompt
-from grpo_core.train.rollout import Scorer, score_rollout
-from grpo_core.train.scoring import RewardFn
+from grpo_core.train.actor.baseline import greedy_baseline_scores
+from grpo_core.train.actor.data import Prompt
+from grpo_core.train.actor.rollout import Scorer, score_rollout
+from grpo_core.train.actor.scoring import RewardFn
 
 from .conftest import read_metrics
 

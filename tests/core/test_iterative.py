@@ -123,7 +123,7 @@ def test_an_untrainable_reward_model_is_refused_before_training(models, tmp_path
             "tracking": [],
         },
     )
-    from grpo_core.train.assemble import build_run
+    from grpo_core.train.loop.assemble import build_run
 
     with pytest.raises(
         RunError, match="iterative.reward_model: reward function 'accuracy' cannot be trained"

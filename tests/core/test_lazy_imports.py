@@ -21,7 +21,7 @@ PROGRAM = textwrap.dedent("""
         pass
     else:
         raise SystemExit("the block did not take effect")
-    import grpo_core.checkpoint, grpo_core.cli, grpo_core.export, grpo_core.train.assemble, grpo_core.train.run
+    import grpo_core.checkpoint, grpo_core.cli, grpo_core.export, grpo_core.train.loop.assemble, grpo_core.train.loop.run
     from grpo_core.plugin_manager import DEFAULT_PLUGINS, load_plugins
     from grpo_core.spec import load_spec
 

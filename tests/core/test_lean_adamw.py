@@ -11,8 +11,8 @@ import torch
 
 from grpo_core import checkpoint as ckpt
 from grpo_core.cli import main
-from grpo_core.train import lean_adamw
-from grpo_core.train.lean_adamw import BF16StateAdamW, _noise_pair, stochastic_round_bf16
+from grpo_core.train.learner.lean_adamw import BF16StateAdamW, _noise_pair, stochastic_round_bf16
+from grpo_core.train.learner.learner import lean_adamw
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -186,7 +186,7 @@ def test_state_moves_between_float32_and_bf16_adamw():
 ])
 def test_auto_state_dtype_is_bfloat16_in_a_bf16_run_with_float32_weights(mixed, strategy, weights, expect):
     from grpo_core.spec.models import TrainSection
-    from grpo_core.train.optim import make_optimizer
+    from grpo_core.train.learner.optim import make_optimizer
 
     train = TrainSection.model_validate({"mixed_precision": mixed, "parallel": {"strategy": strategy}})
     assert train.optimizer.state_dtype == "auto"

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from grpo_core.testing import build_model, build_tokenizer
-from grpo_core.train.logprobs import completion_logprobs, logit_transform, token_logprobs
+from grpo_core.train.learner.logprobs import completion_logprobs, logit_transform, token_logprobs
 
 P, G, L, T = 2, 3, 7, 6
 
@@ -256,7 +256,7 @@ def test_the_fused_output_layer_gives_the_checkpointed_values_and_gradients(soft
     """A weight (or a plain nn.Linear) takes the fused backward (logits recomputed once and
     turned into the gradient in place); any other module the checkpointed chunk. float32:
     the same values, gradients to 1e-5 of their largest entry."""
-    from grpo_core.train.head_logprobs import _linear_head
+    from grpo_core.train.learner.head_logprobs import _linear_head
 
     gen = torch.Generator().manual_seed(1)
     weight = torch.randn(300, 16, generator=gen, requires_grad=True)
@@ -384,7 +384,7 @@ def test_completion_logprobs_creates_nothing_of_size_b_t_v(base_model):
 
 
 def test_length_buckets_group_rows_and_skip_empty_ones():
-    from grpo_core.train.logprobs import _length_buckets
+    from grpo_core.train.learner.logprobs import _length_buckets
 
     groups = _length_buckets(torch.tensor([6, 4, 1, 6, 0, 2]))
     assert [g.tolist() for g in groups] == [[0, 3, 1], [5], [2]]  # 6,6,4 | 2 | 1; row 4 (empty) in none
@@ -398,7 +398,7 @@ def test_length_buckets_group_rows_and_skip_empty_ones():
 def test_length_buckets_give_the_unbucketed_values_and_gradients(base_model, dtype, monkeypatch):
     """Tolerance: the same per-row computation at other batch compositions; float64 to 1e-10,
     float32 to 1e-5 (values) and 1e-5 of the largest gradient entry."""
-    from grpo_core.train import logprobs as lp
+    from grpo_core.train.learner.learner import logprobs as lp
 
     model = _model(base_model, dtype)
     batch = _batch(model.config.vocab_size)

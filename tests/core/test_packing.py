@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 
 from grpo_core.errors import RunError
 from grpo_core.testing import build_model, build_tokenizer
-from grpo_core.train import packing
-from grpo_core.train.logprobs import completion_logprobs
-from grpo_core.train.packing import needed_lengths, pack_rows, resolve_packing
-from grpo_core.train.update import TrainBatch, micro_batches, packed_tokens
+from grpo_core.train.learner.learner import packing
+from grpo_core.train.learner.logprobs import completion_logprobs
+from grpo_core.train.learner.packing import needed_lengths, pack_rows, resolve_packing
+from grpo_core.train.learner.update import TrainBatch, micro_batches, packed_tokens
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -171,7 +171,7 @@ def test_negative_control_a_layout_that_lets_rows_see_each_other_fails_the_equal
     batch = random_batch(llama.config.vocab_size, prompts=2, group=3, prompt_lens=[4, 6],
                          lengths=[6, 5, 6, 4, 6, 5], holes=[0, 2, 0, 0, 1, 0], width=6, seed=11)
     assert_equal_ways(both_ways(llama, batch))  # the engine's layout passes
-    monkeypatch.setattr("grpo_core.train.logprobs.pack_rows", _leaky(pack_rows))
+    monkeypatch.setattr("grpo_core.train.learner.logprobs.pack_rows", _leaky(pack_rows))
     leaky = both_ways(llama, batch)
     with pytest.raises(AssertionError, match="not close"):
         assert_equal_ways(leaky)
@@ -192,9 +192,9 @@ def test_old_reference_and_trained_log_probs_of_the_learner_pack_exactly(llama):
 
     from grpo_core.contracts import BatchStats
     from grpo_core.plugin_manager import load_plugins
-    from grpo_core.train.kl import KLTerm, Reference
-    from grpo_core.train.parallel import forward_of
-    from grpo_core.train.update import Objective, batch_logprobs, micro_batch_loss
+    from grpo_core.train.learner.kl import KLTerm, Reference
+    from grpo_core.train.learner.parallel import forward_of
+    from grpo_core.train.learner.update import Objective, batch_logprobs, micro_batch_loss
 
     model = get_peft_model(copy.deepcopy(llama), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     for name, param in model.named_parameters():
@@ -349,7 +349,7 @@ def test_activation_checkpointing_trains_padded_and_scores_packed(llama, monkeyp
     model.train()
     calls = []
     real = packing.packed_decoder_call
-    monkeypatch.setattr("grpo_core.train.logprobs.packed_decoder_call", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr("grpo_core.train.learner.logprobs.packed_decoder_call", lambda *a: calls.append(1) or real(*a))
     batch = random_batch(llama.config.vocab_size, prompts=1, group=2, prompt_lens=[3], lengths=[4, 2], holes=[0, 0],
                          width=4, seed=2)
     out = both_ways(model, batch)
@@ -365,8 +365,8 @@ def test_under_activation_checkpointing_the_update_counts_padded_micro_batches(l
     micro-batches are counted in padded positions (packed tokens would overfill them), while
     the no-grad forwards still pack."""
     from grpo_core.plugin_manager import load_plugins
-    from grpo_core.train import update as updating
-    from grpo_core.train.learner import Learner, UpdateSettings
+    from grpo_core.train.learner.learner import Learner, UpdateSettings
+    from grpo_core.train.learner.learner import update as updating
 
     registry = load_plugins(external=False).registry
     objective = updating.Objective(policy_loss=registry.get("policy_loss", "clip").build(),

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpo_core.train.passk import default_ks, mean_at_n, mean_pass_at_k, pass_at_k
+from grpo_core.train.loop.passk import default_ks, mean_at_n, mean_pass_at_k, pass_at_k
 
 
 def brute_force(n: int, c: int, k: int) -> Fraction:

@@ -13,7 +13,7 @@ import pytest
 from grpo_core import checkpoint as ckpt
 from grpo_core.cli import main
 from grpo_core.errors import RunError
-from grpo_core.train.scoring import RewardFn, score
+from grpo_core.train.actor.scoring import RewardFn, score
 
 PROMPTS = ["p0", "p1", "p2"]
 COMPLETIONS = ["a", "bb", "ccc"]

@@ -17,10 +17,10 @@ from grpo_core.cli import main
 from grpo_core.contracts import RolloutBatch
 from grpo_core.errors import RunError
 from grpo_core.testing import build_tokenizer, save_tiny_model
+from grpo_core.train.actor.scoring import RewardFn, score
 from grpo_core.train.experience import Scored
-from grpo_core.train.learner import advantage_inputs
+from grpo_core.train.learner.learner import advantage_inputs
 from grpo_core.train.reasoning_steps import split_steps
-from grpo_core.train.scoring import RewardFn, score
 
 torch.set_num_threads(1)
 SPECS = Path(__file__).resolve().parents[2] / "specs"

@@ -1,4 +1,4 @@
-"""How reward functions are called (grpo_core.train.scoring): async functions awaited
+"""How reward functions are called (grpo_core.train.actor.scoring): async functions awaited
 together, synchronous ones in threads with `concurrency`, `call_timeout`, infinite scores
 and batches nobody could score; and, end to end, an infinite score stopping a run with the
 last completed step checkpointed."""
@@ -16,7 +16,7 @@ import torch
 from grpo_core import checkpoint as ckpt
 from grpo_core.cli import main
 from grpo_core.errors import RunError, SpecError
-from grpo_core.train.scoring import RewardFn, score
+from grpo_core.train.actor.scoring import RewardFn, score
 
 PROMPTS = [f"p{i}" for i in range(6)]
 COMPLETIONS = [f"c{i}" for i in range(6)]

@@ -15,7 +15,7 @@ from grpo_core import checkpoint as ckpt
 from grpo_core.cli import main
 from grpo_core.errors import UsageError
 from grpo_core.testing import build_model, build_tokenizer
-from grpo_core.train.kl import KLTerm
+from grpo_core.train.learner.kl import KLTerm
 
 
 @pytest.fixture(autouse=True)

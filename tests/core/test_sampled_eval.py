@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from grpo_core.cli import main
-from grpo_core.train.evaluate import sampled_metrics
+from grpo_core.train.loop.evaluate import sampled_metrics
 
 
 @pytest.fixture(autouse=True)

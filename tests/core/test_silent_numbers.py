@@ -13,8 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from grpo_core.cli import main
-from grpo_core.runs import describe
-from grpo_core.train.kl import adapted_beta
+from grpo_core.cli.runs import describe
+from grpo_core.train.learner.kl import adapted_beta
 
 
 # --------------------------------------------------------------------------- the adaptive KL controller

@@ -1,4 +1,4 @@
-"""The teacher's forward, engine side (grpo_core.train.teacher): its log-probs are the ones the
+"""The teacher's forward, engine side (grpo_core.train.learner.teacher): its log-probs are the ones the
 learner would compute for the same model (the reference-model path, in micro-batches, at the
 batch's temperature), in its own dtype and wherever it sits; a teacher with another tokenizer is
 refused naming it and the tokens that differ."""
@@ -13,9 +13,9 @@ import torch
 from grpo_core.contracts import Teacher
 from grpo_core.errors import RunError
 from grpo_core.testing import build_model, build_tokenizer
-from grpo_core.train.parallel import forward_of
-from grpo_core.train.teacher import check_vocabulary, teacher_logprobs
-from grpo_core.train.update import TrainBatch, batch_logprobs
+from grpo_core.train.learner.parallel import forward_of
+from grpo_core.train.learner.teacher import check_vocabulary, teacher_logprobs
+from grpo_core.train.learner.update import TrainBatch, batch_logprobs
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,9 @@ import torch
 
 from grpo_core.spec import load_spec
 from grpo_core.testing import save_tiny_model
-from grpo_core.train.assemble import build_run
-from grpo_core.train.optim import lr_factor
-from grpo_core.train.step import train_step
+from grpo_core.train.learner.optim import lr_factor
+from grpo_core.train.loop.assemble import build_run
+from grpo_core.train.loop.step import train_step
 
 torch.set_num_threads(1)
 SPECS = Path(__file__).resolve().parents[2] / "specs"
@@ -128,8 +128,8 @@ def test_bf16_reference_copy_trains_and_is_refused_where_it_cannot_work(tiny_mod
 ])
 def test_old_logprobs_are_computed_exactly_when_the_policy_moves_before_use(tiny_model, tmp_path, overrides, needs_old):
     from grpo_core.train.experience import Timer
-    from grpo_core.train.parallel import forward_of
-    from grpo_core.train.update import batch_logprobs
+    from grpo_core.train.learner.parallel import forward_of
+    from grpo_core.train.learner.update import batch_logprobs
 
     run = make_run(tiny_model, tmp_path, *overrides)
     experience = run.actor.collect(0)
@@ -145,8 +145,8 @@ def test_the_learner_scores_a_batch_at_the_temperature_it_was_sampled_at(tiny_mo
     log-probs divide the logits by it, so with a bfloat16 generation copy the sampler's
     log-probs and the trainer's differ by rounding only, and by far more at temperature 1."""
     from grpo_core.train.experience import Timer
-    from grpo_core.train.parallel import forward_of
-    from grpo_core.train.update import batch_logprobs
+    from grpo_core.train.learner.parallel import forward_of
+    from grpo_core.train.learner.update import batch_logprobs
 
     run = make_run(tiny_model, tmp_path, "rollout.temperature=0.5", "rollout.dtype=bfloat16",
                    "algorithm.mu=2")
@@ -168,7 +168,7 @@ def test_truncated_completions_leave_the_loss_only_when_asked(mask_truncated):
     a completion cut off at max_new_tokens has no token in the loss; the others keep their
     own mask, holes included."""
     from grpo_core.contracts import RolloutBatch
-    from grpo_core.train.learner import train_batch
+    from grpo_core.train.learner.learner import train_batch
 
     completion_mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 1], [1, 0, 1]], dtype=torch.bool)
     rollout = RolloutBatch(

@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 
 from grpo_core.plugin_manager import load_plugins
 from grpo_core.testing import build_model, build_tokenizer
-from grpo_core.train.kl import KLTerm
-from grpo_core.train.learner import Learner, UpdateSettings
-from grpo_core.train.parallel import forward_of
-from grpo_core.train.update import Objective, TrainBatch, update
+from grpo_core.train.learner.kl import KLTerm
+from grpo_core.train.learner.learner import Learner, UpdateSettings
+from grpo_core.train.learner.parallel import forward_of
+from grpo_core.train.learner.update import Objective, TrainBatch, update
 
 torch.set_num_threads(1)
 
@@ -123,7 +123,7 @@ def test_micro_batch_size_does_not_change_the_step(registry, base_model, aggrega
 def test_micro_batches_by_token_budget_are_whole_groups_within_the_budget():
     """null micro_batch_size: whole groups of G rows, each row prompt (5) + completion (6) = 11
     positions, a group 44: a budget of 100 holds two groups; one below a group still takes one."""
-    from grpo_core.train.update import micro_batch_rows
+    from grpo_core.train.learner.update import micro_batch_rows
 
     batch = make_batch()
     assert micro_batch_rows(batch, None, 100) == 2 * G
@@ -147,7 +147,7 @@ def test_a_token_budget_does_not_change_the_step(registry, base_model, budget):
 
 def test_kl_in_the_loss_uses_every_row_and_reports_kl(registry, base_model):
     batch = make_batch(zero_groups=(0,))
-    from grpo_core.train.update import batch_logprobs
+    from grpo_core.train.learner.update import batch_logprobs
 
     ref = copy.deepcopy(base_model)
     with torch.no_grad():
@@ -162,7 +162,7 @@ def test_kl_in_the_loss_uses_every_row_and_reports_kl(registry, base_model):
 
 
 def test_mu_two_uses_old_logprobs_and_moves_the_ratio(registry, base_model):
-    from grpo_core.train.update import batch_logprobs
+    from grpo_core.train.learner.update import batch_logprobs
 
     batch = make_batch(zero_groups=())
     batch.old_logp = batch_logprobs(forward_of(base_model), batch, 4, 1.0, nullcontext).double()
@@ -190,7 +190,7 @@ def test_non_finite_loss_skips_the_update_and_counts_it(registry, base_model):
 
 
 def test_early_stop_drops_a_mini_batch_whose_mean_ratio_is_too_high(registry, base_model):
-    from grpo_core.train.update import batch_logprobs
+    from grpo_core.train.learner.update import batch_logprobs
 
     batch = make_batch(zero_groups=())
     batch.old_logp = batch_logprobs(forward_of(base_model), batch, 4, 1.0, nullcontext).double()
@@ -212,7 +212,7 @@ def test_entropy_is_computed_only_when_its_coefficient_is_set(registry, base_mod
 
 # --------------------------------------------------------------------------- rollout correction
 def test_rollout_correction_weights_by_hand():
-    from grpo_core.train.correction import rollout_correction
+    from grpo_core.train.learner.correction import rollout_correction
 
     ln = torch.log
     trainer = torch.tensor([[0.0, -1.0, -2.0, -5.0]], dtype=torch.float64)
@@ -240,7 +240,7 @@ def test_rollout_correction_weights_by_hand():
     data=st.data(),
 )
 def test_rollout_correction_weights_are_bounded_detached_and_zero_on_padding(diffs, cap, level, mode, data):
-    from grpo_core.train.correction import rollout_correction
+    from grpo_core.train.learner.correction import rollout_correction
 
     n = len(diffs)
     mask = torch.tensor(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)))[None]
@@ -260,7 +260,7 @@ def test_rollout_correction_scales_the_policy_gradient(registry, base_model):
     import math
 
     from grpo_core.spec.algorithm import RolloutCorrectionSection
-    from grpo_core.train.update import batch_logprobs
+    from grpo_core.train.learner.update import batch_logprobs
 
     batch = make_batch(zero_groups=())
     trainer = batch_logprobs(forward_of(base_model), batch, 64, 1.0, nullcontext).double()
@@ -293,7 +293,7 @@ def test_rollout_correction_scales_the_policy_gradient(registry, base_model):
 def _kl_loss_and_grads(model, batch, obj):
     """The loss of every row (KL in the loss) and its gradient, one forward and backward."""
     from grpo_core.contracts import BatchStats
-    from grpo_core.train.update import micro_batch_loss
+    from grpo_core.train.learner.update import micro_batch_loss
 
     model = copy.deepcopy(model)
     stats = BatchStats(int(batch.mask.sum()), P * G, T)
@@ -310,8 +310,8 @@ def test_bf16_reference_gives_the_float32_loss_and_gradient_within_bf16_rounding
     loss moved by 2e-8 (asserted < 1e-5) and the gradient by 9e-5 of its norm (< 1e-3). The KL
     estimate gains a positive bias of the order of the squared rounding: 1.6e-7 per token
     here, where the float32 reference gives 0 (asserted < 1e-5)."""
-    from grpo_core.train.kl import Reference
-    from grpo_core.train.update import batch_logprobs
+    from grpo_core.train.learner.kl import Reference
+    from grpo_core.train.learner.update import batch_logprobs
 
     batch = make_batch(zero_groups=(0,))
     policy = copy.deepcopy(base_model).float()
@@ -334,7 +334,7 @@ def test_bf16_reference_gives_the_float32_loss_and_gradient_within_bf16_rounding
 
 
 def test_reference_dtype_is_refused_under_lora():
-    from grpo_core.train.kl import Reference
+    from grpo_core.train.learner.kl import Reference
 
     class Adapted(torch.nn.Linear):
         def disable_adapter(self):  # what peft models have: the reference is the policy itself

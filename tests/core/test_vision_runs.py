@@ -14,7 +14,7 @@ from grpo_core.cli import main
 from grpo_core.errors import RunError
 from grpo_core.spec import load_spec
 from grpo_core.testing import save_tiny_vision_model
-from grpo_core.train.assemble import build_run
+from grpo_core.train.loop.assemble import build_run
 
 SPECS = Path(__file__).resolve().parents[2] / "specs"
 QUIET = ["tracking=[]", "train.threads=1", "data.train_size=16", "data.eval_size=4", "eval.max_prompts=2"]

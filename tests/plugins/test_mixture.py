@@ -17,7 +17,7 @@ from grpo_core.cli import main
 from grpo_core.errors import RunError
 from grpo_core.spec import load_spec
 from grpo_core.testing import save_tiny_model
-from grpo_core.train.scoring import RewardFn, score
+from grpo_core.train.actor.scoring import RewardFn, score
 
 # chi2.ppf(0.999, df=2): a test at the 0.1 % level on three sources (scipy.stats, computed once)
 CHI2_CRITICAL_2 = 13.82

@@ -19,7 +19,7 @@ from grpo_plugins.vllm.colocated import VLLMRollout, VLLMRolloutOptions
 
 from grpo_core.contracts import SamplingParams
 from grpo_core.testing import build_model
-from grpo_core.train.logprobs import completion_logprobs
+from grpo_core.train.learner.logprobs import completion_logprobs
 
 from .conftest import HIDDEN
 

@@ -14,8 +14,8 @@ from grpo_core.contracts import SamplingParams
 from grpo_core.contracts.images import without_placeholders
 from grpo_core.spec.data import DataSlot
 from grpo_core.testing import build_vision_model, build_vision_processor
-from grpo_core.train.data import PromptSource
-from grpo_core.train.logprobs import completion_logprobs
+from grpo_core.train.actor.data import PromptSource
+from grpo_core.train.learner.logprobs import completion_logprobs
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("one_thread")]
 

@@ -7,7 +7,7 @@ import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from grpo_core.train.correction import rollout_correction
+from grpo_core.train.learner.correction import rollout_correction
 
 from . import openrlhf_0_11_2 as openrlhf
 from .conftest import F64, FAST, assert_same, component, groups, inputs_of, ours, peer

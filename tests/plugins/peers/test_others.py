@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from grpo_core.contracts import BatchStats, Teacher
-from grpo_core.train.correction import rollout_correction
+from grpo_core.train.learner.correction import rollout_correction
 
 from . import others
 from .conftest import F64, FAST, assert_same, component, groups, inputs_of, ours, peer

@@ -9,8 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from grpo_core.contracts import BatchStats, PolicyLossInputs
-from grpo_core.train.correction import rollout_correction
-from grpo_core.train.kl import Reference
+from grpo_core.train.learner.correction import rollout_correction
+from grpo_core.train.learner.kl import Reference
 
 from . import trl_1_16 as trl
 from .conftest import F64, FAST, assert_same, component, groups, inputs_of, ours, peer

@@ -10,8 +10,8 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from grpo_core.contracts import BatchStats, Teacher
-from grpo_core.train.correction import rollout_correction
-from grpo_core.train.kl import adapted_beta
+from grpo_core.train.learner.correction import rollout_correction
+from grpo_core.train.learner.kl import adapted_beta
 
 from . import verl_0_9_1 as verl
 from .conftest import F64, FAST, assert_same, component, groups, inputs_of, ours, peer

@@ -15,7 +15,7 @@ from grpo_plugins.rewards.code import CodeTests, CodeTestsOptions
 from grpo_plugins.rewards.sandbox import Limits, Sandbox
 
 from grpo_core.errors import RunError
-from grpo_core.train.scoring import RewardFn, score
+from grpo_core.train.actor.scoring import RewardFn, score
 
 
 class FusionServer:

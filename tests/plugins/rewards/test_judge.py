@@ -19,7 +19,7 @@ import yaml
 from grpo_plugins.rewards.judge import Judge, JudgeFailure, JudgeOptions
 from pydantic import ValidationError
 
-from grpo_core.train.scoring import RewardFn, score
+from grpo_core.train.actor.scoring import RewardFn, score
 
 KEY = "sk-test-0123456789-never-written"
 

@@ -15,7 +15,7 @@ from grpo_plugins.rewards.remote import RemoteOptions, RemoteReward
 
 from grpo_core.errors import RunError
 from grpo_core.plugin_manager import load_plugins
-from grpo_core.train.scoring import RewardFn, score
+from grpo_core.train.actor.scoring import RewardFn, score
 
 
 class Server:

@@ -204,7 +204,7 @@ def test_a_bf16_copy_reports_its_log_probs_and_the_policy_itself_does_not(policy
     """A copy in another dtype gives ``sampling_logp`` (B, T), 0 on padding, within bf16
     rounding of the float32 policy's log-probs of the same tokens; the policy itself gives
     none (it samples from the weights the trainer evaluates)."""
-    from grpo_core.train.logprobs import completion_logprobs
+    from grpo_core.train.learner.logprobs import completion_logprobs
 
     sampling = SamplingParams(max_new_tokens=8, seed=4)
     copied = HFRollout(HFRolloutOptions(dtype="bfloat16"))

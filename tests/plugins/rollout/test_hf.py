@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from grpo_core.contracts import RolloutBackend, SamplingParams
 from grpo_core.plugin_manager import load_plugins
 from grpo_core.testing import build_model, build_tokenizer
-from grpo_core.train.logprobs import completion_logprobs
+from grpo_core.train.learner.logprobs import completion_logprobs
 
 GREEDY = SamplingParams(max_new_tokens=10, greedy=True)
 TEXTS = ["What is 3 + 4?", "Hi", "Think step by step. What is 12 * 7? Answer:"]

@@ -1,6 +1,6 @@
 """Building a run from a validated spec: the data, the model, the learner, the actor and the
 feed between them (:func:`build_run`). Nothing here trains; the loop is
-:mod:`grpo_core.train.run`.
+:mod:`grpo_core.train.loop.run`.
 
 Every component is made once, here, from the spec's validated sections; the objects the loop
 then holds read no spec value of their own. Copies of the policy are all made with
@@ -23,27 +23,27 @@ from grpo_core.errors import RunError
 from grpo_core.spec import LoadedSpec, Spec
 from grpo_core.spec.parallel import parallel_conflicts
 from grpo_core.tracking import RunLog
-from grpo_core.train import model as modeling
-from grpo_core.train.actor import Actor, RolloutSettings
-from grpo_core.train.agents import AgentRunner
-from grpo_core.train.data import Prompt, PromptSource, check_columns
+from grpo_core.train.actor.actor import Actor, RolloutSettings
+from grpo_core.train.actor.agents import AgentRunner
+from grpo_core.train.actor.data import Prompt, PromptSource, check_columns
+from grpo_core.train.actor.episodes import EpisodeRunner
+from grpo_core.train.actor.rollout import Scorer
+from grpo_core.train.actor.routes import RoutedRunner
+from grpo_core.train.actor.scoring import RewardFn
 from grpo_core.train.distributed import Dist, check_layout, parallel_from_launcher
-from grpo_core.train.episodes import EpisodeRunner
-from grpo_core.train.evaluate import load_eval_sets
 from grpo_core.train.feed import Feed, SyncFeed
-from grpo_core.train.iterative import build_iterative
-from grpo_core.train.kl import KLTerm
-from grpo_core.train.learner import Learner, UpdateSettings
-from grpo_core.train.optim import make_optimizer
-from grpo_core.train.packing import resolve_packing
-from grpo_core.train.parallel import Single, strategy_for
+from grpo_core.train.learner.kl import KLTerm
+from grpo_core.train.learner.learner import Learner, UpdateSettings
+from grpo_core.train.learner.optim import make_optimizer
+from grpo_core.train.learner.packing import resolve_packing
+from grpo_core.train.learner.parallel import Single, strategy_for
+from grpo_core.train.learner.update import Objective
+from grpo_core.train.loop import model as modeling
+from grpo_core.train.loop.evaluate import load_eval_sets
+from grpo_core.train.loop.iterative import build_iterative
+from grpo_core.train.loop.state import Run
 from grpo_core.train.pipeline import Pipeline
 from grpo_core.train.reasoning_steps import split_steps
-from grpo_core.train.rollout import Scorer
-from grpo_core.train.routes import RoutedRunner
-from grpo_core.train.scoring import RewardFn
-from grpo_core.train.state import Run
-from grpo_core.train.update import Objective
 
 
 def seed_everything(seed: int) -> None:
@@ -248,7 +248,7 @@ def load_processing(loaded: LoadedSpec, given: Any = None) -> tuple[Any, Any]:
     if spec.data.image_column is None:
         return None, tokenizer
     if processor is None:
-        from grpo_core.train.images import check_processor
+        from grpo_core.train.actor.images import check_processor
 
         check_processor(None, "given from Python: pass its processor as the tokenizer")
     return processor, tokenizer
@@ -256,7 +256,7 @@ def load_processing(loaded: LoadedSpec, given: Any = None) -> tuple[Any, Any]:
 
 def check_image_run(spec: Spec, backend: Any, model: Any) -> None:
     """Refuse what prompts with images cannot run with yet, naming the setting (``train.packing:
-    true`` before the first step: :func:`~grpo_core.train.packing.resolve_packing`)."""
+    true`` before the first step: :func:`~grpo_core.train.learner.packing.resolve_packing`)."""
     resolve_packing(spec.train.packing, model)
     if not getattr(backend, "accepts_images", False):
         raise RunError(f"data.image_column: rollout backend '{spec.rollout.name}' does not take images; "

@@ -1,6 +1,6 @@
 """The OpenAI-compatible endpoint agents talk to: ``/v1/chat/completions``,
 ``/v1/completions`` and ``/v1/models``, served on 127.0.0.1 while a rollout's agent episodes
-run (:mod:`grpo_core.train.agents`).
+run (:mod:`grpo_core.train.actor.agents`).
 
 Each request names its episode by its key (``Authorization: Bearer <key>``, the
 ``api_key`` of an OpenAI client). The endpoint turns the request into the prompt token ids
@@ -8,7 +8,7 @@ the policy continues, and never re-tokenizes what the policy wrote: an episode's
 the tokens of its first prompt, then, per call, the tokens the policy sampled and the
 tokens of the messages the agent added after them (tool results, user turns, rendered by the
 chat template as an in-process environment's observations are,
-:class:`~grpo_core.train.episodes.TurnRenderer`). A request whose messages do not extend that
+:class:`~grpo_core.train.actor.episodes.TurnRenderer`). A request whose messages do not extend that
 history (the agent edited or dropped a message) fails its episode.
 
 What a request may set: ``messages`` (or ``prompt``), ``tools``, ``max_tokens`` /

@@ -14,14 +14,14 @@ from grpo_core import checkpoint as ckpt
 from grpo_core.contracts import Stateful
 from grpo_core.spec import LoadedSpec, Spec
 from grpo_core.tracking import RunLog
-from grpo_core.train.actor import Actor
-from grpo_core.train.best import BestCheckpoints
-from grpo_core.train.data import Prompt, PromptSource
+from grpo_core.train.actor.actor import Actor
+from grpo_core.train.actor.data import Prompt, PromptSource
 from grpo_core.train.distributed import Dist
-from grpo_core.train.evaluate import EvalSet
 from grpo_core.train.feed import Feed
-from grpo_core.train.iterative import IterativeStage
-from grpo_core.train.learner import Learner
+from grpo_core.train.learner.learner import Learner
+from grpo_core.train.loop.best import BestCheckpoints
+from grpo_core.train.loop.evaluate import EvalSet
+from grpo_core.train.loop.iterative import IterativeStage
 
 log = logging.getLogger("grpo.checkpoint")
 
@@ -42,7 +42,7 @@ class Hooks:
 @dataclass
 class Run:
     """A run: the actor and learner a step uses and the feed between them, the held-out data,
-    and the loop's own state. Built by :func:`grpo_core.train.assemble.build_run`."""
+    and the loop's own state. Built by :func:`grpo_core.train.loop.assemble.build_run`."""
 
     spec: Spec
     loaded: LoadedSpec

@@ -5,7 +5,7 @@ environment's runner, the reward functions, the sampling settings and the random
 they draw from, :mod:`grpo_core.train.seeds`) and the prompt stream. Its one product is an
 :class:`~grpo_core.train.experience.Experience`: the scored groups of a step, with the
 sampler's log-probs when the backend gives them, the sampling temperature and the policy
-version they were sampled with. That value is all the learner (:mod:`grpo_core.train.learner`)
+version they were sampled with. That value is all the learner (:mod:`grpo_core.train.learner.learner`)
 sees of the actor, and it is defined on neither side, so a queue or a process boundary can
 stand between the two: a :mod:`feed <grpo_core.train.feed>` hands it over.
 
@@ -27,12 +27,10 @@ import torch
 from grpo_core.contracts import RolloutBackend, SamplingParams
 from grpo_core.errors import RunError
 from grpo_core.train import seeds
-from grpo_core.train.baseline import greedy_baseline_scores
-from grpo_core.train.data import Prompt, PromptSource
-from grpo_core.train.distributed import Dist
-from grpo_core.train.episodes import EpisodeRunner
-from grpo_core.train.experience import Experience, Scored, Timer
-from grpo_core.train.rollout import (
+from grpo_core.train.actor.baseline import greedy_baseline_scores
+from grpo_core.train.actor.data import Prompt, PromptSource
+from grpo_core.train.actor.episodes import EpisodeRunner
+from grpo_core.train.actor.rollout import (
     Scorer,
     concat_scored,
     generate_rollout,
@@ -40,6 +38,8 @@ from grpo_core.train.rollout import (
     select_groups,
     zero_spread_groups,
 )
+from grpo_core.train.distributed import Dist
+from grpo_core.train.experience import Experience, Scored, Timer
 
 
 @dataclass(frozen=True)

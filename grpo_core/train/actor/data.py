@@ -11,8 +11,8 @@ import numpy as np
 
 from grpo_core.errors import RunError
 from grpo_core.spec.data import DataSlot
-from grpo_core.train.episodes import with_tools
-from grpo_core.train.images import check_processor, load_row_images, render_images
+from grpo_core.train.actor.episodes import with_tools
+from grpo_core.train.actor.images import check_processor, load_row_images, render_images
 
 if TYPE_CHECKING:
     from grpo_core.contracts import PromptImages, PromptSampler
@@ -56,7 +56,7 @@ class PromptSource:
     With ``slot.image_column`` every row's images are loaded and checked here (a bad one
     raises, naming its row), and prompts are rendered by ``processor`` (the model's, which
     must be given): the images placed by its chat template, their tokens and tensors in the
-    prompt (:mod:`grpo_core.train.images`).
+    prompt (:mod:`grpo_core.train.actor.images`).
     """
 
     def __init__(

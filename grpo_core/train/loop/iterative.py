@@ -25,9 +25,9 @@ from grpo_core.contracts import RewardExample, TrainableReward
 from grpo_core.errors import RunError
 from grpo_core.spec.iterative import IterativeSection
 from grpo_core.train import seeds
-from grpo_core.train.actor import Actor
-from grpo_core.train.rollout import Scorer, as_completions
-from grpo_core.train.scoring import RewardFn
+from grpo_core.train.actor.actor import Actor
+from grpo_core.train.actor.rollout import Scorer, as_completions
+from grpo_core.train.actor.scoring import RewardFn
 
 
 class IterativeStage:

@@ -3,7 +3,7 @@
 A :class:`Learner` holds what trains (the policy, optimizer and schedule, the objective,
 the advantage estimator, the KL term with its reference, the fp16 scaler, the parallel
 strategy). ``learn`` prepares the batch (old and reference log-probs where needed, the KL
-in the reward, the advantages) and runs the update (:mod:`grpo_core.train.update`); its
+in the reward, the advantages) and runs the update (:mod:`grpo_core.train.learner.update`); its
 policy version then counts one more, and the new weights go back to the actor. It knows the
 actor only by that value (:mod:`grpo_core.train.experience`).
 """
@@ -22,12 +22,12 @@ from grpo_core.contracts.images import without_placeholders
 from grpo_core.errors import RunError
 from grpo_core.train.distributed import Dist, pad_cat
 from grpo_core.train.experience import Experience, Scored, Timer
-from grpo_core.train.kl import KLTerm
-from grpo_core.train.packing import resolve_packing
-from grpo_core.train.parallel import Single, forward_of
+from grpo_core.train.learner.kl import KLTerm
+from grpo_core.train.learner.packing import resolve_packing
+from grpo_core.train.learner.parallel import Single, forward_of
+from grpo_core.train.learner.teacher import check_vocabulary, teacher_logprobs
+from grpo_core.train.learner.update import Objective, TrainBatch, batch_logprobs, micro_batches, update
 from grpo_core.train.reasoning_steps import step_tensors
-from grpo_core.train.teacher import check_vocabulary, teacher_logprobs
-from grpo_core.train.update import Objective, TrainBatch, batch_logprobs, micro_batches, update
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -79,7 +79,7 @@ class Learner:
     @property
     def packs(self) -> bool:
         """Whether the forwards run padding-free (``train.packing`` resolved for this model and
-        device, :func:`grpo_core.train.packing.resolve_packing`); decided once."""
+        device, :func:`grpo_core.train.learner.packing.resolve_packing`); decided once."""
         if self._packs is None:
             self._packs = resolve_packing(self.settings.packing, self.model, self.dist.device)
         return self._packs

@@ -9,7 +9,7 @@ forward or backward at all.
 
 The code reads as one process's math. What several processes change (sums over them, the
 passes each adds to stay in lock-step, when gradients are reduced, which module runs the
-forward) is asked of the learner's parallel strategy (:mod:`grpo_core.train.parallel`).
+forward) is asked of the learner's parallel strategy (:mod:`grpo_core.train.learner.parallel`).
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ import torch
 from torch import Tensor
 
 from grpo_core.contracts import BatchStats, LossAggregator, PolicyLoss, PolicyLossInputs, masked_fill_zero
-from grpo_core.train.correction import rollout_correction
-from grpo_core.train.packing import needed_lengths
+from grpo_core.train.learner.correction import rollout_correction
+from grpo_core.train.learner.packing import needed_lengths
 
 if TYPE_CHECKING:
-    from grpo_core.train.kl import KLTerm
-    from grpo_core.train.learner import Learner
-    from grpo_core.train.parallel import Forward
+    from grpo_core.train.learner.kl import KLTerm
+    from grpo_core.train.learner.learner import Learner
+    from grpo_core.train.learner.parallel import Forward
 
 
 @dataclass
@@ -88,9 +88,9 @@ def forward_logprobs(
     mask: Tensor | None = None, share_prompt: bool = True, packed: bool = False,
 ):
     """Log-probs ``(b, T)`` of ``rows`` (of the tokens of ``mask``, default the batch's) by the
-    log-prob function ``forward`` (:meth:`grpo_core.train.parallel.Single.forward`). With
+    log-prob function ``forward`` (:meth:`grpo_core.train.learner.parallel.Single.forward`). With
     ``packed`` the rows run as one padding-free sequence, each of their prompts once
-    (:mod:`grpo_core.train.packing`); otherwise, with ``share_prompt``, the prompt is encoded
+    (:mod:`grpo_core.train.learner.packing`); otherwise, with ``share_prompt``, the prompt is encoded
     once per prompt when the rows hold the same number of completions of each prompt."""
     prompt_of = rows // batch.group_size
     mask = batch.mask[rows] if mask is None else mask
@@ -126,7 +126,7 @@ def micro_batch_rows(batch: TrainBatch, micro_batch_size: int | None, micro_batc
 
 def packed_tokens(batch: TrainBatch, rows: Tensor) -> Tensor:
     """``long (b,)``: what each row adds to a packed sequence (its completion up to the token
-    before its last masked one, :mod:`grpo_core.train.packing`), plus its prompt's real tokens
+    before its last masked one, :mod:`grpo_core.train.learner.packing`), plus its prompt's real tokens
     on the first row of each prompt that has something to run."""
     need = needed_lengths(batch.mask[rows])
     cost = (need - 1).clamp(min=0)
@@ -171,7 +171,7 @@ def batch_logprobs(forward: Forward, batch: TrainBatch, micro: int | list[Tensor
     gradients (old policy, reference); ``micro``: rows per forward, or the row indices of each
     forward (:func:`micro_batches`); ``packed``: each forward padding-free; ``strategy``: the
     parallel strategy of a model it shards, whose processes then make as many forwards each
-    (:meth:`grpo_core.train.parallel.Single.no_grad_passes`)."""
+    (:meth:`grpo_core.train.learner.parallel.Single.no_grad_passes`)."""
     out = torch.zeros(batch.completion_ids.shape, dtype=torch.float32, device=batch.completion_ids.device)
     rows = torch.arange(batch.completion_ids.shape[0])
     splits = list(rows.split(micro)) if isinstance(micro, int) else micro

@@ -158,7 +158,7 @@ def load_processor(section: ModelSection, base_dir: Path):
     A RunError naming the folder when it has none that handles images."""
     from transformers import AutoProcessor
 
-    from grpo_core.train.images import check_processor
+    from grpo_core.train.actor.images import check_processor
 
     where, revision = model_source(section, base_dir)
     try:

@@ -7,7 +7,7 @@ import math
 import torch
 
 from grpo_core.spec.models import TrainSection
-from grpo_core.train.lean_adamw import BF16StateAdamW
+from grpo_core.train.learner.lean_adamw import BF16StateAdamW
 
 
 def lr_factor(step: int, *, warmup: int, total: int, schedule: str) -> float:
@@ -29,7 +29,7 @@ def make_optimizer(model, train: TrainSection, total_updates: int):
 
     float32: torch's AdamW, fused (one kernel over all parameters) where torch supports it:
     about 10x faster than the per-tensor loop on a CPU, same update up to float rounding.
-    bfloat16: :class:`~grpo_core.train.lean_adamw.BF16StateAdamW` (half the state memory).
+    bfloat16: :class:`~grpo_core.train.learner.lean_adamw.BF16StateAdamW` (half the state memory).
     """
     params = [p for p in model.parameters() if p.requires_grad]
     kwargs = dict(lr=train.lr, betas=tuple(train.adam_betas), eps=train.adam_eps, weight_decay=train.weight_decay)

@@ -11,10 +11,10 @@ from typing import Any
 import torch
 
 from grpo_core.contracts import Episodes, RolloutBatch, SamplingParams
-from grpo_core.train.data import Prompt
+from grpo_core.train.actor.data import Prompt
+from grpo_core.train.actor.scoring import RewardFn, score
 from grpo_core.train.experience import Scored, Scores
 from grpo_core.train.reasoning_steps import StepLayout
-from grpo_core.train.scoring import RewardFn, score
 
 
 def as_completions(prompts: list[Prompt], rollout: RolloutBatch) -> tuple[list, list]:
@@ -84,7 +84,7 @@ def generate_rollout(
     backend: Any, prompts: list[Prompt], group_size: int, sampling: SamplingParams, episodes: Any = None
 ) -> RolloutBatch:
     """``group_size`` completions of each prompt; multi-turn episodes when ``episodes``
-    (an :class:`~grpo_core.train.episodes.EpisodeRunner`) is given."""
+    (an :class:`~grpo_core.train.actor.episodes.EpisodeRunner`) is given."""
     if episodes is not None:
         return episodes.run(backend, prompts, group_size, sampling)
     images = [p.images for p in prompts]

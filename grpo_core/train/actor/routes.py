@@ -12,7 +12,7 @@ from typing import Any
 
 from grpo_core.contracts import RolloutBatch, SamplingParams
 from grpo_core.errors import RunError
-from grpo_core.train.rollout import concat_rollouts, select_rollout
+from grpo_core.train.actor.rollout import concat_rollouts, select_rollout
 
 
 @dataclass

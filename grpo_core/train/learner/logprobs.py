@@ -1,15 +1,15 @@
 """Log-probabilities of sampled completion tokens under a causal LM.
 
 :func:`completion_logprobs` runs the decoder on prompts plus completions (padded, or packed
-into one padding-free sequence: :mod:`grpo_core.train.packing`) and sends only the positions
+into one padding-free sequence: :mod:`grpo_core.train.learner.packing`) and sends only the positions
 that predict a completion token through the output layer, chunk by chunk
-(:func:`grpo_core.train.head_logprobs.token_logprobs`: never a ``(B, T, V)`` copy).
+(:func:`grpo_core.train.learner.head_logprobs.token_logprobs`: never a ``(B, T, V)`` copy).
 
 Public functions:
 
 - :func:`completion_logprobs`: ``(B, T)`` log-probs (and entropies) of the completion tokens.
 - :func:`token_logprobs`, :func:`logit_transform`: the output layer's part, re-exported from
-  :mod:`grpo_core.train.head_logprobs`.
+  :mod:`grpo_core.train.learner.head_logprobs`.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import torch
 from torch import Tensor, nn
 
 from grpo_core.contracts.images import generation_positions, image_inputs, repeat_position_state, repeat_rows
-from grpo_core.train.head_logprobs import DEFAULT_CHUNK_SIZE, logit_transform, token_logprobs
-from grpo_core.train.packing import pack_rows, packed_decoder_call, packing_unsupported
+from grpo_core.train.learner.head_logprobs import DEFAULT_CHUNK_SIZE, logit_transform, token_logprobs
+from grpo_core.train.learner.packing import pack_rows, packed_decoder_call, packing_unsupported
 
 __all__ = ["token_logprobs", "completion_logprobs", "logit_transform", "DEFAULT_CHUNK_SIZE"]
 
@@ -346,9 +346,9 @@ def completion_logprobs(
     scaled / soft-capped per :func:`logit_transform` of ``model.config``.
 
     With ``packed`` the rows run as one padding-free sequence instead
-    (:mod:`grpo_core.train.packing`: each prompt once, then its completions, attention that
+    (:mod:`grpo_core.train.learner.packing`: each prompt once, then its completions, attention that
     never crosses rows), equal to the padded result up to float rounding; where packing cannot
-    be exact (:func:`~grpo_core.train.packing.packing_unsupported`) the padded path runs.
+    be exact (:func:`~grpo_core.train.learner.packing.packing_unsupported`) the padded path runs.
 
     Args:
         model: a transformers causal LM (``get_decoder()``, ``get_output_embeddings()``).

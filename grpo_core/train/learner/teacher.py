@@ -14,11 +14,11 @@ from torch import Tensor
 
 from grpo_core.contracts import Teacher
 from grpo_core.errors import RunError
-from grpo_core.train.parallel import forward_of
-from grpo_core.train.update import TrainBatch, batch_logprobs
+from grpo_core.train.learner.parallel import forward_of
+from grpo_core.train.learner.update import TrainBatch, batch_logprobs
 
 if TYPE_CHECKING:
-    from grpo_core.train.parallel import Forward
+    from grpo_core.train.learner.parallel import Forward
 
 
 def check_vocabulary(teacher: Teacher, tokenizer: Any) -> None:

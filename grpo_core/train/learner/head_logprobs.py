@@ -39,7 +39,7 @@ def logit_transform(config: Any) -> dict[str, float | None]:
     ``cap * tanh(z / cap)``), ``logit_scale`` (Cohere: ``z * scale``), ``logits_scaling``
     (Granite: ``z / scaling``). Llama, SmolLM2, Qwen2/3 and Mistral have none. A model whose
     ``forward`` transforms logits in another way is not covered: compare
-    :func:`grpo_core.train.logprobs.completion_logprobs` with ``model(...).logits`` once when adding
+    :func:`grpo_core.train.learner.logprobs.completion_logprobs` with ``model(...).logits`` once when adding
     such a model.
     """
     config = config.get_text_config() if hasattr(config, "get_text_config") else config

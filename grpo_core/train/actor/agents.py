@@ -1,7 +1,7 @@
 """Agent episodes: programs that talk to the policy through an OpenAI-compatible endpoint.
 
 For each rollout, :class:`AgentRunner` serves an endpoint on 127.0.0.1
-(:mod:`grpo_core.train.endpoint`), runs ``G`` episodes of each prompt with the spec's agent
+(:mod:`grpo_core.train.actor.endpoint`), runs ``G`` episodes of each prompt with the spec's agent
 (``rollout.agent``: a function or coroutine function, :class:`~grpo_core.contracts.Agent`),
 at most ``concurrency`` at once, each within ``timeout_s``, and answers their requests with
 the run's rollout backend from the calling thread: requests that arrive together (every
@@ -35,7 +35,7 @@ import torch
 
 from grpo_core.contracts import AgentEpisode, RolloutBatch, SamplingParams
 from grpo_core.errors import fault_text
-from grpo_core.train.endpoint import (
+from grpo_core.train.actor.endpoint import (
     TOOL_STOP,
     Endpoint,
     EndpointError,
@@ -45,7 +45,7 @@ from grpo_core.train.endpoint import (
     response_body,
     same_message,
 )
-from grpo_core.train.episodes import EpisodeRecord, TurnRenderer, episodes_batch, with_tools
+from grpo_core.train.actor.episodes import EpisodeRecord, TurnRenderer, episodes_batch, with_tools
 
 log = logging.getLogger("grpo.agents")
 

@@ -1,7 +1,7 @@
 """The padding-free learner forward: the rows of a micro-batch packed into one sequence.
 
 The padded forward runs a ``(B, T)`` block of completions, each row padded to the longest of
-its micro-batch (:func:`grpo_core.train.logprobs.completion_logprobs`), so its compute and
+its micro-batch (:func:`grpo_core.train.learner.logprobs.completion_logprobs`), so its compute and
 activation memory grow with ``B * max(length)``. Here the rows are laid end to end instead:
 
     [prompt 0][completion 0.0][completion 0.1]...[prompt 1][completion 1.0]...

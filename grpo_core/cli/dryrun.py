@@ -28,9 +28,9 @@ def dry_run(loaded: LoadedSpec, stream: TextIO | None = None, width: int = 70) -
     completions (``train.prompts_per_step`` prompts x ``rollout.group_size``), score
     them and print a table per prompt plus a summary; no update, no checkpoint, no
     tracker run. Returns 0."""
-    from grpo_core.train.assemble import build_run
+    from grpo_core.train.actor.rollout import shown_completion
     from grpo_core.train.experience import Timer
-    from grpo_core.train.rollout import shown_completion
+    from grpo_core.train.loop.assemble import build_run
 
     stream = stream or sys.stdout
     run = build_run(loaded)

@@ -2,7 +2,7 @@
 
 The engine never calls a causal LM's own ``forward``: it runs the decoder on prompts and
 completions (prompt keys/values shared by a group) and the output layer only on completion
-positions, in chunks (:func:`grpo_core.train.logprobs.completion_logprobs`). FSDP2 hangs its
+positions, in chunks (:func:`grpo_core.train.learner.logprobs.completion_logprobs`). FSDP2 hangs its
 all-gather and reduce-scatter on the ``forward`` of each module it shards, so the units are:
 
 - every decoder layer (called once or twice per forward, the same count on every process:
@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from grpo_core.errors import RunError
-from grpo_core.train.logprobs import completion_logprobs
+from grpo_core.train.learner.logprobs import completion_logprobs
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -54,11 +54,11 @@ class LogprobModel(nn.Module):
         """:func:`completion_logprobs` of the wrapped model, ``(B, T)`` each. ``share_prompt``:
         encode each prompt once for its completions (two decoder calls) where the rows allow
         it; under FSDP2 every process must pass the same value
-        (:meth:`grpo_core.train.parallel.FSDP2.lockstep` agrees on it per mini-batch).
+        (:meth:`grpo_core.train.learner.parallel.FSDP2.lockstep` agrees on it per mini-batch).
         ``packed``: the rows as one padding-free sequence (one decoder call whatever the rows,
         so a process may pack rows of any lengths while another packs others;
         ``train.packing`` is resolved alike on every process), ``prompt_index`` the prompt of
-        each row (:mod:`grpo_core.train.packing`).
+        each row (:mod:`grpo_core.train.learner.packing`).
 
         A batch with no completion token still runs the model (on its first column, result
         times 0) so that every process joins the same all-gathers and reduce-scatters."""
@@ -205,7 +205,7 @@ def load_optimizer_state(model: Any, optimizer: torch.optim.Optimizer, state: di
 
 def named_optimizer_state(model: Any, native: dict[str, Any]) -> dict[str, Any]:
     """A native ``optimizer.state_dict()`` (parameters numbered in ``model.parameters()``
-    order, trainable ones only, as :func:`grpo_core.train.optim.make_optimizer` lists them)
+    order, trainable ones only, as :func:`grpo_core.train.learner.optim.make_optimizer` lists them)
     re-keyed by parameter name, the form :func:`load_optimizer_state` reads."""
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     state = {names[i]: v for i, v in native["state"].items()}

@@ -135,7 +135,7 @@ def _cmd_validate(args) -> int:
 def _cmd_init(args) -> int:
     from pathlib import Path
 
-    from grpo_core.starter import write_starter
+    from grpo_core.cli.init import write_starter
 
     written = write_starter(args.task, Path(args.spec), force=args.force)
     print("wrote " + ", ".join(map(str, written)))
@@ -146,7 +146,7 @@ def _cmd_init(args) -> int:
 def _cmd_runs(args) -> int:
     from pathlib import Path
 
-    from grpo_core.runs import find_runs, print_runs
+    from grpo_core.cli.runs import find_runs, print_runs
 
     infos = find_runs([Path(f) for f in args.folders])
     if not infos:
@@ -192,8 +192,8 @@ def _cmd_schema(args) -> int:
 
 
 def _cmd_eval(args) -> int:
+    from grpo_core.cli.eval import evaluate_model, format_table, saved_model_folder
     from grpo_core.spec import load_spec
-    from grpo_core.train.eval_model import evaluate_model, format_table, saved_model_folder
 
     loaded = load_spec(args.spec, args.overrides)
     if args.model is not None:
@@ -209,11 +209,11 @@ def _cmd_eval(args) -> int:
 
 def _cmd_run(args) -> int:
     from grpo_core.checkpoint import claim_run_folder, run_folder
+    from grpo_core.cli.launch import PARENT_ENV, die_with_launcher, launch
     from grpo_core.runlock import hold_run_folder
     from grpo_core.spec import load_spec
     from grpo_core.train.distributed import world_size_from_env
-    from grpo_core.train.launch import PARENT_ENV, die_with_launcher, launch
-    from grpo_core.train.run import train
+    from grpo_core.train.loop.run import train
 
     die_with_launcher()
     loaded = load_spec(args.spec, args.overrides)
@@ -222,7 +222,7 @@ def _cmd_run(args) -> int:
     if args.dry_run:
         if args.nproc > 1 or args.resume is not None:
             raise UsageError("--dry-run runs one process from scratch: drop --nproc and --resume")
-        from grpo_core.dryrun import dry_run
+        from grpo_core.cli.dryrun import dry_run
 
         return dry_run(loaded)
     main_process = os.environ.get("RANK", "0") in ("", "0")

@@ -1,6 +1,6 @@
 """How the learner's processes share a step: one strategy object per run.
 
-The update (:mod:`grpo_core.train.update`) is written as single-process math; everything
+The update (:mod:`grpo_core.train.learner.update`) is written as single-process math; everything
 that several processes change about it is a method of the run's strategy:
 
 - ``setup``: wrap or shard the policy (and the KL reference copy) before the optimizer
@@ -21,7 +21,7 @@ that several processes change about it is a method of the run's strategy:
 
 Strategies: :class:`Single` (one process), :class:`DDP` (every process holds the whole
 model; gradients summed by ``DistributedDataParallel`` during backward) and :class:`FSDP2`
-(each process holds ``1/N`` of every unit, :mod:`grpo_core.train.sharding`).
+(each process holds ``1/N`` of every unit, :mod:`grpo_core.train.learner.sharding`).
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from grpo_core.train import sharding
 from grpo_core.train.distributed import Dist
-from grpo_core.train.logprobs import completion_logprobs
+from grpo_core.train.learner.learner import sharding
+from grpo_core.train.learner.logprobs import completion_logprobs
 
 T = TypeVar("T")
 
@@ -48,7 +48,7 @@ Forward = Callable[..., Any]
 
 def forward_of(model: Any) -> Forward:
     """The log-prob function of ``model`` in one process:
-    :func:`~grpo_core.train.logprobs.completion_logprobs` of it."""
+    :func:`~grpo_core.train.learner.logprobs.completion_logprobs` of it."""
     return partial(completion_logprobs, model)
 
 
@@ -168,7 +168,7 @@ class DDP(Single):
 
 class FSDP2(Single):
     """Each process holds ``1/N`` of every unit of the policy and of the reference copy
-    (:func:`grpo_core.train.sharding.shard`); every process makes the same calls to each
+    (:func:`grpo_core.train.learner.sharding.shard`); every process makes the same calls to each
     sharded unit, since each call is a collective."""
 
     name = "fsdp2"

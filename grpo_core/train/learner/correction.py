@@ -1,7 +1,7 @@
 """Rollout correction: importance weights for the gap between the sampler's log-probs and the
 trainer's (a vLLM backend samples with other kernels and often another precision), as pure
 functions. The engine multiplies each completion token's policy loss by the weight
-(:func:`grpo_core.train.update.micro_batch_loss`); options: ``algorithm.rollout_correction``.
+(:func:`grpo_core.train.learner.update.micro_batch_loss`); options: ``algorithm.rollout_correction``.
 
 With ``d_t = logp_trainer_old - logp_sampler`` on the completion tokens:
 

@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from grpo_core.contracts import RolloutBatch, SamplingParams
-from grpo_core.train.data import Prompt
+from grpo_core.train.actor.data import Prompt
+from grpo_core.train.actor.rollout import generate_rollout
 from grpo_core.train.experience import Scored
-from grpo_core.train.rollout import generate_rollout
 
 
 def greedy_baseline_scores(

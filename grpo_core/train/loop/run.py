@@ -1,6 +1,6 @@
 """The training loop: steps, with held-out evaluation, logging, checkpoints and the stops
-around them. The run it drives is built by :mod:`grpo_core.train.assemble`; one step is
-:func:`grpo_core.train.step.train_step`.
+around them. The run it drives is built by :mod:`grpo_core.train.loop.assemble`; one step is
+:func:`grpo_core.train.loop.step.train_step`.
 
 One loop for both modes: the run's feed (:mod:`grpo_core.train.feed`) hands over each step's
 experience and takes the new weights, synchronously or from an actor thread running ahead.
@@ -24,12 +24,12 @@ from grpo_core.errors import RunError
 from grpo_core.export import finish_exports, print_exports
 from grpo_core.spec import LoadedSpec, dump_spec
 from grpo_core.tracking import flatten
-from grpo_core.train.assemble import build_run
 from grpo_core.train.distributed import close_process_group, lost_contact, lost_contact_message
-from grpo_core.train.evaluate import EvalSet, evaluate_sets
+from grpo_core.train.loop.assemble import build_run
+from grpo_core.train.loop.evaluate import EvalSet, evaluate_sets
+from grpo_core.train.loop.state import Hooks, Run
+from grpo_core.train.loop.step import train_step
 from grpo_core.train.signals import StopSignal
-from grpo_core.train.state import Hooks, Run
-from grpo_core.train.step import train_step
 
 log = logging.getLogger("grpo.run")
 

@@ -12,9 +12,11 @@ import torch
 
 from grpo_core.errors import RunError, UsageError
 from grpo_core.spec import LoadedSpec, Spec
-from grpo_core.train import model as modeling
-from grpo_core.train.actor import Actor
-from grpo_core.train.assemble import (
+from grpo_core.train.actor.actor import Actor
+from grpo_core.train.actor.data import check_columns
+from grpo_core.train.distributed import Dist
+from grpo_core.train.loop import model as modeling
+from grpo_core.train.loop.assemble import (
     build_actor,
     build_episodes,
     build_rewards,
@@ -27,9 +29,7 @@ from grpo_core.train.assemble import (
     required_columns,
     seed_everything,
 )
-from grpo_core.train.data import check_columns
-from grpo_core.train.distributed import Dist
-from grpo_core.train.evaluate import EvalSet, evaluate_sets, load_eval_sets
+from grpo_core.train.loop.evaluate import EvalSet, evaluate_sets, load_eval_sets
 
 
 @dataclass

@@ -1,0 +1,16 @@
+"""The actor: what turns prompts into scored experience.
+
+It never imports the learner (:mod:`grpo_core.train.learner`); what it makes, an
+:class:`~grpo_core.train.experience.Experience`, is defined beneath both sides.
+
+- ``actor``: the :class:`Actor`, prompts in, a scored batch out, at a policy version.
+- ``data``: the dataset's rows as prompts, in a seeded order with a checkpointable position.
+- ``images``: the images of a row, loaded, checked and rendered with the model's processor.
+- ``rollout``: generation then scoring, one path for training and evaluation.
+- ``scoring``: the spec's reward functions called on completions (TRL's convention).
+- ``baseline``: the greedy-baseline rollout an estimator can ask for.
+- ``episodes``: multi-turn rollouts (model turns and environment observations).
+- ``agents``: episodes driven by agent programs over the endpoint.
+- ``endpoint``: the OpenAI-compatible HTTP endpoint those programs talk to.
+- ``routes``: per-row choice of how a row's episodes run (``rollout.routing``).
+"""
