@@ -147,7 +147,7 @@ def saved_bytes(result: dict, model):
 # ---------------------------------------------------------------------------- the batches
 def build_batch(name: str, model, tokenizer, prompts: list[list[int]], group: int, seed: int, limit: int = 512):
     """A ``TrainBatch`` of ``name``'s shapes with random non-zero advantages."""
-    from grpo_core.train.learner.update import TrainBatch
+    from grpo_core.train.learner.batch import TrainBatch
 
     gen = torch.Generator().manual_seed(seed)
     P = len(prompts)
@@ -226,7 +226,7 @@ def objective():
 
 def micros(batch, packed: bool, tokens: int):
     """The learner's micro-batches of the whole batch under ``train.micro_batch_tokens``."""
-    from grpo_core.train.learner.update import micro_batches
+    from grpo_core.train.learner.batch import micro_batches
 
     return micro_batches(batch, torch.arange(len(batch.mask)), None, tokens, packed)
 
@@ -250,8 +250,8 @@ def forward_backward(model, batch, packed: bool, tokens: int = 2048, loss_of=Non
 
 def nograd_forward(model, batch, packed: bool, tokens: int = 2048) -> Clock:
     """The no-grad log-probs of the whole batch (old policy, reference)."""
+    from grpo_core.train.learner.batch import batch_logprobs
     from grpo_core.train.learner.parallel import forward_of
-    from grpo_core.train.learner.update import batch_logprobs
 
     with Clock() as clock:
         batch_logprobs(forward_of(model), batch, micros(batch, packed, tokens), 1.0, nullcontext, packed=packed)
@@ -261,8 +261,8 @@ def nograd_forward(model, batch, packed: bool, tokens: int = 2048) -> Clock:
 def memory(model, batch, packed: bool, tokens: int = 2048) -> dict[str, float]:
     """Saved activation bytes of the largest micro-batch and the peak RSS above the start of a
     forward and backward of the batch."""
+    from grpo_core.train.learner.batch import forward_logprobs
     from grpo_core.train.learner.parallel import forward_of
-    from grpo_core.train.learner.update import forward_logprobs
 
     largest = 0
     for rows in micros(batch, packed, tokens):

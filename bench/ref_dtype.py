@@ -4,7 +4,7 @@
 
 Samples one batch with the ``hf`` backend (float32 policy), then computes the reference
 log-probs of its completion tokens with a float32 copy and with a bfloat16 copy of the same
-weights (the engine's no-grad path, :func:`grpo_core.train.learner.update.batch_logprobs`, prompt
+weights (the engine's no-grad path, :func:`grpo_core.train.learner.batch.batch_logprobs`, prompt
 shared by the group). Prints the time of each (median of ``--reps`` after a warm-up), the
 largest and mean absolute difference of the log-probs, and the k3 KL estimate per token of
 the float32 policy against each reference: against the float32 copy it is 0 (the same
@@ -41,9 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     from vs_trl import prepare_model, task_rows
 
     from grpo_core.contracts import SamplingParams
+    from grpo_core.train.learner.batch import TrainBatch, batch_logprobs
     from grpo_core.train.learner.kl import Reference
     from grpo_core.train.learner.parallel import forward_of
-    from grpo_core.train.learner.update import TrainBatch, batch_logprobs
 
     folder = prepare_model(Path(args.model_dir))
     tokenizer = AutoTokenizer.from_pretrained(folder)

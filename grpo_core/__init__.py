@@ -5,8 +5,8 @@ use, so that plugins importing ``hookimpl`` do not pay for the training stack); 
 script written for TRL, ``grpo_core.trl``'s ``GRPOConfig`` and ``GRPOTrainer``."""
 
 from grpo_core.hookspecs import hookimpl
+from grpo_core.version import __version__
 
-__version__ = "0.1.0"
 __all__ = ["Callback", "TrainResult", "Trainer", "hookimpl", "__version__"]
 
 _LAZY = {"Trainer", "TrainResult", "Callback"}

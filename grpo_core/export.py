@@ -75,7 +75,7 @@ def write_merged(spec: Spec, base_dir: Path, final: Path) -> Path:
     from peft import PeftModel
     from transformers import AutoProcessor, AutoTokenizer
 
-    from grpo_core.train.loop import model as modeling
+    from grpo_core.train import model as modeling
 
     with_images = spec.data.image_column is not None
     processor = AutoProcessor.from_pretrained(final) if with_images else None
@@ -92,7 +92,7 @@ def write_merged(spec: Spec, base_dir: Path, final: Path) -> Path:
 # --------------------------------------------------------------------------- model card
 def hub_id(spec: Spec, base_dir: Path) -> str | None:
     """The base model's Hub id, or None when it is a local folder or a package."""
-    from grpo_core.train.loop.model import model_location
+    from grpo_core.train.model import model_location
 
     if spec.model.package is not None:
         return None

@@ -34,6 +34,7 @@ from grpo_core.commands import COMMANDS_HOOK, Command, CommandRegistrar, collect
 from grpo_core.errors import PluginError, did_you_mean, fault_text
 from grpo_core.kinds import KINDS
 from grpo_core.registry import Registrar, Registry
+from grpo_core.version import __version__
 
 ENTRY_POINT_GROUP = "grpo"
 
@@ -292,8 +293,6 @@ def load_plugins(
     """A fresh plugin manager with the built-ins, the installed plugins (unless
     ``external`` is False or the environment says otherwise), the given files, and
     plugin ``objects`` (modules or class instances, as tests register inline)."""
-    from grpo_core import __version__
-
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
     info: dict[str, PluginInfo] = {}

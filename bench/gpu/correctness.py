@@ -64,7 +64,7 @@ def run(record: Record, device: torch.device, work: Path, args: Any) -> None:
 def textbook_batch(seed: int = 0):
     """``P`` prompts of ``L`` tokens (the first left-padded by 2), ``G`` completions each of
     1..``T`` tokens, per-row advantages; the second group's are all 0."""
-    from grpo_core.train.learner.update import TrainBatch
+    from grpo_core.train.learner.batch import TrainBatch
 
     gen = torch.Generator().manual_seed(seed)
     prompt_ids = torch.randint(10, 300, (P, L), generator=gen)

@@ -212,7 +212,7 @@ def _sharded_update(device: torch.device, work: Path, param_dtype: str | None, j
     same device (float32): the weight change is the gradient."""
     from correctness import engine_gradient, on, spec_learner, textbook_batch
 
-    from grpo_core.train.learner.learner import sharding
+    from grpo_core.train.learner import sharding
     from grpo_core.train.learner.update import update
 
     model, _ = _tiny_policy(device)

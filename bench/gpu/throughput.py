@@ -128,7 +128,7 @@ def _build(holder: dict[str, Any], work: Path, folder: Path, device: torch.devic
 
 def _generation(run, device: torch.device, s: dict[str, Any], args: Any, batches: dict[str, Any]) -> dict[str, Any]:
     from grpo_core.contracts import SamplingParams
-    from grpo_core.train.learner.update import TrainBatch
+    from grpo_core.train.learner.batch import TrainBatch
 
     backend, prompts = run.actor.backend, prompt_ids(s)
     backend.generate(prompts[:1], s["group"], SamplingParams(max_new_tokens=8, seed=1))  # warm-up
@@ -151,7 +151,7 @@ def _generation(run, device: torch.device, s: dict[str, Any], args: Any, batches
 def _long_tailed(s: dict[str, Any], device: torch.device, seed: int = 1):
     """``P*G`` completions whose lengths are log-normal (median an eighth of the limit, sigma
     1), clipped to [4, limit], with every 16th row at the limit; random token ids."""
-    from grpo_core.train.learner.update import TrainBatch
+    from grpo_core.train.learner.batch import TrainBatch
 
     gen = torch.Generator().manual_seed(seed)
     limit, rows = s["new_tokens"], s["prompts"] * s["group"]

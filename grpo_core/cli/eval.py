@@ -12,10 +12,10 @@ import torch
 
 from grpo_core.errors import RunError, UsageError
 from grpo_core.spec import LoadedSpec, Spec
+from grpo_core.train import model as modeling
 from grpo_core.train.actor.actor import Actor
 from grpo_core.train.actor.data import check_columns
 from grpo_core.train.distributed import Dist
-from grpo_core.train.loop import model as modeling
 from grpo_core.train.loop.assemble import (
     build_actor,
     build_episodes,

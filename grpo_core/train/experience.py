@@ -11,15 +11,27 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from grpo_core.contracts import RolloutBatch
+from grpo_core.contracts import PromptImages, RolloutBatch
 
 if TYPE_CHECKING:
-    from grpo_core.train.actor.data import Prompt
     from grpo_core.train.reasoning_steps import StepLayout
+
+
+@dataclass
+class Prompt:
+    """One prompt ready for rollout: the row, what the rewards see, and its tokens."""
+
+    row: dict[str, Any]
+    prompt: Any  # a string, or the list of chat messages (system prompt included)
+    text: str
+    ids: list[int]
+    index: int | None = None  # its row's index in the training rows (a prompt sampler's key)
+    source: str | None = None  # its row's data.source_column value (per-source metrics)
+    images: PromptImages | None = None  # its images and the processor's tensors (data.image_column)
 
 
 @dataclass

@@ -26,8 +26,20 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from grpo_core.train.actor.actor import Actor
 from grpo_core.train.experience import Experience
+
+
+class Collector(Protocol):
+    """What a feed asks of the actor (:class:`~grpo_core.train.actor.actor.Actor` has these):
+    written here so that the feeds, beneath both sides, import neither."""
+
+    version: int  # the policy version of the weights it generates with
+    source: Any  # the prompt stream: ``state_dict()`` / ``load_state_dict(state)`` give and set its position
+    dist: Any  # its process group (grpo_core.train.distributed.Dist)
+
+    def receive(self, model: Any, version: int) -> None: ...
+
+    def collect(self, step: int) -> Experience: ...
 
 
 class Feed(Protocol):
@@ -53,7 +65,7 @@ class SyncFeed:
     learner publishes the update made from it, so that a step that failed before its update
     rewinds to that batch (:meth:`stop`), as the asynchronous feed does."""
 
-    actor: Actor
+    actor: Collector
     _before: tuple[int, dict[str, Any]] | None = None  # (step, prompt position before its batch)
 
     def start(self, model: Any, version: int) -> None:
@@ -87,7 +99,7 @@ class SyncFeed:
 
 
 @contextmanager
-def kept_position(actor: Actor):
+def kept_position(actor: Collector):
     """The actor's prompt position put back if the body raises (a partly done iteration start
     drew prompts), so that a checkpoint of the failed step resumes exactly."""
     mark = actor.source.state_dict()

@@ -49,9 +49,8 @@ from typing import Any
 
 import torch
 
-from grpo_core.train.actor.actor import Actor
 from grpo_core.train.experience import Experience
-from grpo_core.train.feed import kept_position
+from grpo_core.train.feed import Collector, kept_position
 from grpo_core.train.signals import leave_running
 
 __all__ = ["Pipeline", "copy_weights", "sampled_version"]
@@ -91,7 +90,7 @@ class Pipeline:
     experience -> its sampler log-probs ``(B, T)``, computed in the actor's thread when the
     backend gives none and there is a ``sampler`` copy."""
 
-    actor: Actor
+    actor: Collector
     max_staleness: int
     snapshot: Any  # a whole, unsharded copy of the policy: the weights that cross from the learner
     sampler: Any = None  # the actor's own copy of the policy, for a backend that generates with the policy

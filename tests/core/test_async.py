@@ -20,9 +20,9 @@ from grpo_core.cli import main
 from grpo_core.spec import load_spec
 from grpo_core.testing import save_tiny_model
 from grpo_core.train.feed import SyncFeed
+from grpo_core.train.learner.batch import batch_logprobs
 from grpo_core.train.learner.learner import train_batch
 from grpo_core.train.learner.parallel import forward_of
-from grpo_core.train.learner.update import batch_logprobs
 from grpo_core.train.loop.assemble import build_run
 from grpo_core.train.loop.step import train_step
 from grpo_core.train.pipeline import sampled_version

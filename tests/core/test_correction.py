@@ -17,9 +17,10 @@ from grpo_core.contracts import BatchStats
 from grpo_core.plugin_manager import load_plugins
 from grpo_core.spec.algorithm import RolloutCorrectionSection
 from grpo_core.testing import build_model, build_tokenizer
+from grpo_core.train.learner.batch import TrainBatch
 from grpo_core.train.learner.correction import rollout_correction
 from grpo_core.train.learner.parallel import forward_of
-from grpo_core.train.learner.update import Objective, TrainBatch, micro_batch_loss
+from grpo_core.train.learner.update import Objective, micro_batch_loss
 
 F64 = torch.float64
 FAST = settings(max_examples=60, deadline=None)

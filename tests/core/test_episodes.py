@@ -24,9 +24,10 @@ from grpo_core.plugin_manager import load_plugins
 from grpo_core.testing import build_model, build_tokenizer
 from grpo_core.train.actor.data import Prompt
 from grpo_core.train.actor.episodes import EpisodeRunner, episode_metrics, with_tools
+from grpo_core.train.learner.batch import TrainBatch
 from grpo_core.train.learner.learner import Learner, UpdateSettings
 from grpo_core.train.learner.parallel import forward_of
-from grpo_core.train.learner.update import Objective, TrainBatch, update
+from grpo_core.train.learner.update import Objective, update
 
 torch.set_num_threads(1)
 
@@ -368,7 +369,7 @@ def test_episodes_with_the_hf_backend_have_holes_where_the_environment_spoke(tok
     # training on it: the model-token log-probs under the engine match the sampler's context
     batch = TrainBatch(out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask,
                        torch.zeros(out.completion_mask.shape))
-    from grpo_core.train.learner.update import batch_logprobs
+    from grpo_core.train.learner.batch import batch_logprobs
 
     logp = batch_logprobs(forward_of(model), batch, 4, 1.0, nullcontext)
     assert torch.isfinite(logp).all() and (logp[~batch.mask] == 0).all() and (logp[batch.mask] < 0).all()

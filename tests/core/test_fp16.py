@@ -15,8 +15,9 @@ from grpo_core import checkpoint as ckpt
 from grpo_core.cli import main
 from grpo_core.plugin_manager import load_plugins
 from grpo_core.testing import build_model, build_tokenizer
+from grpo_core.train.learner.batch import TrainBatch
 from grpo_core.train.learner.learner import Learner
-from grpo_core.train.learner.update import Objective, TrainBatch, update
+from grpo_core.train.learner.update import Objective, update
 
 P, G, T = 2, 4, 6
 

@@ -19,7 +19,7 @@ from grpo_core.errors import RunError
 from grpo_core.spec.parallel import ParallelSection
 from grpo_core.testing import build_model, build_tokenizer, save_tiny_model
 from grpo_core.train.distributed import parallel_from_launcher
-from grpo_core.train.learner.learner import sharding
+from grpo_core.train.learner import sharding
 
 from .conftest import CHILD_ENV, load_weights, read_metrics
 
@@ -363,7 +363,7 @@ import torch
 import torch.distributed as dist
 from grpo_core.spec.parallel import ParallelSection
 from grpo_core.testing import build_model, build_tokenizer
-from grpo_core.train.learner.learner import sharding
+from grpo_core.train.learner import sharding
 from grpo_core.train.learner.logprobs import completion_logprobs
 from grpo_core.train.learner.packing import pack_rows
 
@@ -446,7 +446,7 @@ from grpo_core.spec.parallel import ParallelSection
 from grpo_core.testing import build_model, build_tokenizer
 from grpo_core.train.distributed import Dist
 from grpo_core.train.learner.parallel import FSDP2, forward_of
-from grpo_core.train.learner.update import TrainBatch, batch_logprobs
+from grpo_core.train.learner.batch import TrainBatch, batch_logprobs
 
 torch.set_num_threads(1)
 dist = Dist.from_env("cpu", timeout_s=40)

@@ -21,7 +21,8 @@ PROGRAM = textwrap.dedent("""
         pass
     else:
         raise SystemExit("the block did not take effect")
-    import grpo_core.checkpoint, grpo_core.cli, grpo_core.export, grpo_core.train.loop.assemble, grpo_core.train.loop.run
+    import grpo_core.checkpoint, grpo_core.cli, grpo_core.export  # noqa: E401
+    import grpo_core.train.loop.assemble, grpo_core.train.loop.run  # noqa: E401
     from grpo_core.plugin_manager import DEFAULT_PLUGINS, load_plugins
     from grpo_core.spec import load_spec
 

@@ -11,8 +11,8 @@ import torch
 
 from grpo_core import checkpoint as ckpt
 from grpo_core.cli import main
+from grpo_core.train.learner import lean_adamw
 from grpo_core.train.learner.lean_adamw import BF16StateAdamW, _noise_pair, stochastic_round_bf16
-from grpo_core.train.learner.learner import lean_adamw
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 

@@ -398,7 +398,7 @@ def test_length_buckets_group_rows_and_skip_empty_ones():
 def test_length_buckets_give_the_unbucketed_values_and_gradients(base_model, dtype, monkeypatch):
     """Tolerance: the same per-row computation at other batch compositions; float64 to 1e-10,
     float32 to 1e-5 (values) and 1e-5 of the largest gradient entry."""
-    from grpo_core.train.learner.learner import logprobs as lp
+    from grpo_core.train.learner import logprobs as lp
 
     model = _model(base_model, dtype)
     batch = _batch(model.config.vocab_size)

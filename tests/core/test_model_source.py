@@ -22,7 +22,7 @@ import pytest
 from grpo_core.errors import RunError
 from grpo_core.spec.models import ModelSection
 from grpo_core.testing import save_tiny_model
-from grpo_core.train.loop.model import hub_source, load_tokenizer, model_source
+from grpo_core.train.model import hub_source, load_tokenizer, model_source
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
 

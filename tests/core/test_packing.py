@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 
 from grpo_core.errors import RunError
 from grpo_core.testing import build_model, build_tokenizer
-from grpo_core.train.learner.learner import packing
+from grpo_core.train.learner import packing
+from grpo_core.train.learner.batch import TrainBatch, micro_batches, packed_tokens
 from grpo_core.train.learner.logprobs import completion_logprobs
 from grpo_core.train.learner.packing import needed_lengths, pack_rows, resolve_packing
-from grpo_core.train.learner.update import TrainBatch, micro_batches, packed_tokens
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -192,9 +192,10 @@ def test_old_reference_and_trained_log_probs_of_the_learner_pack_exactly(llama):
 
     from grpo_core.contracts import BatchStats
     from grpo_core.plugin_manager import load_plugins
+    from grpo_core.train.learner.batch import batch_logprobs
     from grpo_core.train.learner.kl import KLTerm, Reference
     from grpo_core.train.learner.parallel import forward_of
-    from grpo_core.train.learner.update import Objective, batch_logprobs, micro_batch_loss
+    from grpo_core.train.learner.update import Objective, micro_batch_loss
 
     model = get_peft_model(copy.deepcopy(llama), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     for name, param in model.named_parameters():
@@ -365,8 +366,8 @@ def test_under_activation_checkpointing_the_update_counts_padded_micro_batches(l
     micro-batches are counted in padded positions (packed tokens would overfill them), while
     the no-grad forwards still pack."""
     from grpo_core.plugin_manager import load_plugins
+    from grpo_core.train.learner import update as updating
     from grpo_core.train.learner.learner import Learner, UpdateSettings
-    from grpo_core.train.learner.learner import update as updating
 
     registry = load_plugins(external=False).registry
     objective = updating.Objective(policy_loss=registry.get("policy_loss", "clip").build(),

@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from grpo_core.errors import RunError
-from grpo_core.train.actor.actor import scoring
+from grpo_core.train.actor import scoring
 from grpo_core.train.actor.scoring import RewardFn, score
 
 PROMPTS = ["What is 2+2?", "Name a prime."]

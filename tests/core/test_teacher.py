@@ -13,9 +13,9 @@ import torch
 from grpo_core.contracts import Teacher
 from grpo_core.errors import RunError
 from grpo_core.testing import build_model, build_tokenizer
+from grpo_core.train.learner.batch import TrainBatch, batch_logprobs
 from grpo_core.train.learner.parallel import forward_of
 from grpo_core.train.learner.teacher import check_vocabulary, teacher_logprobs
-from grpo_core.train.learner.update import TrainBatch, batch_logprobs
 
 
 @pytest.fixture(scope="module")

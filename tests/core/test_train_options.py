@@ -128,8 +128,8 @@ def test_bf16_reference_copy_trains_and_is_refused_where_it_cannot_work(tiny_mod
 ])
 def test_old_logprobs_are_computed_exactly_when_the_policy_moves_before_use(tiny_model, tmp_path, overrides, needs_old):
     from grpo_core.train.experience import Timer
+    from grpo_core.train.learner.batch import batch_logprobs
     from grpo_core.train.learner.parallel import forward_of
-    from grpo_core.train.learner.update import batch_logprobs
 
     run = make_run(tiny_model, tmp_path, *overrides)
     experience = run.actor.collect(0)
@@ -145,8 +145,8 @@ def test_the_learner_scores_a_batch_at_the_temperature_it_was_sampled_at(tiny_mo
     log-probs divide the logits by it, so with a bfloat16 generation copy the sampler's
     log-probs and the trainer's differ by rounding only, and by far more at temperature 1."""
     from grpo_core.train.experience import Timer
+    from grpo_core.train.learner.batch import batch_logprobs
     from grpo_core.train.learner.parallel import forward_of
-    from grpo_core.train.learner.update import batch_logprobs
 
     run = make_run(tiny_model, tmp_path, "rollout.temperature=0.5", "rollout.dtype=bfloat16",
                    "algorithm.mu=2")

@@ -17,10 +17,11 @@ from hypothesis import strategies as st
 
 from grpo_core.plugin_manager import load_plugins
 from grpo_core.testing import build_model, build_tokenizer
+from grpo_core.train.learner.batch import TrainBatch
 from grpo_core.train.learner.kl import KLTerm
 from grpo_core.train.learner.learner import Learner, UpdateSettings
 from grpo_core.train.learner.parallel import forward_of
-from grpo_core.train.learner.update import Objective, TrainBatch, update
+from grpo_core.train.learner.update import Objective, update
 
 torch.set_num_threads(1)
 
@@ -123,7 +124,7 @@ def test_micro_batch_size_does_not_change_the_step(registry, base_model, aggrega
 def test_micro_batches_by_token_budget_are_whole_groups_within_the_budget():
     """null micro_batch_size: whole groups of G rows, each row prompt (5) + completion (6) = 11
     positions, a group 44: a budget of 100 holds two groups; one below a group still takes one."""
-    from grpo_core.train.learner.update import micro_batch_rows
+    from grpo_core.train.learner.batch import micro_batch_rows
 
     batch = make_batch()
     assert micro_batch_rows(batch, None, 100) == 2 * G
@@ -147,7 +148,7 @@ def test_a_token_budget_does_not_change_the_step(registry, base_model, budget):
 
 def test_kl_in_the_loss_uses_every_row_and_reports_kl(registry, base_model):
     batch = make_batch(zero_groups=(0,))
-    from grpo_core.train.learner.update import batch_logprobs
+    from grpo_core.train.learner.batch import batch_logprobs
 
     ref = copy.deepcopy(base_model)
     with torch.no_grad():
@@ -162,7 +163,7 @@ def test_kl_in_the_loss_uses_every_row_and_reports_kl(registry, base_model):
 
 
 def test_mu_two_uses_old_logprobs_and_moves_the_ratio(registry, base_model):
-    from grpo_core.train.learner.update import batch_logprobs
+    from grpo_core.train.learner.batch import batch_logprobs
 
     batch = make_batch(zero_groups=())
     batch.old_logp = batch_logprobs(forward_of(base_model), batch, 4, 1.0, nullcontext).double()
@@ -190,7 +191,7 @@ def test_non_finite_loss_skips_the_update_and_counts_it(registry, base_model):
 
 
 def test_early_stop_drops_a_mini_batch_whose_mean_ratio_is_too_high(registry, base_model):
-    from grpo_core.train.learner.update import batch_logprobs
+    from grpo_core.train.learner.batch import batch_logprobs
 
     batch = make_batch(zero_groups=())
     batch.old_logp = batch_logprobs(forward_of(base_model), batch, 4, 1.0, nullcontext).double()
@@ -260,7 +261,7 @@ def test_rollout_correction_scales_the_policy_gradient(registry, base_model):
     import math
 
     from grpo_core.spec.algorithm import RolloutCorrectionSection
-    from grpo_core.train.learner.update import batch_logprobs
+    from grpo_core.train.learner.batch import batch_logprobs
 
     batch = make_batch(zero_groups=())
     trainer = batch_logprobs(forward_of(base_model), batch, 64, 1.0, nullcontext).double()
@@ -310,8 +311,8 @@ def test_bf16_reference_gives_the_float32_loss_and_gradient_within_bf16_rounding
     loss moved by 2e-8 (asserted < 1e-5) and the gradient by 9e-5 of its norm (< 1e-3). The KL
     estimate gains a positive bias of the order of the squared rounding: 1.6e-7 per token
     here, where the float32 reference gives 0 (asserted < 1e-5)."""
+    from grpo_core.train.learner.batch import batch_logprobs
     from grpo_core.train.learner.kl import Reference
-    from grpo_core.train.learner.update import batch_logprobs
 
     batch = make_batch(zero_groups=(0,))
     policy = copy.deepcopy(base_model).float()

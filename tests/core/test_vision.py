@@ -19,11 +19,12 @@ from grpo_core.spec.data import DataSlot
 from grpo_core.spec.models import LoraSection, ModelSection
 from grpo_core.testing import VISION_KINDS, build_vision_model, build_vision_processor, save_tiny_model
 from grpo_core.train.actor.data import PromptSource
+from grpo_core.train.learner.batch import TrainBatch, batch_logprobs
 from grpo_core.train.learner.learner import Learner, UpdateSettings
 from grpo_core.train.learner.packing import resolve_packing
 from grpo_core.train.learner.parallel import forward_of
-from grpo_core.train.learner.update import Objective, TrainBatch, batch_logprobs, update
-from grpo_core.train.loop.model import load_processor, prepare_policy, vision_modules
+from grpo_core.train.learner.update import Objective, update
+from grpo_core.train.model import load_processor, prepare_policy, vision_modules
 
 torch.set_num_threads(1)
 KINDS = ["qwen2-vl", "qwen2.5-vl", "gemma3", "smolvlm"]

@@ -4,7 +4,6 @@ position can be saved and restored."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -12,23 +11,12 @@ import numpy as np
 from grpo_core.errors import RunError
 from grpo_core.spec.data import DataSlot
 from grpo_core.train.actor.episodes import with_tools
-from grpo_core.train.actor.images import check_processor, load_row_images, render_images
+from grpo_core.train.actor.images import load_row_images, render_images
+from grpo_core.train.experience import Prompt
+from grpo_core.train.model import check_processor
 
 if TYPE_CHECKING:
-    from grpo_core.contracts import PromptImages, PromptSampler
-
-
-@dataclass
-class Prompt:
-    """One prompt ready for rollout: the row, what the rewards see, and its tokens."""
-
-    row: dict[str, Any]
-    prompt: Any  # a string, or the list of chat messages (system prompt included)
-    text: str
-    ids: list[int]
-    index: int | None = None  # its row's index in the training rows (a prompt sampler's key)
-    source: str | None = None  # its row's data.source_column value (per-source metrics)
-    images: PromptImages | None = None  # its images and the processor's tensors (data.image_column)
+    from grpo_core.contracts import PromptSampler
 
 
 def check_columns(rows: list[dict], needed: dict[str, str], split: str) -> None:

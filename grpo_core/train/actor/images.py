@@ -64,15 +64,6 @@ def load_row_images(rows: list[dict], column: str, split: str) -> list[list[Any]
     return out
 
 
-def check_processor(processor: Any, model_where: str) -> None:
-    """Refuse a processor that cannot render images (a plain tokenizer)."""
-    if processor is None or getattr(processor, "image_processor", None) is None:
-        raise RunError(
-            f"data.image_column: the model ({model_where}) has no image processor: images need an "
-            "image-text-to-text model whose folder holds a processor (processor_config.json or "
-            "preprocessor_config.json, loaded with transformers' AutoProcessor), e.g. Qwen2-VL or SmolVLM")
-
-
 def with_images(messages: list[dict], count: int) -> list[dict]:
     """``messages`` with ``count`` image parts put first in the first user message, unless
     the messages already hold image parts (their places are then the dataset's)."""

@@ -22,11 +22,12 @@ from grpo_core.contracts.images import without_placeholders
 from grpo_core.errors import RunError
 from grpo_core.train.distributed import Dist, pad_cat
 from grpo_core.train.experience import Experience, Scored, Timer
+from grpo_core.train.learner.batch import TrainBatch, batch_logprobs, micro_batches
 from grpo_core.train.learner.kl import KLTerm
 from grpo_core.train.learner.packing import resolve_packing
 from grpo_core.train.learner.parallel import Single, forward_of
 from grpo_core.train.learner.teacher import check_vocabulary, teacher_logprobs
-from grpo_core.train.learner.update import Objective, TrainBatch, batch_logprobs, micro_batches, update
+from grpo_core.train.learner.update import Objective, update
 from grpo_core.train.reasoning_steps import step_tensors
 
 if TYPE_CHECKING:

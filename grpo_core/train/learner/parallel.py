@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from grpo_core.train.distributed import Dist
-from grpo_core.train.learner.learner import sharding
+from grpo_core.train.learner import sharding
 from grpo_core.train.learner.logprobs import completion_logprobs
 
 T = TypeVar("T")

@@ -14,8 +14,8 @@ from torch import Tensor
 
 from grpo_core.contracts import Teacher
 from grpo_core.errors import RunError
+from grpo_core.train.learner.batch import TrainBatch, batch_logprobs
 from grpo_core.train.learner.parallel import forward_of
-from grpo_core.train.learner.update import TrainBatch, batch_logprobs
 
 if TYPE_CHECKING:
     from grpo_core.train.learner.parallel import Forward

@@ -4,7 +4,6 @@ It imports both sides (:mod:`grpo_core.train.actor`, :mod:`grpo_core.train.learn
 nothing below it imports it.
 
 - ``assemble``: building a run from a spec (the model, the learner, the actor, the feed).
-- ``model``: loading the policy, its tokenizer or processor, and the reference model.
 - ``run``: the training loop, its stops and its final save.
 - ``step``: one GRPO step, from the feed's batch to the learner's update.
 - ``state``: the run's record, saved in and restored from checkpoints.

@@ -23,6 +23,7 @@ from grpo_core.errors import RunError
 from grpo_core.spec import LoadedSpec, Spec
 from grpo_core.spec.parallel import parallel_conflicts
 from grpo_core.tracking import RunLog
+from grpo_core.train import model as modeling
 from grpo_core.train.actor.actor import Actor, RolloutSettings
 from grpo_core.train.actor.agents import AgentRunner
 from grpo_core.train.actor.data import Prompt, PromptSource, check_columns
@@ -38,7 +39,6 @@ from grpo_core.train.learner.optim import make_optimizer
 from grpo_core.train.learner.packing import resolve_packing
 from grpo_core.train.learner.parallel import Single, strategy_for
 from grpo_core.train.learner.update import Objective
-from grpo_core.train.loop import model as modeling
 from grpo_core.train.loop.evaluate import load_eval_sets
 from grpo_core.train.loop.iterative import build_iterative
 from grpo_core.train.loop.state import Run
@@ -248,7 +248,7 @@ def load_processing(loaded: LoadedSpec, given: Any = None) -> tuple[Any, Any]:
     if spec.data.image_column is None:
         return None, tokenizer
     if processor is None:
-        from grpo_core.train.actor.images import check_processor
+        from grpo_core.train.model import check_processor
 
         check_processor(None, "given from Python: pass its processor as the tokenizer")
     return processor, tokenizer

@@ -19,8 +19,8 @@ from grpo_core.train.actor.episodes import episode_metrics
 from grpo_core.train.actor.rollout import reward_means, shown_completion, zero_spread_groups
 from grpo_core.train.experience import Experience, Scored, Timer
 from grpo_core.train.feed import Feed
+from grpo_core.train.learner.batch import TrainBatch
 from grpo_core.train.learner.learner import Learner
-from grpo_core.train.learner.update import TrainBatch
 
 
 @dataclass

@@ -158,8 +158,6 @@ def load_processor(section: ModelSection, base_dir: Path):
     A RunError naming the folder when it has none that handles images."""
     from transformers import AutoProcessor
 
-    from grpo_core.train.actor.images import check_processor
-
     where, revision = model_source(section, base_dir)
     try:
         processor = AutoProcessor.from_pretrained(where, trust_remote_code=section.trust_remote_code,
@@ -170,6 +168,15 @@ def load_processor(section: ModelSection, base_dir: Path):
     check_processor(processor, where)
     prepare_tokenizer(processor.tokenizer)
     return processor
+
+
+def check_processor(processor: Any, model_where: str) -> None:
+    """Refuse a processor that cannot render images (a plain tokenizer)."""
+    if processor is None or getattr(processor, "image_processor", None) is None:
+        raise RunError(
+            f"data.image_column: the model ({model_where}) has no image processor: images need an "
+            "image-text-to-text model whose folder holds a processor (processor_config.json or "
+            "preprocessor_config.json, loaded with transformers' AutoProcessor), e.g. Qwen2-VL or SmolVLM")
 
 
 def is_image_text(config: Any) -> bool:
