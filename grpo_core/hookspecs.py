@@ -149,6 +149,16 @@ def register_agents(register: Registrar) -> None:
 
 
 @hookspec
+def register_launchers(register: Registrar) -> None:
+    """Register launchers; called once when the registry is built. A launcher starts and
+    supervises the processes of one run (:class:`~grpo_core.contracts.Launcher`): on this host
+    (the built-in ``local``), or through Ray, SLURM or a cluster's own scheduler. Selected by
+    ``grpo-run run SPEC --launcher NAME`` (``local`` when ``--nproc N`` asks for more than one
+    process), its options by ``--launcher-option KEY=VALUE``. Added in 0.2.
+    """
+
+
+@hookspec
 def register_commands(register: CommandRegistrar) -> None:
     """Register ``grpo-run`` subcommands; called once each time the plugins are loaded
     (:func:`grpo_core.plugin_manager.load_plugins`, which also fills the registry). ``grpo-run``

@@ -47,4 +47,5 @@ KINDS: dict[str, Kind] = {
     "tracker": Kind("register_trackers", "tracker", "Tracker"),
     "environment": Kind("register_environments", "environment", "Environment"),
     "agent": Kind("register_agents", "agent", "Agent"),
+    "launcher": Kind("register_launchers", "launcher", "Launcher"),
 }

@@ -70,6 +70,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "grpo_plugins.shapes",
     "grpo_plugins.samplers",
     "grpo_plugins.step_splitters",
+    "grpo_plugins.launchers",
     "grpo_plugins.trackers.mlflow",
     "grpo_plugins.trackers.console",
     "grpo_plugins.trackers.wandb",

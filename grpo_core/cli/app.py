@@ -45,7 +45,16 @@ def _add_run(sub) -> None:
     run.add_argument(
         "--nproc", type=int, default=1, metavar="N",
         help="train in N data-parallel processes on this machine (one per GPU, or N on the CPU); "
-        "for several machines use accelerate launch or torchrun with -m grpo_core.cli run SPEC",
+        "for several machines use accelerate launch or torchrun with -m grpo_core.cli run SPEC, or a launcher",
+    )
+    run.add_argument(
+        "--launcher", default=None, metavar="NAME",
+        help="the launcher that starts the run's processes (grpo-run plugins lists them); default: local "
+        "when --nproc is above 1, none (this process trains) otherwise",
+    )
+    run.add_argument(
+        "--launcher-option", dest="launcher_options", action="append", default=[], metavar="KEY=VALUE",
+        help="an option of the launcher (value parsed as YAML); repeatable",
     )
     run.add_argument(
         "--dry-run", action="store_true",
@@ -207,9 +216,22 @@ def _cmd_eval(args) -> int:
     return 0
 
 
+def _launcher_options(assignments: list[str]) -> dict:
+    import yaml
+
+    options = {}
+    for assignment in assignments:
+        key, sep, value = assignment.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--launcher-option expects KEY=VALUE, got {assignment!r}")
+        options[key.strip()] = yaml.safe_load(value) if value else None
+    return options
+
+
 def _cmd_run(args) -> int:
     from grpo_core.checkpoint import claim_run_folder, run_folder
-    from grpo_core.cli.launch import PARENT_ENV, die_with_launcher, launch
+    from grpo_core.contracts import RunArguments
+    from grpo_core.launching import PARENT_ENV, die_with_launcher, launch
     from grpo_core.runlock import hold_run_folder
     from grpo_core.spec import load_spec
     from grpo_core.train.distributed import world_size_from_env
@@ -219,20 +241,26 @@ def _cmd_run(args) -> int:
     loaded = load_spec(args.spec, args.overrides)
     if args.nproc < 1:
         raise UsageError(f"--nproc must be at least 1, got {args.nproc}")
+    options = _launcher_options(args.launcher_options)
+    if options and args.launcher is None and args.nproc == 1:
+        raise UsageError("--launcher-option needs --launcher NAME (or --nproc above 1, for the local launcher)")
     if args.dry_run:
-        if args.nproc > 1 or args.resume is not None:
-            raise UsageError("--dry-run runs one process from scratch: drop --nproc and --resume")
+        if args.nproc > 1 or args.resume is not None or args.launcher is not None:
+            raise UsageError("--dry-run runs one process from scratch: drop --nproc, --launcher and --resume")
         from grpo_core.cli.dryrun import dry_run
 
         return dry_run(loaded)
     main_process = os.environ.get("RANK", "0") in ("", "0")
-    # The launching process holds the folder's lock (a --nproc launcher's children do not).
+    # The launching process holds the folder's lock (a launcher's children do not).
     locking = main_process and not os.environ.get(PARENT_ENV)
-    with hold_run_folder(run_folder(loaded)) if locking else contextlib.nullcontext():
+    folder = run_folder(loaded)
+    with hold_run_folder(folder) if locking else contextlib.nullcontext():
         if args.resume is None:  # every process checks; only the main one moves files aside
-            claim_run_folder(run_folder(loaded), args.overwrite, move=main_process)
-        if args.nproc > 1 and world_size_from_env() == 1:
-            return launch(args, loaded)
+            claim_run_folder(folder, args.overwrite, move=main_process)
+        if (args.launcher is not None or args.nproc > 1) and world_size_from_env() == 1:
+            run = RunArguments(spec=args.spec, overrides=tuple(args.overrides), resume=args.resume,
+                               nproc=args.nproc, run_folder=str(folder))
+            return launch(run, loaded.spec, loaded.plugins.registry, args.launcher or "local", options)
         return train(loaded, resume=args.resume)
 
 

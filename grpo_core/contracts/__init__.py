@@ -11,7 +11,8 @@ Rows are ordered prompt-major: rows ``p*G .. p*G+G-1`` are the group of prompt `
 
 One module per part of the flow (:mod:`~grpo_core.contracts.algorithms`,
 :mod:`~grpo_core.contracts.rollout`, :mod:`~grpo_core.contracts.episodes`,
-:mod:`~grpo_core.contracts.rewards`, :mod:`~grpo_core.contracts.components`); import every
+:mod:`~grpo_core.contracts.rewards`, :mod:`~grpo_core.contracts.components`,
+:mod:`~grpo_core.contracts.launch`); import every
 name from here.
 """
 
@@ -32,6 +33,7 @@ from grpo_core.contracts.algorithms import (
 from grpo_core.contracts.components import Dataset, PromptSampler, Stateful, Tracker
 from grpo_core.contracts.episodes import Agent, AgentEpisode, Environment, Episodes, Observation
 from grpo_core.contracts.images import PromptImages, image_inputs, repeat_rows
+from grpo_core.contracts.launch import Launcher, RunArguments
 from grpo_core.contracts.rewards import (
     RewardExample,
     RewardFunction,
@@ -76,6 +78,8 @@ __all__ = [
     "Dataset",
     "PromptSampler",
     "Tracker",
+    "Launcher",
+    "RunArguments",
     "Stateful",
     "Observation",
     "Environment",

@@ -1,7 +1,16 @@
-"""``grpo-run SPEC --nproc N``: N training processes on this machine, one per rank, with the
-environment torchrun would give them (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` ...).
+"""Launching the processes of one run: the public pieces a launcher is made of.
 
-What the launcher guarantees:
+A launcher (the ``launcher`` plugin kind, :class:`~grpo_core.contracts.Launcher`) is chosen with
+``grpo-run run SPEC --launcher NAME`` (``local``, the built-in, when ``--nproc N`` asks for more
+than one process). It gets the run as :class:`~grpo_core.contracts.RunArguments` (the command
+line of one process of the run, and the environment of each rank) and starts those processes
+wherever it places them: on this host (``local``), or through Ray or SLURM from a plugin of its
+own. Everything such a plugin needs is public here: :func:`supervise` (stop the others when one
+fails, with the exit code of the first failure), :func:`forwarding_signals` (SIGINT and SIGTERM
+passed on once), :func:`free_port`, and :func:`die_with_launcher`, which each process of a run
+calls when it starts.
+
+What the built-in supervision guarantees:
 
 - SIGINT and SIGTERM are passed on once to every process (each runs in its own session, so
   a terminal's Ctrl-C does not reach it twice): all stop at the same step, the main one
@@ -18,6 +27,7 @@ What the launcher guarantees:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -26,6 +36,12 @@ import subprocess
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from grpo_core.contracts import RunArguments
+    from grpo_core.registry import Registry
+    from grpo_core.spec.models import Spec
 
 #: Seconds the other processes get to stop on their own after one failed.
 GRACE_S = 5.0
@@ -107,37 +123,51 @@ def _send(procs: list[subprocess.Popen], signum: int) -> None:
             p.send_signal(signum)
 
 
-def launch(args, loaded) -> int:
-    """Start ``args.nproc`` copies of ``grpo-run run`` and supervise them."""
-    from grpo_core.train.distributed import check_layout
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on ``host`` now, for a process group's rendezvous."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
 
-    check_layout(loaded.spec, args.nproc)
-    with socket.socket() as sock:  # a free port for the process group's rendezvous
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "grpo_core.cli", "run", args.spec]
-    for override in args.overrides:
-        command += ["--set", override]
-    if args.resume is not None:
-        command += ["--resume", args.resume]
-    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // args.nproc))
-    procs: list[subprocess.Popen] = []
+
+@contextlib.contextmanager
+def forwarding_signals(procs: list[subprocess.Popen]):
+    """For the duration, SIGINT and SIGTERM received by this process are passed on to every
+    process of ``procs`` still running (started with ``start_new_session=True``, so that a
+    terminal's Ctrl-C reaches each once, through here); the previous handlers after."""
 
     def forward(signum, frame):
         _send(procs, signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        for rank in range(args.nproc):
-            env = {
-                **os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(args.nproc),
-                "LOCAL_WORLD_SIZE": str(args.nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                "OMP_NUM_THREADS": threads, PARENT_ENV: str(os.getpid()),
-            }
-            # Own session: a terminal's Ctrl-C reaches the children once, forwarded by this
-            # process, not twice (a second signal means "stop now, no checkpoint").
-            procs.append(subprocess.Popen(command, env=env, start_new_session=True))
-        return supervise(procs)
+        yield
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def launch(run: RunArguments, spec: Spec, registry: Registry, name: str, options: dict[str, Any]) -> int:
+    """Start and supervise the processes of ``run`` with the launcher registered as ``name``,
+    its options validated by its own model; returns the run's exit code. A launcher unknown,
+    or options it does not take, is a usage error naming what is valid."""
+    from pydantic import ValidationError
+
+    from grpo_core.errors import UsageError
+    from grpo_core.train.distributed import check_layout
+
+    check_layout(spec, run.nproc)
+    if name not in registry.names("launcher"):
+        raise UsageError(f"--launcher: unknown launcher {name!r}; available: {', '.join(registry.names('launcher'))}")
+    component = registry.get("launcher", name)
+    if component.options is None:
+        if options:
+            raise UsageError(f"--launcher-option: launcher {name!r} takes no options, got {', '.join(options)}")
+        return component.build().launch(run, spec)
+    try:
+        validated = component.options(**options)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        valid = ", ".join(component.options.model_fields)
+        raise UsageError(f"--launcher-option for launcher {name!r}: {problems} (its options: {valid})") from None
+    return component.build(validated).launch(run, spec)
