@@ -2,7 +2,22 @@
 
 Two ways in: a YAML spec and ``grpo-run``, or :class:`Trainer` from Python (imported on first
 use, so that plugins importing ``hookimpl`` do not pay for the training stack); and for a
-script written for TRL, ``grpo_core.trl``'s ``GRPOConfig`` and ``GRPOTrainer``."""
+script written for TRL, ``grpo_core.trl``'s ``GRPOConfig`` and ``GRPOTrainer``.
+
+The engine's rooms:
+
+- the doors: ``cli/`` (``grpo-run``), ``trainer`` (:class:`Trainer`), ``trl/`` (TRL's arguments);
+- the training engine: ``train/`` (the actor, the learner, the loop, and what lies between);
+- the plugin machinery: ``hookspecs`` (one hook per kind), ``kinds``, ``registry``,
+  ``plugin_manager``, ``commands`` (plugins' ``grpo-run`` commands), ``contracts/`` (what flows
+  between the engine and its plugins), ``groups`` and ``options`` (helpers plugins share);
+- the spec: ``spec/``;
+- the run's records and the world outside: ``checkpoint``, ``runlock``, ``tracking``,
+  ``export`` and ``mlflow_model`` (the trained model), ``launching`` (starting a run's
+  processes), ``http`` (every outbound call);
+- small things: ``errors``, ``textout`` (terminal tables), ``testing`` (tiny models for tests),
+  ``docs_gen`` (the reference pages), ``version``.
+"""
 
 from grpo_core.hookspecs import hookimpl
 from grpo_core.version import __version__

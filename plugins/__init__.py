@@ -1,20 +1,29 @@
 """Built-in plugins of grpo-core, installed as the ``grpo_plugins`` package, grouped by family:
 
-- ``advantages/``: advantage estimators (``grpo.py``, ``process.py``, ``reinforce.py``, ``passk.py``);
-- ``losses/``: policy losses (``clip.py``, ``trust_region.py``, ``policy_gradient.py``, ``cov.py``);
-- ``kl.py``: KL penalties; ``aggregators.py``: loss aggregators;
+- ``advantages/``: advantage estimators (``grpo.py``, ``process.py``, ``reinforce.py``, ``passk.py``,
+  ``gdpo.py``, ``distillation.py``; shared: ``common.py``);
+- ``losses/``: policy losses (``clip.py``, ``trust_region.py``, ``policy_gradient.py``, ``cov.py``,
+  ``off_policy.py``; shared: ``common.py``);
+- ``kl.py``: KL penalties; ``aggregators.py``: loss aggregators; ``binding.py``: components that
+  are a pure function with its options bound (advantages and losses share it);
 - ``rewards/``: reward functions (``answers.py``, ``format.py``, ``length.py``, ``model.py``,
-  ``remote.py``, ``process.py``, ``trainable.py``);
+  ``remote.py``, ``process.py``, ``trainable.py``, ``judge.py``, and ``code.py``, which runs code in
+  ``sandbox.py`` / ``sandbox_child.py`` with ``code_harness.py``, or on a server through
+  ``fusion.py``; shared: ``common.py``);
 - ``step_splitters.py``: step splitters for process supervision;
-- ``rollout/``: the ``hf`` rollout backend (``hf.py``, ``decode.py``) and the policy's weights for
-  backends with their own copy (``weights.py``);
-- ``vllm/``: the ``vllm`` and ``vllm-server`` rollout backends, the ``grpo-run serve`` command and
-  what they share (its ``__init__`` draws their imports);
+- ``rollout/``: the ``hf`` rollout backend (``hf.py``, ``decode.py``, ``images.py``) and the
+  policy's weights for backends with their own copy (``weights.py``);
+- ``vllm/``: the ``vllm`` backend (``colocated.py``, ``engine.py``), the ``vllm-server`` backend
+  (``server.py``, ``client.py``, ``channel.py``), the ``grpo-run serve`` command (``serve.py``,
+  ``worker.py``, ``guard.py``) and what they share (``io.py``);
 - ``datasets.py``: datasets; ``shapes.py``: a visual counting dataset that draws its images;
-  ``trackers/``: trackers; ``environments/``: the tools environment.
+  ``samplers.py``: prompt samplers;
+- ``trackers/``: trackers (``mlflow.py``, ``console.py``, ``wandb.py``, ``tensorboard.py``; shared:
+  ``common.py``);
+- ``environments/``: the ``tools`` environment (``tools.py``) and its ``calculator.py``;
+- ``launchers.py``: the ``local`` launcher (``grpo-run run --nproc``).
 
 Each module that registers something is one plugin, registered on the same plugin manager as
 third-party ones (``grpo_core.plugin_manager.DEFAULT_PLUGINS`` lists them); what the modules of
-a family share is public in its ``common.py`` (``binding.py`` for the components that are a pure
-function with its options bound, which advantages and losses share).
+a family share is public in its ``common.py``.
 """

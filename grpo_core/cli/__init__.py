@@ -2,7 +2,6 @@
 imports this package.
 
 - ``app``: the parser, the dispatch and the process exit (``main``, the ``grpo-run`` entry).
-- ``launch``: launchers, the ``--nproc`` one built in (processes on one host, supervised).
 - ``eval``: ``grpo-run eval``, a saved model evaluated on a spec's held-out data.
 - ``init``: ``grpo-run init``, starter specs written from the package's templates.
 - ``runs``: ``grpo-run runs``, the runs of an output folder.

@@ -12,8 +12,8 @@ Rows are ordered prompt-major: rows ``p*G .. p*G+G-1`` are the group of prompt `
 One module per part of the flow (:mod:`~grpo_core.contracts.algorithms`,
 :mod:`~grpo_core.contracts.rollout`, :mod:`~grpo_core.contracts.episodes`,
 :mod:`~grpo_core.contracts.rewards`, :mod:`~grpo_core.contracts.components`,
-:mod:`~grpo_core.contracts.launch`); import every
-name from here.
+:mod:`~grpo_core.contracts.images`, :mod:`~grpo_core.contracts.launch`); import every name from
+here.
 """
 
 from __future__ import annotations

@@ -1,4 +1,12 @@
-"""The YAML spec: models, component slots and the loader."""
+"""The YAML spec: models, component slots and the loader.
+
+- ``models``: the spec, one small pydantic model per section, composed into ``Spec``;
+- ``slots``: the parts of a spec that select a plugin by name;
+- the sections with a module of their own: ``algorithm``, ``data``, ``episodes``, ``export``,
+  ``iterative``, ``optimizer``, ``parallel``;
+- ``loader``: safe YAML, ``--set`` overrides, plugin files, validation of everything at once;
+- ``schema``: the spec's JSON Schema with every registered component's options.
+"""
 
 from grpo_core.spec.loader import LoadedSpec, dump_spec, load_spec
 from grpo_core.spec.models import Spec

@@ -5,6 +5,10 @@ changed. :class:`GRPOConfig` takes TRL's fields with TRL's defaults and maps eac
 spec key that computes the same thing (:data:`FIELDS`, the table ``docs/coming-from-trl.md``
 is generated from), or refuses it naming what to use instead; :class:`GRPOTrainer` takes
 TRL's arguments and runs the resulting spec with :class:`grpo_core.Trainer`.
+
+Its modules: ``config`` (``GRPOConfig``), ``trainer`` (``GRPOTrainer``), ``table`` (what one
+field entry is), ``grpo_fields`` (the fields TRL's ``GRPOConfig`` adds) and
+``training_fields`` (those it inherits from ``transformers.TrainingArguments``).
 """
 
 from grpo_core.trl.config import FIELDS, GRPOConfig, TRLConfigError

@@ -2,8 +2,10 @@
 variants (``grpo``, ``dapo-token-scale``, ``gpg``, ``opo``: :mod:`~grpo_plugins.advantages.grpo`),
 process supervision (``process``: :mod:`~grpo_plugins.advantages.process`), REINFORCE with other
 baselines (``rloo``, ``reinforce++``, ``reinforce++-no-baseline``, ``remax``:
-:mod:`~grpo_plugins.advantages.reinforce`) and pass@k training (``passk``:
-:mod:`~grpo_plugins.advantages.passk`); what they share is in :mod:`~grpo_plugins.advantages.common`.
+:mod:`~grpo_plugins.advantages.reinforce`), pass@k training (``passk``:
+:mod:`~grpo_plugins.advantages.passk`), rewards normalized one by one (``gdpo``:
+:mod:`~grpo_plugins.advantages.gdpo`) and on-policy distillation (``opd``:
+:mod:`~grpo_plugins.advantages.distillation`); what they share is in :mod:`~grpo_plugins.advantages.common`.
 
 Every estimator maps :class:`~grpo_core.contracts.AdvantageInputs` to advantages
 ``float (B, T)``, exactly zero where ``inputs.mask`` is False. Rows are grouped by

@@ -3,8 +3,11 @@
 overlong punishment (:mod:`~grpo_plugins.rewards.length`), a reward model
 (:mod:`~grpo_plugins.rewards.model`), a remote scoring endpoint (:mod:`~grpo_plugins.rewards.remote`),
 process (per-step) rewards (:mod:`~grpo_plugins.rewards.process`) and the reward model iterative
-GRPO trains (:mod:`~grpo_plugins.rewards.trainable`); what they share is in
-:mod:`~grpo_plugins.rewards.common`.
+GRPO trains (:mod:`~grpo_plugins.rewards.trainable`), an LLM judge (:mod:`~grpo_plugins.rewards.judge`)
+and code run against tests (:mod:`~grpo_plugins.rewards.code`: in the local sandbox,
+:mod:`~grpo_plugins.rewards.sandbox` and :mod:`~grpo_plugins.rewards.sandbox_child`, with the
+harness :mod:`~grpo_plugins.rewards.code_harness`, or on a Sandbox Fusion server,
+:mod:`~grpo_plugins.rewards.fusion`); what they share is in :mod:`~grpo_plugins.rewards.common`.
 
 Every component has TRL's signature ``reward(prompts, completions, **columns) ->
 list[float | None]`` (see :data:`grpo_core.contracts.RewardFunction`): ``B`` prompts and

@@ -1,11 +1,14 @@
-"""The engine's layout rules, read off the source: the actor and the learner meet only in
-the value that crosses between them, both feeds offer the loop the same methods, and the
-engine reaches the built-in plugins only by registering them."""
+"""The engine's layout rules, read off the source by folder: the actor and the learner never
+import each other, the ground beneath them imports neither nor the loop, nothing below the loop
+imports it, nothing in the engine imports the command line, the import graph has no circle,
+every package's docstring names its modules, and the engine reaches the built-in plugins only
+by registering them."""
 
 from __future__ import annotations
 
 import ast
 import inspect
+import re
 from pathlib import Path
 
 import pytest
@@ -14,41 +17,146 @@ from grpo_core.train.feed import Feed, SyncFeed
 from grpo_core.train.pipeline import Pipeline
 
 ENGINE = Path(__file__).resolve().parents[2] / "grpo_core"
+PLUGINS = ENGINE.parent / "plugins"
 
-#: The actor's side of the seam (what collects experience, in the caller's thread or its own)
-#: and the learner's (what turns experience into optimizer steps).
-ACTOR_SIDE = {"actor", "rollout", "scoring", "episodes", "baseline", "pipeline", "feed"}
-LEARNER_SIDE = {"learner", "update", "kl", "teacher", "correction", "optim", "lean_adamw", "parallel", "sharding",
-                "logprobs"}
+
+def module_name(path: Path, root: Path = ENGINE, package: str = "grpo_core") -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join((package, *parts[:-1])) if parts[-1] == "__init__" else ".".join((package, *parts))
+
+
+MODULES = {module_name(p): p for p in ENGINE.rglob("*.py")}
 
 
 def imports_of(path: Path) -> set[str]:
-    """Every module ``path`` imports, at any depth of the file (lazy imports included)."""
+    """The engine modules ``path`` imports, at any depth of the file (lazy imports and
+    ``TYPE_CHECKING`` imports included), relative imports resolved; ``from package import
+    name`` counts as the module ``package.name`` where that is one, else as ``package``."""
+    me = module_name(path)
+    here = me if path.name == "__init__.py" else me.rsplit(".", 1)[0]
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            found.add(node.module)
-            found.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return found
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = here.split(".")[: len(here.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            subs = [f"{base}.{alias.name}" for alias in node.names if f"{base}.{alias.name}" in MODULES]
+            found.update(subs or [base])
+    return {n for n in found if n.split(".")[0] == "grpo_core"}
 
 
-def train_modules(names: set[str]) -> set[str]:
-    return {n.split(".")[2] for n in names if n.startswith("grpo_core.train.") and len(n.split(".")) > 2}
+def role(module: str) -> str:
+    """``actor``, ``learner``, ``loop``, ``ground`` (train/'s top), ``cli`` or ``engine``."""
+    parts = module.split(".")
+    if parts[:2] == ["grpo_core", "cli"]:
+        return "cli"
+    if parts[:2] != ["grpo_core", "train"] or len(parts) == 2:
+        return "engine"
+    return parts[2] if parts[2] in ("actor", "learner", "loop") else "ground"
 
 
-@pytest.mark.parametrize(("side", "other"), [(ACTOR_SIDE, LEARNER_SIDE), (LEARNER_SIDE, ACTOR_SIDE)])
-def test_neither_side_of_the_seam_imports_the_other(side, other):
+def owner(name: str) -> str:
+    """The module an imported name lives in (``grpo_core.train.actor.actor.Actor`` -> its module)."""
+    while name not in MODULES and "." in name:
+        name = name.rsplit(".", 1)[0]
+    return name
+
+
+GRAPH = {m: {owner(n) for n in imports_of(p)} - {m} for m, p in MODULES.items()}
+
+#: For each role, the roles its modules must never import.
+FORBIDDEN = {
+    "actor": {"learner", "loop", "cli"},
+    "learner": {"actor", "loop", "cli"},
+    "ground": {"actor", "learner", "loop", "cli"},
+    "loop": {"cli"},
+    "engine": {"cli"},
+}
+
+
+@pytest.mark.parametrize("side", sorted(FORBIDDEN))
+def test_no_module_imports_across_or_above_its_folder(side):
     crossing = {
-        module: sorted(train_modules(imports_of(ENGINE / "train" / f"{module}.py")) & other) for module in side
+        module: sorted(d for d in deps if role(d) in FORBIDDEN[side])
+        for module, deps in GRAPH.items() if role(module) == side
     }
     assert {m: c for m, c in crossing.items() if c} == {}
 
 
-def test_the_experience_module_imports_neither_side():
-    mine = train_modules(imports_of(ENGINE / "train" / "experience.py"))
-    assert not mine & (ACTOR_SIDE | LEARNER_SIDE)
+def test_the_engine_modules_below_the_loop_except_the_front_never_import_it():
+    """Beside train/'s folders, only the doors (the Python trainer, the model export it runs
+    and the command line) import the loop."""
+    doors = {"grpo_core", "grpo_core.trainer", "grpo_core.docs_gen"}
+    reaching = {m for m, deps in GRAPH.items() if role(m) == "engine" and m not in doors
+                and any(role(d) == "loop" for d in deps)}
+    assert reaching == set()
+
+
+def test_the_import_graph_has_no_circle():
+    seen: dict[str, int] = {}  # 1: on the path, 2: done
+    circles = []
+
+    def visit(module: str, path: list[str]) -> None:
+        seen[module] = 1
+        for dep in sorted(GRAPH.get(module, ())):
+            if seen.get(dep) == 1:
+                circles.append(path[path.index(dep):] + [dep])
+            elif dep not in seen:
+                visit(dep, [*path, dep])
+        seen[module] = 2
+
+    for module in sorted(GRAPH):
+        if module not in seen:
+            visit(module, [module])
+    assert circles == []
+
+
+def test_the_rules_see_every_module_of_the_training_engine():
+    """Every module under train/ has a role the rules above name (a new folder would be
+    checked by nothing)."""
+    training = {m for m in MODULES if m == "grpo_core.train" or m.startswith("grpo_core.train.")}
+    assert {role(m) for m in training} == {"actor", "learner", "loop", "ground", "engine"}
+    assert {m for m in training if role(m) == "engine"} == {"grpo_core.train"}
+
+
+def _named(doc: str, package: str, name: str) -> bool:
+    """Whether ``doc`` names module or sub-package ``name`` of ``package``: as ``name``,
+    ``name.py`` or ``name/`` in double backquotes, or as a :mod: reference to it."""
+    return bool(re.search(rf"``{name}(\.py|/)?``|:mod:`~?{re.escape(package)}\.{name}`", doc))
+
+
+PACKAGES = sorted([*ENGINE.rglob("__init__.py"), *PLUGINS.rglob("__init__.py")])
+
+
+@pytest.mark.parametrize("init", PACKAGES, ids=lambda p: str(p.parent.relative_to(ENGINE.parent)))
+def test_every_package_docstring_names_each_of_its_modules(init):
+    """A package's ``__init__`` docstring names every module and sub-package it holds; the
+    built-in plugins' front (``plugins/__init__.py``, a map of the families) names every
+    module under it, at any depth."""
+    folder = init.parent
+    package = module_name(init) if folder.is_relative_to(ENGINE) else module_name(init, PLUGINS, "grpo_plugins")
+    doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) or ""
+    deep = folder == PLUGINS
+    files = folder.rglob("*.py") if deep else folder.glob("*.py")
+    held = {p.stem for p in files if p.stem not in ("__init__", "__main__")}
+    held |= {p.name for p in folder.iterdir() if (p / "__init__.py").exists()}
+    missing = sorted(name for name in held if not _named(doc, package, name)
+                     and not (deep and any(_named(doc, f"{package}.{sub}", name) for sub in held)))
+    assert missing == [], f"{init.relative_to(ENGINE.parent)}: its docstring does not name {missing}"
+
+
+def raw_imports(path: Path) -> set[str]:
+    """Every module name ``path`` imports, as written (absolute imports only)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+    return found
 
 
 def test_both_feeds_offer_the_loop_the_same_methods():
@@ -63,7 +171,7 @@ def test_both_feeds_offer_the_loop_the_same_methods():
 def test_no_engine_module_imports_a_built_in_plugin():
     """The engine names the built-ins only to register them (``DEFAULT_PLUGINS``, strings)."""
     offenders = {
-        str(path.relative_to(ENGINE)): sorted(n for n in imports_of(path) if n.split(".")[0] == "grpo_plugins")
+        str(path.relative_to(ENGINE)): sorted(n for n in raw_imports(path) if n.split(".")[0] == "grpo_plugins")
         for path in ENGINE.rglob("*.py")
     }
     assert {k: v for k, v in offenders.items() if v} == {}
