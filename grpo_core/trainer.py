@@ -397,14 +397,7 @@ class Trainer:
         (default ``<run folder>/final``); return it."""
         if self._run is None:
             raise UsageError("nothing to save yet: call train() (or evaluate()) first")
-        run = self._run
-        folder = Path(folder) if folder is not None else self.run_dir / "final"
-        weights = run.learner.strategy.model_state(run.model)
-        if run.dist.is_main:
-            run.model.save_pretrained(folder, state_dict=weights)
-            (run.processor or run.tokenizer).save_pretrained(folder)
-        run.dist.barrier()
-        return folder
+        return self._run.save_model(Path(folder) if folder is not None else self.run_dir / "final")
 
     def _write_record(self, folder: Path) -> None:
         record = self._objects.record()

@@ -219,7 +219,7 @@ def test_a_failure_at_rest_leaves_the_actor_stopped_and_the_prompts_where_they_s
     run.feed.start(run.model, 0)
     try:
         train_step(run.feed, run.learner, 0)
-        run.step = 1
+        assert run.step == 1  # the learner's version is the run's step
         with pytest.raises(OSError, match="disk full"):
             with run.at_rest():
                 before = run.prompts.state_dict()

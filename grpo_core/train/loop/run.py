@@ -15,6 +15,7 @@ import errno
 import logging
 import math
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,70 +62,83 @@ def run_loop(run: Run, loaded: LoadedSpec, resume: str | None = None, hooks: Hoo
                        "prompts (data.eval_size, eval.sets): add some or drop best_metric")
     hooks = run.hooks = hooks or Hooks()
     _start_logging(run, loaded, _resume(run, resume))
-    status = "FAILED"
     bar = _progress(run, run.step)
-    try:
-        with StopSignal() as stop:
-            if spec.eval.at_start and run.has_eval and run.step == 0:
-                run.last_eval = evaluate_run(run)  # before the feed starts: the actor is at rest
-                run.log.log_metrics(run.last_eval, run.step)
-                hooks.on_eval(run.step, run.last_eval)
-                run.after_eval()
-            run.feed.start(run.model, run.learner.version)
-            # With several processes, a signal or a hook seen by any stops all of them at the same step.
-            while run.step < spec.train.steps and not run.dist.any(stop.signum is not None or run.stop_asked):
-                start = _StepStart.of(run)
-                try:
-                    metrics = _step_and_record(run)
-                    run.stop_asked = bool(hooks.on_step(run.step, metrics)) or run.stop_asked
-                except (Exception, SystemExit) as exc:  # SystemExit: sys.exit() in plugin code
-                    _save_failed_step(run, start, loaded, exc)
+    with _ending(run, loaded, bar) as end, StopSignal() as stop:
+        if spec.eval.at_start and run.has_eval and run.step == 0:
+            run.last_eval = evaluate_run(run)  # before the feed starts: the actor is at rest
+            run.log.log_metrics(run.last_eval, run.step)
+            hooks.on_eval(run.step, run.last_eval)
+            run.after_eval()
+        run.feed.start(run.model, run.step)
+        # With several processes, a signal or a hook seen by any stops all of them at the same step.
+        while run.step < spec.train.steps and not run.dist.any(stop.signum is not None or run.stop_asked):
+            start = _StepStart.of(run)
+            try:
+                metrics = _step_and_record(run, start)
+                run.stop_asked = bool(hooks.on_step(run.step, metrics)) or run.stop_asked
+            except (Exception, SystemExit) as exc:  # SystemExit: sys.exit() in plugin code
+                _save_failed_step(run, start, loaded, exc)
+                raise
+            except KeyboardInterrupt as exc:
+                if not checkpoint_on_interrupt:
                     raise
-                except KeyboardInterrupt as exc:
-                    if not checkpoint_on_interrupt:
-                        raise
-                    _save_interrupted(run, start, loaded, exc)
-                    status = "KILLED"
-                    return Outcome(status, 130, "interrupt")
-                if bar is not None:
-                    bar.set_postfix(_postfix(metrics, run.last_eval), refresh=False)
-                    bar.update(1)
-            run.feed.stop(run.model, run.learner.version)
-            if run.dist.any(stop.signum is not None):
-                status = "KILLED"
-                folder = run.save_checkpoint()
-                if run.dist.is_main:
-                    print(
-                        f"grpo-run: stopped at step {run.step}; checkpoint {folder}\n"
-                        f"  resume with: {loaded.command('--resume')}", file=sys.stderr,
-                    )
-                outcome = Outcome(status, stop.exit_code, "signal")
-            else:
-                status, code = _finish(run, stop)
-                outcome = Outcome(status, code, "callback" if run.step < spec.train.steps else None)
-        close_process_group()  # every process got here: the run ended, not failed
-        return outcome
+                _save_interrupted(run, start, loaded, exc)
+                end.status = "KILLED"
+                return Outcome(end.status, 130, "interrupt")
+            if bar is not None:
+                bar.set_postfix(_postfix(metrics, run.last_eval), refresh=False)
+                bar.update(1)
+        run.feed.stop(run.model, run.step)
+        if run.dist.any(stop.signum is not None):
+            end.status = "KILLED"
+            folder = run.save_checkpoint()
+            if run.dist.is_main:
+                print(
+                    f"grpo-run: stopped at step {run.step}; checkpoint {folder}\n"
+                    f"  resume with: {loaded.command('--resume')}", file=sys.stderr,
+                )
+            outcome = Outcome(end.status, stop.exit_code, "signal")
+        else:
+            end.status, code = _finish(run, stop)
+            outcome = Outcome(end.status, code, "callback" if run.step < spec.train.steps else None)
+    close_process_group()  # every process got here: the run ended, not failed
+    return outcome
+
+
+@dataclass
+class _End:
+    status: str = "FAILED"  # what the trackers are told, unless the run sets it
+
+
+@contextmanager
+def _ending(run: Run, loaded: LoadedSpec, bar):
+    """How every run ends, whatever ends it: a full disk and a lost process become errors that
+    say what to do, a KeyboardInterrupt ends the run ``KILLED``, and then the feed is closed
+    (without waiting for an actor thread's batch unless the run finished: nor for another
+    process's actor that will never join its collective), the progress bar too, and the
+    trackers are told the status the body set (``FAILED`` unless it set another)."""
+    end = _End()
+    try:
+        yield end
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         raise RunError(_disk_full(run, loaded, exc)) from exc
     except KeyboardInterrupt:
-        status = "KILLED"
+        end.status = "KILLED"
         raise
     except Exception as exc:
         if run.dist.active and lost_contact(exc):
-            raise RunError(lost_contact_message(exc, spec.train.parallel.timeout_s)) from exc
+            raise RunError(lost_contact_message(exc, run.spec.train.parallel.timeout_s)) from exc
         raise
     finally:
-        # after a failure or a second signal, no waiting for an actor thread's batch (nor for
-        # another process's actor that will never join its collective)
-        run.feed.close(wait=status == "FINISHED")
+        run.feed.close(wait=end.status == "FINISHED")
         if bar is not None:
             bar.close()
-        run.log.finish(status)
+        run.log.finish(end.status)
 
 
-def _step_and_record(run: Run) -> dict[str, float]:
+def _step_and_record(run: Run, start: _StepStart) -> dict[str, float]:
     """One training step plus the loop's bookkeeping: the iteration start of iterative
     GRPO, held-out evaluation, logging, checkpoints, the non-finite stop."""
     spec = run.spec
@@ -136,9 +150,9 @@ def _step_and_record(run: Run) -> dict[str, float]:
     metrics = run.dist.combine_metrics(result.metrics)
     if run.learner.kl is not None:  # adaptive beta and reference sync see the global step
         rows = spec.train.prompts_per_step * spec.rollout.group_size
-        metrics.update(run.learner.kl.after_step(run.step + 1, run.model, metrics.get("kl"), rows))
+        metrics.update(run.learner.kl.after_step(run.step, run.model, metrics.get("kl"), rows))
     metrics.update(begun)
-    run.step += 1
+    start.recorded = True  # the step is whole from here: a checkpoint of it resumes exactly
     run.nonfinite_streak = run.nonfinite_streak + 1 if metrics["train/nonfinite_updates"] else 0
     metrics["train/nonfinite_streak"] = run.nonfinite_streak
     metrics["data/skipped_prompts"] = float(sum(run.prompts.skipped.values()))
@@ -187,6 +201,7 @@ class _StepStart:
     step: int
     updates: int
     rng: dict[str, Any]
+    recorded: bool = False  # set once the step's update and the bookkeeping that must follow it are done
 
     @classmethod
     def of(cls, run: Run) -> _StepStart:
@@ -207,7 +222,7 @@ def _save_failed_step(run: Run, start: _StepStart, loaded: LoadedSpec, exc: Base
     alone = run.dist.active and not isinstance(exc, RunError)
     if alone and (run.learner.strategy.sharded or not run.dist.is_main):
         return
-    run.feed.stop(run.model, run.learner.version)
+    run.feed.stop(run.model, run.step)
     ckpt.set_rng_state(start.rng)
     try:
         folder = run.save_checkpoint(alone=alone)
@@ -224,13 +239,16 @@ def _save_failed_step(run: Run, start: _StepStart, loaded: LoadedSpec, exc: Base
 
 def _save_interrupted(run: Run, start: _StepStart, loaded: LoadedSpec, exc: BaseException) -> None:
     """A KeyboardInterrupt the caller asked to checkpoint (``checkpoint_on_interrupt``): before
-    the step's update, as a failed step; after it (while evaluating or logging), the completed
-    step itself. Mid-update (between two optimizer steps of one batch) nothing is written and
-    the previous checkpoint stays."""
+    the step's update, as a failed step; once the step is whole (its update and what follows
+    it, the KL controller's, done: while evaluating or logging), the completed step itself.
+    Mid-update (between two optimizer steps of one batch, or before what follows the update)
+    nothing is written and the previous checkpoint stays."""
     if run.step == start.step:
         _save_failed_step(run, start, loaded, exc)
         return
-    run.feed.stop(run.model, run.learner.version)
+    if not start.recorded:
+        return
+    run.feed.stop(run.model, run.step)
     folder = run.save_checkpoint()
     if run.dist.is_main:
         print(f"grpo-run: interrupted after step {run.step}; checkpoint {folder}\n"
@@ -309,12 +327,7 @@ def _save_final(run: Run) -> Path:
             value = run.best.entries[0][0]
             print(f"grpo-run: the final model is {best.name} ({run.spec.checkpoint.best_metric} = {value:.4g})",
                   file=sys.stderr)
-    weights = run.learner.strategy.model_state(run.model)
-    if run.dist.is_main:
-        run.model.save_pretrained(final, state_dict=weights)
-        (run.processor or run.tokenizer).save_pretrained(final)
-    run.dist.barrier()
-    return final
+    return run.save_model(final)
 
 
 def _progress(run: Run, start: int):

@@ -55,7 +55,6 @@ class Run:
     iterative: IterativeStage | None = None  # the iteration stage of iterative GRPO
     eval_sets: dict[str, EvalSet] = field(default_factory=dict)  # the named sets of eval.sets
     processor: Any = None  # the model's processor when prompts have images (saved with the weights)
-    step: int = 0
     nonfinite_streak: int = 0
     last_eval: dict[str, float] = field(default_factory=dict)
     saved_step: int | None = None  # the step of the last checkpoint this process wrote
@@ -70,11 +69,28 @@ class Run:
         if c.best_metric is not None and self.best is None:
             self.best = BestCheckpoints(c.best_metric, c.best_mode, c.keep_best)
 
+    @property
+    def step(self) -> int:
+        """Steps trained so far: the learner's policy version (one update per step), the run's
+        one counter (checkpoints restore it)."""
+        return self.learner.version
+
     def at_rest(self):
         """The context in which the actor is idle with the learner's current weights and the
         prompt stream stands at the first untrained batch (the feed's ``at_rest``): around
         evaluations, checkpoints and the start of an iteration."""
-        return self.feed.at_rest(self.model, self.learner.version)
+        return self.feed.at_rest(self.model, self.step)
+
+    def save_model(self, folder: Path) -> Path:
+        """The policy as it is now (a LoRA adapter under LoRA) and its tokenizer or processor,
+        saved to ``folder`` in the Hugging Face layout by the main process, every process
+        taking part (a sharded model is gathered); returns ``folder``."""
+        weights = self.learner.strategy.model_state(self.model)
+        if self.dist.is_main:
+            self.model.save_pretrained(folder, state_dict=weights)
+            (self.processor or self.tokenizer).save_pretrained(folder)
+        self.dist.barrier()
+        return folder
 
     @property
     def has_eval(self) -> bool:
@@ -134,7 +150,7 @@ class Run:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         learner = self.learner
-        self.step = learner.version = int(state["step"])
+        learner.version = int(state["step"])
         learner.strategy.load_optimizer_state(self.model, learner.optimizer, state["optimizer"],
                                               state.get("optimizer_format", "native"))
         learner.scheduler.load_state_dict(state["scheduler"])
