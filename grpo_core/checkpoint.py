@@ -391,7 +391,7 @@ def due(step: int, every: int, every_minutes: float, saved_at: float) -> bool:
 def load_model_weights(model, folder: Path, load_state=None) -> None:
     """Load the checkpoint's weights (or adapter) into ``model`` in place; whole weights go
     through ``load_state(model, state)`` (the parallel strategy's
-    :meth:`~grpo_core.train.learner.parallel.Single.load_model_state`, which checks that they fit)."""
+    :meth:`~grpo_core.train.learner.parallel.OneProcess.load_model_state`, which checks that they fit)."""
     from safetensors.torch import load_file
 
     files = sorted((folder / "model").glob("*.safetensors"))

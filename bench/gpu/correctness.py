@@ -109,14 +109,14 @@ def spec_learner(model, device: torch.device, work: Path, *, aggregation: str = 
     strategy (default: one process, unsharded)."""
     from grpo_core.testing import build_tokenizer
     from grpo_core.train.distributed import Dist
-    from grpo_core.train.learner.parallel import Single
+    from grpo_core.train.learner.parallel import OneProcess
     from grpo_core.train.loop.assemble import build_learner
 
     overrides = [f"algorithm.aggregation.name={aggregation}", f"train.mixed_precision={mixed}",
                  f"train.micro_batch_size={G}", "train.max_grad_norm=null"]
     overrides += [] if packing is None else [f"train.packing={str(packing).lower()}"]
     spec = load_run_spec(work / "settings", run_spec(work / "settings", work / "unused-model", device), overrides).spec
-    learner = build_learner(spec, model, build_tokenizer(), strategy or Single(Dist(0, 1, device)))
+    learner = build_learner(spec, model, build_tokenizer(), strategy or OneProcess(Dist(0, 1, device)))
     learner.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     learner.scheduler = torch.optim.lr_scheduler.LambdaLR(learner.optimizer, lambda s: 1.0)
     return learner

@@ -51,7 +51,7 @@ def forward_logprobs(
     mask: Tensor | None = None, share_prompt: bool = True, packed: bool = False,
 ):
     """Log-probs ``(b, T)`` of ``rows`` (of the tokens of ``mask``, default the batch's) by the
-    log-prob function ``forward`` (:meth:`grpo_core.train.learner.parallel.Single.forward`). With
+    log-prob function ``forward`` (:meth:`grpo_core.train.learner.parallel.OneProcess.forward`). With
     ``packed`` the rows run as one padding-free sequence, each of their prompts once
     (:mod:`grpo_core.train.learner.packing`); otherwise, with ``share_prompt``, the prompt is encoded
     once per prompt when the rows hold the same number of completions of each prompt."""
@@ -134,7 +134,7 @@ def batch_logprobs(forward: Forward, batch: TrainBatch, micro: int | list[Tensor
     gradients (old policy, reference); ``micro``: rows per forward, or the row indices of each
     forward (:func:`micro_batches`); ``packed``: each forward padding-free; ``strategy``: the
     parallel strategy of a model it shards, whose processes then make as many forwards each
-    (:meth:`grpo_core.train.learner.parallel.Single.no_grad_passes`)."""
+    (:meth:`grpo_core.train.learner.parallel.OneProcess.no_grad_passes`)."""
     out = torch.zeros(batch.completion_ids.shape, dtype=torch.float32, device=batch.completion_ids.device)
     rows = torch.arange(batch.completion_ids.shape[0])
     splits = list(rows.split(micro)) if isinstance(micro, int) else micro

@@ -25,7 +25,7 @@ from grpo_core.train.experience import Experience, Scored, Timer
 from grpo_core.train.learner.batch import TrainBatch, batch_logprobs, micro_batches
 from grpo_core.train.learner.kl import KLTerm
 from grpo_core.train.learner.packing import resolve_packing
-from grpo_core.train.learner.parallel import Single, forward_of
+from grpo_core.train.learner.parallel import OneProcess, Strategy, forward_of
 from grpo_core.train.learner.teacher import check_vocabulary, teacher_logprobs
 from grpo_core.train.learner.update import Objective, update
 from grpo_core.train.reasoning_steps import step_tensors
@@ -66,7 +66,7 @@ class Learner:
     estimator: AdvantageEstimator | None = None
     kl: KLTerm | None = None  # the KL term (reference model; in the loss or in the reward), or None
     tokenizer: PreTrainedTokenizerBase | None = None  # finds reasoning steps' token ends (process supervision)
-    strategy: Single = field(default_factory=Single)  # the parallel strategy
+    strategy: Strategy = field(default_factory=OneProcess)  # the parallel strategy
     autocast: Callable = nullcontext  # () -> the mixed-precision context of forward passes
     scaler: torch.amp.GradScaler | None = None  # under fp16 mixed precision
     version: int = 0  # training steps applied to the policy

@@ -19,9 +19,11 @@ that several processes change about it is a method of the run's strategy:
 - ``model_state`` / ``optimizer_state``: what a checkpoint writes, and
   ``load_model_state`` / ``load_optimizer_state``: how a resumed run reads it back.
 
-Strategies: :class:`Single` (one process), :class:`DDP` (every process holds the whole
+Strategies: :class:`OneProcess` (one process), :class:`DDP` (every process holds the whole
 model; gradients summed by ``DistributedDataParallel`` during backward) and :class:`FSDP2`
-(each process holds ``1/N`` of every unit, :mod:`grpo_core.train.learner.sharding`).
+(each process holds ``1/N`` of every unit, :mod:`grpo_core.train.learner.sharding`). The
+one-process strategy is the base: ``DDP`` and ``FSDP2`` override what several processes
+change, so :data:`Strategy` (any of them) is its type.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def forward_of(model: Any) -> Forward:
     return partial(completion_logprobs, model)
 
 
-class Single:
+class OneProcess:
     """One process: the model itself, nothing to sum, gather or pad."""
 
     name = "single"
@@ -133,7 +135,7 @@ class Single:
             optimizer.load_state_dict(saved)
 
 
-class DDP(Single):
+class DDP(OneProcess):
     """Every process holds the whole model; ``DistributedDataParallel`` sums gradient buckets
     over processes while backward still runs (``bench/ddp_overlap.py`` measures the gain over
     a sum after backward). Every trainable parameter takes part in each forward (the case of
@@ -166,7 +168,7 @@ class DDP(Single):
         return contextlib.nullcontext() if last else self._roots[id(self._policy)][1].no_sync()
 
 
-class FSDP2(Single):
+class FSDP2(OneProcess):
     """Each process holds ``1/N`` of every unit of the policy and of the reference copy
     (:func:`grpo_core.train.learner.sharding.shard`); every process makes the same calls to each
     sharded unit, since each call is a collective."""
@@ -246,16 +248,19 @@ def _sum_hook(process_group, bucket):
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-def strategy_for(dist: Dist, parallel: Any) -> Single:
+def strategy_for(dist: Dist, parallel: Any) -> Strategy:
     """The strategy of a run on ``dist``'s processes with the spec's ``train.parallel``:
-    one process is :class:`Single` whatever the spec says (nothing to shard)."""
+    one process is :class:`OneProcess` whatever the spec says (nothing to shard)."""
     if not dist.active:
-        return Single(dist)
+        return OneProcess(dist)
     return STRATEGIES[parallel.strategy](dist, parallel)
 
 
+#: The type of every parallel strategy (each is a :class:`OneProcess` that overrides some steps).
+Strategy = OneProcess
+
 #: The strategies of several processes, by ``train.parallel.strategy``.
-STRATEGIES: dict[str, Callable[[Dist, Any], Single]] = {
+STRATEGIES: dict[str, Callable[[Dist, Any], Strategy]] = {
     "ddp": lambda dist, parallel: DDP(dist),
     "fsdp2": FSDP2,
 }

@@ -37,7 +37,7 @@ from grpo_core.train.learner.kl import KLTerm
 from grpo_core.train.learner.learner import Learner, UpdateSettings
 from grpo_core.train.learner.optim import make_optimizer
 from grpo_core.train.learner.packing import resolve_packing
-from grpo_core.train.learner.parallel import Single, strategy_for
+from grpo_core.train.learner.parallel import Strategy, strategy_for
 from grpo_core.train.learner.update import Objective
 from grpo_core.train.loop.evaluate import load_eval_sets
 from grpo_core.train.loop.iterative import build_iterative
@@ -177,7 +177,7 @@ def held_out_prompts(spec: Spec, rows: list[dict], tokenizer, max_tokens: int, t
     return [p for p in map(source.render, rows) if p is not None][: spec.eval.max_prompts]
 
 
-def build_learner(spec: Spec, model, tokenizer, strategy: Single) -> Learner:
+def build_learner(spec: Spec, model, tokenizer, strategy: Strategy) -> Learner:
     """The learner of ``model``: the objective, optimizer and schedule, the advantage estimator
     and the KL term; ``model`` (and the KL's reference copy) wrapped or sharded by
     ``strategy`` before the optimizer is made, which must hold what the strategy trains."""
