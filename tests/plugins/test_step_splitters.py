@@ -1,5 +1,5 @@
 """Step splitters (grpo_plugins.step_splitters) and the mapping of step ends to the
-generated tokens (grpo_core.train.steps), for several kinds of tokenizer."""
+generated tokens (grpo_core.train.reasoning_steps), for several kinds of tokenizer."""
 
 from __future__ import annotations
 
