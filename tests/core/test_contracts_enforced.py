@@ -70,6 +70,12 @@ class NoStepEnvironment:
     def reset(self, row): ...
 
 
+class NoLaunchLauncher:
+    """A launcher without launch."""
+
+    def start(self, run, spec): ...
+
+
 NOT_CALLABLE = object()
 
 #: kind -> (a component missing a member, the member named in the refusal)
@@ -86,6 +92,7 @@ BROKEN = {
     "tracker": (NoFinishTracker(), "finish"),
     "environment": (NoStepEnvironment(), "step"),
     "agent": (NOT_CALLABLE, "__call__"),
+    "launcher": (NoLaunchLauncher(), "launch"),
 }
 
 
@@ -204,7 +211,7 @@ def test_a_flag_of_the_wrong_type_is_refused():
 
 # --------------------------------------------------------------------------- layering
 PUBLIC_SURFACE = {"grpo_core", "grpo_core.contracts", "grpo_core.options", "grpo_core.errors",
-                  "grpo_core.groups", "grpo_core.spec"}
+                  "grpo_core.groups", "grpo_core.spec", "grpo_core.launching"}
 
 
 def test_plugins_import_only_the_public_engine_surface():
