@@ -114,17 +114,37 @@ print(json.dumps({
     "writable": {p: writable(p) for p in ["/", "/usr", "/etc", "/dev", "/proc", ".", "/dev/shm"]},
     "home": os.environ.get("HOME"), "tmp": os.environ.get("TMPDIR"),
     "null": open("/dev/null", "w").write("x"), "random": len(open("/dev/urandom", "rb").read(8)),
+    "trainer_cwd": os.path.exists(TRAINER_CWD),
+}))
+"""
+
+IDENTITY = r"""
+import ctypes, json, os
+def attempt(action):
+    try:
+        action()
+        return "done"
+    except OSError as exc:
+        return type(exc).__name__
+status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
+print(json.dumps({
+    "uid": os.getuid(), "gid": os.getgid(), "groups": os.getgroups(), "caps": int(status["CapEff"], 16),
+    "userns": ctypes.CDLL(None).unshare(0x10000000),
+    "init_environ": attempt(lambda: open("/proc/1/environ").read()),
+    "init_root": attempt(lambda: os.listdir("/proc/1/root")),
+    "init_signal": attempt(lambda: os.kill(1, 9)),
+    "init_trace": ctypes.CDLL(None).ptrace(16, 1, 0, 0),  # PTRACE_ATTACH
 }))
 """
 
 
 def test_the_code_sees_its_own_root_of_system_files_interpreter_work_folder_dev_and_proc():
     box = Sandbox(Limits(wall_s=10))
-    seen = run_json(box, VIEW)
+    seen = run_json(box, VIEW.replace("TRAINER_CWD", repr(os.getcwd())))
     interpreter_tops = {Path(p).parts[1] for p in (sys.prefix, sys.base_prefix, os.path.realpath(box.python))}
     system = {"bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "etc", "dev", "proc", "sandbox"}
     assert set(seen["root"]) <= system | interpreter_tops, seen["root"]
-    for hidden in ("tmp", "home", "run", "var", "mnt", "opt", "srv", "boot"):
+    for hidden in ("tmp", "home", "run", "var", "sys", "mnt", "opt", "srv", "boot"):
         if hidden not in interpreter_tops:
             assert hidden not in seen["root"]
     assert seen["etc"] in (["ld.so.cache"], [])  # the loader's cache, nothing else of /etc
@@ -135,6 +155,17 @@ def test_the_code_sees_its_own_root_of_system_files_interpreter_work_folder_dev_
     assert seen["writable"] == {"/": False, "/usr": False, "/etc": False, "/dev": False, "/proc": False,
                                 ".": True, "/dev/shm": True}
     assert seen["null"] == 1 and seen["random"] == 8
+    assert seen["trainer_cwd"] is False  # the folder the trainer runs in
+
+
+def test_the_code_is_nobody_without_capabilities_or_user_namespaces_and_cannot_reach_init():
+    seen = run_json(Sandbox(Limits(wall_s=10)), IDENTITY)
+    assert (seen["uid"], seen["gid"], seen["groups"], seen["caps"]) == (NOBODY, NOBODY, [], 0)
+    assert seen["userns"] == -1
+    assert seen["init_environ"] == seen["init_root"] == "PermissionError" and seen["init_trace"] == -1
+    # refused, or delivered and ignored (init of a PID namespace has no handler for it): the code
+    # printed this after the kill, so init and the namespace lived on
+    assert seen["init_signal"] in ("PermissionError", "done")
 
 
 # ------------------------------------------------------------------ item 1: the answers
@@ -180,15 +211,19 @@ def test_the_code_cannot_read_the_training_data_so_forging_the_expected_output_s
 
 
 def test_no_expected_output_is_in_what_the_sandbox_is_given():
-    """Input/output tests: the code gets its input on stdin and nothing else of the test; the
-    comparison with the expected output happens in the trainer."""
-    secret_output = "EXPECTED-7c1e9b"
+    """Input/output tests: the code gets its input on stdin and nothing else of the test (the
+    comparison with the expected output happens in the trainer): code that prints whatever
+    looks like the expected output in its files, environment, arguments or /proc scores 0."""
     dump = textwrap.dedent("""
-        import os, sys
+        import os, re, sys
         found = sys.stdin.read()
-        for top, _, names in os.walk('/sandbox'):
+        for top, folders, names in os.walk('/'):
+            folders[:] = [f for f in folders if f not in ('proc', 'usr', 'dev') and not f.startswith('python3')]
             for name in names:
-                found += open(os.path.join(top, name), errors='replace').read()
+                try:
+                    found += open(os.path.join(top, name), errors='replace').read(1 << 20)
+                except OSError:
+                    pass
         found += ' '.join(os.environ.values()) + ' '.join(sys.argv)
         for pid in os.listdir('/proc'):
             if pid.isdigit():
@@ -197,13 +232,13 @@ def test_no_expected_output_is_in_what_the_sandbox_is_given():
                         found += open(f'/proc/{pid}/{what}', errors='replace').read()
                     except OSError:
                         pass
-        print('EXPECTED' in found, end='')
+        match = re.search('EXPECTED-[0-9a-f]{6}', found)
+        print(match.group(0) if match else 'not found')
     """)
-    reward = CodeTests(CodeTestsOptions(workers=1, timeout=6.0))
-    assert reward(["p"], [fenced(dump)], tests=[[{"input": "4\n", "output": secret_output}]]) == [0.0]
-    box = Sandbox(Limits(wall_s=10))
-    outcome = box.run({"solution.py": dump}, ["{python}", "-I", "solution.py"], stdin="4\n")
-    assert outcome.output == b"False"
+    reward = CodeTests(CodeTestsOptions(workers=1, timeout=8.0))
+    assert reward(["p"], [fenced(dump)], tests=[[{"input": "4\n", "output": "EXPECTED-7c1e9b"}]]) == [0.0]
+    leak = "print('EXPECTED-7c1e9b')"  # the comparison itself works: printing the answer scores 1
+    assert reward(["p"], [fenced(leak)], tests=[[{"input": "4\n", "output": "EXPECTED-7c1e9b"}]]) == [1.0]
 
 
 # ------------------------------------------------------------------ item 2: host sockets
@@ -318,8 +353,10 @@ def test_under_an_unprivileged_trainer_the_code_cannot_read_its_secrets_or_reach
         os.chown(path, NOBODY, NOBODY)
         path.chmod(0o600 if not path.is_dir() else 0o700)
     code = textwrap.dedent(f"""
-        import json, os, socket
-        result = {{'uid': os.getuid()}}
+        import ctypes, json, os, socket
+        status = dict(line.split(':', 1) for line in open('/proc/self/status').read().splitlines())
+        result = {{'uid': os.getuid(), 'caps': int(status['CapEff'], 16),
+                   'userns': ctypes.CDLL(None).unshare(0x10000000)}}
         try:
             result['token'] = open({str(token)!r}).read()
         except OSError as exc:
@@ -346,7 +383,8 @@ def test_under_an_unprivileged_trainer_the_code_cannot_read_its_secrets_or_reach
     finally:
         listener.close()
     seen = json.loads(answer["code"] or "{}")
-    assert seen == {"uid": NOBODY, "token": "FileNotFoundError", "agent": "FileNotFoundError"}, answer
+    assert seen == {"uid": NOBODY, "caps": 0, "userns": -1, "token": "FileNotFoundError",
+                    "agent": "FileNotFoundError"}, answer
     assert listener.accepted == 0 and listener.received == b""
 
 
@@ -410,3 +448,31 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+# ------------------------------------------------------------------ the trainer's keyring
+@seccomp_arch
+@pytest.mark.parametrize("namespaces", [True, False], ids=["isolated", "trusted_host"])
+def test_the_keys_of_the_trainers_session_keyring_are_out_of_reach(namespaces):
+    """A key in the trainer's session keyring is readable by whoever possesses the keyring,
+    whatever their user id: the code gets an empty session keyring of its own."""
+    add_key, keyctl = {"x86_64": (248, 250), "aarch64": (217, 219)}[platform.machine()]
+    code = textwrap.dedent(f"""
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        key = libc.syscall({keyctl}, 10, ctypes.c_int(-3), b"user", b"grpo-test-secret", 0)  # KEYCTL_SEARCH @s
+        buffer = ctypes.create_string_buffer(64)
+        size = libc.syscall({keyctl}, 11, key, buffer, 64) if key > 0 else -1  # KEYCTL_READ
+        print(buffer.raw[:size].decode() if size > 0 else 'no key')
+    """)
+    answer = trainer_side(f"""
+        import ctypes, json
+        from grpo_plugins.rewards.sandbox import Limits, Sandbox
+        libc = ctypes.CDLL(None, use_errno=True)
+        assert libc.syscall({keyctl}, 1, None) > 0  # a session keyring of this test's own
+        assert libc.syscall({add_key}, b"user", b"grpo-test-secret", b"hf_in_the_keyring", 17, ctypes.c_int(-3)) > 0
+        box = Sandbox(Limits(wall_s=10), trusted_host=True)
+        outcome = box.run({{"a.py": {code!r}}}, ["{{python}}", "-I", "a.py"])
+        print(json.dumps({{"isolated": box.isolate, "seen": outcome.output.decode().strip()}}))
+    """, namespaces=namespaces)
+    assert answer == {"isolated": namespaces, "seen": "no key"}
