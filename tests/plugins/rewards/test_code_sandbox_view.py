@@ -358,6 +358,10 @@ def test_under_an_unprivileged_trainer_the_code_cannot_read_its_secrets_or_reach
         result = {{'uid': os.getuid(), 'caps': int(status['CapEff'], 16),
                    'userns': ctypes.CDLL(None).unshare(0x10000000)}}
         try:
+            result['init'] = open('/proc/1/environ').read()
+        except OSError as exc:
+            result['init'] = type(exc).__name__
+        try:
             result['token'] = open({str(token)!r}).read()
         except OSError as exc:
             result['token'] = type(exc).__name__
@@ -383,7 +387,7 @@ def test_under_an_unprivileged_trainer_the_code_cannot_read_its_secrets_or_reach
     finally:
         listener.close()
     seen = json.loads(answer["code"] or "{}")
-    assert seen == {"uid": NOBODY, "caps": 0, "userns": -1, "token": "FileNotFoundError",
+    assert seen == {"uid": NOBODY, "caps": 0, "userns": -1, "init": "PermissionError", "token": "FileNotFoundError",
                     "agent": "FileNotFoundError"}, answer
     assert listener.accepted == 0 and listener.received == b""
 
