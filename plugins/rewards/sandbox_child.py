@@ -326,12 +326,13 @@ def worker(config, root, stdin):
 
 def new_session_keyring():
     """An empty session keyring of its own: the keys of the caller's session (which their
-    possessor can read whatever its user id) stay out of reach. Nothing to leave where the
-    kernel has no keyrings."""
+    possessor can read whatever its user id) stay out of reach. Nothing to do where the kernel
+    has no keyrings (ENOSYS) or a seccomp filter denies ``keyctl`` (EPERM, as container
+    runtimes' default profiles do): the code inherits that filter and cannot reach them either."""
     number = SYS_KEYCTL.get(platform.machine())
     if number is None:
         fail(f"keyctl: no system call number known for {platform.machine()}")
-    if _libc.syscall(number, KEYCTL_JOIN_SESSION_KEYRING, None) < 0 and ctypes.get_errno() != 38:  # ENOSYS
+    if _libc.syscall(number, KEYCTL_JOIN_SESSION_KEYRING, None) < 0 and ctypes.get_errno() not in (1, 38):
         check(-1, "keyctl(KEYCTL_JOIN_SESSION_KEYRING)")
 
 

@@ -271,16 +271,16 @@ def test_a_world_writable_unix_socket_of_the_host_is_out_of_reach(open_dir):
 
 
 # ------------------------------------------------------------------ trainer sides
-SECCOMP_NO_UNSHARE = r"""
+SECCOMP_DENY = r"""
 import ctypes, platform, struct
-_NR = {"x86_64": (272, 0xC000003E), "aarch64": (97, 0xC00000B7)}[platform.machine()]
+_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}[platform.machine()]
+_NUMBERS = {"x86_64": {"unshare": 272, "keyctl": 250}, "aarch64": {"unshare": 97, "keyctl": 219}}
 def _insn(code, k, jt=0, jf=0):
     return struct.pack("HBBI", code, jt, jf, k)
-_prog = b"".join([
-    _insn(0x20, 4), _insn(0x15, _NR[1], 1, 0), _insn(0x06, 0x7FFF0000),  # another arch: allow
-    _insn(0x20, 0), _insn(0x15, _NR[0], 0, 1), _insn(0x06, 0x00050000 | 1),  # unshare: EPERM
-    _insn(0x06, 0x7FFF0000),
-])
+_prog = [_insn(0x20, 4), _insn(0x15, _ARCH, 1, 0), _insn(0x06, 0x7FFF0000), _insn(0x20, 0)]  # another arch: allow
+for _name in DENIED:  # each: EPERM
+    _prog += [_insn(0x15, _NUMBERS[platform.machine()][_name], 0, 1), _insn(0x06, 0x00050000 | 1)]
+_prog = b"".join(_prog + [_insn(0x06, 0x7FFF0000)])
 class _Fprog(ctypes.Structure):
     _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -288,13 +288,18 @@ _fprog = _Fprog(len(_prog) // 8, _prog)
 assert _libc.prctl(38, 1, 0, 0, 0) == 0  # PR_SET_NO_NEW_PRIVS
 assert _libc.prctl(22, 2, ctypes.byref(_fprog), 0, 0) == 0, ctypes.get_errno()  # SECCOMP_MODE_FILTER
 """
+#: what a container runtime's default seccomp profile denies a process without CAP_SYS_ADMIN,
+#: of what the sandbox uses (Docker's denies both with EPERM)
+CONTAINER = ("unshare", "keyctl")
 
 
-def trainer_side(script: str, *, namespaces: bool = True, user: int | None = None, home: Path | None = None,
+def trainer_side(script: str, *, denied: tuple[str, ...] = (), user: int | None = None, home: Path | None = None,
                  timeout: float = 120) -> dict:
-    """Run ``script`` (Python, printing one JSON line last) as the trainer side: on a host
-    that denies ``unshare(2)`` unless ``namespaces``; as ``user`` (via ``setpriv``) if given."""
-    body = ("" if namespaces else SECCOMP_NO_UNSHARE) + textwrap.dedent(script)
+    """Run ``script`` (Python, printing one JSON line last) as the trainer side: under a
+    seccomp filter that denies the system calls ``denied`` with EPERM (``unshare``: a host
+    that makes no namespaces); as ``user`` (via ``setpriv``) if given."""
+    deny = f"DENIED = {denied!r}\n" + SECCOMP_DENY if denied else ""
+    body = deny + textwrap.dedent(script)
     folder = Path(tempfile.mkdtemp(prefix="grpo-trainer-"))
     try:
         folder.chmod(0o755)
@@ -403,7 +408,7 @@ def test_without_namespaces_the_refusal_names_sandbox_url_and_trusted_host():
             print(json.dumps({"refused": None}))
         except SandboxFailure as exc:
             print(json.dumps({"refused": str(exc)}))
-    """, namespaces=False)
+    """, denied=CONTAINER)
     message = answer["refused"]
     assert message is not None and "Operation not permitted" in message
     assert "sandbox_url" in message and "trusted_host: true" in message
@@ -439,7 +444,7 @@ def test_in_trusted_host_mode_a_setsid_grandchild_is_dead_after_the_deadline():
             state = "gone"
         print(json.dumps({{"isolated": box.isolate, "timed_out": outcome.timed_out, "state": state,
                            "pid": pid, "elapsed": time.monotonic() - started}}))
-    """, namespaces=False)
+    """, denied=CONTAINER)
     assert answer["isolated"] is False and answer["timed_out"] is True
     assert answer["state"] in ("gone", "Z"), answer  # dead (at most not yet reaped by init)
     assert answer["elapsed"] < 15
@@ -478,5 +483,5 @@ def test_the_keys_of_the_trainers_session_keyring_are_out_of_reach(namespaces):
         box = Sandbox(Limits(wall_s=10), trusted_host=True)
         outcome = box.run({{"a.py": {code!r}}}, ["{{python}}", "-I", "a.py"])
         print(json.dumps({{"isolated": box.isolate, "seen": outcome.output.decode().strip()}}))
-    """, namespaces=namespaces)
+    """, denied=() if namespaces else ("unshare",))
     assert answer == {"isolated": namespaces, "seen": "no key"}
