@@ -21,8 +21,9 @@ anything. But the code runs in the harness's process, so one line (``sys._getfra
 reaches the token and the report file and forges every verdict, which a policy under RL
 pressure can learn: prefer input/output tests, whose expected output never enters the process.
 
-Where the code runs: locally in :class:`~grpo_plugins.rewards.sandbox.Sandbox` (no network,
-its own processes and working directory, limits, a deadline; ``workers`` at a time), or on a
+Where the code runs: locally in :class:`~grpo_plugins.rewards.sandbox.Sandbox` (a root of its
+own holding no host file, socket or secret, no network, its own processes, limits, a deadline;
+``workers`` at a time), or on a
 Sandbox Fusion server (``sandbox_url``; :mod:`grpo_plugins.rewards.fusion`). A run the code
 hangs, crashes or floods ends at its limits and its tests fail: the score is 0 for that
 completion, never an error of the run. A sandbox that cannot run anything (no namespaces, an

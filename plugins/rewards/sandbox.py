@@ -4,28 +4,37 @@ namespaces, with resource limits, a private working directory and a deadline.
 What one :meth:`Sandbox.run` gets (the launcher, :mod:`grpo_plugins.rewards.sandbox_child`,
 sets it up in the child processes):
 
-- **no network**: a new network namespace, whose only interface (loopback) is down;
-- **its own processes only**: a new PID namespace with a fresh ``/proc``; when the run ends
-  or its deadline passes, the launcher's process group is killed, the namespace's first
-  process dies with it and the kernel kills every process left in the namespace, including
-  those that started a session of their own;
-- **a private, bounded working directory**: a tmpfs of ``disk_bytes`` holding the files the
-  caller gave, gone when the run ends; every other mount is read-only to the code;
+- **a file system of its own**: a root built for the run and entered with ``pivot_root``,
+  holding read-only the system's programs and libraries (``/usr``, ``/bin``, ``/sbin``,
+  ``/lib*``, ``/etc/ld.so.cache``) and the interpreter's own files (its executable, its
+  ``pyvenv.cfg``, its library folder and its site-packages, the links that lead to them); a
+  minimal ``/dev`` (``null``, ``zero``, ``full``, ``random``, ``urandom``, a ``/dev/shm``
+  tmpfs); the ``/proc`` of its PID namespace; and ``/sandbox``, its working directory: a
+  tmpfs of ``disk_bytes`` holding the files the caller gave, gone when the run ends. No other
+  host file, folder or UNIX socket is in it: not the data, the home folder, ``/tmp``,
+  ``/run``, ``/var`` or the rest of ``/etc``;
+- **no network**: a new network namespace, whose only interface (loopback) is down (so no
+  abstract UNIX socket of the host either);
+- **its own processes only**: a new PID namespace; when the run ends or its deadline passes,
+  the launcher's process group is killed, the namespace's first process dies with it and the
+  kernel kills every process left in the namespace, including those that started a session
+  of their own;
 - **limits**: CPU seconds, address space, processes, the size of a written file, open files,
   no core dump; the wall-clock deadline; the first ``output_bytes`` of its output are read,
   after which the pipe is closed;
 - **a clean environment**: ``PATH``, ``HOME`` and ``TMPDIR`` (the working directory), a
   locale and single-threaded math libraries, nothing of the trainer's environment;
-- **another user**: when the trainer runs as root, the code runs as an unprivileged user id
-  (``uid_base`` plus an offset per trainer process and the worker's index, so concurrent runs
-  never share a process count),
-  without the means to gain privileges (``PR_SET_NO_NEW_PRIVS``). Otherwise it runs as the
-  trainer's user inside a user namespace.
+- **an identity that owns nothing of the host**: when the trainer runs as root, an
+  unprivileged user id (``uid_base`` plus an offset per trainer process and the worker's
+  index, so concurrent runs never share a process count); otherwise a user namespace of its
+  own in which no user id is mapped (it is ``nobody`` there and cannot make further user
+  namespaces); in both cases without the means to gain privileges (``PR_SET_NO_NEW_PRIVS``).
 
 Where namespaces cannot be made (a container without the permission), the sandbox refuses
 to start unless ``trusted_host`` says the code may run without them; it then still gets the
-limits, the environment, the deadline and the process-group kill, but shares the network,
-the process table and the file system (guides/trust.md says what that means).
+limits, the environment and the deadline, and every process it starts is killed at the end
+(the launcher is their subreaper), but it shares the network, the process table and the file
+system (guides/trust.md says what that means).
 """
 
 from __future__ import annotations
@@ -52,6 +61,17 @@ log = logging.getLogger("grpo.sandbox")
 
 LAUNCHER = Path(__file__).with_name("sandbox_child.py")
 SETUP_FAILED = 97  # the launcher's exit code when the code did not start (sandbox_child.SETUP_FAILED)
+# how the launcher's messages about a failed isolation step start (sandbox_child.ISOLATION_STEPS)
+ISOLATION_STEPS = ("unshare", "mounting", "binding", "making", "pivot_root", "detaching", "building the root")
+WORKDIR = "/sandbox"  # the code's working directory in its own root (sandbox_child.WORKDIR)
+SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/ld.so.cache")
+_ASK_FILES = (  # run by the interpreter: the files it needs (not what a .pth file adds to sys.path)
+    "import json, os, site, sys, sysconfig\n"
+    "paths = [sysconfig.get_config_var('LIBDIR'), *site.getsitepackages(),\n"
+    "         *(sysconfig.get_path(k) for k in ('stdlib', 'platstdlib', 'purelib', 'platlib'))]\n"
+    "cfg = os.path.join(sys.prefix, 'pyvenv.cfg')\n"
+    "print(json.dumps([sys.executable, *(p for p in paths if p), *([cfg] if os.path.isfile(cfg) else [])]))"
+)
 REPORT_BYTES = 1 << 20  # the most read of what the code writes on its report descriptor
 ENV = {
     "PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
@@ -120,15 +140,18 @@ class Sandbox:
         for slot in range(workers):
             self._slots.put(slot)
         self.isolate = True
+        self._files: dict[str, tuple[list[str], dict[str, str]]] = {}
         failure = self._probe(python or sys.executable)
-        if failure is not None and failure.startswith("unshare"):
+        if failure is not None and failure.startswith(ISOLATION_STEPS):
             if not trusted_host:
                 raise SandboxFailure(
-                    f"code sandbox: this host cannot make the namespaces that cut the code off the network and "
-                    f"the trainer's processes and files ({failure}). Run where unshare(2) is allowed (a root "
-                    "container, or a kernel with unprivileged user namespaces), use a sandbox service (backend: "
-                    "sandbox_fusion), or set trusted_host: true to run the code without namespaces (limits, a "
-                    "clean environment and the deadline still apply; guides/trust.md)"
+                    "code sandbox: this host cannot make the namespaces and mounts that cut the code off the "
+                    f"network and the host's processes and files ({failure}). Run where unshare(2) and mount(2) "
+                    "are allowed (a root container, or a kernel with unprivileged user namespaces); or set the "
+                    "code_tests option `sandbox_url` to a Sandbox Fusion server's URL to run the code there; or set "
+                    "`trusted_host: true` to run it here without namespaces (limits, a clean environment and the "
+                    "deadline still apply, but the code sees the network, the processes and the files of the user "
+                    "it runs as; guides/trust.md)"
                 )
             log.warning("code sandbox: namespaces unavailable (%s); trusted_host is set, so the code runs "
                         "without them: it can reach the network and read and write what its user can", failure)
@@ -153,7 +176,7 @@ class Sandbox:
     def _probe(self, python: str) -> str | None:
         """None when ``python`` starts in the sandbox, else what failed."""
         try:
-            outcome = self._run({}, [python, "-I", "-c", "print('ready')"], None)
+            outcome = self._run({}, [python, "-I", "-c", "print('ready')"], None, python)
         except SandboxFailure as exc:
             return str(exc)
         if outcome.exit_code != 0 or b"ready" not in outcome.output:
@@ -169,9 +192,33 @@ class Sandbox:
         variable ``GRPO_REPORT_FD``. A :class:`SandboxFailure` when the sandbox could not
         start it; whatever the code does is in the :class:`Outcome`."""
         argv = [self.python if part == "{python}" else part for part in argv]
-        return self._run(files, argv, stdin)
+        return self._run(files, argv, stdin, self.python)
 
-    def _run(self, files: dict[str, str], argv: list[str], stdin: str | None) -> Outcome:
+    def interpreter_files(self, python: str) -> tuple[list[str], dict[str, str]]:
+        """What the code's root holds for ``python`` to run: the host paths bound read-only
+        (the system's, the interpreter's) and the symbolic links on the way to them (path ->
+        target). Asked of the interpreter once (a :class:`SandboxFailure` if it cannot say)."""
+        if python not in self._files:
+            try:
+                done = subprocess.run([python, "-I", "-c", _ASK_FILES], capture_output=True, env={}, timeout=60,
+                                      stdin=subprocess.DEVNULL, check=True)
+                wanted = [python, *json.loads(done.stdout)]
+            except (OSError, ValueError, subprocess.SubprocessError) as exc:
+                detail = getattr(exc, "stderr", b"") or b""
+                raise SandboxFailure(f"cannot ask the interpreter {python} where its files are: {exc} "
+                                     f"{detail.decode('utf-8', 'replace')[-300:]}".strip()) from None
+            binds, links = [], {}
+            for path in [*SYSTEM, *wanted]:
+                if os.path.lexists(path):
+                    binds.append(_resolve(os.path.abspath(path), links))
+            if "/" in binds:  # the host's whole root would be in the code's: no interpreter needs that
+                raise SandboxFailure(f"code sandbox: the interpreter {python} names / as one of its folders "
+                                     "(its LIBDIR, stdlib or site-packages); set the `python` option to another")
+            self._files[python] = (sorted(set(binds)), links)
+        return self._files[python]
+
+    def _run(self, files: dict[str, str], argv: list[str], stdin: str | None, python: str) -> Outcome:
+        binds, links = self.interpreter_files(python) if self.isolate else ([], {})
         slot = self._slots.get()
         workdir = Path(tempfile.mkdtemp(prefix="grpo-sandbox-"))
         fds: list[int] = []
@@ -187,14 +234,15 @@ class Sandbox:
             report_r, report_w = os.pipe()
             setup_r, setup_w = os.pipe()
             fds += [report_r, report_w, setup_r, setup_w]
+            home = WORKDIR if self.isolate else str(workdir)
             config = {
                 "isolate": self.isolate, "workdir": str(workdir), "uid": uid, "gid": uid,
+                "binds": binds, "links": links,
                 "limits": {"cpu": self.limits.cpu_s, "memory": self.limits.memory_bytes,
                            "processes": self.limits.processes, "file_size": self.limits.file_bytes,
                            "open_files": self.limits.open_files, "core": 0},
                 "disk_bytes": self.limits.disk_bytes, "argv": argv, "setup_fd": setup_w,
-                "stdin": str(workdir / ".stdin") if stdin is not None else None,
-                "env": {**ENV, "HOME": str(workdir), "TMPDIR": str(workdir), "GRPO_REPORT_FD": str(report_w)},
+                "env": {**ENV, "HOME": home, "TMPDIR": home, "GRPO_REPORT_FD": str(report_w)},
             }
             deadline = time.monotonic() + self.limits.wall_s
             proc = subprocess.Popen(
@@ -223,6 +271,30 @@ class Sandbox:
                 os.close(fd)
             shutil.rmtree(workdir, ignore_errors=True)
             self._slots.put(slot)
+
+
+def _resolve(path: str, links: dict[str, str]) -> str:
+    """``path`` with every symbolic link on the way resolved (each recorded in ``links``)."""
+    todo = [part for part in reversed(path.split("/")) if part not in ("", ".")]
+    current, hops = "/", 0
+    while todo:
+        part = todo.pop()
+        if part == "..":
+            current = os.path.dirname(current)
+            continue
+        step = os.path.join(current, part)
+        if not os.path.islink(step):
+            current = step
+            continue
+        hops += 1
+        if hops > 40:
+            raise SandboxFailure(f"code sandbox: too many symbolic links on the way to {path}")
+        target = os.readlink(step)
+        links[step] = target
+        todo.extend(part for part in reversed(target.split("/")) if part not in ("", "."))
+        if target.startswith("/"):
+            current = "/"
+    return current
 
 
 def _collect(proc: subprocess.Popen, report_fd: int, deadline: float, output_bytes: int
