@@ -133,3 +133,27 @@ def test_a_metric_missing_at_run_time_fails_after_the_trained_steps_are_written(
     assert (checkpoint / "state.pt").is_file() and f"{checkpoint}" in err
     assert (out / "final" / "model.safetensors").is_file() and f"{out / 'final'}" in err
     assert not Path(out / "checkpoints" / "best.json").exists()
+
+
+def test_a_metric_missing_at_a_mid_run_evaluation_stops_the_run_with_that_step_checkpointed(tiny_model_dir, tmp_path,
+                                                                                            monkeypatch, capsys):
+    """The same miss at the evaluation after step 1 of 3: the run stops there (exit 1) with
+    step 1 checkpointed, and says so; no final model, since training did not finish."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    (tmp_path / "unscorable.py").write_text(PLUGIN)
+    out = tmp_path / "out"
+    spec = merge({"model": {"path": str(tiny_model_dir)}, **BASE_SPEC}, {
+        "plugins": ["unscorable.py"],
+        "data": {"eval_size": 2},
+        "rewards": [{"name": "accuracy"}, {"name": "unscorable"}],
+        "train": {"steps": 3, "output_dir": str(out)},
+        "eval": {"every": 1, "at_end": True},
+        "checkpoint": {"every": 0, "every_minutes": 0, "best_metric": "eval/rewards/unscorable"},
+    })
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    assert main([str(path)]) == 1
+    err = capsys.readouterr().err
+    checkpoint = out / "checkpoints" / "step-000001"
+    assert "no metric 'eval/rewards/unscorable'" in err and f"the checkpoint {checkpoint}." in err
+    assert (checkpoint / "state.pt").is_file() and not (out / "final").exists()
