@@ -282,9 +282,25 @@ def save_tiny_vision_model(path: str | Path, *, seed: int = 0, **model_kwargs) -
     return path
 
 
+def main(argv: list[str] | None = None) -> int:
+    """``python -m grpo_core.testing [--vision] DIR``: write a tiny model and its tokenizer (or
+    processor) to DIR and print its path. A DIR that starts with ``-`` is refused (it is an
+    option mistyped, or one put after ``--``): ``./-name`` says a folder of that name plainly."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m grpo_core.testing",
+        description="Write a tiny random model and its tokenizer to DIR, built offline (nothing is downloaded).")
+    parser.add_argument("--vision", action="store_true",
+                        help="a tiny SmolVLM-shaped model and its processor instead of a text model")
+    parser.add_argument("dir", metavar="DIR", help="the folder to write (created; files in it are replaced)")
+    args = parser.parse_args(argv)
+    if args.dir.startswith("-"):
+        parser.error(f"DIR {args.dir!r} looks like an option, not a folder (write ./{args.dir} for a folder of "
+                     "that name)")
+    print(save_tiny_vision_model(args.dir) if args.vision else save_tiny_model(args.dir))
+    return 0
+
+
 if __name__ == "__main__":  # pragma: no cover
-    args = sys.argv[1:]
-    vision = args[:1] == ["--vision"]
-    if len(args) != 1 + vision:
-        sys.exit("usage: python -m grpo_core.testing [--vision] DIR")
-    print(save_tiny_vision_model(args[-1]) if vision else save_tiny_model(args[-1]))
+    sys.exit(main())

@@ -26,7 +26,7 @@ import math
 from typing import Any
 
 import numpy as np
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from grpo_core import hookimpl
 from grpo_core.errors import RunError
@@ -113,12 +113,23 @@ class MixtureOptions(Options):
     weights: dict[str, float] = Field(min_length=1, description="Source -> its share of the draws (normalized), "
                                       "e.g. {math: 3, code: 1}; every source of the rows must be listed.")
 
-    @model_validator(mode="after")
-    def _positive(self):
-        bad = {k: v for k, v in self.weights.items() if not (v > 0 and math.isfinite(v))}
+    @field_validator("weights")
+    @classmethod
+    def _drawable(cls, weights: dict[str, float]) -> dict[str, float]:
+        bad = {k: v for k, v in weights.items() if not (v > 0 and math.isfinite(v))}
         if bad:
             raise ValueError(f"weights must be finite and > 0, got {bad}")
-        return self
+        total = sum(weights.values())
+        if not math.isfinite(total):
+            raise ValueError(f"weights sum to {total} (each is finite, but float64 cannot hold their sum); only "
+                             "their ratios matter, so scale them down, e.g. {math: 3, code: 1}")
+        never = {k: v for k, v in weights.items() if v / total == 0}
+        if never:
+            name, value = next(iter(never.items()))
+            raise ValueError(f"weights: '{name}' ({value:g}) is drawn with probability 0 beside a total of {total:g} "
+                             "(its share underflows float64): give weights whose ratios float64 can hold, "
+                             "e.g. {math: 3, code: 1}")
+        return weights
 
 
 class Mixture:

@@ -262,8 +262,9 @@ class CheckpointSection(Section):
     keep: int = Field(2, ge=1, description="Keep the last K checkpoints of this run.")
     best_metric: str | None = Field(
         None, description="An evaluation metric as logged (e.g. eval/reward, eval/rewards/accuracy, "
-        "eval/<set>/reward): after each evaluation that puts the step among the keep_best best by it, the step is "
-        "checkpointed, and those checkpoints are kept beside the last K (checkpoints/best.json lists them)."
+        "eval/<set>/reward; a name the evaluation does not log is refused when the spec loads): after each "
+        "evaluation that puts the step among the keep_best best by it, the step is checkpointed, and those "
+        "checkpoints are kept beside the last K (checkpoints/best.json lists them)."
     )
     best_mode: Literal["max", "min"] = Field("max", description="Whether a higher or a lower best_metric is better.")
     keep_best: int = Field(1, ge=1, description="With best_metric: how many of the best checkpoints to keep.")

@@ -181,3 +181,22 @@ def test_source_labels_say_what_is_missing(tmp_path, data, message):
     path.write_text(yaml.safe_dump(s))
     with pytest.raises(Exception, match=message):
         load_spec(path, external_plugins=False)
+
+
+@pytest.mark.parametrize(("weights", "message"), [
+    ({"math": 1e308, "code": 1e308}, r"sum to inf.*\{math: 3, code: 1\}"),
+    ({"math": 1e308, "code": 1e-300}, r"'code' \(1e-300\) is drawn with probability 0"),
+])
+def test_weights_that_float64_cannot_normalize_are_refused_at_validation_with_their_path(tmp_path, weights,
+                                                                                          message):
+    """Each weight finite and > 0, but their sum overflows (numpy then refused the draw with
+    'probabilities do not sum to 1', naming no option), or one share underflows to 0 (a
+    source that is never drawn): refused when the spec loads, with the option's path."""
+    s = {"model": {"path": "m"}, "rewards": [{"name": "accuracy"}],
+         "data": {"name": "arithmetic", "sampler": {"name": "mixture", "column": "source", "weights": weights}}}
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(s))
+    with pytest.raises(Exception, match=r"spec\.data\.sampler\.weights \(line \d+\): .*" + message):
+        load_spec(path, external_plugins=False)
+    with pytest.raises(ValidationError, match=message):
+        MixtureOptions(weights=weights)

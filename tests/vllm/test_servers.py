@@ -203,7 +203,7 @@ def test_the_judge_reward_grades_through_a_real_vllm_server(servers, model_dir, 
 
     server = servers[1]  # started with vLLM's own --api-key SECRET
     monkeypatch.setenv("JUDGE_TEST_KEY", SECRET)
-    rubric = "Grade 0-10. Q: {prompt} A: {completion} Expected: {reference}. Grade:"  # the server's context is 256
+    rubric = "Q: {prompt} A: {completion} Expected: {reference}. {verdict}"  # the server's context is 256
     judge = Judge(JudgeOptions(url=server.url + "/v1", model=str(model_dir), api_key_env="JUDGE_TEST_KEY",
                                template=rubric, reference_column="answer", max_tokens=8, temperature=0.0,
                                retries=0, timeout=60))

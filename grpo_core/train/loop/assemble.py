@@ -21,6 +21,7 @@ from grpo_core import checkpoint as ckpt
 from grpo_core.contracts import Tracker, policy_copy, special_ids
 from grpo_core.errors import RunError
 from grpo_core.spec import LoadedSpec, Spec
+from grpo_core.spec.metrics import reward_labels
 from grpo_core.spec.parallel import parallel_conflicts
 from grpo_core.tracking import RunLog
 from grpo_core.train import model as modeling
@@ -54,11 +55,10 @@ def seed_everything(seed: int) -> None:
 
 def build_rewards(spec: Spec, splitter: Any) -> list[RewardFn]:
     """The spec's reward functions, labelled ``name`` (``name#i`` when a name is listed twice)."""
-    names = [slot.name for slot in spec.rewards]
+    labels = reward_labels([slot.name for slot in spec.rewards])
     cut = partial(split_steps, splitter, spec.algorithm.step_splitter.name)
     out = []
-    for slot in spec.rewards:
-        label = slot.name if names.count(slot.name) == 1 else f"{slot.name}#{len(out)}"
+    for slot, label in zip(spec.rewards, labels):
         only = None if slot.sources is None else (spec.data.source_column, frozenset(slot.sources))
         out.append(RewardFn.of(label, slot.weight, slot.build(), splitter=cut,
                                concurrency=slot.concurrency, timeout=slot.call_timeout, only=only))

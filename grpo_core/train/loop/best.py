@@ -19,9 +19,24 @@ from typing import Any
 
 from grpo_core.errors import RunError
 
-__all__ = ["BestCheckpoints", "BEST_FILE"]
+__all__ = ["BestCheckpoints", "BEST_FILE", "MissingMetric"]
 
 BEST_FILE = "best.json"
+
+
+class MissingMetric(RunError):
+    """An evaluation logged no value of ``checkpoint.best_metric`` (a name the spec logs, but
+    missing this time: its reward function scored no held-out completion, say). The loop
+    writes the trained steps before it stops with it; ``kept`` says where they are."""
+
+    def __init__(self, problem: str, kept: str = ""):
+        self.problem, self.kept = problem, kept
+        super().__init__(problem + (f". The steps trained are kept: {kept}. Set checkpoint.best_metric to a logged "
+                                    "metric (or drop it) and resume" if kept else ""))
+
+    def keeping(self, more: str) -> MissingMetric:
+        """The same failure, with ``more`` of the trained steps kept."""
+        return MissingMetric(self.problem, f"{self.kept} and {more}" if self.kept else more)
 
 
 class BestCheckpoints:
@@ -38,12 +53,12 @@ class BestCheckpoints:
 
     def offer(self, step: int, metrics: dict[str, float]) -> bool:
         """Rank ``step`` by its evaluation ``metrics``; True when it is among the best (the
-        caller then checkpoints it). A RunError naming the metrics there are when the metric
-        is not among them."""
+        caller then checkpoints it). A :class:`MissingMetric` naming the metrics there are when
+        the metric is not among them."""
         if self.metric not in metrics:
             known = ", ".join(sorted(k for k in metrics if k.startswith("eval/"))) or "none"
-            raise RunError(f"checkpoint.best_metric: the evaluation logged no metric {self.metric!r}; "
-                           f"it logged: {known}")
+            raise MissingMetric(f"checkpoint.best_metric: the evaluation logged no metric {self.metric!r}; "
+                                f"it logged: {known}")
         value = float(metrics[self.metric])
         if math.isnan(value):
             return False

@@ -27,6 +27,7 @@ from grpo_core.spec import LoadedSpec, dump_spec
 from grpo_core.tracking import flatten
 from grpo_core.train.distributed import close_process_group, lost_contact, lost_contact_message
 from grpo_core.train.loop.assemble import build_run
+from grpo_core.train.loop.best import MissingMetric
 from grpo_core.train.loop.evaluate import EvalSet, evaluate_sets
 from grpo_core.train.loop.state import Hooks, Run
 from grpo_core.train.loop.step import train_step
@@ -303,14 +304,20 @@ def _finish(run: Run, stop: StopSignal) -> tuple[str, int]:
     status and exit code. Called under the signal handler: a signal here lets them finish (a
     second one stops at once), then the run exits with the signal's code."""
     spec = run.spec
+    unranked = None
     if spec.eval.at_end and run.has_eval:
         run.last_eval = evaluate_run(run)
         run.log.log_metrics(run.last_eval, run.step)
         run.hooks.on_eval(run.step, run.last_eval)
-        run.after_eval()
+        try:
+            run.after_eval()
+        except MissingMetric as exc:  # checkpointed; the final model is written before the run fails
+            unranked = exc
     if spec.checkpoint.every or spec.checkpoint.every_minutes:
         run.save_checkpoint()
     final = _save_final(run)
+    if unranked is not None:
+        raise unranked.keeping(f"the final model {final}")
     exported = finish_exports(run, final)
     if run.dist.is_main:
         _summary(run, final, run.last_eval)

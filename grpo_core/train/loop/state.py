@@ -19,7 +19,7 @@ from grpo_core.train.actor.data import Prompt, PromptSource
 from grpo_core.train.distributed import Dist
 from grpo_core.train.feed import Feed
 from grpo_core.train.learner.learner import Learner
-from grpo_core.train.loop.best import BestCheckpoints
+from grpo_core.train.loop.best import BestCheckpoints, MissingMetric
 from grpo_core.train.loop.evaluate import EvalSet
 from grpo_core.train.loop.iterative import IterativeStage
 
@@ -203,10 +203,15 @@ class Run:
 
     def after_eval(self) -> None:
         """Rank the step just evaluated by ``checkpoint.best_metric`` and checkpoint it when it
-        is among the best (call it with the actor at rest, right after the evaluation)."""
+        is among the best (call it with the actor at rest, right after the evaluation). An
+        evaluation without the metric checkpoints the step, then raises :class:`MissingMetric`."""
         if self.best is None or not self.last_eval:
             return
-        if self.best.offer(self.step, self.last_eval):
+        try:
+            ranked = self.best.offer(self.step, self.last_eval)
+        except MissingMetric as exc:  # the trained steps are kept before the run stops
+            raise exc.keeping(f"the checkpoint {self.save_checkpoint()}") from None
+        if ranked:
             # recorded before writing: the checkpoint's own state lists its folder, so a run
             # resumed from it can still export it as the best
             self.best.saved(self.step, ckpt.step_folder(self.checkpoint_dir, self.step))
