@@ -5,7 +5,8 @@
 - the sections with a module of their own: ``algorithm``, ``data``, ``episodes``, ``export``,
   ``iterative``, ``optimizer``, ``parallel``;
 - ``loader``: safe YAML, ``--set`` overrides, plugin files, validation of everything at once;
-- ``schema``: the spec's JSON Schema with every registered component's options.
+- ``schema``: the spec's JSON Schema with every registered component's options;
+- ``metrics``: the metric names an evaluation of a spec logs (what ``checkpoint.best_metric`` may name).
 """
 
 from grpo_core.spec.loader import LoadedSpec, dump_spec, load_spec
