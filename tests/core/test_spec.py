@@ -553,7 +553,9 @@ def test_every_slot_field_is_a_slot_of_a_known_kind():
     _models(Spec, seen)
     slots = {m for m in seen if issubclass(m, Slot)}
     assert RewardSlot in slots
-    assert {s.kind for s in slots} == set(KINDS)
+    # the launcher is chosen on the command line (grpo-run run --launcher): it decides where the
+    # run's processes start, not what they compute, so one spec runs under any launcher
+    assert {s.kind for s in slots} == set(KINDS) - {"launcher"}
     for s in slots:
         assert typing.get_type_hints(s)["name"] is str
 
