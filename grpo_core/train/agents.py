@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from grpo_core.contracts import AgentEpisode, RolloutBatch, SamplingParams
+from grpo_core.contracts.rewards import REWARD_MAX
 from grpo_core.errors import RunError, fault_text
 from grpo_core.train.endpoint import (
     TOOL_STOP,
@@ -168,8 +169,9 @@ class _Tasks:
                 value = await asyncio.wait_for(_contained(self._call(e)), self.timeout)
                 if value is not None and not isinstance(value, (int, float)):
                     e.fail(f"returned {type(value).__name__}, not a float reward or None")
-                elif value is not None and not math.isfinite(value):
-                    e.fail(f"returned a non-finite reward {value}")
+                elif value is not None and not abs(value) <= REWARD_MAX:  # NaN, an infinity, 1e300
+                    e.fail(f"returned the reward {value!r:.40}; rewards are finite numbers within float32's range "
+                           f"(|r| <= {REWARD_MAX:.4g}), or None")
                 else:
                     e.record.reward = None if value is None else float(value)
             except asyncio.TimeoutError:

@@ -276,3 +276,20 @@ def test_an_agent_that_exits_fails_its_own_episode_and_the_others_train(long_mod
     time.sleep(0.5)
     assert {t.name for t in threading.enumerate()} <= threads
 
+
+@pytest.mark.parametrize("reward", [1e300, -(10**39), float("nan"), float("inf")])
+def test_an_agent_reward_beyond_float32_fails_its_episode_not_the_run(long_model, tmp_path, reward):
+    """1e300 is finite in Python but has no float32 value (issue 47, item 11): as the
+    agent's own reward it fails that episode, as NaN does, instead of stopping the run at
+    the reward table."""
+
+    def generous(episode):
+        calculator_agent(episode)
+        return reward if episode.index == 0 else 1.0
+
+    spec = _spec(long_model, tmp_path / "o", name="scripted", group_size=2, agent={"max_total_tokens": 240})
+    spec["rewards"] = [{"name": "env_reward"}]
+    rollout = Trainer(spec, agent=generous, plugins=[ScriptedPlugin()])._build().actor.collect(0).scored.rollout
+    assert rollout.episodes.failed.tolist() == [True, False, True, False]
+    assert f"returned the reward {reward!r:.40}; rewards are finite numbers within float32's range (|r| <= " \
+           "3.403e+38), or None" in rollout.episodes.messages[0][-1]["content"]
