@@ -136,7 +136,7 @@ def parse_request(body: dict[str, Any], key: str, chat: bool, sampling: Any, max
             raise EndpointError(400, "tools: a list of tool objects ({type: function, function: {...}})")
         for index, tool in enumerate(tools):
             function = tool.get("function")
-            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            if "function" in tool and (not isinstance(function, dict) or not isinstance(function.get("name"), str)):
                 raise EndpointError(400, f"tools[{index}].function: an object with a string name (and a description "
                                          f"and parameters); got {function!r:.60}")
         request.tools = tools
@@ -169,7 +169,7 @@ def decode_body(data: bytes) -> dict[str, Any]:
     none), nested deeper than :data:`MAX_DEPTH`, a string that is not valid Unicode (a lone
     surrogate escape), not an object."""
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # a byte-order mark is tolerated, as json.loads(bytes) did
     except UnicodeDecodeError as exc:
         raise EndpointError(400, f"the body is not valid UTF-8 (byte {exc.start}: {exc.reason}); send JSON "
                                  "encoded as UTF-8") from None

@@ -293,3 +293,21 @@ def test_an_agent_reward_beyond_float32_fails_its_episode_not_the_run(long_model
     assert rollout.episodes.failed.tolist() == [True, False, True, False]
     assert f"returned the reward {reward!r:.40}; rewards are finite numbers within float32's range (|r| <= " \
            "3.403e+38), or None" in rollout.episodes.messages[0][-1]["content"]
+
+
+def test_what_clients_send_beyond_the_strict_minimum_is_still_served(long_model, tmp_path):
+    """The strict body checks refuse no well-formed request: a UTF-8 byte-order mark, a tool
+    in the flat form ({type, name, parameters}), extra fields, integers as large as JSON
+    writes them."""
+    answers = []
+
+    def lenient(episode):
+        body = {"model": "policy", "messages": episode.row["prompt"], "user": "me", "seed": 10**30,
+                "metadata": {"a": [[[1]]]}, "tools": [{"type": "function", "name": "f", "parameters": {}}],
+                "max_tokens": 10**30, "n": 1, "stream": False, "logprobs": True, "temperature": 1}
+        answers.append(_post(episode, b"\xef\xbb\xbf" + json.dumps(body).encode()))
+
+    spec = _spec(long_model, tmp_path / "o", name="scripted", group_size=2, agent={"max_total_tokens": 240})
+    rollout = Trainer(spec, agent=lenient, plugins=[ScriptedPlugin()])._build().actor.collect(0).scored.rollout
+    assert [status for status, _ in answers] == [200] * 4, answers
+    assert not rollout.episodes.failed.any() and rollout.episodes.turns.tolist() == [1] * 4
