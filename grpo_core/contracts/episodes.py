@@ -91,8 +91,10 @@ class Agent(Protocol):
 
     Every request's prompt must extend the episode's history: the messages the agent sent
     before, each followed by the assistant message the endpoint answered (the trainer keeps
-    the tokens the policy sampled, and never re-tokenizes them). An agent that raises, times
-    out or edits its history is a failed episode (no reward), never a crashed run.
+    the tokens the policy sampled, and never re-tokenizes them). An agent that raises (even
+    ``SystemExit`` or ``KeyboardInterrupt``), times out or edits its history is a failed episode
+    (no reward), never a crashed run nor another episode's failure. A malformed request gets a
+    400 and the episode goes on.
     """
 
     def __call__(self, episode: AgentEpisode) -> Any: ...

@@ -35,12 +35,19 @@ class RewardFunction(Protocol):
     def __call__(self, prompts: list, completions: list, **columns: Any) -> list: ...
 
 
+#: The largest reward magnitude: scores are float32 tensors, and a larger finite Python float
+#: (``1e300``) has no float32 value.
+REWARD_MAX = 3.4028234663852886e38
+
+
 def reward_value(value: Any) -> float | None:
     """The one rule for a reward value, whatever its source (a local function, a process
     reward's step score, the ``remote`` reward's answer): None (unscorable) stays None; a
     finite real number (``int``, ``float``, ``bool``, a numpy scalar, a one-element tensor or
-    array) becomes a float. Anything else raises ``ValueError`` saying what it is: a string
-    (even ``"0.5"``), NaN, an infinity, an integer too large for a float (``10**400``)."""
+    array) within float32's range (``|r| <=`` :data:`REWARD_MAX`, about ``3.4e38``) becomes a
+    float. Anything else raises ``ValueError`` saying what it is: a string (even ``"0.5"``),
+    NaN, an infinity, an integer too large for a float (``10**400``), a number beyond float32
+    (``1e300``)."""
     if value is None:
         return None
     if not isinstance(value, numbers.Real) and getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
@@ -55,6 +62,8 @@ def reward_value(value: Any) -> float | None:
         raise ValueError(f"{type(value).__name__} too large for a float ({str(value)[:20]}...)") from None
     if not math.isfinite(out):
         raise ValueError(str(out))
+    if abs(out) > REWARD_MAX:
+        raise ValueError(f"{out!r}, beyond the float32 range of rewards (|r| <= {REWARD_MAX:.4g})")
     return out
 
 

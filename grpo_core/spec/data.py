@@ -61,6 +61,14 @@ class DataSlot(Slot):
         "themselves (a string prompt is sent as a user message). Images are loaded and checked when the "
         "data loads. Rewards see the column as it is.",
     )
+    max_image_pixels: int | None = Field(
+        None, ge=1,
+        description="With image_column: an image of more pixels (width x height) is refused when the data loads, "
+        "from its header, naming its row and file: a small file that decodes to a huge image (a decompression "
+        "bomb: 110 kB of PNG can hold 30000 x 30000 pixels, 2.7 GB in RGB) would exhaust the run's memory. "
+        "Unset: Pillow's own limit (twice PIL.Image.MAX_IMAGE_PIXELS, 178,956,970 pixels by default). Raise it "
+        "for data you trust that holds larger images.",
+    )
     source_column: str | None = Field(
         None, min_length=1, description="Column naming each row's source (a mixture of datasets): rewards may "
         "score only some sources (their `sources`) and each step logs the reward per source (reward/source/<name>)."

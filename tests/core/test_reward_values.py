@@ -43,6 +43,10 @@ def _score(value, on_error="raise"):
         ("0.5", "str '0.5'"),
         (b"1", "bytes b'1'"),
         (10**400, "int too large for a float (10000000000000000000...)"),
+        (1e300, "1e+300, beyond the float32 range of rewards (|r| <= 3.403e+38)"),
+        (-1e39, "-1e+39, beyond the float32 range of rewards (|r| <= 3.403e+38)"),
+        (10**39, "1e+39, beyond the float32 range of rewards (|r| <= 3.403e+38)"),
+        (np.float64(1e300), "1e+300, beyond the float32 range of rewards (|r| <= 3.403e+38)"),
         (1 + 2j, "complex (1+2j)"),
         ({"score": 1}, "dict {'score': 1}"),
     ],
@@ -81,16 +85,19 @@ def test_a_step_score_follows_the_same_rule():
     assert out.failed == 1 and out.total[0] == 0.5 and math.isnan(out.total[1])
 
 
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
 @given(st.floats(allow_nan=True, allow_infinity=True))
-def test_reward_value_is_the_float_when_finite_and_an_error_otherwise(x):
-    if math.isfinite(x):
+def test_reward_value_is_the_float_when_finite_in_float32_and_an_error_otherwise(x):
+    if math.isfinite(x) and abs(x) <= FLOAT32_MAX:
         assert scoring.reward_value(x) == x
     else:
         with pytest.raises(ValueError):
             scoring.reward_value(x)
 
 
-@given(st.integers())
+@given(st.integers() | st.integers(min_value=10**38, max_value=10**39))
 def test_reward_value_of_an_integer_is_the_float_or_an_error_when_too_large(n):
     try:
         expected = float(n)
@@ -98,4 +105,62 @@ def test_reward_value_of_an_integer_is_the_float_or_an_error_when_too_large(n):
         with pytest.raises(ValueError, match="too large for a float"):
             scoring.reward_value(n)
     else:
-        assert scoring.reward_value(n) == expected
+        if abs(expected) <= FLOAT32_MAX:
+            assert scoring.reward_value(n) == expected
+        else:
+            with pytest.raises(ValueError, match="beyond the float32 range of rewards"):
+                scoring.reward_value(n)
+
+
+@given(st.floats(allow_nan=False, allow_infinity=False))
+def test_every_accepted_value_enters_the_float32_score_table(x):
+    """Whatever reward_value accepts, the scores' float32 table holds without overflow (1e300
+    is finite in Python, not in float32, and stopped the run with torch's "value cannot be
+    converted to type float without overflow", naming no function: issue 47, item 11)."""
+    try:
+        value = scoring.reward_value(x)
+    except ValueError:
+        return
+    out = score([RewardFn.of("judge", 1.0, _constant(value))], PROMPTS, COMPLETIONS, {}, [[1], [2]])
+    assert math.isfinite(out.per_function[1, 0])
+
+
+HUGE = """
+from grpo_core import hookimpl
+
+calls = {"n": 0}
+
+def huge(prompts, completions, **kwargs):  # finite in Python, not in float32, on step 3
+    calls["n"] += 1
+    return [1e300 if calls["n"] == 3 and i == 1 else float(i % 2) for i in range(len(completions))]
+
+@hookimpl
+def register_reward_functions(register):
+    register.add("huge", huge)
+"""
+
+
+def test_a_run_whose_reward_leaves_float32_stops_naming_it_with_its_steps_checkpointed(tmp_path, write_spec, capsys):
+    from grpo_core import checkpoint as ckpt
+    from grpo_core.cli import main
+
+    (tmp_path / "huge.py").write_text(HUGE)
+    spec = write_spec(tmp_path, plugins=["huge.py"], rewards=[{"name": "huge"}])
+    assert main([str(spec)]) == 1
+    err = capsys.readouterr().err
+    assert ("grpo-run: error: reward function 'huge' returned 1e+300, beyond the float32 range of rewards "
+            "(|r| <= 3.403e+38) for completion 1 (prompt: ") in err
+    assert "rewards must be finite real numbers, or None" in err and "train.reward_errors: none" in err
+    assert "step 3 failed before its update; checkpoint of step 2" in err
+    assert [f.name for f in ckpt.list_checkpoints(tmp_path / "out" / "checkpoints")] == [f"{ckpt.PREFIX}000002"]
+
+
+def test_a_weighted_sum_beyond_float32_is_an_error_naming_the_rewards_and_weights():
+    """Each reward within float32's range, their weighted sum not: an error, never an
+    infinite score (which would make the group's advantages NaN)."""
+    fns = [RewardFn.of("big", 2.0, _constant(3e38)), RewardFn.of("small", 1.0, _constant(1.0))]
+    for on_error in ("raise", "none"):
+        with pytest.raises(RunError, match=r"the weighted sum of the rewards of completion 1 \(prompt: 'Name a "
+                           r"prime.'\) is beyond float32's range \(\|r\| <= 3.4e38\): 'big' 3e\+38 x weight 2, "
+                           r"'small' 1 x weight 1; scale the rewards or their weights down"):
+            score(fns, PROMPTS, COMPLETIONS, {}, [[1], [2]], on_error)

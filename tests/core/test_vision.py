@@ -289,3 +289,80 @@ def test_the_vision_tower_is_frozen_by_default_and_lora_adapts_the_language_mode
     both = prepare_policy(build_vision_model(processor, kind=kind),
                           ModelSection(path="x", lora=LoraSection(r=2), train_vision=True), tok)
     assert any(vision[0].split(".")[-1] in n for n, p in both.named_parameters() if p.requires_grad)
+
+
+def write_bomb(path, side: int = 30_000) -> None:
+    """A decompression bomb: a valid 1-bit PNG of ``side x side`` pixels (30000: 900 million,
+    2.7 GB once converted to RGB) whose zeros deflate to about 110 kB. Written chunk by chunk
+    with zlib, so that the test never holds the image itself."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    row = bytes(1 + (side + 7) // 8)  # the filter byte, then the row's bits
+    deflate = zlib.compressobj(9)
+    data = b"".join(deflate.compress(row) for _ in range(side)) + deflate.flush()
+    header = struct.pack(">IIBBBBB", side, side, 1, 0, 0, 0, 0)  # 1 bit per pixel, grayscale
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", data) + chunk(b"IEND", b""))
+
+
+def test_a_decompression_bomb_is_refused_naming_the_row_the_file_and_the_limit(tmp_path):
+    """A 110 kB PNG of 30000 x 30000 pixels (issue 47, item 12) stopped the run with Pillow's
+    DecompressionBombError, naming no row, column or file. It is refused when the data loads,
+    naming them, the image's size, the limit and how to raise it; data.max_image_pixels lowers
+    the limit or raises it for data the user trusts."""
+    processor = build_vision_processor("smolvlm")
+    bomb, good = tmp_path / "bomb.png", tmp_path / "good.png"
+    write_bomb(bomb)
+    drawing(0).save(good)
+    assert bomb.stat().st_size < 150_000
+    rows = [{"prompt": "a", "image": str(good)}, {"prompt": "b", "image": str(bomb)}]
+    with pytest.raises(RunError) as err:
+        _source(rows, processor)
+    assert str(err.value) == (
+        f"data.image_column 'image', training row 1: '{bomb}' is 30000 x 30000 pixels (900,000,000), more than "
+        "the limit of 178,956,970 (Pillow's decompression-bomb limit; data.max_image_pixels is unset): a small "
+        "file that decodes to that many pixels can exhaust the run's memory. If you trust the data, set "
+        "data.max_image_pixels to 900000000 or more")
+    inline = [rows[0], {"prompt": "b", "image": {"bytes": bomb.read_bytes(), "path": "shard-3/bomb.png"}}]
+    with pytest.raises(RunError, match=r"training row 1: its bytes \('shard-3/bomb.png'\) are 30000 x 30000 "
+                                       r"pixels \(900,000,000\), more than the limit"):
+        _source(inline, processor)
+
+    def source(rows, limit):
+        return PromptSource(rows, processor.tokenizer, DataSlot(name="arithmetic", image_column="image",
+                                                                max_image_pixels=limit),
+                            seed=0, max_tokens=500, shuffle=False, processor=processor)
+
+    small = [{"prompt": "a", "image": str(good)}, {"prompt": "b", "image": drawing(1, size=(60, 60))}]
+    with pytest.raises(RunError, match=r"training row 1: the PIL image is 60 x 60 pixels \(3,600\), more than the "
+                                       r"limit of 3,500 \(data.max_image_pixels\)"):
+        source(small, 3500)
+    assert [p.images is not None for p in source(small, 3600).next(2)] == [True, True]
+    assert Image.MAX_IMAGE_PIXELS == 89_478_485  # Pillow's own guard is as it was
+
+
+def test_max_image_pixels_raises_the_limit_above_pillows_own(tmp_path, monkeypatch):
+    """Pillow's guard set low (as a user's process may set it): a 60 x 60 file is over its
+    limit of 2 x 1,000 pixels and refused, naming it; data.max_image_pixels above the image
+    loads it (Pillow's guard lifted for that image, then restored)."""
+    processor = build_vision_processor("smolvlm")
+    path = tmp_path / "sixty.png"
+    drawing(1, size=(60, 60)).save(path)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
+    rows = [{"prompt": "a", "image": str(path)}]
+    with pytest.raises(RunError, match=r"training row 0: '.*sixty.png' is 60 x 60 pixels \(3,600\), more than the "
+                                       r"limit of 2,000 \(Pillow's decompression-bomb limit; data.max_image_pixels is "
+                                       r"unset\).* set data.max_image_pixels to 3600 or more"):
+        _source(rows, processor)
+    slot = DataSlot(name="arithmetic", image_column="image", max_image_pixels=3600)
+    loaded = PromptSource(rows, processor.tokenizer, slot, seed=0, max_tokens=500, shuffle=False, processor=processor)
+    assert loaded.next(1)[0].images.images[0].size == (60, 60)
+    assert Image.MAX_IMAGE_PIXELS == 1000
+
+
+def test_max_image_pixels_is_a_positive_integer():
+    with pytest.raises(ValueError, match="max_image_pixels"):
+        DataSlot(name="arithmetic", image_column="image", max_image_pixels=0)

@@ -15,8 +15,11 @@ the backend gives them) and the tokens of the messages the agent added (context)
 episodes of a prompt share the longest common prefix of their first prompts as the group's
 prompt; the rest of each first prompt is context. An episode whose agent raised, timed out,
 edited its history or broke a limit is failed: no reward, no token in the loss
-(``env/failed_episodes`` counts them). Agent episodes are not bit-reproducible across runs:
-which requests share a ``generate`` call depends on timing.
+(``env/failed_episodes`` counts them). An agent's ``SystemExit`` (``sys.exit``,
+``_thread.exit``) or ``KeyboardInterrupt`` fails its own episode like any exception: the
+event loop all coroutine agents share goes on, as it does when an agent stops it. Agent
+episodes are not bit-reproducible across runs: which requests share a ``generate`` call
+depends on timing.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ from typing import Any
 import torch
 
 from grpo_core.contracts import AgentEpisode, RolloutBatch, SamplingParams
-from grpo_core.errors import fault_text
+from grpo_core.contracts.rewards import REWARD_MAX
+from grpo_core.errors import RunError, fault_text
 from grpo_core.train.actor.endpoint import (
     TOOL_STOP,
     Endpoint,
@@ -135,10 +139,19 @@ class _Tasks:
 
     def _main(self) -> None:
         asyncio.set_event_loop(self.loop)
+        everything = self.loop.create_task(self._all())
         try:
-            self.loop.run_until_complete(self._all())
-        except asyncio.CancelledError:  # the rollout ended with agents still running
-            pass
+            while not everything.done():
+                try:
+                    self.loop.run_until_complete(everything)
+                except asyncio.CancelledError:  # the rollout ended with agents still running
+                    break
+                except BaseException as exc:  # noqa: BLE001 - an agent's, never the other agents'
+                    # A task or callback an agent started exited (SystemExit, KeyboardInterrupt) outside
+                    # its episode's own code, or the agent stopped the loop: the loop goes on for the others.
+                    if not everything.done():
+                        log.warning("an agent stopped the agents' event loop (%s); it goes on for the other "
+                                    "episodes", fault_text(exc))
         finally:
             self.loop.close()
 
@@ -153,17 +166,20 @@ class _Tasks:
             self.running += 1
             e.deadline = time.monotonic() + self.timeout
             try:
-                value = await asyncio.wait_for(self._call(e), self.timeout)
+                value = await asyncio.wait_for(_contained(self._call(e)), self.timeout)
                 if value is not None and not isinstance(value, (int, float)):
                     e.fail(f"returned {type(value).__name__}, not a float reward or None")
-                elif value is not None and not math.isfinite(value):
-                    e.fail(f"returned a non-finite reward {value}")
+                elif value is not None and not abs(value) <= REWARD_MAX:  # NaN, an infinity, 1e300
+                    e.fail(f"returned the reward {value!r:.40}; rewards are finite numbers within float32's range "
+                           f"(|r| <= {REWARD_MAX:.4g}), or None")
                 else:
                     e.record.reward = None if value is None else float(value)
             except asyncio.TimeoutError:
                 e.fail(f"timed out after {self.timeout:g} s (rollout.agent.timeout_s)")
             except asyncio.CancelledError:
                 e.fail("cancelled")
+            except _AgentExit as exc:
+                e.fail(f"raised {exc}")
             except BaseException as exc:  # noqa: BLE001 - an agent's failure is its episode's, never the run's
                 e.fail(f"raised {fault_text(exc)}")
             finally:
@@ -199,6 +215,26 @@ class _Tasks:
             self.loop.call_soon_threadsafe(lambda: [t.cancel() for t in getattr(self, "tasks", []) if not t.done()])
         except RuntimeError:  # the loop closed meanwhile
             pass
+
+
+class _AgentExit(Exception):
+    """An agent's ``SystemExit`` (``sys.exit``, ``_thread.exit``) or ``KeyboardInterrupt`` as an
+    ordinary exception: raised as is in the agents' event loop, it would stop the loop and every
+    other episode of the step with it."""
+
+    def __init__(self, original: BaseException):
+        super().__init__("KeyboardInterrupt (in the agent's code: not a Ctrl-C, which the run's main thread "
+                         "receives)" if isinstance(original, KeyboardInterrupt) else fault_text(original))
+
+
+async def _contained(call: Any) -> Any:
+    """Await an agent's episode, its ``SystemExit`` or ``KeyboardInterrupt`` an :class:`_AgentExit`."""
+    try:
+        return await call
+    except (Exception, asyncio.CancelledError):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - SystemExit, KeyboardInterrupt, GeneratorExit: the agent's
+        raise _AgentExit(exc) from exc
 
 
 def _settle(future: asyncio.Future, value: Any, error: BaseException | None) -> None:
@@ -318,7 +354,11 @@ class AgentRunner:
             e.calls += 1
             if e.calls > slot.max_calls:
                 raise EndpointError(429, f"more than {slot.max_calls} requests (rollout.agent.max_calls)", True)
-            prompt_tokens = self._extend(e, request)
+            try:
+                prompt_tokens = self._extend(e, request)
+            except EndpointError as exc:
+                e.calls -= not exc.fatal  # refused, not served: the agent may correct it
+                raise
             room = slot.max_total_tokens - len(e.record.ids)
             if e.exhausted or room <= 0:
                 e.record.truncated = e.exhausted = True
@@ -347,9 +387,12 @@ class AgentRunner:
         if request.chat:
             messages = request.messages
             if e.first is None:
-                shown, kwargs = with_tools(self.tokenizer, [plain(m) for m in messages], request.tools)
-                text = self.tokenizer.apply_chat_template(shown, tokenize=False, add_generation_prompt=True,
-                                                          **self.chat_template_kwargs, **kwargs)
+                try:
+                    shown, kwargs = with_tools(self.tokenizer, [plain(m) for m in messages], request.tools)
+                    text = self.tokenizer.apply_chat_template(shown, tokenize=False, add_generation_prompt=True,
+                                                              **self.chat_template_kwargs, **kwargs)
+                except Exception as exc:  # the agent's messages: it may send others
+                    raise _unrenderable(messages, exc) from None
                 e.first = self.tokenizer(text, add_special_tokens=False)["input_ids"]
                 e.history = [(m, False) for m in messages]
                 return len(e.first)
@@ -370,7 +413,11 @@ class AgentRunner:
             if len(messages) < known or not new:
                 raise EndpointError(400, "the request adds no message to the episode's history (a retry of an "
                                          "answered request edits the history)", True)
-            self._context(e, self.renderer.observation_ids([plain(m) for m in new], e.eos))
+            try:
+                ids = self.renderer.observation_ids([plain(m) for m in new], e.eos)
+            except RunError as exc:  # nothing of the request is recorded yet: the agent may send others
+                raise _unrenderable(new, exc.__cause__ or exc) from None
+            self._context(e, ids)
             e.history.extend((m, False) for m in new)
             e.record.messages.extend(plain(m) for m in new)
         else:
@@ -466,6 +513,12 @@ class AgentRunner:
         return episodes_batch(group_prompts, [e.record for e in episodes], self.tokenizer, self.pad_id,
                               torch.device(device) if device is not None else torch.device("cpu"), with_logp,
                               failed=[e.failure is not None for e in episodes])
+
+
+def _unrenderable(messages: list[dict[str, Any]], exc: BaseException) -> EndpointError:
+    """The 400 of messages the model's chat template refuses (a role it does not know...)."""
+    roles = sorted({str(m.get("role")) for m in messages})
+    return EndpointError(400, f"the chat template cannot render these messages (roles {roles}): {fault_text(exc)}")
 
 
 def _common_prefix(sequences: list[list[int]]) -> list[int]:

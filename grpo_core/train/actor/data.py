@@ -60,7 +60,8 @@ class PromptSource:
         self._images: dict[int, list] | None = None
         if column is not None and rows != [{}]:
             check_processor(processor, "model.path")
-            self._images = {id(row): found for row, found in zip(rows, load_row_images(rows, column, split))}
+            found = load_row_images(rows, column, split, getattr(slot, "max_image_pixels", None))
+            self._images = {id(row): images for row, images in zip(rows, found)}
         self.rows = rows
         self.tokenizer = tokenizer
         self.slot = slot

@@ -21,6 +21,7 @@ served. Every request is bounded: its body (``max_request_bytes``), the episode'
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import threading
@@ -30,11 +31,17 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from grpo_core.errors import fault_text
+
 #: A tool call in the policy's text, in the convention of the tools environment and of
 #: Qwen/Hermes templates: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 TOOL_STOP = "</tool_call>"
 _DECODER = json.JSONDecoder()
+#: Levels of arrays and objects a request body may nest (a tool's JSON schema takes a few;
+#: the spec's YAML has the same bound).
+MAX_DEPTH = 100
+log = logging.getLogger("grpo.agents")
 
 
 class _Server(ThreadingHTTPServer):
@@ -70,39 +77,68 @@ class Request:
     logprobs: bool = False
 
 
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _close(value: Any, spec_value: float) -> bool:
+    """Whether a request's number is the spec's (an integer too large for a float is not)."""
+    try:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isclose(value, spec_value)
+    except OverflowError:
+        return False
+
+
+def _flag(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise EndpointError(400, f"{name}: a boolean; got {value!r:.60}")
+    return bool(value)
+
+
 def parse_request(body: dict[str, Any], key: str, chat: bool, sampling: Any, max_n: int) -> Request:
     """Check one request body against what the endpoint serves; an :class:`EndpointError`
     (400) naming the field otherwise."""
-    if body.get("stream"):
+    if _flag(body, "stream"):
         raise EndpointError(400, "stream: streaming is not served; send stream: false")
     for name, spec_value in (("temperature", sampling.temperature), ("top_p", sampling.top_p)):
         value = body.get(name)
-        if value is not None and (not isinstance(value, (int, float)) or not math.isclose(value, spec_value)):
-            raise EndpointError(400, f"{name}: {value!r}; this run samples at the spec's rollout.{name}, "
+        if value is not None and not _close(value, spec_value):
+            raise EndpointError(400, f"{name}: {value!r:.60}; this run samples at the spec's rollout.{name}, "
                                      f"{spec_value} (the learner's log-probs assume it): omit it or send {spec_value}")
     top_k = body.get("top_k")
-    if top_k is not None and top_k not in (sampling.top_k, -1 if sampling.top_k == 0 else None):
-        raise EndpointError(400, f"top_k: {top_k!r}; this run samples with the spec's rollout.top_k, {sampling.top_k}")
-    n = body.get("n", 1) or 1
-    if not isinstance(n, int) or not 1 <= n <= max_n:
-        raise EndpointError(400, f"n: {n!r}; 1 to {max_n} completions per request")
+    served = (sampling.top_k, -1 if sampling.top_k == 0 else None)
+    if top_k is not None and (not _integer(top_k) or top_k not in served):
+        raise EndpointError(400, f"top_k: {top_k!r:.60}; this run samples with the spec's rollout.top_k, "
+                                 f"{sampling.top_k}")
+    n = body.get("n")
+    n = 1 if n is None else n
+    if not _integer(n) or not 1 <= n <= max_n:
+        raise EndpointError(400, f"n: {n!r:.60}; 1 to {max_n} completions per request")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
-        raise EndpointError(400, f"max_tokens: {max_tokens!r}; a positive integer")
+    if max_tokens is not None and (not _integer(max_tokens) or max_tokens < 1):
+        raise EndpointError(400, f"max_tokens: {max_tokens!r:.60}; a positive integer")
     stop = body.get("stop") or ()
     stop = (stop,) if isinstance(stop, str) else stop
     if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 8:
         raise EndpointError(400, "stop: a string or a list of at most 8 non-empty strings")
-    request = Request(key, chat, max_tokens=max_tokens, stop=tuple(stop), n=n, logprobs=bool(body.get("logprobs")))
+    request = Request(key, chat, max_tokens=max_tokens, stop=tuple(stop), n=n, logprobs=_flag(body, "logprobs"))
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
             raise EndpointError(400, "messages: a non-empty list of {role, content} objects")
+        for index, message in enumerate(messages):
+            _check_message(message, f"messages[{index}]")
         request.messages = messages
         tools = body.get("tools") or []
         if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
             raise EndpointError(400, "tools: a list of tool objects ({type: function, function: {...}})")
+        for index, tool in enumerate(tools):
+            function = tool.get("function")
+            if "function" in tool and (not isinstance(function, dict) or not isinstance(function.get("name"), str)):
+                raise EndpointError(400, f"tools[{index}].function: an object with a string name (and a description "
+                                         f"and parameters); got {function!r:.60}")
         request.tools = tools
     else:
         prompt = body.get("prompt")
@@ -110,6 +146,79 @@ def parse_request(body: dict[str, Any], key: str, chat: bool, sampling: Any, max
             raise EndpointError(400, "prompt: a non-empty string (token-id and list prompts are not served)")
         request.prompt = prompt
     return request
+
+
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON (JSON has no NaN or infinities)")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]} is out of range (beyond a 64-bit float)")
+    return value
+
+
+def _json_type(value: Any) -> str:
+    return {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(value), "a number")
+
+
+def decode_body(data: bytes) -> dict[str, Any]:
+    """A request body as a JSON object, or an :class:`EndpointError` (400, the episode goes
+    on) saying what is wrong: not UTF-8, not JSON (NaN and infinities included, as JSON has
+    none), nested deeper than :data:`MAX_DEPTH`, a string that is not valid Unicode (a lone
+    surrogate escape), not an object."""
+    try:
+        text = data.decode("utf-8-sig")  # a byte-order mark is tolerated, as json.loads(bytes) did
+    except UnicodeDecodeError as exc:
+        raise EndpointError(400, f"the body is not valid UTF-8 (byte {exc.start}: {exc.reason}); send JSON "
+                                 "encoded as UTF-8") from None
+    try:
+        body = json.loads(text, parse_constant=_not_json, parse_float=_finite)
+    except RecursionError:
+        raise EndpointError(400, f"the body nests deeper than {MAX_DEPTH} levels of arrays and objects") from None
+    except ValueError as exc:
+        raise EndpointError(400, f"the body is not JSON ({exc})") from None
+    _check_tree(body)
+    if not isinstance(body, dict):
+        raise EndpointError(400, f"the body must be a JSON object, not {_json_type(body)}")
+    return body
+
+
+def _check_tree(value: Any) -> None:
+    """Every array and object within :data:`MAX_DEPTH` levels, every string (keys too)
+    encodable as UTF-8: what the chat template, the tokenizer and the answer's JSON take."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise EndpointError(400, f"a string of the body is not valid Unicode ({exc.reason}: "
+                                         f"{item[exc.start:exc.end]!r}); send text, not lone surrogates") from None
+        elif isinstance(item, (list, dict)):
+            if depth > MAX_DEPTH:
+                raise EndpointError(400, f"the body nests deeper than {MAX_DEPTH} levels of arrays and objects")
+            children = item if isinstance(item, list) else [*item, *item.values()]
+            stack.extend((child, depth + 1) for child in children)
+
+
+def _check_message(message: dict[str, Any], where: str) -> None:
+    """A 400 naming ``where`` unless the message's content and tool calls have the shapes the
+    OpenAI API gives them (the fields the endpoint reads; others are ignored)."""
+    content = message.get("content")
+    if not (content is None or isinstance(content, str) or isinstance(content, list) and all(
+            isinstance(p, dict) and isinstance(p.get("text", ""), str) for p in content)):
+        raise EndpointError(400, f"{where}.content: a string, null or a list of content parts "
+                                 f"({{type: text, text: ...}}); got {type(content).__name__}")
+    calls = message.get("tool_calls")
+    if calls is not None and not (isinstance(calls, list) and all(
+            isinstance(c, dict) and isinstance(c.get("function"), dict)
+            and isinstance(c["function"].get("name"), str)
+            and isinstance(c["function"].get("arguments", ""), (str, dict)) for c in calls)):
+        raise EndpointError(400, f"{where}.tool_calls: a list of {{id, type, function: {{name, arguments}}}} objects "
+                                 "(as the endpoint answered them)")
 
 
 def plain(message: dict[str, Any]) -> dict[str, Any]:
@@ -250,6 +359,12 @@ class Endpoint:
         except EndpointError as exc:
             self.refuse(key, exc)
             self._send(http, exc.status, _error(exc.message))
+        except BaseException as exc:  # noqa: BLE001 - the engine's fault on this request: answered, never dropped
+            log.warning("the agent endpoint failed on a request of episode key %s...", key[:6], exc_info=True)
+            error = EndpointError(500, f"the endpoint failed on this request ({fault_text(exc)}); the episode is "
+                                       "failed (a bug: please report it)", fatal=True)
+            self.refuse(key, error)
+            self._send(http, error.status, _error(error.message))
 
     def _read(self, http: BaseHTTPRequestHandler, key: str) -> dict[str, Any]:
         try:
@@ -262,13 +377,7 @@ class Endpoint:
             http.close_connection = True  # the body is not read
             raise EndpointError(413, f"request body of {length} bytes; rollout.agent.max_request_bytes is "
                                      f"{self.max_request_bytes}", fatal=True)
-        try:
-            body = json.loads(http.rfile.read(length) or b"{}")
-        except ValueError as exc:
-            raise EndpointError(400, f"the body is not JSON ({exc})") from None
-        if not isinstance(body, dict):
-            raise EndpointError(400, "the body must be a JSON object")
-        return body
+        return decode_body(http.rfile.read(length) or b"{}")
 
     @staticmethod
     def _send(http: BaseHTTPRequestHandler, status: int, body: dict[str, Any]) -> None:

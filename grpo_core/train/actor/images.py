@@ -10,6 +10,8 @@ image column reads without decoding). None or an empty list: the row's prompt ha
 from __future__ import annotations
 
 import io
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +22,49 @@ VALID = ("a path to an image file, a PIL image, a datasets.Image value ({bytes, 
          "or a list of them")
 
 
-def _open(value: Any, where: str):
-    """One cell entry as an RGB PIL image, or a RunError naming ``where`` and what is valid."""
+#: Pillow's decompression-bomb guard is a module global (``Image.MAX_IMAGE_PIXELS``): it is
+#: lifted for one image at a time, under this lock, while the spec's limit is checked instead.
+_GUARD = threading.Lock()
+
+
+@contextmanager
+def _own_guard():
+    """Pillow's guard lifted (restored after); yields Pillow's limit as it was, which
+    refuses images of more than twice its pixels (None: none)."""
+    from PIL import Image
+
+    with _GUARD:
+        pillows, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
+        try:
+            yield pillows
+        finally:
+            Image.MAX_IMAGE_PIXELS = pillows
+
+
+def _check_pixels(size: tuple[int, int], where: str, name: str, max_pixels: int | None, pillows: int | None) -> None:
+    """A RunError when an image of ``size`` has more pixels than ``max_pixels``
+    (``data.max_image_pixels``), or by default than Pillow's decompression-bomb limit."""
+    limit = max_pixels if max_pixels is not None else None if pillows is None else 2 * pillows
+    width, height = size
+    if limit is None or width * height <= limit:
+        return
+    which = ("data.max_image_pixels" if max_pixels is not None
+             else "Pillow's decompression-bomb limit; data.max_image_pixels is unset")
+    verb = "are" if name.startswith("its bytes") else "is"
+    raise RunError(f"{where}: {name} {verb} {width} x {height} pixels ({width * height:,}), more than the limit of "
+                   f"{limit:,} ({which}): a small file that decodes to that many pixels can exhaust the run's "
+                   f"memory. If you trust the data, set data.max_image_pixels to {width * height} or more")
+
+
+def _open(value: Any, where: str, max_pixels: int | None = None):
+    """One cell entry as an RGB PIL image, or a RunError naming ``where`` and what is valid;
+    an image of more than ``max_pixels`` pixels (None: Pillow's limit) is refused from its
+    header, before it is decoded."""
     from PIL import Image, UnidentifiedImageError
 
     if isinstance(value, Image.Image):
+        with _GUARD:
+            _check_pixels(value.size, where, "the PIL image", max_pixels, Image.MAX_IMAGE_PIXELS)
         return value.convert("RGB")
     if isinstance(value, dict) and ("bytes" in value or "path" in value):
         if value.get("bytes") is not None:
@@ -40,18 +80,22 @@ def _open(value: Any, where: str):
     if not isinstance(source, io.BytesIO) and not Path(source).is_file():
         raise RunError(f"{where}: image file '{source}' does not exist (relative paths are read from "
                        f"{Path.cwd()})")
+    name = f"'{source}'"
+    if isinstance(source, io.BytesIO):
+        name = f"its bytes ({value['path']!r})" if value.get("path") else "its bytes"
     try:
-        with Image.open(source) as image:
+        with _own_guard() as pillows, Image.open(source) as image:  # the header only
+            _check_pixels(image.size, where, name, max_pixels, pillows)
             image.load()
             return image.convert("RGB")
     except (UnidentifiedImageError, OSError, ValueError) as exc:
-        name = "its bytes" if isinstance(source, io.BytesIO) else f"'{source}'"
         raise RunError(f"{where}: cannot read {name} as an image ({type(exc).__name__}: {exc})") from exc
 
 
-def load_row_images(rows: list[dict], column: str, split: str) -> list[list[Any]]:
+def load_row_images(rows: list[dict], column: str, split: str, max_pixels: int | None = None) -> list[list[Any]]:
     """Every row's images (a list per row, possibly empty), loaded and checked; the first bad
-    one raises a RunError naming its row, the column and what is valid."""
+    one raises a RunError naming its row, the column and what is valid. ``max_pixels``:
+    ``data.max_image_pixels`` (None: Pillow's decompression-bomb limit)."""
     if rows and column not in rows[0]:
         raise RunError(f"data.image_column needs column '{column}', which the {split} data does not have; "
                        f"its columns are: {', '.join(rows[0])}")
@@ -60,7 +104,7 @@ def load_row_images(rows: list[dict], column: str, split: str) -> list[list[Any]
         cell = row.get(column)
         values = [] if cell is None else list(cell) if isinstance(cell, (list, tuple)) else [cell]
         where = f"data.image_column '{column}', {split} row {index}"
-        out.append([_open(value, where) for value in values])
+        out.append([_open(value, where, max_pixels) for value in values])
     return out
 
 

@@ -25,11 +25,11 @@ other exception is retried completion by completion to find the one it fails on.
 code is user code: a ``SystemExit`` (or any ``BaseException`` but ``KeyboardInterrupt``)
 from a reward function is that function's fault like any exception, never the end of the
 process. One rule for every score, whatever its source
-(:func:`grpo_core.contracts.reward_value`): a finite real number, or None for an
-unscorable completion; anything else (NaN, an infinity, a string such as ``"0.5"``, an
-integer too large for a float) is an error naming the function and the completion (or,
-with ``reward_errors: none``, scored None and counted); a batch that no function could
-score is logged as a warning naming the functions.
+(:func:`grpo_core.contracts.reward_value`): a finite real number within float32's range, or
+None for an unscorable completion; anything else (NaN, an infinity, a string such as
+``"0.5"``, ``1e300``) is an error naming the function and the completion (or, with
+``reward_errors: none``, scored None and counted), and so is a weighted sum beyond float32;
+a batch that no function could score is logged as a warning naming the functions.
 """
 
 from __future__ import annotations
@@ -412,6 +412,18 @@ def _bad_value(exc: BadRewardValue, prompt: Any, on_error: str) -> int:
     return 1
 
 
+def _check_range(total: torch.Tensor, table: torch.Tensor, fns: list[RewardFn], prompts: list[Any]) -> None:
+    """A RunError when a completion's weighted sum of rewards, each within float32's range,
+    is not (``3e38`` with weight 2): its rewards and weights, and what to change."""
+    beyond = torch.isinf(total).nonzero()
+    if len(beyond):
+        i = int(beyond[0])
+        terms = ", ".join(f"'{fn.name}' {float(table[i, j]):g} x weight {fn.weight:g}" for j, fn in enumerate(fns)
+                          if not math.isnan(table[i, j]))
+        raise RunError(f"the weighted sum of the rewards of completion {i} (prompt: {_prompt_head(prompts[i])!r}) "
+                       f"is beyond float32's range (|r| <= 3.4e38): {terms}; scale the rewards or their weights down")
+
+
 def _is_per_step(value: Any) -> bool:
     return isinstance(value, (list, tuple)) or (getattr(value, "ndim", 0) == 1 and hasattr(value, "tolist"))
 
@@ -479,6 +491,7 @@ def score(
     weights = torch.tensor([fn.weight for fn in fns], dtype=torch.float32)
     step_scores = _weighted(step_table, weights) if steps is not None else None
     total = _weighted(table, weights)
+    _check_range(total, table, fns, prompts)
     if size and bool(torch.isnan(total).all()):
         logger.warning(
             "no completion of this batch of %d could be scored: reward function(s) %s returned "
