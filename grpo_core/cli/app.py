@@ -313,18 +313,23 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _entry() -> None:  # pragma: no cover
-    code = main()
-    from grpo_core.train.signals import threads_left_running
+    from grpo_core.train.signals import end_process_on_signal, stop_signal_received, threads_left_running
 
-    if os.environ.get("WORLD_SIZE", "1") not in ("", "1") or threads_left_running():
+    end_process_on_signal()
+    code = main()
+    # A run stopped by a signal leaves without interpreter finalization too: a second signal
+    # during it would kill the process by the signal's default action (-N, no message)
+    # instead of ending it with 128 + N (issue 47).
+    if (os.environ.get("WORLD_SIZE", "1") not in ("", "1") or threads_left_running()
+            or stop_signal_received() is not None):
         exit_process(code)
     sys.exit(code)
 
 
 def exit_process(code: int) -> None:
-    """End a process of a multi-process run, or one whose run left a thread running (an
-    asynchronous actor in the middle of a batch after a failure or a second signal), its
-    work done, without interpreter finalization.
+    """End a process of a multi-process run, one whose run left a thread running (an
+    asynchronous actor in the middle of a batch after a failure or a second signal), or one
+    whose run a signal stopped, its work done, without interpreter finalization.
 
     ``DistributedDataParallel``'s reducer keeps the gloo process group alive after
     ``destroy_process_group`` (its communication threads are still running when ``main``

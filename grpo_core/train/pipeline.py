@@ -100,6 +100,7 @@ class Pipeline:
     _data_before: dict[int, Any] = field(default_factory=dict)  # step -> prompt position before its batch
     _slot: tuple[int, Any] | None = None  # (version, snapshot) published, not yet taken by the actor
     _thread: threading.Thread | None = None
+    _done: threading.Event = field(default_factory=threading.Event)  # set when _thread's _run returns
     _start = 0  # the step (and version) of the last (re)start
     _next = 0  # the next step the actor collects
     _stop = False
@@ -157,7 +158,8 @@ class Pipeline:
     def resume(self) -> None:
         """Start the actor's thread at the step of the last :meth:`pause`."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="grpo-actor", daemon=True)
+            self._done = threading.Event()
+            self._thread = threading.Thread(target=self._run, args=(self._done,), name="grpo-actor", daemon=True)
             self._thread.start()
 
     def close(self, wait: bool = True) -> None:
@@ -165,14 +167,20 @@ class Pipeline:
         ``wait=False`` does not wait for that batch (a failed or twice-interrupted run leaves
         at once, the thread being a daemon): a thread still busy is recorded
         (:func:`~grpo_core.train.signals.leave_running`), so that the process leaves without
-        finalizing the interpreter under it."""
+        finalizing the interpreter under it.
+
+        The wait is on the pipeline's own event, never ``Thread.join``: a ``join`` that a
+        signal interrupts (a second Ctrl-C while the actor finishes its batch) marks the thread
+        stopped though it still runs (python/cpython#90882), so a later ``join`` or
+        ``is_alive`` would say it ended, and the run would finalize the interpreter, or start
+        a second actor, beside it."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
         if self._thread is not None:
             if wait:
-                self._thread.join()
-            elif self._thread.is_alive():
+                self._done.wait()
+            elif not self._done.is_set():
                 leave_running(self._thread)
             self._thread = None
 
@@ -232,7 +240,7 @@ class Pipeline:
         else:
             self.actor.receive(weights, version)
 
-    def _run(self) -> None:
+    def _run(self, done: threading.Event) -> None:
         try:
             while True:
                 with self._cond:
@@ -266,6 +274,8 @@ class Pipeline:
             with self._cond:
                 self._error = exc
                 self._cond.notify_all()
+        finally:
+            done.set()
 
     def _behaviour_logprobs(self, experience: Experience) -> None:
         """The sampler copy's log-probs of the batch, when the backend gave none: the

@@ -342,13 +342,22 @@ def _can_pack(module: Any) -> bool:
             and weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.numel() > 0)
 
 
+def _onednn_bf16() -> bool:
+    """Whether oneDNN computes bfloat16 on this CPU, as it sees it (its ISA cap included)."""
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return probe is not None and bool(probe())
+
+
 @contextlib.contextmanager
 def packed_linears(model: torch.nn.Module, rows: int):
     """Inside, ``model``'s bfloat16 CPU linear layers multiply with their weights reordered into
     oneDNN's blocked layout for about ``rows`` rows (``torch.ops.mkldnn``, what torch's own
     compiler uses on CPU); their weights must not change inside. Outside, they are as before.
-    Does nothing where torch has no oneDNN."""
-    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+    Does nothing where torch has no oneDNN, or where oneDNN has no bfloat16 kernels on this CPU
+    (one without AVX-512 BW/VL/DQ or AVX-NE-CONVERT, or with ``ONEDNN_MAX_CPU_ISA`` below them:
+    the reorder would raise), as torch's compiler checks before it packs."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and _onednn_bf16()):
         yield
         return
     done = []

@@ -8,6 +8,8 @@ that the actor is inside torch when the run ends."""
 from __future__ import annotations
 
 import signal
+import threading
+import time
 
 import pytest
 
@@ -83,3 +85,107 @@ def test_a_second_signal_stops_an_asynchronous_run_at_once_with_the_signals_code
     assert code == 128 + signum, out
     assert ABORT not in out and "grpo-run: interrupted" in out, out
     assert "stopped at step" not in out  # the second signal ended it, not the first one's checkpoint
+
+
+# The second signal at several delays after the first, sent as soon as step 2 is logged: the
+# actor is then generating the next batch (48 tokens, a batch of 16 rows), so the early ones
+# reach the learner while it waits for that batch at a checkpoint's or the stop's rest point,
+# the later ones after the first signal's checkpoint, while the process is leaving.
+SECOND_SIGNAL = [(signal.SIGINT, 0), (signal.SIGINT, 30), (signal.SIGINT, 100), (signal.SIGINT, 250),
+                 (signal.SIGINT, 500), (signal.SIGTERM, 30), (signal.SIGTERM, 250)]
+
+
+@pytest.mark.parametrize(("signum", "delay_ms"), SECOND_SIGNAL,
+                         ids=[f"{signal.Signals(s).name}-{d}ms" for s, d in SECOND_SIGNAL])
+def test_a_second_signal_at_any_delay_while_the_actor_generates_exits_with_the_signals_code(
+        tmp_path, write_spec, child, kit, signum, delay_ms):
+    """Issue 47, item 10. Before: SIGABRT (``terminate called without an active exception``,
+    -6) when the second signal interrupted the wait for the actor's batch (CPython marks a
+    thread whose ``join`` was interrupted as stopped, python/cpython#90882, so the run did not
+    know the actor still ran and let the interpreter finalize under it), and killed by the
+    signal itself (-2, no message) when it came while the interpreter finalized after the
+    first one's checkpoint. After: 128 + N at every delay, and the last checkpoint whole."""
+    spec = write_spec(tmp_path, checkpoint={"every": 1}, train={"steps": 50, "prompts_per_step": 4},
+                      rollout={"group_size": 4, "max_new_tokens": 48, "max_staleness": 1})
+    proc = child([spec])
+    proc.wait_for(lambda: kit.last_step(tmp_path / "out" / "metrics.jsonl") >= 2, 150, "step 2", poll=0.005)
+    proc.signal(signum)
+    time.sleep(delay_ms / 1000)
+    proc.signal(signum)
+    code, out = proc.wait(60), proc.output()
+    assert code == 128 + signum and ABORT not in out, out
+    assert "grpo-run: interrupted" in out or "grpo-run: stopped at step" in out, out
+    saved = ckpt.list_checkpoints(tmp_path / "out" / "checkpoints")
+    assert saved and ckpt.verify(saved[-1]) is None, (saved, out)
+    found = ckpt.find_resumable(tmp_path / "out" / "checkpoints")
+    assert found is not None and found.folder == saved[-1]
+
+
+GATE = '''
+import os, time
+from pathlib import Path
+from grpo_core import hookimpl
+
+
+def gate(prompts, completions, **kwargs):
+    """Its second call (the batch the actor collects ahead) says so, then holds the actor's
+    thread until the test releases it."""
+    folder = Path(os.environ["GATE_DIR"])
+    calls = folder / "calls"
+    n = int(calls.read_text()) + 1 if calls.exists() else 1
+    calls.write_text(str(n))
+    if n == 2:
+        (folder / "entered").touch()
+        while not (folder / "release").exists():
+            time.sleep(0.01)
+    return [0.0] * len(completions)
+
+
+@hookimpl
+def register_reward_functions(register):
+    register.add("gate", gate)
+'''
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def test_an_interrupted_wait_for_the_actors_batch_does_not_leave_it_running_beside_the_run(
+        tmp_path, write_spec, monkeypatch):
+    """Issue 47, item 10, in one process (a notebook's Ctrl-C checkpoints after stopping the
+    actor). Before: after a KeyboardInterrupt in the wait for the actor's batch, stopping the
+    actor again returned at once (the interrupted ``Thread.join`` had marked the thread
+    stopped, python/cpython#90882) while it still ran, so a checkpoint or a restart went ahead
+    beside it. After: stopping waits for its batch."""
+    from grpo_core.spec import load_spec
+    from grpo_core.train.assemble import build_run
+
+    (tmp_path / "gate.py").write_text(GATE)
+    monkeypatch.setenv("GATE_DIR", str(tmp_path))
+    spec = write_spec(tmp_path, plugins=["gate.py"], rewards=[{"name": "gate"}],
+                      rollout={"group_size": 2, "max_staleness": 1})
+    run = build_run(load_spec(spec))
+    release = tmp_path / "release"
+    run.feed.start(run.model, 0)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "entered").exists():  # the actor is inside batch 1
+            assert time.monotonic() < deadline, "the actor never reached batch 1"
+            time.sleep(0.01)
+        previous = signal.signal(signal.SIGALRM, _interrupt)
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                run.feed.pause(run.model, 0)  # waits for the actor's batch: the alarm interrupts the wait
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        timer = threading.Timer(0.5, release.touch)
+        timer.start()
+        run.feed.stop(run.model, 0)
+        assert release.exists(), "stop() returned while the actor was still inside its batch"
+        assert not run.feed.running
+    finally:
+        release.touch()
+        run.feed.close()

@@ -125,6 +125,10 @@ def test_bf16_reference_copy_trains_and_is_refused_where_it_cannot_work(tiny_mod
 @pytest.mark.parametrize(("overrides", "needs_old"), [
     ([], False),  # one pass, one mini-batch: the current log-probs are the sampler's
     (["train.mini_batches=2"], True),  # the second mini-batch runs after an optimizer step
+    # the engine's forwards then split the 16 rows otherwise than the check's one forward: the
+    # two differ in the last bits (4.8e-7 here), as the case above does on other CPUs (issue 47)
+    (["train.mini_batches=2", "rollout.group_size=8", "train.prompts_per_step=4", "train.micro_batch_size=null"],
+     True),
 ])
 def test_old_logprobs_are_computed_exactly_when_the_policy_moves_before_use(tiny_model, tmp_path, overrides, needs_old):
     from grpo_core.train.experience import Timer
@@ -137,7 +141,11 @@ def test_old_logprobs_are_computed_exactly_when_the_policy_moves_before_use(tiny
     assert (batch.old_logp is not None) == needs_old
     if needs_old:
         expected = batch_logprobs(forward_of(run.model), batch, batch.mask.shape[0], 1.0, run.learner.autocast)
-        assert torch.equal(batch.old_logp, expected)
+        # Another path (one forward over every row, no packing) than the engine's micro-batches:
+        # equal within float32 rounding (1e-5 is ~20 ulp at |logp| ~ 6), not bit for bit, since
+        # matrix products of other shapes or other CPU kernels round differently. A policy one
+        # optimizer step away differs by orders of magnitude more.
+        torch.testing.assert_close(batch.old_logp, expected, rtol=0, atol=1e-5)
 
 
 def test_the_learner_scores_a_batch_at_the_temperature_it_was_sampled_at(tiny_model, tmp_path):

@@ -103,6 +103,8 @@ def test_packed_linears_give_the_same_logits_and_are_undone(policy, tok):
 
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch has no oneDNN")  # every torch CPU wheel has it
+    if not decode_module._onednn_bf16():  # an AVX2 CPU: see the test below
+        pytest.skip("oneDNN has no bfloat16 kernels on this CPU: nothing is packed")
     model = copy.deepcopy(policy).to(torch.bfloat16).eval()
     ids = torch.tensor([tok(TEXTS[2])["input_ids"]] * 3)
     with torch.no_grad():
@@ -299,3 +301,42 @@ def test_a_run_on_a_bf16_copy_weights_the_loss_by_the_rollout_correction(tmp_pat
     assert steps, "no step was weighted by the rollout correction"
     for row in steps:
         assert 0 < row["rollout_correction/logp_diff/max"] < 1.0, row
+
+
+NO_ONEDNN_BF16 = """
+import json
+import torch
+from grpo_plugins.rollout.decode import packed_linears
+from grpo_plugins.rollout.hf import HFRollout, HFRolloutOptions
+from grpo_core.contracts import SamplingParams
+from grpo_core.testing import build_model, build_tokenizer
+
+tok = build_tokenizer()
+policy = build_model(tok)
+model = policy.to(torch.bfloat16)
+with packed_linears(model, 3):
+    packed = [n for n, m in model.named_modules() if hasattr(m, "_grpo_packed")]
+backend = HFRollout(HFRolloutOptions(dtype="bfloat16"))
+backend.setup(build_model(tok), tok)
+batch = backend.generate([tok("What is 3 + 4?")["input_ids"]], 2, SamplingParams(max_new_tokens=4, seed=1))
+print(json.dumps({"packed": packed, "oneDNN bf16": torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                  "shape": list(batch.completion_ids.shape)}))
+"""
+
+
+def test_a_bf16_copy_generates_where_onednn_has_no_bf16_kernels():
+    """Issue 47, item 16: a CPU whose oneDNN has no bfloat16 kernels (AVX2 only; here its ISA
+    capped at AVX2 with ``ONEDNN_MAX_CPU_ISA``, in a process of its own since oneDNN reads it
+    once). Before: ``rollout.dtype: bfloat16`` failed at the first generation with
+    ``mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or avx512bw,
+    avx512vl and avx512dq``. After: nothing is packed and the copy generates."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", NO_ONEDNN_BF16], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == {"packed": [], "oneDNN bf16": False, "shape": [2, 4]}, got
