@@ -159,7 +159,7 @@ def test_an_interrupted_wait_for_the_actors_batch_does_not_leave_it_running_besi
     stopped, python/cpython#90882) while it still ran, so a checkpoint or a restart went ahead
     beside it. After: stopping waits for its batch."""
     from grpo_core.spec import load_spec
-    from grpo_core.train.assemble import build_run
+    from grpo_core.train.loop.assemble import build_run
 
     (tmp_path / "gate.py").write_text(GATE)
     monkeypatch.setenv("GATE_DIR", str(tmp_path))
