@@ -85,7 +85,8 @@ def test_a_missing_bitsandbytes_is_named_with_the_install_command(tiny_model_dir
     from grpo_core.train import model as modeling
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    hidden = lambda name, *a: None if name == "bitsandbytes" else real(name, *a)  # noqa: E731
+    monkeypatch.setattr(importlib.util, "find_spec", hidden)
     section = ModelSection(path=str(tiny_model_dir), lora={"r": 4}, quantization=QUANT)
     with pytest.raises(RunError, match=r"needs bitsandbytes.*pip install 'grpo-core\[qlora\]'"):
         modeling.quantization_config(section)
