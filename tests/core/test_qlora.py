@@ -133,3 +133,20 @@ def test_a_qlora_run_trains_resumes_bit_for_bit_and_exports_a_full_precision_mod
         got, expected, before = plain(ids).logits, trained(ids).logits, original(ids).logits
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     assert not torch.allclose(got, before, atol=1e-3)
+
+
+def test_importing_bitsandbytes_after_grpo_core_prints_no_warning_about_a_kernel_it_never_runs():
+    """bitsandbytes warns at import on an AVX512-BF16 CPU that the kernel of its CPU repacking
+    could not be fetched from the Hub; grpo-core turns that repacking off, so after ``import
+    grpo_core`` the warning is not shown (the control shows it where the CPU has the flag)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    def stderr(code: str) -> str:
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stderr
+
+    assert "gemm_4bit_forward" not in stderr("import grpo_core, peft, bitsandbytes")
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file() and "avx512_bf16" in cpuinfo.read_text():
+        assert "gemm_4bit_forward" in stderr("import peft, bitsandbytes")
