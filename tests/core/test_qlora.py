@@ -150,3 +150,27 @@ def test_importing_bitsandbytes_after_grpo_core_prints_no_warning_about_a_kernel
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file() and "avx512_bf16" in cpuinfo.read_text():
         assert "gemm_4bit_forward" in stderr("import peft, bitsandbytes")
+
+
+def test_the_hf_backend_generates_with_a_4bit_policy_itself(tiny_model_dir, monkeypatch):
+    """rollout dtype auto (a bfloat16 copy where the hardware has bf16, for models above a size)
+    would cast the 4-bit packed weights: a quantized policy generates itself, and an explicit
+    rollout.options.dtype is refused naming why."""
+    from grpo_plugins.rollout import decode
+    from grpo_plugins.rollout.hf import HFRollout, HFRolloutOptions
+    from transformers import AutoTokenizer
+
+    from grpo_core.spec.models import ModelSection
+    from grpo_core.train.model import load_policy
+
+    monkeypatch.setattr(decode, "AUTO_MIN_PARAMETERS", 0)  # the tiny model counts as large enough
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    qlora = _policy(tiny_model_dir, tokenizer)
+    plain = load_policy(ModelSection(path=str(tiny_model_dir), lora={"r": 4}), tiny_model_dir, tokenizer)
+    bf16 = torch.bfloat16 if decode.native_bf16(torch.device("cpu")) else None
+    assert decode.auto_dtype(plain, "lean") == bf16 and decode.auto_dtype(qlora, "lean") is None
+    backend = HFRollout(HFRolloutOptions())
+    backend.setup(qlora, tokenizer)
+    assert backend.model is qlora
+    with pytest.raises(RuntimeError, match=r"quantized \(model.quantization.*drop rollout.options.dtype"):
+        HFRollout(HFRolloutOptions(dtype="bfloat16")).setup(qlora, tokenizer)
