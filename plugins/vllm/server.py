@@ -116,7 +116,8 @@ class VLLMServerOptions(Options):
             "checksum, which the servers check after rebuilding it: a full push at setup, at the first sync "
             "(a resumed run's weights) and for any tensor whose changed elements and their positions would "
             "take more bytes than the tensor. Costs one copy of the pushed weights on the learner (per server "
-            "dtype) and one on each server worker. Bytes per push are logged (INFO)."
+            "dtype) and one on each server worker. Each push's bytes, and a full push's, are logged with the next "
+            "step (sync/push_bytes, sync/push_full_bytes)."
         ),
     )
     push_every: int = Field(
@@ -238,7 +239,7 @@ class VLLMServerRollout:
         self.backend = "gloo"
         self.tag = _launch_tag()
         self.encoders: dict[str, DeltaEncoder] = {}  # per server dtype: what the servers hold (delta_push)
-        self.last_push: dict[str, float] = {}  # bytes of the last push (push_stats), per server dtype
+        self.last_push: dict[str, float] = {}  # the last push's push_stats (logged as sync/push_*)
 
     # ----------------------------------------------------------------- contract
     def setup(self, model: Any, tokenizer: Any) -> None:

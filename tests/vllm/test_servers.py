@@ -391,6 +391,26 @@ def test_push_every_two_lags_one_step_and_a_resume_pushes_the_resumed_weights(se
     assert gaps[3] > 10 * GAP, gaps  # sampled with the weights of step 1's update, trained from step 2's
 
 
+def test_a_delta_pushing_run_logs_its_bytes_and_pushes_whole_after_a_resume(servers, model_dir, tmp_path):
+    """grpo-run with delta_push: the servers sample with the trained weights at every step (the
+    sampler/trainer gap), the pushes before steps 1 and 2 (setup, first sync) and the resumed
+    run's before step 4 are whole, and the one before step 3 sends fewer bytes than a full push
+    (the embedding rows of tokens no batch held do not move); each logged as sync/push_*."""
+    rollout = {"name": "vllm-server", "urls": [servers[0].url], "delta_push": True}
+    spec = write_spec(tmp_path, model_dir, rollout, train={"steps": 3}, checkpoint={"every": 1, "keep": 3})
+    done = run([spec], tmp_path)
+    assert done.returncode == 0, done.stderr[-4000:]
+    done = run([spec, "--set", "train.steps=4", "--resume"], tmp_path)
+    assert done.returncode == 0 and "(step 3)" in done.stderr, done.stderr[-4000:]
+    rows = {r["step"]: r for r in step_rows(tmp_path / "out")}
+    assert sorted(rows) == [1, 2, 3, 4]
+    assert all(r["rollout_correction/logp_diff/max"] <= GAP for r in rows.values()), rows
+    whole = {s: rows[s]["sync/push_bytes"] == rows[s]["sync/push_full_bytes"] for s in rows}
+    assert whole == {1: True, 2: True, 3: False, 4: True}, {s: (r["sync/push_bytes"], r["sync/push_full_bytes"])
+                                                          for s, r in rows.items()}
+    assert rows[3]["sync/push_bytes"] < rows[3]["sync/push_full_bytes"]
+
+
 def test_an_asynchronous_run_generates_on_the_servers_from_the_actors_thread(servers, model_dir, tmp_path):
     """rollout.max_staleness: 1 on two servers: the actor's thread generates on them and pushes
     the snapshot of each version through the weight channel. A batch sampled at the learner's
