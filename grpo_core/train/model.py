@@ -244,9 +244,9 @@ def load_policy(section: ModelSection, base_dir: Path, tokenizer, device: torch.
 def exact_cpu_4bit(model: torch.nn.Module) -> None:
     """Turn off bitsandbytes' CPU inference repacking of 4-bit weights. On a CPU with
     AVX512-BF16, a ``Linear4bit`` called in eval mode without gradients rewrites its weight
-    into a packed layout and from then on multiplies through a kernel that passes no gradient
-    to its input, in training mode too: a LoRA gradient after any generation would differ from
-    one before it (measured: 0.019 on a tiny Llama). Off, every call takes the dequantize-then-
+    into a packed layout and from then on multiplies through that kernel, in training mode too
+    (``matmul_4bit`` takes the packed path before its autograd function): a LoRA gradient after
+    any generation differed from one before it (by 0.019 on a tiny Llama). Off, every call takes the dequantize-then-
     matmul path, the same before and after generation."""
     for module in model.modules():
         if hasattr(module, "support_avx512bf16_for_cpu"):
