@@ -19,8 +19,16 @@ The engine's rooms:
   ``docs_gen`` (the reference pages), ``version``.
 """
 
+import logging
+
 from grpo_core.hookspecs import hookimpl
 from grpo_core.version import __version__
+
+# bitsandbytes (model.quantization) warns when imported on a CPU with AVX512-BF16 (peft imports it
+# too) that it could not fetch the kernel of its CPU inference repacking from the Hugging Face Hub
+# (the `kernels` package it names downloads it at run time). grpo-core turns that repacking off
+# (grpo_core.train.model.exact_cpu_4bit: it changed LoRA gradients), so the kernel would never run.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 __all__ = ["Callback", "TrainResult", "Trainer", "hookimpl", "__version__"]
 

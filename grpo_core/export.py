@@ -71,7 +71,10 @@ def write_environment(folder: Path) -> Path:
 def write_merged(spec: Spec, base_dir: Path, final: Path) -> Path:
     """``final/merged``: the base model of ``spec`` loaded afresh on the CPU, the adapter
     saved in ``final`` loaded onto it and folded in (``merge_and_unload``), saved as a plain
-    transformers model with the tokenizer (the processor, for a run whose prompts had images)."""
+    transformers model with the tokenizer (the processor, for a run whose prompts had images).
+    A 4-bit base (``model.quantization``, QLoRA) is loaded quantized as it trained, then
+    dequantized to ``model.dtype`` before the merge: the full-precision model that computes
+    what the trained policy computed, not the original weights plus the adapter."""
     from peft import PeftModel
     from transformers import AutoProcessor, AutoTokenizer
 
@@ -82,6 +85,8 @@ def write_merged(spec: Spec, base_dir: Path, final: Path) -> Path:
     tokenizer = processor.tokenizer if with_images else AutoTokenizer.from_pretrained(final)
     base = modeling.load_policy(spec.model.model_copy(update={"lora": None, "gradient_checkpointing": False}),
                                 base_dir, tokenizer)
+    if spec.model.quantization is not None:
+        base = modeling.dequantize_4bit(base, modeling.DTYPES[spec.model.dtype])
     merged = PeftModel.from_pretrained(base, final).merge_and_unload().eval()
     out = final / MERGED
     merged.save_pretrained(out)

@@ -15,7 +15,7 @@
   policy's weights for backends with their own copy (``weights.py``);
 - ``vllm/``: the ``vllm`` backend (``colocated.py``, ``engine.py``), the ``vllm-server`` backend
   (``server.py``, ``client.py``, ``channel.py``), the ``grpo-run serve`` command (``serve.py``,
-  ``worker.py``, ``guard.py``) and what they share (``io.py``);
+  ``worker.py``, ``guard.py``) and what they share (``io.py``, ``delta.py``: delta weight pushes);
 - ``datasets.py``: datasets; ``shapes.py``: a visual counting dataset that draws its images;
   ``samplers.py``: prompt samplers;
 - ``trackers/``: trackers (``mlflow.py``, ``console.py``, ``wandb.py``, ``tensorboard.py``; shared:

@@ -112,9 +112,10 @@ def rows(summary: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
             if check.get("status") in ("error", "skipped"):
                 figures = [(check.get("error") or check.get("reason") or "")[:160]]
             out.append((part, name, check.get("status", "?"), _fmt(check.get("seconds", "")), ", ".join(figures)))
-        for name, cmp in (record.get("padded_vs_packed") or {}).items():
-            out.append((part, f"padded_vs_packed_{name}", "-", "",
-                        ", ".join(f"{k}={_fmt(v)}" for k, v in cmp.items())))
+        for mode in ("packed", "packed_segments"):
+            for name, cmp in (record.get(f"padded_vs_{mode}") or {}).items():
+                out.append((part, f"padded_vs_{mode}_{name}", "-", "",
+                            ", ".join(f"{k}={_fmt(v)}" for k, v in cmp.items())))
         if part == "throughput" and record.get("packing"):
             out.append((part, "packing", "-", "", str(record["packing"])))
     return out

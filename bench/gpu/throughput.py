@@ -8,10 +8,12 @@ goes through the engine as grpo-run builds it (``build_run`` from a spec).
   short warm-up call): generated tokens per second, model FLOPs utilisation, peak memory.
 - ``learner_<mode>``: one update (forward, backward, AdamW step) of the generated batch and of
   a long-tailed one (most completions short, one in 16 at the limit: where padding costs), for
-  each mode: ``padded`` and ``packed`` when this build has ``train.packing``, else the one
-  learner there is. The first update of each batch is a warm-up (its loss and gradient norm
-  are recorded: padded and packed start from the same weights, so they should agree within
-  bf16 rounding); then ``--repeats`` timed ones (median).
+  each mode: ``padded`` and ``packed`` when this build has ``train.packing`` (``packed``: on a
+  GPU, one ``flex_attention`` call per layer where the build has it), plus ``packed_segments``
+  (the per-segment attention, one call per prompt and per completion in each layer) on a GPU
+  where the build has both, else the one learner there is. The first update of each batch is a
+  warm-up (its loss and gradient norm are recorded: padded and packed start from the same
+  weights, so they should agree within bf16 rounding); then ``--repeats`` timed ones (median).
 
 Token ids are fed directly: a random model's tokens carry no text. The tokenizer
 (:func:`common.wide_tokenizer`) maps every id of the 151936 to a word, so completions decode
@@ -20,6 +22,7 @@ and the special ids are those of the tiny test tokenizer.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 from functools import partial
 from pathlib import Path
@@ -75,12 +78,37 @@ def run(record: Record, device: torch.device, work: Path, args: Any) -> None:
     if info["status"] != "ok":
         return
     modes = [("padded", "false"), ("packed", "true")] if packing_available() else [("default", None)]
+    if packing_available() and _has_flex() and device.type == "cuda":  # on a CPU both packed modes are one
+        modes.append(("packed_segments", "true"))
     record.note(packing="available" if modes[0][1] is not None else "packing not available in this build")
     batches: dict[str, Any] = {}
     for index, (mode, packing) in enumerate(modes):
-        _mode(record, device, work, folder, s, args, mode, packing, batches, generate=index == 0)
+        with _cuda_attention("segments" if mode == "packed_segments" else None):
+            _mode(record, device, work, folder, s, args, mode, packing, batches, generate=index == 0)
         free_memory(device)
     _compare_modes(record)
+
+
+@contextlib.contextmanager
+def _cuda_attention(name: str | None):
+    """The packed attention pack_rows picks on CUDA set to ``name`` inside (None: as it is)."""
+    if name is None:
+        yield
+        return
+    from grpo_core.train.learner import packing
+
+    saved, packing.CUDA_ATTENTION = packing.CUDA_ATTENTION, name
+    try:
+        yield
+    finally:
+        packing.CUDA_ATTENTION = saved
+
+
+def _has_flex() -> bool:
+    """Whether this build packs with flex_attention on GPUs (grpo_core's packing.CUDA_ATTENTION)."""
+    from grpo_core.train.learner import packing
+
+    return hasattr(packing, "CUDA_ATTENTION")
 
 
 def _mode(record: Record, device: torch.device, work: Path, folder: Path, s: dict[str, Any], args: Any, mode: str,
@@ -202,16 +230,18 @@ def _utilisation(flops: float, seconds: float, device: torch.device, args: Any) 
 
 
 def _compare_modes(record: Record) -> None:
-    """Padded against packed, per batch: time, memory and the first update's loss."""
+    """Padded against packed (and against packed_segments, where it ran), per batch: time,
+    memory and the first update's loss."""
     checks = record.data["checks"]
-    out = {}
-    for name in ("generated", "long_tailed"):
-        padded, packed = checks.get(f"learner_padded_{name}"), checks.get(f"learner_packed_{name}")
-        if not (padded and packed and padded["status"] == packed["status"] == "ok"):
-            continue
-        memory_key = "peak_allocated_gib" if "peak_allocated_gib" in padded else "peak_rss_gib"
-        out[name] = {"speedup": padded["median_seconds"] / packed["median_seconds"],
-                     "memory_ratio": packed[memory_key] / padded[memory_key] if padded[memory_key] else None,
-                     "loss_difference": abs(padded["loss_first"] - packed["loss_first"])}
-    if out:
-        record.note(padded_vs_packed=out)
+    for mode in ("packed", "packed_segments"):
+        out = {}
+        for name in ("generated", "long_tailed"):
+            padded, packed = checks.get(f"learner_padded_{name}"), checks.get(f"learner_{mode}_{name}")
+            if not (padded and packed and padded["status"] == packed["status"] == "ok"):
+                continue
+            memory_key = "peak_allocated_gib" if "peak_allocated_gib" in padded else "peak_rss_gib"
+            out[name] = {"speedup": padded["median_seconds"] / packed["median_seconds"],
+                         "memory_ratio": packed[memory_key] / padded[memory_key] if padded[memory_key] else None,
+                         "loss_difference": abs(padded["loss_first"] - packed["loss_first"])}
+        if out:
+            record.note(**{f"padded_vs_{mode}": out})

@@ -154,6 +154,9 @@ class RolloutBackend(Protocol):
             processor's image tokens. Default False: the engine refuses image prompts for it.
             Before ``setup`` the engine sets such a backend's ``processor`` attribute to the
             model's processor. Optional (read with a default, not part of the runtime check).
+        last_push: figures of the backend's last weight push (``{"bytes": ..., ...}``), logged
+            with the next training step as ``sync/push_<key>`` (the push that gave that step's
+            rollouts their weights). Optional: a backend without it logs none.
     """
 
     generates_with_policy: bool = False

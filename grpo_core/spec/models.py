@@ -33,6 +33,21 @@ class LoraSection(Section):
     )
 
 
+class QuantizationSection(Section):
+    """A base model loaded in 4 bits (QLoRA; Dettmers et al., 2023, arXiv:2305.14314) with
+    bitsandbytes, through transformers' ``BitsAndBytesConfig``: its linear layers are stored
+    quantized and frozen, and a LoRA adapter (``model.lora``, required) trains on top."""
+
+    bits: Literal[4] = Field(4, description="Bits per weight of the base's linear layers (4: bitsandbytes' 4-bit).")
+    quant_type: Literal["nf4", "fp4"] = Field(
+        "nf4", description="4-bit data type: nf4 (NormalFloat4, QLoRA's) or fp4.")
+    double_quant: bool = Field(
+        True, description="Quantize the quantization constants too (QLoRA's double quantization, about "
+        "0.4 bits per weight saved).")
+    compute_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="dtype the 4-bit weights are dequantized to for each matmul; default: model.dtype.")
+
+
 class ModelSection(Section):
     """The policy model and its tokenizer."""
 
@@ -65,6 +80,9 @@ class ModelSection(Section):
         False, description="Recompute activations in backward to save memory (slower)."
     )
     lora: LoraSection | None = Field(None, description="Train a LoRA adapter instead of all weights.")
+    quantization: QuantizationSection | None = Field(
+        None, description="Load the base in 4 bits (QLoRA, bitsandbytes; needs model.lora and "
+        "pip install 'grpo-core[qlora]'); unset: the weights in model.dtype.")
     train_vision: bool = Field(
         False, description="For an image-text-to-text model: train the vision tower and its projector too. "
         "false (default): they stay frozen; with lora, the adapter goes on the language model's layers only."
@@ -74,6 +92,16 @@ class ModelSection(Section):
     def _needs_a_source(self):
         if self.path is None and self.package is None:
             raise ValueError("give model.path (a folder or Hub id) or model.package (an installed package)")
+        return self
+
+    @model_validator(mode="after")
+    def _quantized_base_trains_an_adapter(self):
+        if self.quantization is not None and self.lora is None:
+            raise ValueError("model.quantization: a 4-bit base is frozen (its weights cannot take an optimizer "
+                             "step): set model.lora too (QLoRA), or drop model.quantization")
+        if self.quantization is not None and self.gguf_file is not None:
+            raise ValueError("model.quantization: a GGUF file is dequantized on load and cannot be "
+                             "re-quantized by bitsandbytes here: drop model.gguf_file or model.quantization")
         return self
 
 

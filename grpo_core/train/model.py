@@ -197,9 +197,28 @@ def _auto_class(where: str, section: ModelSection, revision: str | None):
     return AutoModelForImageTextToText if is_image_text(config) else AutoModelForCausalLM
 
 
-def load_policy(section: ModelSection, base_dir: Path, tokenizer):
+def quantization_config(section: ModelSection):
+    """transformers' ``BitsAndBytesConfig`` of ``section.quantization`` (None when unset); a
+    RunError saying what to install when bitsandbytes is missing."""
+    q = section.quantization
+    if q is None:
+        return None
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise RunError("model.quantization needs bitsandbytes (its CPU backend runs too): "
+                       "pip install 'grpo-core[qlora]', or drop model.quantization")
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type=q.quant_type, bnb_4bit_use_double_quant=q.double_quant,
+        bnb_4bit_compute_dtype=DTYPES[q.compute_dtype or section.dtype],
+    )
+
+
+def load_policy(section: ModelSection, base_dir: Path, tokenizer, device: torch.device | str | None = None):
     """The trainable policy (with a LoRA adapter when ``section.lora`` is set): a causal LM, or
-    an image-text-to-text model when its config has a vision tower."""
+    an image-text-to-text model when its config has a vision tower. With
+    ``section.quantization`` the base's linear layers are quantized to 4 bits as they load,
+    on ``device`` (bitsandbytes quantizes where the weights are placed; default: the CPU)."""
     where, revision = model_source(section, base_dir)
     kwargs: dict[str, Any] = {
         "trust_remote_code": section.trust_remote_code,
@@ -208,6 +227,9 @@ def load_policy(section: ModelSection, base_dir: Path, tokenizer):
     }
     if section.gguf_file:
         kwargs["gguf_file"] = section.gguf_file
+    if section.quantization is not None:
+        kwargs["quantization_config"] = quantization_config(section)
+        kwargs["device_map"] = {"": str(device or "cpu")}
     if section.attn_implementation:
         kwargs["attn_implementation"] = section.attn_implementation
     try:
@@ -217,6 +239,51 @@ def load_policy(section: ModelSection, base_dir: Path, tokenizer):
     if section.gguf_file:
         model = _plain_copy(model)
     return prepare_policy(model, section, tokenizer)
+
+
+def exact_cpu_4bit(model: torch.nn.Module) -> None:
+    """Turn off bitsandbytes' CPU inference repacking of 4-bit weights. On a CPU with
+    AVX512-BF16, a ``Linear4bit`` called in eval mode without gradients rewrites its weight
+    into a packed layout and from then on multiplies through that kernel, in training mode too
+    (``matmul_4bit`` takes the packed path before its autograd function): a LoRA gradient after
+    any generation differed from one before it (by 0.019 on a tiny Llama). Off, every call takes the dequantize-then-
+    matmul path, the same before and after generation."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+
+
+def dequantize_4bit(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """``model`` with every bitsandbytes 4-bit linear layer replaced, in place, by a plain
+    ``torch.nn.Linear`` holding its dequantized weight in ``dtype`` (the values the 4-bit
+    matmuls computed with), and the quantization dropped from its config: a full-precision
+    model that saves and loads without bitsandbytes."""
+    import bitsandbytes as bnb
+
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, bnb.nn.Linear4bit):
+                continue
+            weight = bnb.functional.dequantize_4bit(child.weight.data, child.weight.quant_state)
+            plain = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None,
+                                    dtype=dtype, device=weight.device)
+            with torch.no_grad():
+                plain.weight.copy_(weight.to(dtype))
+                if child.bias is not None:
+                    plain.bias.copy_(child.bias.to(dtype))
+            plain.requires_grad_(child.weight.requires_grad)
+            setattr(parent, name, plain)
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    for attr in ("is_quantized", "is_loaded_in_4bit"):
+        if getattr(model, attr, False):
+            setattr(model, attr, False)
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer = None
+    if getattr(model, "quantization_method", None) is not None:
+        model.quantization_method = None
+    return model.to(dtype)
 
 
 def prepare_policy(model, section: ModelSection, tokenizer):
@@ -231,11 +298,19 @@ def prepare_policy(model, section: ModelSection, tokenizer):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     vision = vision_modules(model)
+    if is_quantized(model):
+        exact_cpu_4bit(model)
     if section.lora is not None:
         try:
             from peft import LoraConfig, get_peft_model
         except ImportError as exc:
             raise RunError("model.lora needs peft: pip install 'grpo-core[lora]'") from exc
+        if is_quantized(model):
+            from peft import prepare_model_for_kbit_training
+
+            # QLoRA's preparation (peft): every base weight frozen, the unquantized ones (norms,
+            # embeddings, output layer) in float32; checkpointing stays as set above.
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
         lora = section.lora
         targets = lora.target_modules
         if vision and not section.train_vision:
@@ -250,6 +325,12 @@ def prepare_policy(model, section: ModelSection, tokenizer):
             model.get_submodule(name).requires_grad_(False)
     model.train()
     return model
+
+
+def is_quantized(model: Any) -> bool:
+    """Whether ``model`` (or the base under a peft wrapper) was loaded quantized (bitsandbytes)."""
+    return bool(getattr(model, "is_quantized", False) or getattr(getattr(model, "base_model", None),
+                                                                 "is_quantized", False))
 
 
 def vision_modules(model: torch.nn.Module) -> list[str]:

@@ -10,6 +10,7 @@ plus 1e-4), the KL term (k3 without clamps, times the importance ratio under
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from grpo_core.trl.table import (
@@ -268,6 +269,34 @@ def init_kwargs(value: Any) -> dict[str, Any]:
     return value
 
 
+#: ``BitsAndBytesConfig`` field -> ``model.quantization`` key (QLoRA's 4-bit base).
+QUANTIZATION_FIELDS = {"bnb_4bit_quant_type": "quant_type", "bnb_4bit_use_double_quant": "double_quant",
+                       "bnb_4bit_compute_dtype": "compute_dtype"}
+
+
+def quantization_keys(field: str, value: Any) -> dict[str, Any]:
+    """The ``model.quantization.*`` keys of a transformers ``BitsAndBytesConfig`` (or its dict):
+    4-bit only, with :data:`QUANTIZATION_FIELDS` carried over; any other setting away from
+    ``BitsAndBytesConfig(load_in_4bit=True)``'s default is a :class:`Refusal`."""
+    from transformers import BitsAndBytesConfig
+
+    config = BitsAndBytesConfig.from_dict(dict(value)) if isinstance(value, Mapping) else value
+    if not isinstance(config, BitsAndBytesConfig):
+        raise Refusal(field, type(value).__name__, "grpo-core quantizes with bitsandbytes only",
+                      "a transformers BitsAndBytesConfig(load_in_4bit=True, ...) (model.quantization)")
+    if not config.load_in_4bit:
+        raise Refusal(field, "load_in_8bit=True" if config.load_in_8bit else "load_in_4bit=False",
+                      "grpo-core loads a quantized base in 4 bits only", "BitsAndBytesConfig(load_in_4bit=True)")
+    mine, default = config.to_dict(), BitsAndBytesConfig(load_in_4bit=True).to_dict()
+    other = {k: v for k, v in mine.items() if k not in QUANTIZATION_FIELDS and v != default.get(k)}
+    if other:
+        raise Refusal(field, other, "grpo-core sets only bnb_4bit_quant_type, bnb_4bit_use_double_quant and "
+                      "bnb_4bit_compute_dtype", "leave the other BitsAndBytesConfig fields at their defaults")
+    out = {f"model.quantization.{QUANTIZATION_FIELDS[k]}": mine[k] for k in QUANTIZATION_FIELDS}
+    out["model.quantization.compute_dtype"] = str(out["model.quantization.compute_dtype"]).replace("torch.", "")
+    return out
+
+
 def _model_init(value: Any, ctx: Context) -> dict[str, Any]:
     kwargs = init_kwargs(value)
     if ctx.values.get("_model_object"):
@@ -282,13 +311,19 @@ def _model_init(value: Any, ctx: Context) -> dict[str, Any]:
             out["model.dtype"] = name
         elif key in ("revision", "attn_implementation"):
             out[f"model.{key}"] = item
+        elif key == "quantization_config" and item is not None:
+            try:
+                out.update(quantization_keys("model_init_kwargs", item))
+            except Refusal as exc:
+                raise Refusal("model_init_kwargs", {key: exc.value}, exc.why, exc.instead) from None
         elif key in ("device_map", "low_cpu_mem_usage", "trust_remote_code"):
             if key == "device_map" and item not in (None, "auto"):
                 raise Refusal("model_init_kwargs", {key: item}, "grpo-core places the policy on train.device",
                               "train.device, or the launcher's processes (train.parallel)")
         else:
             raise Refusal("model_init_kwargs", {key: item}, "grpo-core loads the policy with dtype, revision, "
-                          "attn_implementation and trust_remote_code only", "drop it, or pass a loaded model")
+                          "attn_implementation, quantization_config and trust_remote_code only",
+                          "drop it, or pass a loaded model")
     return out
 
 
@@ -326,14 +361,16 @@ _ADAPTIVE = "read only with use_adaptive_entropy=True, which is refused"
 FIELDS: list[TRLField] = [
     # ----- the model
     mapped("model_init_kwargs", None, ("model.dtype", "model.revision", "model.attn_implementation"),
-           "dtype (or torch_dtype), revision and attn_implementation land on model.*; device_map None or 'auto' is "
+           "dtype (or torch_dtype), revision and attn_implementation land on model.*, a 4-bit BitsAndBytesConfig "
+           "quantization_config on model.quantization (QLoRA, with peft_config); device_map None or 'auto' is "
            "accepted (placement); any other key is refused", _model_init,
            note="Ignored for a loaded model object, as TRL ignores it. TRL's default dtype is float32, as "
            "model.dtype's; 'auto' is refused (name the dtype).",
            examples=(({"dtype": "bfloat16", "revision": "main"},
                       {"model.dtype": "bfloat16", "model.revision": "main"}),
                      ('{"torch_dtype": "float16"}', {"model.dtype": "float16"})),
-           refusals=(({"dtype": "auto"}, "model.dtype"), ({"quantization_config": {}}, "pass a loaded model"))),
+           refusals=(({"dtype": "auto"}, "model.dtype"), ({"quantization_config": {"load_in_8bit": True}},
+                                                              "load_in_4bit"))),
     mapped("trust_remote_code", False, "model.trust_remote_code", "as is (model_init_kwargs' wins, as in TRL)",
            _trust, note="Also applied to reward models named by a string, as TRL does.",
            examples=((True, {"model.trust_remote_code": True}),)),

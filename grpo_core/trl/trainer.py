@@ -18,7 +18,7 @@ from typing import Any
 from grpo_core.errors import SpecError, UsageError
 from grpo_core.trainer import Trainer, TrainResult, as_rows
 from grpo_core.trl.config import BY_NAME, FIELDS, GRPOConfig, TRLConfigError
-from grpo_core.trl.grpo_fields import init_kwargs
+from grpo_core.trl.grpo_fields import init_kwargs, quantization_keys
 from grpo_core.trl.table import Refusal
 
 #: Where each of ``GRPOTrainer``'s arguments goes (for the docs): (argument, where, note).
@@ -49,7 +49,9 @@ ARGUMENTS: list[tuple[str, str, str]] = [
      "TrainerCallbacks are refused: their hooks receive the transformers Trainer's state and control objects, "
      "which grpo-core's loop does not have."),
     ("optimizers", "refused unless (None, None)", "train.lr, train.adam_*, train.schedule set the optimizer."),
-    ("quantization_config", "refused unless None", "grpo-core trains unquantized weights."),
+    ("quantization_config", "model.quantization", "A transformers BitsAndBytesConfig with load_in_4bit=True "
+     "(QLoRA, with peft_config): bnb_4bit_quant_type, bnb_4bit_use_double_quant and bnb_4bit_compute_dtype; "
+     "8 bits, or any other field away from its default, is refused. Not with a loaded model object."),
     ("peft_config", "model.lora", "A peft.LoraConfig: r, lora_alpha, lora_dropout and target_modules (None: "
      "peft's default for the model type, resolved here); any other setting away from peft's default is refused."),
     ("tools", "refused unless None", "Tools are grpo-core's rollout.environment: pass "
@@ -240,6 +242,22 @@ def _eval_sets(eval_dataset: Any) -> Any:
     return eval_dataset
 
 
+def _quantization(config: Any, model_object: bool, model_spec: dict, problems: list[str]) -> None:
+    """``model.quantization`` of a ``BitsAndBytesConfig`` passed as ``quantization_config``."""
+    if config is None:
+        return
+    if model_object:
+        problems.append("quantization_config: the model is already loaded; instead: pass its name or folder "
+                        "(model.path) and the config, or load it quantized yourself")
+        return
+    try:
+        keys = quantization_keys("quantization_config", config)
+    except Refusal as exc:
+        problems.append(exc.text())
+        return
+    model_spec["quantization"] = {k.rsplit(".", 1)[1]: v for k, v in keys.items()}
+
+
 def _refused(problems: list[str], **arguments: Any) -> None:
     for name, (value, instead) in arguments.items():
         if value is not None and value != (None, None):
@@ -293,7 +311,6 @@ class GRPOTrainer:
                  "reward model, whose folder grpo-core loads it from"),
                  optimizers=(None if optimizers in (None, (None, None)) else optimizers,
                              "train.lr, train.adam_*, train.schedule"),
-                 quantization_config=(quantization_config, "an unquantized model"),
                  tools=(tools, "grpo_core.Trainer(environment=tools_environment(...)), rollout.environment"),
                  rollout_func=(rollout_func, "a rollout-backend plugin (rollout.name)"),
                  environment_factory=(environment_factory, "grpo_core.Trainer(environment=...)"))
@@ -323,6 +340,7 @@ class GRPOTrainer:
         lora = _lora(peft_config, model, model_spec, problems)
         if lora is not None:
             model_spec["lora"] = lora
+        _quantization(quantization_config, model_object, model_spec, problems)
         if problems:
             raise TRLConfigError(problems, "GRPOTrainer")
         data["rewards"] = entries

@@ -395,10 +395,12 @@ def auto_dtype(model: torch.nn.Module, decode: str) -> torch.dtype | None:
     """What ``dtype: auto`` generates in for ``model``: bfloat16 when its weights are float32
     plain tensors (not fsdp2 shards), at least :data:`AUTO_MIN_PARAMETERS` of them, ``decode``
     is the lean loop (which returns the sampler's log-probs for the rollout correction) and
-    the device has native bf16; else None (the policy itself)."""
+    the device has native bf16; else None (the policy itself, as for a quantized one)."""
     weight = next(model.parameters())
     if decode != "lean" or weight.dtype != torch.float32 or hasattr(weight, "full_tensor"):
         return None
+    if any(not p.is_floating_point() for p in model.parameters()):
+        return None  # a 4-bit base (model.quantization): its packed weights cannot be cast; it generates itself
     if sum(p.numel() for p in model.parameters()) < AUTO_MIN_PARAMETERS:
         return None
     return torch.bfloat16 if native_bf16(weight.device) else None

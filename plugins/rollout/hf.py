@@ -227,6 +227,10 @@ class HFRollout:
             if any(hasattr(p, "full_tensor") for p in model.parameters()):  # DTensor shards (fsdp2)
                 raise RuntimeError("hf rollout: options.dtype makes a whole copy of the policy, which a "
                                    "sharded (fsdp2) run does not keep; drop rollout.options.dtype")
+            if any(not p.is_floating_point() for p in model.parameters()):
+                raise RuntimeError("hf rollout: options.dtype makes a copy of the policy cast to it, but the policy's "
+                                   "base is quantized (model.quantization: 4-bit weights cannot be cast); drop "
+                                   "rollout.options.dtype (it generates with the policy itself)")
             self.model = policy_copy(model, dtype=dtype, weights=False)
             if dtype != torch.float32:
                 use_decode_attention(self.model)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["cast_weights", "vllm_weight_name", "lora_layout", "merge_lora", "policy_weights"]
+__all__ = ["cast_weights", "dequantized_state", "vllm_weight_name", "lora_layout", "merge_lora", "policy_weights"]
 
 
 _WRAPPERS = ("_orig_mod.", "_checkpoint_wrapped_module.")  # torch.compile, activation checkpointing
@@ -106,10 +106,32 @@ def merge_lora(
         yield vllm_weight_name(name, adapter), tensor
 
 
-def policy_weights(model: Any) -> Iterator[tuple[str, Tensor]]:
-    """The policy's weights as the base model names them, LoRA merged (a peft model); the
-    whole tensors of a sharded (fsdp2) model, gathered lazily one by one."""
+def dequantized_state(model: Any) -> dict[str, Tensor]:
+    """``model.state_dict()`` with each bitsandbytes 4-bit weight (QLoRA's base,
+    ``model.quantization``) dequantized to the dtype it was loaded in, and its quantization
+    constants (``weight.absmax``, ``weight.quant_map``, ...) left out: what an engine that
+    loaded the full-precision base can take."""
     state = model.state_dict()
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        quant = getattr(weight, "quant_state", None)
+        if quant is None or f"{name}.weight" not in state:  # peft's LoRA layer shows its base's weight
+            continue
+        from bitsandbytes.functional import dequantize_4bit
+
+        key = f"{name}.weight"
+        for extra in [k for k in state if k.startswith(key + ".")]:
+            del state[extra]
+        state[key] = dequantize_4bit(weight.data, quant).to(quant.dtype)
+    return state
+
+
+def policy_weights(model: Any) -> Iterator[tuple[str, Tensor]]:
+    """The policy's weights as the base model names them, LoRA merged (a peft model), a
+    4-bit base dequantized (:func:`dequantized_state`); the whole tensors of a sharded
+    (fsdp2) model, gathered lazily one by one."""
+    quantized = any(getattr(getattr(m, "weight", None), "quant_state", None) is not None for m in model.modules())
+    state = dequantized_state(model) if quantized else model.state_dict()
     if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
         adapter, scalings, transposed = lora_layout(model)
         yield from merge_lora(state, scalings, adapter, transposed)

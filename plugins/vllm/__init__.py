@@ -8,13 +8,15 @@ engine's :mod:`grpo_core.http`), the ``grpo-run serve`` command that starts one
 receives the weights (:mod:`~grpo_plugins.vllm.worker`, loaded inside the server only: it
 imports vLLM) and the ``torch.distributed`` channel that carries them
 (:mod:`~grpo_plugins.vllm.channel`). What both backends send vLLM and make of its answers is
-:mod:`~grpo_plugins.vllm.io`.
+:mod:`~grpo_plugins.vllm.io`; the delta pushes both can make (only the elements that changed,
+checksummed) are :mod:`~grpo_plugins.vllm.delta` (pure torch, a leaf).
 
 Imports go one way, from the backends down to the leaves, and vLLM itself is imported only
 inside the functions that need it (and by ``worker``)::
 
-    colocated -> engine, io                 server -> client, io
-    client -> channel     worker -> channel     serve -> guard (which imports none)
+    colocated -> engine, io                 server -> client, io, delta
+    client -> channel     worker -> channel, delta     channel -> delta (which imports none)
+    serve -> guard (which imports none)
 
 (both backends also take the policy's weights from :mod:`grpo_plugins.rollout.weights`). The
 plugins are ``colocated``, ``server`` and ``serve``.

@@ -30,9 +30,11 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+from grpo_plugins.vllm.delta import TensorDelta
 from torch import Tensor
 
-__all__ = ["BACKENDS", "gloo_devices", "local_address", "open_group", "receive_tensors", "send_tensors", "update_info"]
+__all__ = ["BACKENDS", "delta_info", "gloo_devices", "local_address", "open_group", "receive_deltas", "receive_tensors",
+           "send_deltas", "send_tensors", "update_info"]
 
 #: torch.distributed backends the channel can use: gloo (CPU tensors), nccl (CUDA tensors).
 BACKENDS = ("gloo", "nccl")
@@ -117,3 +119,43 @@ def receive_tensors(group: Any, info: dict[str, list], device: torch.device | st
         tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
         group.broadcast(tensor, 0).wait()
         yield name, tensor
+
+
+# --------------------------------------------------------------------------- delta pushes
+def delta_info(deltas: Iterable[TensorDelta]) -> dict[str, list]:
+    """The payload of a delta push (:mod:`grpo_plugins.vllm.delta`): :func:`update_info`'s
+    ``names``, ``dtype_names`` and ``shapes`` (of the whole tensors), plus per tensor its
+    ``counts`` (changed elements sent; -1: sent whole), ``index_dtypes`` and ``checksums``."""
+    deltas = list(deltas)
+    info = update_info((d.name, torch.empty(d.shape, dtype=d.dtype, device="meta")) for d in deltas)
+    info["counts"] = [-1 if d.full else int(d.values.numel()) for d in deltas]
+    info["index_dtypes"] = ["" if d.full else str(d.indices.dtype).removeprefix("torch.") for d in deltas]
+    info["checksums"] = [int(d.checksum) for d in deltas]
+    return info
+
+
+def send_deltas(group: Any, deltas: Iterable[TensorDelta]) -> None:
+    """Broadcast each delta from rank 0: the whole tensor, or its indices then its values;
+    nothing for a tensor with no element to send (both sides know it from the payload)."""
+    for d in deltas:
+        if d.values.numel() == 0:
+            continue
+        if not d.full:
+            group.broadcast(d.indices.contiguous(), 0).wait()
+        group.broadcast(d.values.contiguous(), 0).wait()
+
+
+def receive_deltas(group: Any, info: dict[str, list], device: torch.device | str) -> Iterator[TensorDelta]:
+    """The deltas rank 0 broadcasts for the payload ``info`` (:func:`delta_info`), one at a time."""
+    rows = zip(info["names"], info["dtype_names"], info["shapes"], info["counts"], info["index_dtypes"],
+               info["checksums"], strict=True)
+    for name, dtype, shape, count, index_dtype, check in rows:
+        indices = None
+        if count >= 0:
+            indices = torch.empty(count, dtype=getattr(torch, index_dtype), device=device)
+        values = torch.empty(shape if indices is None else [count], dtype=getattr(torch, dtype), device=device)
+        if values.numel():
+            if indices is not None:
+                group.broadcast(indices, 0).wait()
+            group.broadcast(values, 0).wait()
+        yield TensorDelta(name, tuple(shape), getattr(torch, dtype), int(check), values, indices)

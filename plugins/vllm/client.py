@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any
 
-from grpo_plugins.vllm.channel import local_address, open_group, send_tensors, update_info
+from grpo_plugins.vllm.channel import delta_info, local_address, open_group, send_deltas, send_tensors, update_info
 from torch import Tensor
 
 from grpo_core.http import BadAnswer, HTTPClient, HTTPFailure, StatusError, TooLarge
@@ -251,6 +251,20 @@ class ServerClient:
         received = self._background("POST", "/update_weights", {"update_info": update_info(weights)}, timeout_s)
         try:
             send_tensors(self.group, (t for _, t in weights))
+        except Exception as exc:
+            raise ServerFault(f"{self.url}: the weight channel broke during a push: {exc}") from exc
+        received.result()
+        self.call("POST", "/finish_weight_update", {"weight_version": version}, retries=0)
+        self.call("POST", "/reset_prefix_cache")
+
+    def push_deltas(self, deltas: list, version: str, timeout_s: float) -> None:
+        """:meth:`push` of a delta push (:mod:`grpo_plugins.vllm.delta`): only the changed
+        elements of each tensor (or the whole tensor) are broadcast, and the server's
+        workers rebuild each tensor from their copy and check its checksum."""
+        self.call("POST", "/start_weight_update", retries=0)
+        received = self._background("POST", "/update_weights", {"update_info": delta_info(deltas)}, timeout_s)
+        try:
+            send_deltas(self.group, deltas)
         except Exception as exc:
             raise ServerFault(f"{self.url}: the weight channel broke during a push: {exc}") from exc
         received.result()

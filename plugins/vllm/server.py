@@ -46,6 +46,7 @@ from urllib.parse import urlsplit
 import torch
 from grpo_plugins.rollout.weights import cast_weights, policy_weights
 from grpo_plugins.vllm.client import Expected, ServerClient, ServerFault, local_address
+from grpo_plugins.vllm.delta import DeltaEncoder, push_stats
 from grpo_plugins.vllm.io import completion_body, outputs_to_batch, repeat_greedy, request_seed
 from pydantic import AfterValidator, Field, field_validator
 
@@ -106,6 +107,17 @@ class VLLMServerOptions(Options):
         description=(
             "Retries of a failed request to a server (0.5 s apart, doubling) before it is dropped for "
             "the rest of the run and its prompts go to the others."
+        ),
+    )
+    delta_push: bool = Field(
+        False,
+        description=(
+            "Send only the elements that changed since the servers' copy (bitwise), with each tensor's "
+            "checksum, which the servers check after rebuilding it: a full push at setup, at the first sync "
+            "(a resumed run's weights) and for any tensor whose changed elements and their positions would "
+            "take more bytes than the tensor. Costs one copy of the pushed weights on the learner (per server "
+            "dtype) and one on each server worker. Each push's bytes, and a full push's, are logged with the next "
+            "step (sync/push_bytes, sync/push_full_bytes)."
         ),
     )
     push_every: int = Field(
@@ -226,6 +238,8 @@ class VLLMServerRollout:
         self.pusher = True
         self.backend = "gloo"
         self.tag = _launch_tag()
+        self.encoders: dict[str, DeltaEncoder] = {}  # per server dtype: what the servers hold (delta_push)
+        self.last_push: dict[str, float] = {}  # the last push's push_stats (logged as sync/push_*)
 
     # ----------------------------------------------------------------- contract
     def setup(self, model: Any, tokenizer: Any) -> None:
@@ -342,8 +356,21 @@ class VLLMServerRollout:
                     if client.dtype not in by_dtype:
                         cast = cast_weights(weights, getattr(torch, client.dtype))
                         by_dtype[client.dtype] = [(n, t.cpu() if self.backend == "gloo" else t) for n, t in cast]
-                self._each(lambda c: c.push(by_dtype[c.dtype], version, self.options.timeout_s),
-                           "failed during a weight push", required=False)
+                if self.options.delta_push:
+                    # Whole at setup and at the first sync (after a resume, the checkpoint's weights).
+                    full = self.syncs <= 1
+                    for dtype, cast in by_dtype.items():
+                        by_dtype[dtype] = self.encoders.setdefault(dtype, DeltaEncoder()).encode(cast, full=full)
+                        self.last_push = push_stats(by_dtype[dtype])
+                        log.info("vllm-server rollout: push %s (%s): %d bytes sent of %d for a full push (%.2f%% "
+                                 "of the elements, %d tensors whole)", version, dtype, self.last_push["bytes"],
+                                 self.last_push["full_bytes"], 100 * self.last_push["elements_sent"],
+                                 self.last_push["tensors_whole"])
+                    self._each(lambda c: c.push_deltas(by_dtype[c.dtype], version, self.options.timeout_s),
+                               "failed during a weight push", required=False)
+                else:
+                    self._each(lambda c: c.push(by_dtype[c.dtype], version, self.options.timeout_s),
+                               "failed during a weight push", required=False)
                 del weights, by_dtype
 
     def _each(self, action, what: str, *, required: bool = True) -> None:

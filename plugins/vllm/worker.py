@@ -26,7 +26,8 @@ import dataclasses
 from typing import Any
 
 import torch
-from grpo_plugins.vllm.channel import BACKENDS, open_group, receive_tensors
+from grpo_plugins.vllm.channel import BACKENDS, open_group, receive_deltas, receive_tensors
+from grpo_plugins.vllm.delta import DeltaDecoder
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
@@ -58,11 +59,16 @@ class TorchInitInfo(WeightTransferInitInfo):
 
 @dataclasses.dataclass
 class TorchUpdateInfo(WeightTransferUpdateInfo):
-    """One push: the names, dtype names and shapes of the tensors broadcast, in order."""
+    """One push: the names, dtype names and shapes of the tensors broadcast, in order; for a
+    delta push (:func:`grpo_plugins.vllm.channel.delta_info`) also each tensor's count of
+    changed elements sent (-1: whole), index dtype and checksum."""
 
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
+    counts: list[int] | None = None
+    index_dtypes: list[str] | None = None
+    checksums: list[int] | None = None
 
     def __post_init__(self) -> None:
         if not len(self.names) == len(self.dtype_names) == len(self.shapes):
@@ -80,6 +86,7 @@ class TorchWeightTransferEngine(WeightTransferEngine[TorchInitInfo, TorchUpdateI
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
         self.group: Any = None
+        self.decoder: DeltaDecoder | None = None  # the pushed weights as last received, for delta pushes
 
     def init_transfer_engine(self, init_info: TorchInitInfo) -> None:
         """Join the learner's group as rank ``rank_offset + worker rank`` (tensor/pipeline
@@ -117,11 +124,34 @@ class TorchWeightTransferEngine(WeightTransferEngine[TorchInitInfo, TorchUpdateI
         if self.group is None:
             raise RuntimeError("grpo_torch weight transfer: /init_weight_transfer_engine was not called")
         info = dataclasses.asdict(update_info)
-        for name, tensor in receive_tensors(self.group, info, self.device):
-            self.model.load_weights([(name, tensor)])
+        if update_info.counts is None:
+            for name, tensor in receive_tensors(self.group, info, self.device):
+                self.model.load_weights([(name, tensor)])
+            return
+        # A delta push: each tensor rebuilt from this worker's copy of the last push (kept in the
+        # checkpoint's names and layout, which the engine's repacked weights no longer are),
+        # checked against the learner's checksum, then loaded whole. On a mismatch the rest of
+        # the push is still received (the learner's broadcasts must all be matched) and nothing
+        # more loaded; the copy is dropped, so only a full push can follow.
+        if self.decoder is None:
+            self.decoder = DeltaDecoder()
+        failure: Exception | None = None
+        for delta in receive_deltas(self.group, info, self.device):
+            if failure is not None:
+                continue
+            try:
+                tensor = self.decoder.decode(delta)
+            except Exception as exc:  # DeltaMismatch: reported after the broadcasts end
+                failure = exc
+                continue
+            self.model.load_weights([(delta.name, tensor)])
+        if failure is not None:
+            self.decoder = None
+            raise failure
 
     def shutdown(self) -> None:
         self.group = None
+        self.decoder = None
 
 
 class WeightChannelExtension:

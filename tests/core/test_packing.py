@@ -408,3 +408,74 @@ def test_the_spec_key_takes_true_false_or_auto_and_refuses_true_with_recomputati
     with pytest.raises(SpecError, match="train.packing: true cannot train with model.gradient_checkpointing.*auto"):
         load("train.packing=true", "model.gradient_checkpointing=true")
     assert load("model.gradient_checkpointing=true").train.packing == "auto"
+
+
+# --------------------------------------------------------------------------- the one-call path for GPUs
+def _layout_and_hidden(model, batch, attention, grad: bool):
+    p_ids, p_mask, c_ids, c_mask = batch
+    index = torch.arange(p_ids.shape[0]).repeat_interleave(c_ids.shape[0] // p_ids.shape[0])
+    layout = pack_rows(p_ids, p_mask, c_ids, c_mask, index, attention=attention)
+    with torch.set_grad_enabled(grad):
+        return layout, packing.packed_decoder_call(model.get_decoder(), layout)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # eager on a CPU, by design
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_flex_attention_path_gives_the_per_segment_hidden_states_in_one_call_per_layer(llama, qwen2, arch):
+    """flex_attention with the layout's block mask (what pack_rows picks on a CUDA device): the
+    same hidden states as the per-segment calls (which equal the padded path's, above), one
+    attention call per layer. Forward only: torch 2.13 runs no flex backward on a CPU."""
+    model = {"llama": llama, "qwen2": qwen2}[arch]
+    batch = random_batch(model.config.vocab_size, prompts=3, group=3, prompt_lens=[5, 9, 2],
+                         lengths=[40, 3, 7, 1, 5, 0, 6, 2, 9], holes=[4, 0, 1, 0, 0, 0, 2, 0, 0], width=41, seed=3)
+    layout, flex = _layout_and_hidden(model, batch, "flex", grad=False)
+    assert layout.attention == "flex" and layout.attention_calls == model.config.num_hidden_layers
+    _, segments = _layout_and_hidden(model, batch, "segments", grad=False)
+    torch.testing.assert_close(flex, segments, atol=1e-5, rtol=1e-5)
+
+
+def test_the_flex_mask_rule_gives_the_per_segment_gradients(llama):
+    """The block mask's rule (segment_mask_mod), evaluated densely into one sdpa call per layer,
+    gives the per-segment path's hidden states and gradients: the rule flex_attention runs on a
+    GPU is the exact one, gradients included (the flex kernel's own backward: bench/gpu/)."""
+    import torch.nn.functional as F
+    from transformers import AttentionInterface
+
+    def dense_rule(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        layout = kwargs[packing.LAYOUT_KWARG]
+        layout.tally.count += 1
+        n = layout.tokens
+        rule = packing.segment_mask_mod(layout, query.device)
+        mask = rule(0, 0, torch.arange(n)[:, None], torch.arange(n)[None, :])
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
+                                             enable_gqa=query.shape[1] != key.shape[1])
+        return out.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register("grpo_test_dense_rule", dense_rule)
+    batch = random_batch(llama.config.vocab_size, prompts=2, group=4, prompt_lens=[5, 9],
+                         lengths=[12, 3, 7, 1, 5, 6, 0, 2], holes=[4, 0, 1, 0, 0, 2, 0, 0], width=12, seed=7)
+    results = []
+    for name in (packing.PACKED_ATTENTION, "grpo_test_dense_rule"):
+        llama.zero_grad(set_to_none=True)
+        p_ids, p_mask, c_ids, c_mask = batch
+        layout = pack_rows(p_ids, p_mask, c_ids, c_mask, torch.arange(2).repeat_interleave(4))
+        layout.tally.count = 0
+        with packing._attention_switched(llama.get_decoder(), name):
+            hidden = llama.get_decoder()(input_ids=layout.input_ids, position_ids=layout.position_ids,
+                                         use_cache=False, **{packing.LAYOUT_KWARG: layout}).last_hidden_state[0]
+        assert layout.attention_calls == llama.config.num_hidden_layers
+        (hidden * torch.linspace(0.5, 1.5, hidden.numel()).view_as(hidden)).sum().backward()
+        grads = {n: p.grad.clone() for n, p in llama.named_parameters() if p.grad is not None}
+        results.append((hidden.detach(), grads))
+    (h0, g0), (h1, g1) = results
+    torch.testing.assert_close(h1, h0, atol=1e-5, rtol=1e-5)
+    for name, grad in g0.items():
+        torch.testing.assert_close(g1[name], grad, atol=1e-5 * float(grad.abs().max()) + 1e-7, rtol=0,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_pack_rows_picks_flex_on_cuda_only_and_refuses_an_unknown_attention():
+    batch = random_batch(320, prompts=1, group=2, prompt_lens=[3], lengths=[2, 3], holes=[0, 0], width=3, seed=0)
+    assert pack_rows(*batch, torch.zeros(2, dtype=torch.long)).attention == "segments"  # a CPU tensor
+    with pytest.raises(ValueError, match="attention must be one of segments, flex, got 'varlen'"):
+        pack_rows(*batch, torch.zeros(2, dtype=torch.long), attention="varlen")

@@ -279,6 +279,32 @@ def test_peft_config_lands_on_model_lora(tmp_path, tiny_model_dir):
         build(LoraConfig(use_dora=True))
 
 
+def test_quantization_config_lands_on_model_quantization(tmp_path, tiny_model_dir):
+    """QLoRA through the door: a 4-bit BitsAndBytesConfig, as the trainer's argument or in
+    model_init_kwargs, is model.quantization; 8 bits, other fields, or no adapter are refused."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import BitsAndBytesConfig
+
+    def build(config=None, peft=True, **fields):
+        return GRPOTrainer(model=str(tiny_model_dir), reward_funcs=reward_len,
+                           args=GRPOConfig(output_dir=str(tmp_path), **fields), train_dataset=Dataset.from_list(ROWS),
+                           peft_config=LoraConfig(r=4) if peft else None, quantization_config=config)
+
+    nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                             bnb_4bit_compute_dtype=torch.bfloat16)
+    q = build(nf4).spec.model.quantization
+    assert (q.bits, q.quant_type, q.double_quant, q.compute_dtype) == (4, "nf4", True, "bfloat16")
+    q = build(model_init_kwargs={"quantization_config": nf4.to_dict()}).spec.model.quantization
+    assert (q.quant_type, q.double_quant, q.compute_dtype) == ("nf4", True, "bfloat16")
+    with pytest.raises(TRLConfigError, match=r"quantization_config='load_in_8bit=True'.*load_in_4bit=True"):
+        build(BitsAndBytesConfig(load_in_8bit=True))
+    with pytest.raises(TRLConfigError, match="llm_int8_skip_modules.*leave the other BitsAndBytesConfig fields"):
+        build(BitsAndBytesConfig(load_in_4bit=True, llm_int8_skip_modules=["lm_head"]))
+    with pytest.raises(SpecError, match="a 4-bit base is frozen"):
+        build(nf4, peft=False)
+
+
 def test_reward_models_by_name_weights_and_order(tmp_path, tiny_model_dir):
     from datasets import Dataset
 

@@ -153,6 +153,32 @@ def test_a_lora_policy_pushes_its_merged_weights(engine, policy, tokenizer):
     assert float((engine_logps(engine, ids) - base).abs().max()) <= TOL
 
 
+def test_a_qlora_policy_pushes_its_dequantized_merged_weights(engine, policy, tokenizer, tmp_path):
+    """model.quantization (a 4-bit base, bitsandbytes' CPU backend) with an adapter: the engine,
+    built from the full-precision config, receives the base dequantized with the adapter merged,
+    and its log-probs equal the 4-bit policy's own."""
+    pytest.importorskip("bitsandbytes")
+    from grpo_core.spec.models import ModelSection
+    from grpo_core.train.model import load_policy
+
+    policy.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    section = ModelSection(path=str(tmp_path), lora={"r": 4, "alpha": 8}, quantization={})
+    qlora = load_policy(section, tmp_path, tokenizer).eval()
+    with torch.no_grad():
+        for name, param in qlora.named_parameters():
+            if ".lora_B." in name:
+                param.copy_(0.2 * torch.randn(param.shape, generator=torch.Generator().manual_seed(2)))
+    ids = tokenizer(FIXED)["input_ids"]
+    own, base = policy_logps(qlora, ids), policy_logps(policy, ids)
+    assert float((own - base).abs().max()) > 1e-2
+    engine.sync_weights(qlora)
+    got = engine_logps(engine, ids)
+    assert float((got - own).abs().max()) <= TOL, float((got - own).abs().max())
+    engine.sync_weights(policy)
+    assert float((engine_logps(engine, ids) - base).abs().max()) <= TOL
+
+
 def test_the_thread_setting_stays_the_users(engine):
     threads = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -240,6 +240,55 @@ def test_pushes_reach_every_server(servers, tokenizer):
     assert rollout.failover.dropped == {}
 
 
+def sparse_step(model, seed: int, fraction: float = 0.01) -> None:
+    """About ``fraction`` of every weight's elements moved (an RL step, as bf16 sees it)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            pick = torch.rand(p.shape, generator=generator) < fraction
+            p.add_(0.05 * torch.randn(p.shape, generator=generator) * pick)
+
+
+def test_delta_pushes_leave_the_servers_where_full_pushes_do_and_a_drifted_copy_is_caught(servers, tokenizer):
+    """delta_push: after a full push at setup and at the first sync, three syncs send only the
+    changed elements (logged bytes well under a full push's) and each server's log-probs equal
+    the learner's; after them, a full push of the same weights leaves every log-prob bit for
+    bit where the deltas had (the engines hold the same weights). The negative control: the
+    learner believes a server holds one element it does not; the server's checksum refuses the
+    push, and a full push afterwards brings it back."""
+    seq = tokenizer("Think step by step. What is 12 * 7?")["input_ids"]
+    model = build_model(tokenizer, seed=3, hidden_size=HIDDEN).float()
+    urls = [s.url for s in servers]
+    rollout = backend(urls, delta_push=True, timeout_s=60)
+    rollout.setup(model, tokenizer)
+    sent = []
+    for sync in range(1, 5):
+        sparse_step(model, sync)
+        in_thread(rollout.sync_weights, model)
+        sent.append(rollout.last_push)
+        assert all(gap(s, model, seq) <= GAP for s in servers), sync
+    assert rollout.failover.dropped == {}
+    assert sent[0]["bytes"] == sent[0]["full_bytes"]  # the first sync: whole (a resumed run's weights)
+    assert all(0 < p["bytes"] < 0.2 * p["full_bytes"] for p in sent[1:]), sent
+    after_deltas = [s.logprobs(seq) for s in servers]
+    backend(urls, timeout_s=60).setup(model, tokenizer)  # a full push of the same weights
+    after_full = [s.logprobs(seq) for s in servers]
+    assert all(torch.equal(a, b) for a, b in zip(after_deltas, after_full, strict=True))
+
+    # The negative control, on the first server.
+    drifted = backend(urls[:1], delta_push=True, timeout_s=60)
+    drifted.setup(model, tokenizer)
+    in_thread(drifted.sync_weights, model)  # the first sync (whole)
+    name, weight = "model.layers.0.mlp.down_proj.weight", model.model.layers[0].mlp.down_proj.weight
+    with torch.no_grad():
+        weight.view(-1)[7] += 0.5
+    drifted.encoders["float32"].held[name].view(-1)[7] = weight.view(-1)[7]  # believed already there
+    in_thread(drifted.sync_weights, model)
+    assert "checksum" in drifted.failover.dropped.get(urls[0], ""), drifted.failover.dropped
+    backend(urls[:1], timeout_s=60).setup(model, tokenizer)
+    assert gap(servers[0], model, seq) <= GAP
+
+
 def test_two_servers_split_a_batch_and_sample_what_one_would(servers, tokenizer, prompts):
     """Both servers get requests, and the batch equals the one a single server gives for the
     same seed and weights (seeds are per prompt, so who samples does not matter). The split
@@ -340,6 +389,26 @@ def test_push_every_two_lags_one_step_and_a_resume_pushes_the_resumed_weights(se
     assert sorted(gaps) == [1, 2, 3, 4]
     assert gaps[1] <= GAP and gaps[2] <= GAP and gaps[4] <= GAP, gaps
     assert gaps[3] > 10 * GAP, gaps  # sampled with the weights of step 1's update, trained from step 2's
+
+
+def test_a_delta_pushing_run_logs_its_bytes_and_pushes_whole_after_a_resume(servers, model_dir, tmp_path):
+    """grpo-run with delta_push: the servers sample with the trained weights at every step (the
+    sampler/trainer gap), the pushes before steps 1 and 2 (setup, first sync) and the resumed
+    run's before step 4 are whole, and the one before step 3 sends fewer bytes than a full push
+    (the embedding rows of tokens no batch held do not move); each logged as sync/push_*."""
+    rollout = {"name": "vllm-server", "urls": [servers[0].url], "delta_push": True}
+    spec = write_spec(tmp_path, model_dir, rollout, train={"steps": 3}, checkpoint={"every": 1, "keep": 3})
+    done = run([spec], tmp_path)
+    assert done.returncode == 0, done.stderr[-4000:]
+    done = run([spec, "--set", "train.steps=4", "--resume"], tmp_path)
+    assert done.returncode == 0 and "(step 3)" in done.stderr, done.stderr[-4000:]
+    rows = {r["step"]: r for r in step_rows(tmp_path / "out")}
+    assert sorted(rows) == [1, 2, 3, 4]
+    assert all(r["rollout_correction/logp_diff/max"] <= GAP for r in rows.values()), rows
+    whole = {s: rows[s]["sync/push_bytes"] == rows[s]["sync/push_full_bytes"] for s in rows}
+    assert whole == {1: True, 2: True, 3: False, 4: True}, {s: (r["sync/push_bytes"], r["sync/push_full_bytes"])
+                                                          for s, r in rows.items()}
+    assert rows[3]["sync/push_bytes"] < rows[3]["sync/push_full_bytes"]
 
 
 def test_an_asynchronous_run_generates_on_the_servers_from_the_actors_thread(servers, model_dir, tmp_path):

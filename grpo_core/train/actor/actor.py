@@ -114,6 +114,8 @@ class Actor:
                         self.backend, self._score_everywhere, scored.prompts, self.settings.group_size,
                         self.settings.sampling, self.autocast, self.episodes,
                     )
+        pushed = getattr(self.backend, "last_push", None) or {}  # the push these rollouts sampled after
+        metrics = {**metrics, **{f"sync/push_{k}": float(v) for k, v in pushed.items()}}
         return Experience(step, scored, self.version, self.settings.sampling.temperature, metrics, timer.phases,
                           baseline)
 

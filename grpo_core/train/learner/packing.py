@@ -32,8 +32,15 @@ layers other than full attention (sliding-window, chunked, linear), soft-capped 
 and activation checkpointing in training (its recomputation in backward runs after the
 packed call has ended).
 
-On GPUs with flash attention the same rule is one variable-length call with the prompt's
-keys gathered in front of each completion; that path is not written yet.
+On a GPU the same rule is one call per layer: :func:`flex_segment_attention` gives torch's
+``flex_attention`` a block mask of the rule (:func:`segment_mask_mod`: a key is seen when it is
+in the query's own segment at or before it, or in the segment of its prompt), built once per
+layout and shared by every layer; ``flex_attention`` skips the blocks the mask leaves empty.
+:func:`pack_rows` picks it where the sequence is on a CUDA device (``attention="flex"``), the
+per-segment calls elsewhere. torch 2.13 runs ``flex_attention``'s forward on the CPU but not its
+backward, so the tests check the flex forward against the per-segment one there and the mask's
+gradients through a dense ``sdpa`` call of the same rule; ``bench/gpu/`` checks and times the
+flex path on a GPU, where ``train.packing: auto`` still pads until that measurement says otherwise.
 """
 
 from __future__ import annotations
@@ -49,11 +56,21 @@ from torch import Tensor, nn
 
 from grpo_core.errors import RunError
 
-__all__ = ["PackedRows", "pack_rows", "segment_attention", "packed_decoder_call", "packing_unsupported",
-           "PACKED_ATTENTION"]
+__all__ = ["PackedRows", "pack_rows", "segment_attention", "flex_segment_attention", "segment_mask_mod",
+           "packed_decoder_call", "packing_unsupported", "PACKED_ATTENTION", "FLEX_ATTENTION", "ATTENTIONS"]
 
 #: The name :func:`segment_attention` is registered under with transformers.
 PACKED_ATTENTION = "grpo_packed"
+
+#: The name :func:`flex_segment_attention` (one call per layer, for GPUs) is registered under.
+FLEX_ATTENTION = "grpo_packed_flex"
+
+#: The packed attention paths: ``segments`` (one ``sdpa`` call per prompt and per completion) and
+#: ``flex`` (one ``flex_attention`` call per layer with the layout's block mask).
+ATTENTIONS = ("segments", "flex")
+
+#: What :func:`pack_rows` picks on a CUDA device (``bench/gpu/throughput.py`` sets it to time both).
+CUDA_ATTENTION = "flex"
 
 #: The keyword argument that carries the layout to :func:`segment_attention`.
 LAYOUT_KWARG = "grpo_packed_rows"
@@ -91,8 +108,10 @@ class PackedRows:
     position_ids: Tensor
     segments: list[tuple[int, tuple[int, ...]]]
     hidden_index: Tensor
+    attention: str = "segments"  # which packed attention runs it: one of ATTENTIONS
     tally: _Tally = field(default_factory=_Tally, repr=False)  # attention layers run (a check: all of them)
     _masks: dict[tuple[int, int], Tensor] = field(default_factory=dict, repr=False)
+    _block_masks: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def attention_calls(self) -> int:
@@ -114,6 +133,35 @@ class PackedRows:
         return self._masks[key]
 
 
+def segment_mask_mod(layout: PackedRows, device: torch.device | str):
+    """The packed attention rule as a ``flex_attention`` mask function ``(b, h, q, kv) -> bool``:
+    ``kv`` is seen from ``q`` when both are in one segment and ``kv <= q``, or when ``kv`` is in
+    the segment of ``q``'s prompt (a prompt segment has none)."""
+    lengths = torch.tensor([length for length, _ in layout.segments], dtype=torch.long, device=device)
+    if any(len(context) > 1 for _, context in layout.segments):
+        raise ValueError("packed attention: a segment with more than one context segment")
+    context = torch.tensor([ctx[0] if ctx else -1 for _, ctx in layout.segments], dtype=torch.long, device=device)
+    segment = torch.repeat_interleave(torch.arange(len(layout.segments), device=device), lengths)
+    prompt = context[segment]
+
+    def mask_mod(b, h, q, kv):
+        return ((segment[q] == segment[kv]) & (kv <= q)) | (prompt[q] == segment[kv])
+
+    return mask_mod
+
+
+def block_mask(layout: PackedRows, device: torch.device):
+    """``flex_attention``'s block mask of :func:`segment_mask_mod` for ``layout``, made once."""
+    key = str(device)
+    if key not in layout._block_masks:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        n = layout.tokens
+        layout._block_masks[key] = create_block_mask(segment_mask_mod(layout, device), None, None, n, n,
+                                                     device=device)
+    return layout._block_masks[key]
+
+
 def needed_lengths(completion_mask: Tensor) -> Tensor:
     """``long (B,)``: each row's last masked position + 1 (0 for a row with none): the
     completion tokens that must be predicted, holes included as context."""
@@ -124,7 +172,7 @@ def needed_lengths(completion_mask: Tensor) -> Tensor:
 
 
 def pack_rows(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor,
-              prompt_index: Tensor) -> PackedRows:
+              prompt_index: Tensor, attention: str | None = None) -> PackedRows:
     """The packed layout of ``B`` completions of ``P`` prompts.
 
     Args:
@@ -132,9 +180,15 @@ def pack_rows(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, c
         completion_ids: ``long (B, T)``; ``completion_mask``: ``bool (B, T)`` the tokens whose
             log-prob is wanted (a row runs up to its last one; a row without one does not run).
         prompt_index: ``long (B,)`` the prompt of each completion.
+        attention: one of :data:`ATTENTIONS`; default :data:`CUDA_ATTENTION` (``flex``: one call
+            per layer) on a CUDA device, else ``segments``.
 
     A prompt with no completion to run is left out; one that is needed must hold a token.
     """
+    if attention is None:
+        attention = CUDA_ATTENTION if completion_ids.device.type == "cuda" else "segments"
+    if attention not in ATTENTIONS:
+        raise ValueError(f"packing: attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
     lengths = needed_lengths(completion_mask).tolist()
     owner = prompt_index.tolist()
     rows_of: dict[int, list[int]] = {}
@@ -176,6 +230,7 @@ def pack_rows(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, c
         torch.cat(positions)[None] if positions else empty[None],
         segments,
         hidden_index,
+        attention,
     )
 
 
@@ -220,10 +275,41 @@ def segment_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     return out.transpose(1, 2).contiguous(), None
 
 
+_COMPILED: dict[str, Any] = {}
+
+
+def flex_segment_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any,
+                           dropout: float = 0.0, scaling: float | None = None, **kwargs: Any) -> tuple[Tensor, None]:
+    """:func:`segment_attention`'s rule in one ``flex_attention`` call over the whole packed
+    sequence, with the layout's block mask (:func:`block_mask`; grouped-query heads served by
+    ``enable_gqa``). Compiled on CUDA (``torch.compile``, shapes dynamic), where the fused kernel
+    is what makes it one call; eager elsewhere (torch 2.13: forward only on a CPU)."""
+    layout = kwargs.get(LAYOUT_KWARG)
+    if layout is None:
+        raise RuntimeError(
+            f"packed attention: {type(module).__name__} was called without the packed layout (its model does not "
+            "pass keyword arguments down to attention); set train.packing: false"
+        )
+    special = [k for k in _SPECIAL if kwargs.get(k) is not None]
+    if special or attention_mask is not None or query.shape[0] != 1 or dropout:
+        raise RuntimeError(f"packed attention: {type(module).__name__} asked for {special or 'a mask or dropout'}, "
+                           "which the flex packed attention cannot honour; set train.packing: false")
+    layout.tally.count += 1
+    from torch.nn.attention.flex_attention import flex_attention
+
+    run = flex_attention
+    if query.device.type == "cuda":
+        run = _COMPILED.setdefault("flex", torch.compile(flex_attention, dynamic=True))
+    out = run(query, key, value, block_mask=block_mask(layout, query.device), scale=scaling,
+              enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
 def _register() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(PACKED_ATTENTION, segment_attention)
+    AttentionInterface.register(FLEX_ATTENTION, flex_segment_attention)
 
 
 def _attention_configs(decoder: nn.Module) -> list[Any]:
@@ -237,11 +323,11 @@ def _attention_configs(decoder: nn.Module) -> list[Any]:
 
 
 @contextlib.contextmanager
-def _attention_switched(decoder: nn.Module) -> Iterator[None]:
+def _attention_switched(decoder: nn.Module, name: str = PACKED_ATTENTION) -> Iterator[None]:
     _register()
     saved = [(config, config._attn_implementation_internal) for config in _attention_configs(decoder)]
     for config, _ in saved:
-        config._attn_implementation_internal = PACKED_ATTENTION
+        config._attn_implementation_internal = name
     try:
         yield
     finally:
@@ -255,7 +341,7 @@ def packed_decoder_call(decoder: nn.Module, layout: PackedRows) -> Tensor:
     RuntimeError when not every layer attended through the packed attention (a layer that
     mixes positions another way, a recurrent or linear-attention one, would mix rows)."""
     layout.tally.count = 0
-    with _attention_switched(decoder):
+    with _attention_switched(decoder, FLEX_ATTENTION if layout.attention == "flex" else PACKED_ATTENTION):
         out = decoder(input_ids=layout.input_ids, position_ids=layout.position_ids, use_cache=False,
                       **{LAYOUT_KWARG: layout})
     layers = getattr(decoder.config, "num_hidden_layers", None)

@@ -299,7 +299,7 @@ def build_run(loaded: LoadedSpec, dist: Dist | None = None, *, model=None, token
     check_routes(spec, train_rows + eval_rows)
 
     processor, tokenizer = load_processing(loaded, tokenizer)
-    model = (modeling.load_policy(spec.model, loaded.base_dir, tokenizer) if model is None
+    model = (modeling.load_policy(spec.model, loaded.base_dir, tokenizer, dist.device) if model is None
              else modeling.prepare_policy(model, spec.model, tokenizer)).to(dist.device)
     # Asynchronous rollouts: whole copies of the policy, made before the strategy shards it: the
     # snapshot the learner's weights cross in, and for a backend that generates with the policy

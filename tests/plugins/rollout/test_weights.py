@@ -124,3 +124,30 @@ def test_pushed_weights_take_the_engines_dtype_and_integer_buffers_stay():
     weights = [("w", torch.ones(2, dtype=torch.float32)), ("steps", torch.tensor([3]))]
     cast = dict(cast_weights(weights, torch.bfloat16))
     assert cast["w"].dtype == torch.bfloat16 and cast["steps"].dtype == torch.long
+
+
+def test_a_4bit_base_is_pushed_dequantized_with_the_adapter_merged(tmp_path):
+    """QLoRA (model.quantization): the push is the full-precision model that export.merged
+    writes, the 4-bit weights dequantized, no quantization constants among the names."""
+    pytest.importorskip("bitsandbytes")
+    from grpo_core.spec.models import ModelSection
+    from grpo_core.testing import build_tokenizer, save_tiny_model
+    from grpo_core.train.model import dequantize_4bit, load_policy
+
+    save_tiny_model(tmp_path)
+    section = ModelSection(path=str(tmp_path), lora={"r": 4, "alpha": 8}, quantization={})
+    policy = load_policy(section, tmp_path, build_tokenizer())
+    for name, p in policy.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)
+    pushed = dict(policy_weights(policy))
+    policy.save_pretrained(tmp_path / "adapter")  # as export.merged folds it: onto the dequantized base
+    from peft import PeftModel
+
+    base = dequantize_4bit(load_policy(section.model_copy(update={"lora": None}), tmp_path, build_tokenizer()),
+                           torch.float32)
+    merged = PeftModel.from_pretrained(base, tmp_path / "adapter").merge_and_unload().state_dict()
+    assert pushed.keys() == merged.keys()
+    assert all(pushed[k].dtype == torch.float32 for k in pushed)
+    for k in pushed:
+        torch.testing.assert_close(pushed[k], merged[k], atol=1e-6, rtol=1e-6)
