@@ -87,7 +87,7 @@ def tensor_bytes(run) -> dict[str, int]:
 
 def instrument(sampler: Sampler, held: dict) -> None:
     """Label the engine's phases: its Timer, the update and the optimizer step."""
-    import grpo_core.train.loop.step as stepmod
+    import grpo_core.train.experience as stepmod  # the Timer every phase is timed with
 
     timer_call = stepmod.Timer.__call__
 
@@ -97,9 +97,12 @@ def instrument(sampler: Sampler, held: dict) -> None:
             yield
 
     stepmod.Timer.__call__ = timed
-    update = stepmod.update
+    import grpo_core.train.learner.learner as learnermod
 
-    def labelled_update(model, optimizer, *a, **k):
+    update = learnermod.update  # what Learner.learn calls: update(learner, batch)
+
+    def labelled_update(learner, batch):
+        optimizer = learner.optimizer
         if not getattr(optimizer, "_bench_wrapped", False):
             step = optimizer.step
 
@@ -111,9 +114,9 @@ def instrument(sampler: Sampler, held: dict) -> None:
 
             optimizer.step, optimizer._bench_wrapped = optimizer_step, True
         with sampler.phase("update (forward+backward)"):
-            return update(model, optimizer, *a, **k)
+            return update(learner, batch)
 
-    stepmod.update = labelled_update
+    learnermod.update = labelled_update
 
 
 def main() -> int:
