@@ -46,7 +46,6 @@ from grpo_core.train.actor.endpoint import (
     Request,
     assistant_message,
     plain,
-    response_body,
     same_message,
 )
 from grpo_core.train.actor.episodes import EpisodeRecord, TurnRenderer, episodes_batch, with_tools
@@ -340,8 +339,9 @@ class AgentRunner:
         if episode is not None and error.fatal:
             episode.fail(f"HTTP {error.status}: {error.message}")
 
-    def _handle(self, request: Request) -> dict[str, Any]:
-        """Answer one request (called in an endpoint thread)."""
+    def _handle(self, request: Request) -> tuple[list[dict[str, Any]], int]:
+        """Answer one request (called in an endpoint thread): the choices (dicts of ``text``,
+        ``ids``, ``logp``, ``finish``, ``message``) and the prompt's length in tokens."""
         e = self._episodes.get(request.key)
         if e is None:
             raise EndpointError(401, "unknown episode key: use the api_key of the episode's AgentEpisode")
@@ -364,7 +364,7 @@ class AgentRunner:
                 e.record.truncated = e.exhausted = True
                 empty = {"ids": [], "logp": None, "text": "", "finish": "length", "eos": False,
                          "message": {"role": "assistant", "content": ""}}
-                return response_body(request, [empty] * request.n, prompt_tokens)
+                return [dict(empty) for _ in range(request.n)], prompt_tokens
             want = min(request.max_tokens or self._sampling.max_new_tokens, self._sampling.max_new_tokens, room)
             stop = tuple(dict.fromkeys((*self._sampling.stop, *request.stop,
                                         *((TOOL_STOP,) if request.tools else ()))))
@@ -379,7 +379,7 @@ class AgentRunner:
                                     "(rollout.agent.timeout_s)", True)
             if e.closed:
                 raise EndpointError(409, f"the episode is over ({e.failure or 'its agent returned'})")
-            return response_body(request, self._answer(e, request, job.choices), prompt_tokens)
+            return self._answer(e, request, job.choices), prompt_tokens
 
     def _extend(self, e: _Live, request: Request) -> int:
         """Append what the agent added since its last call (context) to the episode; the
