@@ -12,5 +12,6 @@ It never imports the learner (:mod:`grpo_core.train.learner`); what it makes, an
 - ``episodes``: multi-turn rollouts (model turns and environment observations).
 - ``agents``: episodes driven by agent programs over the endpoint.
 - ``endpoint``: the OpenAI-compatible HTTP endpoint those programs talk to.
+- ``streaming``: the endpoint's answers as server-sent events (``stream: true``).
 - ``routes``: per-row choice of how a row's episodes run (``rollout.routing``).
 """

@@ -49,6 +49,7 @@ from grpo_core.train.actor.endpoint import (
     same_message,
 )
 from grpo_core.train.actor.episodes import EpisodeRecord, TurnRenderer, episodes_batch, with_tools
+from grpo_core.train.actor.streaming import pieces
 
 log = logging.getLogger("grpo.agents")
 
@@ -364,7 +365,7 @@ class AgentRunner:
                 e.record.truncated = e.exhausted = True
                 empty = {"ids": [], "logp": None, "text": "", "finish": "length", "eos": False,
                          "message": {"role": "assistant", "content": ""}}
-                return [dict(empty) for _ in range(request.n)], prompt_tokens
+                return [dict(empty, pieces=[]) for _ in range(request.n)], prompt_tokens
             want = min(request.max_tokens or self._sampling.max_new_tokens, self._sampling.max_new_tokens, room)
             stop = tuple(dict.fromkeys((*self._sampling.stop, *request.stop,
                                         *((TOOL_STOP,) if request.tools else ()))))
@@ -454,6 +455,8 @@ class AgentRunner:
                     choice["finish"] = "tool_calls"
             else:
                 choice["message"], choice["calls"] = {"role": "assistant", "content": choice["text"]}, 0
+            if request.stream:
+                choice["pieces"] = pieces(self.tokenizer, choice["ids"], choice["text"])
         if len(choices) == 1:
             self._keep(e, choices[0])
         else:

@@ -14,8 +14,9 @@ history (the agent edited or dropped a message) fails its episode.
 
 What a request may set: ``messages`` (or ``prompt``), ``tools``, ``max_tokens`` /
 ``max_completion_tokens``, ``stop``, ``n``, ``logprobs``; ``temperature``, ``top_p`` and
-``top_k`` only at the spec's values (the learner's log-probs assume them). Streaming is not
-served. Every request is bounded: its body (``max_request_bytes``), the episode's calls
+``top_k`` only at the spec's values (the learner's log-probs assume them); ``stream`` and
+``stream_options.include_usage`` (:mod:`grpo_core.train.actor.streaming`). Every request is
+bounded: its body (``max_request_bytes``), the episode's calls
 (``max_calls``), tokens (``max_total_tokens``) and time (``timeout_s``).
 """
 
@@ -37,10 +38,11 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request as StarletteRequest
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from grpo_core.errors import fault_text
+from grpo_core.train.actor.streaming import chat_events, completion_events
 
 #: A tool call in the policy's text, in the convention of the tools environment and of
 #: Qwen/Hermes templates: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
@@ -79,6 +81,7 @@ class Request:
     n: int = 1
     logprobs: bool = False
     stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
 
     @property
     def chat(self) -> bool:
@@ -108,8 +111,11 @@ def _flag(body: dict[str, Any], name: str) -> bool:
 def parse_request(body: dict[str, Any], key: str, api: str, sampling: Any, max_n: int) -> Request:
     """Check one request body against what the endpoint serves; an :class:`EndpointError`
     (400) naming the field otherwise."""
-    if _flag(body, "stream"):
-        raise EndpointError(400, "stream: streaming is not served; send stream: false")
+    stream = _flag(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and not (isinstance(options, dict)
+                                    and isinstance(options.get("include_usage", False), bool)):
+        raise EndpointError(400, f"stream_options: an object {{include_usage: a boolean}}; got {options!r:.60}")
     for name, spec_value in (("temperature", sampling.temperature), ("top_p", sampling.top_p)):
         value = body.get(name)
         if value is not None and not _close(value, spec_value):
@@ -131,7 +137,8 @@ def parse_request(body: dict[str, Any], key: str, api: str, sampling: Any, max_n
     stop = (stop,) if isinstance(stop, str) else stop
     if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 8:
         raise EndpointError(400, "stop: a string or a list of at most 8 non-empty strings")
-    request = Request(key, api, max_tokens=max_tokens, stop=tuple(stop), n=n, logprobs=_flag(body, "logprobs"))
+    request = Request(key, api, max_tokens=max_tokens, stop=tuple(stop), n=n, logprobs=_flag(body, "logprobs"),
+                      stream=stream, include_usage=stream and bool((options or {}).get("include_usage")))
     if request.chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(
@@ -374,6 +381,9 @@ class Endpoint:
         try:
             data = await self._read(http)
             request, answer = await anyio.to_thread.run_sync(self._work, data, key, api, limiter=self.limiter)
+            if request.stream:
+                events = (chat_events if request.chat else completion_events)(request, *answer, request.include_usage)
+                return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             return _json(response_body(request, *answer))
         except EndpointError as exc:
             self.refuse(key, exc)
