@@ -13,5 +13,6 @@ It never imports the learner (:mod:`grpo_core.train.learner`); what it makes, an
 - ``agents``: episodes driven by agent programs over the endpoint.
 - ``endpoint``: the OpenAI-compatible HTTP endpoint those programs talk to.
 - ``streaming``: the endpoint's answers as server-sent events (``stream: true``).
+- ``responses_api``: ``/v1/responses`` requests as chat requests, and their answers.
 - ``routes``: per-row choice of how a row's episodes run (``rollout.routing``).
 """

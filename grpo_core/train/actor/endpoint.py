@@ -1,6 +1,7 @@
 """The OpenAI-compatible endpoint agents talk to: ``/v1/chat/completions``,
 ``/v1/completions`` and ``/v1/models``, served on 127.0.0.1 while a rollout's agent episodes
-run (:mod:`grpo_core.train.actor.agents`): starlette routes on a uvicorn server in a thread of
+run (:mod:`grpo_core.train.actor.agents`), and ``/v1/responses``
+(:mod:`grpo_core.train.actor.responses_api`): starlette routes on a uvicorn server in a thread of
 its own (HTTP/1.1, keep-alive, chunked bodies), as vLLM and SGLang serve theirs.
 
 Each request names its episode by its key (``Authorization: Bearer <key>``, the
@@ -42,6 +43,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from grpo_core.errors import fault_text
+from grpo_core.train.actor import responses_api
 from grpo_core.train.actor.streaming import chat_events, completion_events
 
 #: A tool call in the policy's text, in the convention of the tools environment and of
@@ -54,7 +56,7 @@ _DECODER = json.JSONDecoder()
 MAX_DEPTH = 100
 log = logging.getLogger("grpo.agents")
 #: The POST routes under ``/v1``.
-APIS = ("chat/completions", "completions")
+APIS = ("chat/completions", "completions", "responses")
 
 
 class EndpointError(Exception):
@@ -72,7 +74,7 @@ class Request:
     (completions), the tools, and what may vary per request."""
 
     key: str
-    api: str  # the route: "chat/completions", "completions"
+    api: str  # the route: "chat/completions", "completions", "responses"
     messages: list[dict[str, Any]] = field(default_factory=list)
     prompt: str = ""
     tools: list[dict[str, Any]] = field(default_factory=list)
@@ -82,6 +84,8 @@ class Request:
     logprobs: bool = False
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
+    instructions: str | None = None  # /v1/responses: echoed in the response object
+    response_tools: list[dict[str, Any]] = field(default_factory=list)  # /v1/responses: its tools, as sent
 
     @property
     def chat(self) -> bool:
@@ -381,9 +385,13 @@ class Endpoint:
         try:
             data = await self._read(http)
             request, answer = await anyio.to_thread.run_sync(self._work, data, key, api, limiter=self.limiter)
+            if request.api == "responses":
+                if request.stream:
+                    return _events(responses_api.response_events(request, *answer))
+                return _json(responses_api.response_body(request, *answer))
             if request.stream:
-                events = (chat_events if request.chat else completion_events)(request, *answer, request.include_usage)
-                return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                return _events((chat_events if request.chat else completion_events)(request, *answer,
+                                                                                    request.include_usage))
             return _json(response_body(request, *answer))
         except EndpointError as exc:
             self.refuse(key, exc)
@@ -400,7 +408,16 @@ class Endpoint:
         """In a worker thread: the body parsed, then the runner's answer (which waits for the
         batch's generate)."""
         body = decode_body(data or b"{}")
-        request = parse_request(body, key, api, self.sampling, self.max_n)
+        if api != "responses":
+            request = parse_request(body, key, api, self.sampling, self.max_n)
+            return request, self.handle(request)
+        try:
+            chat = responses_api.chat_body(body)
+        except responses_api.NotServed as exc:
+            raise EndpointError(400, str(exc)) from None
+        request = parse_request(chat, key, api, self.sampling, self.max_n)
+        request.instructions = body.get("instructions")
+        request.response_tools = body.get("tools") or []
         return request, self.handle(request)
 
     async def _read(self, http: StarletteRequest) -> bytes:
@@ -426,3 +443,7 @@ def _error(message: str) -> dict[str, Any]:
 
 def _json(body: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None) -> Response:
     return Response(json.dumps(body), status, headers, media_type="application/json")
+
+
+def _events(events: Any) -> Response:
+    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
