@@ -40,16 +40,15 @@ from grpo_core.contracts import AgentEpisode, RolloutBatch, SamplingParams
 from grpo_core.contracts.rewards import REWARD_MAX
 from grpo_core.errors import RunError, fault_text
 from grpo_core.train.actor.endpoint import (
-    TOOL_STOP,
     Endpoint,
     EndpointError,
     Request,
-    assistant_message,
     plain,
     same_message,
 )
 from grpo_core.train.actor.episodes import EpisodeRecord, TurnRenderer, episodes_batch, with_tools
 from grpo_core.train.actor.streaming import pieces
+from grpo_core.train.actor.toolcalls import tool_format
 
 log = logging.getLogger("grpo.agents")
 
@@ -256,6 +255,7 @@ class AgentRunner:
 
     def __post_init__(self) -> None:
         self.renderer = TurnRenderer(self.tokenizer, self.eos_ids)
+        self.format = tool_format(self.tokenizer.chat_template)  # how this model family writes tool calls
 
     @property
     def tools(self) -> list[dict]:
@@ -368,7 +368,7 @@ class AgentRunner:
                 return [dict(empty, pieces=[]) for _ in range(request.n)], prompt_tokens
             want = min(request.max_tokens or self._sampling.max_new_tokens, self._sampling.max_new_tokens, room)
             stop = tuple(dict.fromkeys((*self._sampling.stop, *request.stop,
-                                        *((TOOL_STOP,) if request.tools else ()))))
+                                        *(self.format.stop if request.tools else ()))))
             job = _Job(e, e.first + e.record.ids, want, stop, request.n)
             e.busy = True
         self._queue.submit(job)
@@ -449,7 +449,9 @@ class AgentRunner:
         several wait for the agent to go on with one."""
         for choice in choices:
             if request.chat:
-                choice["message"], calls = assistant_message(choice["text"], bool(request.tools))
+                raw = self.tokenizer.decode([i for i in choice["ids"] if i not in self.eos_ids]) \
+                    if self.format.special else None
+                choice["message"], calls = self.format.message(choice["text"], bool(request.tools), raw)
                 choice["calls"] = len(choice["message"].get("tool_calls") or [])
                 if calls and choice["finish"] == "stop":
                     choice["finish"] = "tool_calls"

@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import re
 import socket
 import threading
 import time
@@ -46,11 +45,6 @@ from grpo_core.errors import fault_text
 from grpo_core.train.actor import responses_api
 from grpo_core.train.actor.streaming import chat_events, completion_events
 
-#: A tool call in the policy's text, in the convention of the tools environment and of
-#: Qwen/Hermes templates: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
-TOOL_STOP = "</tool_call>"
-_DECODER = json.JSONDecoder()
 #: Levels of arrays and objects a request body may nest (a tool's JSON schema takes a few;
 #: the spec's YAML has the same bound).
 MAX_DEPTH = 100
@@ -272,28 +266,6 @@ def same_message(sent: dict[str, Any], answered: dict[str, Any]) -> bool:
         return out
 
     return (plain(sent)["content"] or "") == (answered.get("content") or "") and calls(sent) == calls(answered)
-
-
-def assistant_message(text: str, with_tools: bool) -> tuple[dict[str, Any], bool]:
-    """The assistant message of the policy's ``text``, and whether it calls tools: with
-    tools offered, each well-formed ``<tool_call>`` becomes an OpenAI tool call and the text
-    around them the content."""
-    if not with_tools:
-        return {"role": "assistant", "content": text}, False
-    calls = []
-    for match in _TOOL_CALL.finditer(text):
-        try:
-            call, _ = _DECODER.raw_decode(match.group(1).strip())
-        except (ValueError, RecursionError):
-            continue
-        if isinstance(call, dict) and isinstance(call.get("name"), str):
-            arguments = call.get("arguments", {})
-            calls.append({"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
-                          "function": {"name": call["name"], "arguments": json.dumps(arguments)}})
-    if not calls:
-        return {"role": "assistant", "content": text}, False
-    content = _TOOL_CALL.sub("", text).strip()
-    return {"role": "assistant", "content": content or None, "tool_calls": calls}, True
 
 
 def response_body(request: Request, choices: list[dict[str, Any]], prompt_tokens: int) -> dict[str, Any]:

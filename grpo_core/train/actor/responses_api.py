@@ -9,7 +9,8 @@ a ``tool`` message; ``reasoning`` items are left out, as the chat template leave
 reasoning out), ``function`` tools become chat tools and ``max_output_tokens`` the token cap.
 The episode's history is then extended and recorded as a chat request's is. The answer is a
 ``response`` object whose ``output`` holds a ``message`` item (the text) and a
-``function_call`` item per tool call, or, with ``stream: true``, the Responses API's events
+``function_call`` item per tool call (after a ``reasoning`` item when the policy's thinking
+was split out, :mod:`grpo_core.train.actor.toolcalls`), or, with ``stream: true``, the Responses API's events
 (``response.created`` ... ``response.completed``), written once the batch's generate returned
 (:mod:`grpo_core.train.actor.streaming`).
 
@@ -149,6 +150,9 @@ def _items(choice: dict[str, Any], ids: dict[str, str]) -> list[dict[str, Any]]:
     name the same items)."""
     message = choice["message"]
     items: list[dict[str, Any]] = []
+    if message.get("reasoning_content"):  # the policy's thinking (a template that splits it out)
+        items.append({"type": "reasoning", "id": ids.setdefault("reasoning", f"rs_{uuid.uuid4().hex}"), "summary": [],
+                      "content": [{"type": "reasoning_text", "text": message["reasoning_content"]}]})
     content = message.get("content") or ""
     if content or not message.get("tool_calls"):
         items.append({"type": "message", "id": ids.setdefault("message", f"msg_{uuid.uuid4().hex}"),
@@ -216,6 +220,8 @@ def response_events(request: Any, choices: list[dict[str, Any]], prompt_tokens: 
                        text=part["text"], logprobs=[])
             yield emit("response.content_part.done", output_index=index, item_id=item["id"], content_index=0,
                        part=part)
+        elif item["type"] == "reasoning":
+            yield emit("response.output_item.added", output_index=index, item=item)
         else:
             yield emit("response.output_item.added", output_index=index,
                        item={**item, "status": "in_progress", "arguments": ""})
