@@ -1,0 +1,89 @@
+"""Agent libraries as their users write them, unmodified, pointed at the episode's endpoint
+(issue 48): the OpenAI Agents SDK with its default model (the Responses API) and with its
+chat-completions model, run and streamed. Skipped where the library is not installed (it is
+in the ``test`` extra)."""
+
+from __future__ import annotations
+
+import pytest
+from grpo_plugins.environments.calculator import calculator
+
+from grpo_core import Trainer
+
+from .test_agents import ScriptedPlugin, _spec, long_model  # noqa: F401 - a fixture
+
+agents = pytest.importorskip("agents", reason="the OpenAI Agents SDK (openai-agents) is not installed")
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _sdk_agent(kind: str, finals: list):
+    """The calculator task as an OpenAI Agents SDK user writes it: a function tool, an Agent,
+    ``Runner.run`` (or ``run_streamed``), with the episode's client given to the run."""
+    import openai
+    from agents import Agent, OpenAIChatCompletionsModel, RunConfig, Runner, function_tool, set_tracing_disabled
+    from agents.models.openai_provider import OpenAIProvider
+
+    set_tracing_disabled(True)  # no trace upload to OpenAI from a test
+
+    @function_tool(name_override="calculator")
+    def calculator_tool(expression: str) -> str:
+        """Evaluate an arithmetic expression and return its exact value.
+
+        Args:
+            expression: The arithmetic expression, e.g. "(12 + 7) * 31".
+        """
+        return calculator(expression)
+
+    async def run(episode):
+        client = openai.AsyncOpenAI(base_url=episode.base_url, api_key=episode.api_key, max_retries=0)
+        if kind.startswith("chat"):  # the chat-completions model, given explicitly
+            agent = Agent(name="calc", instructions="Use the calculator.", tools=[calculator_tool],
+                          model=OpenAIChatCompletionsModel(model=episode.model, openai_client=client))
+            config = RunConfig()
+        else:  # the default model: a model name, resolved by the run's provider to the Responses API
+            agent = Agent(name="calc", instructions="Use the calculator.", tools=[calculator_tool], model=episode.model)
+            config = RunConfig(model_provider=OpenAIProvider(openai_client=client, use_responses=True))
+        prompt = episode.row["prompt"][-1]["content"]
+        if kind.endswith("streamed"):
+            result = Runner.run_streamed(agent, prompt, run_config=config, max_turns=3)
+            async for _ in result.stream_events():
+                pass
+        else:
+            result = await Runner.run(agent, prompt, run_config=config, max_turns=3)
+        finals.append(result.final_output)
+        await client.close()
+        return None
+
+    return run
+
+
+@pytest.mark.parametrize("kind", ["responses", "responses streamed", "chat", "chat streamed"])
+def test_the_openai_agents_sdk_runs_the_calculator_loop(long_model, tmp_path, kind):  # noqa: F811
+    """The scripted policy calls the calculator, then answers: through the SDK's Runner every
+    episode makes its tool call and finishes with the answer, none fails."""
+    finals: list = []
+    spec = _spec(long_model, tmp_path / "o", name="scripted", group_size=4, agent={"max_total_tokens": 400})
+    rollout = Trainer(spec, agent=_sdk_agent(kind, finals), plugins=[ScriptedPlugin()])._build() \
+        .actor.collect(0).scored.rollout
+    assert not rollout.episodes.failed.any(), [m[-1] for m in rollout.episodes.messages]
+    assert rollout.episodes.tool_calls.tolist() == [1] * 8 and rollout.episodes.turns.tolist() == [2] * 8
+    assert finals == ["The answer is 5."] * 8
+
+
+def test_the_agents_sdk_trains_two_steps_on_the_real_policy(long_model, tmp_path, caplog):  # noqa: F811
+    """The hf backend, where every answer of the tiny model is cut at max_new_tokens: with the
+    SDK's chat-completions model, streamed, two training steps and no failed episode (a cut
+    answer is finish_reason length). With its default model, a cut answer is a response of
+    status ``incomplete``, as OpenAI's own, on which the SDK raises: those episodes fail, with
+    the SDK's reason (the agents guide says so)."""
+    spec = _spec(long_model, tmp_path / "o", agent={"concurrency": 8, "max_total_tokens": 400}, max_new_tokens=8)
+    spec["train"].update(steps=2)
+    result = Trainer(spec, agent=_sdk_agent("chat streamed", [])).train()
+    assert result.status == "finished" and result.step == 2
+    for row in result.history:
+        assert row["env/failed_episodes"] == 0.0 and row["env/turns_per_episode"] >= 1.0, row
+    spec["train"].update(steps=1, output_dir=str(tmp_path / "responses"))
+    rollout = Trainer(spec, agent=_sdk_agent("responses", []))._build().actor.collect(0).scored.rollout
+    cut = [bool(t) for t in rollout.truncated]
+    assert rollout.episodes.failed.tolist() == cut and any(cut)
+    assert "status=incomplete" in next(m[-1]["content"] for m, f in zip(rollout.episodes.messages, cut) if f)
