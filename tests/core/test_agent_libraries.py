@@ -1,11 +1,12 @@
 """Agent libraries as their users write them, unmodified, pointed at the episode's endpoint
 (issue 48): the OpenAI Agents SDK with its default model (the Responses API) and with its
-chat-completions model, run and streamed. Skipped where the library is not installed (it is
-in the ``test`` extra)."""
+chat-completions model, run and streamed; LangChain's ``ChatOpenAI``, invoked and streamed.
+Skipped where a library is not installed (both are in the ``test`` extra)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from grpo_plugins.environments.calculator import calculator
 
 from grpo_core import Trainer
@@ -87,3 +88,56 @@ def test_the_agents_sdk_trains_two_steps_on_the_real_policy(long_model, tmp_path
     cut = [bool(t) for t in rollout.truncated]
     assert rollout.episodes.failed.tolist() == cut and any(cut)
     assert "status=incomplete" in next(m[-1]["content"] for m, f in zip(rollout.episodes.messages, cut) if f)
+
+
+def _langchain_agent(streamed: bool, finals: list):
+    """The calculator loop as a LangChain user writes it: ``ChatOpenAI`` with a bound tool,
+    ``invoke`` (or ``stream``, the chunks added up), ``ToolMessage`` answers."""
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool("calculator")
+    def calculator_tool(expression: str) -> str:
+        """Evaluate an arithmetic expression and return its exact value."""
+        return calculator(expression)
+
+    def run(episode):
+        llm = ChatOpenAI(model=episode.model, base_url=episode.base_url, api_key=episode.api_key, max_retries=0,
+                         timeout=60).bind_tools([calculator_tool])
+        messages = [HumanMessage(episode.row["prompt"][-1]["content"])]
+        for _ in range(3):
+            if streamed:
+                reply = None
+                for chunk in llm.stream(messages):
+                    reply = chunk if reply is None else reply + chunk
+            else:
+                reply = llm.invoke(messages)
+            messages.append(reply)
+            if not reply.tool_calls:
+                finals.append(reply.content)
+                return None
+            for call in reply.tool_calls:
+                messages.append(ToolMessage(calculator_tool.invoke(call["args"]), tool_call_id=call["id"]))
+        return None
+
+    return run
+
+
+def test_langchain_chat_openai_runs_the_calculator_loop_invoked_and_streamed(long_model, tmp_path):  # noqa: F811
+    """LangChain's ChatOpenAI, unmodified: every episode makes its tool call and answers, none
+    fails, and the streamed episodes record the tokens of the invoked ones."""
+    pytest.importorskip("langchain_openai", reason="langchain-openai is not installed")
+    rollouts = []
+    for streamed in (False, True):
+        finals: list = []
+        spec = _spec(long_model, tmp_path / str(streamed), name="scripted", group_size=4,
+                     agent={"max_total_tokens": 400})
+        rollout = Trainer(spec, agent=_langchain_agent(streamed, finals), plugins=[ScriptedPlugin()])._build() \
+            .actor.collect(0).scored.rollout
+        assert not rollout.episodes.failed.any(), [m[-1] for m in rollout.episodes.messages]
+        assert rollout.episodes.tool_calls.tolist() == [1] * 8 and rollout.episodes.turns.tolist() == [2] * 8
+        assert finals == ["The answer is 5."] * 8
+        rollouts.append(rollout)
+    for field in ("prompt_ids", "completion_ids", "completion_mask"):
+        assert torch.equal(getattr(rollouts[0], field), getattr(rollouts[1], field)), field
