@@ -1,7 +1,8 @@
 """Agent libraries as their users write them, unmodified, pointed at the episode's endpoint
 (issue 48): the OpenAI Agents SDK with its default model (the Responses API) and with its
-chat-completions model, run and streamed; LangChain's ``ChatOpenAI``, invoked and streamed.
-Skipped where a library is not installed (both are in the ``test`` extra)."""
+chat-completions model, run and streamed; LangChain's ``ChatOpenAI``, invoked and streamed;
+pydantic-ai's ``Agent`` on its chat and Responses models, run and streamed. Skipped where a
+library is not installed (each is in the ``test`` extra)."""
 
 from __future__ import annotations
 
@@ -141,3 +142,46 @@ def test_langchain_chat_openai_runs_the_calculator_loop_invoked_and_streamed(lon
         rollouts.append(rollout)
     for field in ("prompt_ids", "completion_ids", "completion_mask"):
         assert torch.equal(getattr(rollouts[0], field), getattr(rollouts[1], field)), field
+
+
+def _pydantic_ai_agent(kind: str, finals: list):
+    """The calculator task as a pydantic-ai user writes it: an ``Agent`` with a plain tool on
+    an OpenAI model given the episode's URL and key; ``run`` or ``run_stream``."""
+    from pydantic_ai import Agent, Tool
+    from pydantic_ai.models.openai import OpenAIChatModel, OpenAIResponsesModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    def evaluate(expression: str) -> str:
+        """Evaluate an arithmetic expression and return its exact value.
+
+        Args:
+            expression: The arithmetic expression.
+        """
+        return calculator(expression)
+
+    async def run(episode):
+        provider = OpenAIProvider(base_url=episode.base_url, api_key=episode.api_key)
+        model = (OpenAIResponsesModel if kind.startswith("responses") else OpenAIChatModel)(episode.model,
+                                                                                            provider=provider)
+        agent = Agent(model, tools=[Tool(evaluate, name="calculator")], retries=0)
+        prompt = episode.row["prompt"][-1]["content"]
+        if kind.endswith("streamed"):
+            async with agent.run_stream(prompt) as result:
+                finals.append(await result.get_output())
+        else:
+            finals.append((await agent.run(prompt)).output)
+        return None
+
+    return run
+
+
+@pytest.mark.parametrize("kind", ["chat", "chat streamed", "responses", "responses streamed"])
+def test_pydantic_ai_runs_the_calculator_loop(long_model, tmp_path, kind):  # noqa: F811
+    pytest.importorskip("pydantic_ai", reason="pydantic-ai is not installed")
+    finals: list = []
+    spec = _spec(long_model, tmp_path / "o", name="scripted", group_size=4, agent={"max_total_tokens": 400})
+    rollout = Trainer(spec, agent=_pydantic_ai_agent(kind, finals), plugins=[ScriptedPlugin()])._build() \
+        .actor.collect(0).scored.rollout
+    assert not rollout.episodes.failed.any(), [m[-1] for m in rollout.episodes.messages]
+    assert rollout.episodes.tool_calls.tolist() == [1] * 8 and rollout.episodes.turns.tolist() == [2] * 8
+    assert finals == ["The answer is 5."] * 8
