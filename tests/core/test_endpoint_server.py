@@ -180,3 +180,15 @@ def test_close_stops_the_server_and_frees_its_thread(served):
     assert not endpoint.thread.is_alive()
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", int(urlsplit(endpoint.base_url).port)), timeout=2)
+
+
+def test_stored_responses_are_a_400_naming_them(served):
+    """/v1/responses is stateless: retrieving, cancelling or deleting a response says so."""
+    endpoint, _ = served
+    for method, path in (("GET", "/v1/responses/resp_1"), ("DELETE", "/v1/responses/resp_1"),
+                         ("POST", "/v1/responses/resp_1/cancel"), ("GET", "/v1/responses/resp_1/input_items")):
+        connection = _connection(endpoint)
+        connection.request(method, path, body=b"{}" if method == "POST" else None)
+        answer = connection.getresponse()
+        message = json.loads(answer.read())["error"]["message"]
+        assert answer.status == 400 and message.startswith(f"{method} {path}: stored responses are not served")

@@ -317,6 +317,7 @@ class Endpoint:
         app = Starlette(routes=[
             Route("/v1/models", self._models, methods=["GET"]),
             *(Route(f"/v1/{api}", self._post, methods=["POST"], name=api) for api in APIS),
+            Route("/v1/responses/{rest:path}", self._stored, methods=["GET", "POST", "DELETE"]),
         ], exception_handlers={HTTPException: self._no_route})
         self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -346,6 +347,11 @@ class Endpoint:
     # ----------------------------------------------------------------- requests
     async def _models(self, http: StarletteRequest) -> Response:
         return _json({"object": "list", "data": [{"id": "policy", "object": "model", "owned_by": "grpo"}]})
+
+    async def _stored(self, http: StarletteRequest) -> Response:
+        """Retrieving, cancelling or deleting a stored response: nothing is stored."""
+        return _json(_error(f"{http.method} {http.url.path}: stored responses are not served (every /v1/responses "
+                            "request is answered and forgotten); keep the output items the answer gave"), 400)
 
     async def _no_route(self, http: StarletteRequest, exc: HTTPException) -> Response:
         served = ", ".join(f"POST /v1/{api}" for api in APIS)
