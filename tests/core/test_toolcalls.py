@@ -155,3 +155,60 @@ def test_a_llama_template_agent_gets_its_json_call_as_a_tool_call(long_model, tm
     assert len(first) == 2 and all(r.message.content is None for r in first)
     assert all(json.loads(r.message.tool_calls[0].function.arguments) == ARGS for r in first)
     assert rollout.episodes.tool_calls.tolist() == [1, 1] and rollout.episodes.turns.tolist() == [2, 2]
+
+
+class ThinkingScripted(Scripted):
+    """The scripted backend thinking first, as Qwen3 does: ``<think>...</think>`` before each turn."""
+
+    def generate(self, prompt_ids, group_size, sampling):
+        batch = super().generate(prompt_ids, group_size, sampling)
+        out = []
+        for row, text in enumerate(batch.completions):
+            ids = batch.completion_ids[row][batch.completion_mask[row]].tolist()
+            out.append(self.tokenizer("<think>add 2 and 3</think>", add_special_tokens=False)["input_ids"] + ids)
+            batch.completions[row] = "<think>add 2 and 3</think>" + text
+        width = max(map(len, out))
+        import torch
+
+        batch.completion_ids = torch.zeros((len(out), width), dtype=torch.long)
+        batch.completion_mask = torch.zeros((len(out), width), dtype=torch.bool)
+        for row, ids in enumerate(out):
+            batch.completion_ids[row, : len(ids)] = torch.tensor(ids)
+            batch.completion_mask[row, : len(ids)] = True
+        return batch
+
+
+def test_a_thinking_template_agent_gets_reasoning_content_apart(long_model, tmp_path):  # noqa: F811
+    """A template that mentions <think>: the openai client receives the thinking as the
+    message's reasoning_content (unstreamed and streamed), the content and tool call without
+    it, and the episode, its messages echoed back with the reasoning, goes on to its answer."""
+    model = tmp_path / "thinking"
+    shutil.copytree(long_model, model)
+    template = (model / "chat_template.jinja").read_text()
+    (model / "chat_template.jinja").write_text("{#- past <think> blocks are dropped -#}" + template)
+    seen = []
+
+    def agent(episode):
+        with openai.OpenAI(base_url=episode.base_url, api_key=episode.api_key, max_retries=0, timeout=60) as client:
+            messages = list(episode.row["prompt"])
+            reply = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+            message = reply.choices[0].message
+            seen.append((message.model_extra.get("reasoning_content"), message.content, len(message.tool_calls)))
+            messages.append(message.model_dump(exclude_none=True))
+            messages.append({"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "5"})
+            stream = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, stream=True)
+            thought = content = ""
+            for chunk in stream:
+                for choice in chunk.choices:
+                    thought += (choice.delta.model_extra or {}).get("reasoning_content") or ""
+                    content += choice.delta.content or ""
+            seen.append((thought, content, 0))
+
+    spec = _spec(model, tmp_path / "o", name="scripted", group_size=2, agent={"max_total_tokens": 240})
+    spec["train"]["prompts_per_step"] = 1
+    plugin = ScriptedPlugin()
+    plugin.backend = ThinkingScripted()
+    rollout = Trainer(spec, agent=agent, plugins=[plugin])._build().actor.collect(0).scored.rollout
+    assert not rollout.episodes.failed.any(), [m[-1] for m in rollout.episodes.messages]
+    assert sorted(seen, key=str) == [("add 2 and 3", "The answer is 5.", 0)] * 2 + [("add 2 and 3", None, 1)] * 2
+    assert rollout.episodes.turns.tolist() == [2, 2]
