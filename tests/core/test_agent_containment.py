@@ -118,6 +118,8 @@ MALFORMED = {
     "top_k a list": (_chat(top_k=[1]), "top_k: [1]"),
     "stop a number": (_chat(stop=5), "stop: a string or a list of at most 8 non-empty strings"),
     "stream a string": (_chat(stream="no"), "stream: a boolean"),
+    "stream_options a string": (_chat(stream=True, stream_options="usage"),
+                                "stream_options: an object {include_usage: a boolean}; got 'usage'"),
     "logprobs a string": (_chat(logprobs="yes"), "logprobs: a boolean"),
     "prompt a list": (json.dumps({"prompt": [1, 2, 3]}).encode(), "prompt: a non-empty string"),
 }

@@ -12,5 +12,8 @@ It never imports the learner (:mod:`grpo_core.train.learner`); what it makes, an
 - ``episodes``: multi-turn rollouts (model turns and environment observations).
 - ``agents``: episodes driven by agent programs over the endpoint.
 - ``endpoint``: the OpenAI-compatible HTTP endpoint those programs talk to.
+- ``streaming``: the endpoint's answers as server-sent events (``stream: true``).
+- ``toolcalls``: tool calls and reasoning in the policy's text, per model family.
+- ``responses_api``: ``/v1/responses`` requests as chat requests, and their answers.
 - ``routes``: per-row choice of how a row's episodes run (``rollout.routing``).
 """

@@ -40,16 +40,15 @@ from grpo_core.contracts import AgentEpisode, RolloutBatch, SamplingParams
 from grpo_core.contracts.rewards import REWARD_MAX
 from grpo_core.errors import RunError, fault_text
 from grpo_core.train.actor.endpoint import (
-    TOOL_STOP,
     Endpoint,
     EndpointError,
     Request,
-    assistant_message,
     plain,
-    response_body,
     same_message,
 )
 from grpo_core.train.actor.episodes import EpisodeRecord, TurnRenderer, episodes_batch, with_tools
+from grpo_core.train.actor.streaming import pieces
+from grpo_core.train.actor.toolcalls import tool_format
 
 log = logging.getLogger("grpo.agents")
 
@@ -256,6 +255,7 @@ class AgentRunner:
 
     def __post_init__(self) -> None:
         self.renderer = TurnRenderer(self.tokenizer, self.eos_ids)
+        self.format = tool_format(self.tokenizer.chat_template)  # how this model family writes tool calls
 
     @property
     def tools(self) -> list[dict]:
@@ -340,8 +340,9 @@ class AgentRunner:
         if episode is not None and error.fatal:
             episode.fail(f"HTTP {error.status}: {error.message}")
 
-    def _handle(self, request: Request) -> dict[str, Any]:
-        """Answer one request (called in an endpoint thread)."""
+    def _handle(self, request: Request) -> tuple[list[dict[str, Any]], int]:
+        """Answer one request (called in an endpoint thread): the choices (dicts of ``text``,
+        ``ids``, ``logp``, ``finish``, ``message``) and the prompt's length in tokens."""
         e = self._episodes.get(request.key)
         if e is None:
             raise EndpointError(401, "unknown episode key: use the api_key of the episode's AgentEpisode")
@@ -364,10 +365,10 @@ class AgentRunner:
                 e.record.truncated = e.exhausted = True
                 empty = {"ids": [], "logp": None, "text": "", "finish": "length", "eos": False,
                          "message": {"role": "assistant", "content": ""}}
-                return response_body(request, [empty] * request.n, prompt_tokens)
+                return [dict(empty, pieces=[]) for _ in range(request.n)], prompt_tokens
             want = min(request.max_tokens or self._sampling.max_new_tokens, self._sampling.max_new_tokens, room)
             stop = tuple(dict.fromkeys((*self._sampling.stop, *request.stop,
-                                        *((TOOL_STOP,) if request.tools else ()))))
+                                        *(self.format.stop if request.tools else ()))))
             job = _Job(e, e.first + e.record.ids, want, stop, request.n)
             e.busy = True
         self._queue.submit(job)
@@ -379,7 +380,7 @@ class AgentRunner:
                                     "(rollout.agent.timeout_s)", True)
             if e.closed:
                 raise EndpointError(409, f"the episode is over ({e.failure or 'its agent returned'})")
-            return response_body(request, self._answer(e, request, job.choices), prompt_tokens)
+            return self._answer(e, request, job.choices), prompt_tokens
 
     def _extend(self, e: _Live, request: Request) -> int:
         """Append what the agent added since its last call (context) to the episode; the
@@ -448,12 +449,16 @@ class AgentRunner:
         several wait for the agent to go on with one."""
         for choice in choices:
             if request.chat:
-                choice["message"], calls = assistant_message(choice["text"], bool(request.tools))
+                raw = self.tokenizer.decode([i for i in choice["ids"] if i not in self.eos_ids]) \
+                    if self.format.special else None
+                choice["message"], calls = self.format.message(choice["text"], bool(request.tools), raw)
                 choice["calls"] = len(choice["message"].get("tool_calls") or [])
                 if calls and choice["finish"] == "stop":
                     choice["finish"] = "tool_calls"
             else:
                 choice["message"], choice["calls"] = {"role": "assistant", "content": choice["text"]}, 0
+            if request.stream:
+                choice["pieces"] = pieces(self.tokenizer, choice["ids"], choice["text"])
         if len(choices) == 1:
             self._keep(e, choices[0])
         else:

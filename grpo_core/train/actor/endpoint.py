@@ -1,6 +1,8 @@
 """The OpenAI-compatible endpoint agents talk to: ``/v1/chat/completions``,
 ``/v1/completions`` and ``/v1/models``, served on 127.0.0.1 while a rollout's agent episodes
-run (:mod:`grpo_core.train.actor.agents`).
+run (:mod:`grpo_core.train.actor.agents`), and ``/v1/responses``
+(:mod:`grpo_core.train.actor.responses_api`): starlette routes on a uvicorn server in a thread of
+its own (HTTP/1.1, keep-alive, chunked bodies), as vLLM and SGLang serve theirs.
 
 Each request names its episode by its key (``Authorization: Bearer <key>``, the
 ``api_key`` of an OpenAI client). The endpoint turns the request into the prompt token ids
@@ -13,8 +15,9 @@ history (the agent edited or dropped a message) fails its episode.
 
 What a request may set: ``messages`` (or ``prompt``), ``tools``, ``max_tokens`` /
 ``max_completion_tokens``, ``stop``, ``n``, ``logprobs``; ``temperature``, ``top_p`` and
-``top_k`` only at the spec's values (the learner's log-probs assume them). Streaming is not
-served. Every request is bounded: its body (``max_request_bytes``), the episode's calls
+``top_k`` only at the spec's values (the learner's log-probs assume them); ``stream`` and
+``stream_options.include_usage`` (:mod:`grpo_core.train.actor.streaming`). Every request is
+bounded: its body (``max_request_bytes``), the episode's calls
 (``max_calls``), tokens (``max_total_tokens``) and time (``timeout_s``).
 """
 
@@ -23,33 +26,31 @@ from __future__ import annotations
 import json
 import logging
 import math
-import re
+import socket
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from grpo_core.errors import fault_text
+import anyio
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request as StarletteRequest
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
 
-#: A tool call in the policy's text, in the convention of the tools environment and of
-#: Qwen/Hermes templates: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
-TOOL_STOP = "</tool_call>"
-_DECODER = json.JSONDecoder()
+from grpo_core.errors import fault_text
+from grpo_core.train.actor import responses_api
+from grpo_core.train.actor.streaming import chat_events, completion_events
+
 #: Levels of arrays and objects a request body may nest (a tool's JSON schema takes a few;
 #: the spec's YAML has the same bound).
 MAX_DEPTH = 100
 log = logging.getLogger("grpo.agents")
-
-
-class _Server(ThreadingHTTPServer):
-    """The standard library's threading server with a listen backlog for every episode at once:
-    its default (5) made the kernel drop connections when 32 agents connected together, which
-    their clients reported as connection errors and the run as failed episodes."""
-
-    request_queue_size = 1024
+#: The POST routes under ``/v1``.
+APIS = ("chat/completions", "completions", "responses")
 
 
 class EndpointError(Exception):
@@ -67,7 +68,7 @@ class Request:
     (completions), the tools, and what may vary per request."""
 
     key: str
-    chat: bool
+    api: str  # the route: "chat/completions", "completions", "responses"
     messages: list[dict[str, Any]] = field(default_factory=list)
     prompt: str = ""
     tools: list[dict[str, Any]] = field(default_factory=list)
@@ -75,6 +76,15 @@ class Request:
     stop: tuple[str, ...] = ()
     n: int = 1
     logprobs: bool = False
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
+    instructions: str | None = None  # /v1/responses: echoed in the response object
+    response_tools: list[dict[str, Any]] = field(default_factory=list)  # /v1/responses: its tools, as sent
+
+    @property
+    def chat(self) -> bool:
+        """Whether the request holds messages (rendered by the chat template), not text."""
+        return self.api != "completions"
 
 
 def _integer(value: Any) -> bool:
@@ -96,11 +106,14 @@ def _flag(body: dict[str, Any], name: str) -> bool:
     return bool(value)
 
 
-def parse_request(body: dict[str, Any], key: str, chat: bool, sampling: Any, max_n: int) -> Request:
+def parse_request(body: dict[str, Any], key: str, api: str, sampling: Any, max_n: int) -> Request:
     """Check one request body against what the endpoint serves; an :class:`EndpointError`
     (400) naming the field otherwise."""
-    if _flag(body, "stream"):
-        raise EndpointError(400, "stream: streaming is not served; send stream: false")
+    stream = _flag(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and not (isinstance(options, dict)
+                                    and isinstance(options.get("include_usage", False), bool)):
+        raise EndpointError(400, f"stream_options: an object {{include_usage: a boolean}}; got {options!r:.60}")
     for name, spec_value in (("temperature", sampling.temperature), ("top_p", sampling.top_p)):
         value = body.get(name)
         if value is not None and not _close(value, spec_value):
@@ -122,8 +135,9 @@ def parse_request(body: dict[str, Any], key: str, chat: bool, sampling: Any, max
     stop = (stop,) if isinstance(stop, str) else stop
     if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 8:
         raise EndpointError(400, "stop: a string or a list of at most 8 non-empty strings")
-    request = Request(key, chat, max_tokens=max_tokens, stop=tuple(stop), n=n, logprobs=_flag(body, "logprobs"))
-    if chat:
+    request = Request(key, api, max_tokens=max_tokens, stop=tuple(stop), n=n, logprobs=_flag(body, "logprobs"),
+                      stream=stream, include_usage=stream and bool((options or {}).get("include_usage")))
+    if request.chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
@@ -254,28 +268,6 @@ def same_message(sent: dict[str, Any], answered: dict[str, Any]) -> bool:
     return (plain(sent)["content"] or "") == (answered.get("content") or "") and calls(sent) == calls(answered)
 
 
-def assistant_message(text: str, with_tools: bool) -> tuple[dict[str, Any], bool]:
-    """The assistant message of the policy's ``text``, and whether it calls tools: with
-    tools offered, each well-formed ``<tool_call>`` becomes an OpenAI tool call and the text
-    around them the content."""
-    if not with_tools:
-        return {"role": "assistant", "content": text}, False
-    calls = []
-    for match in _TOOL_CALL.finditer(text):
-        try:
-            call, _ = _DECODER.raw_decode(match.group(1).strip())
-        except (ValueError, RecursionError):
-            continue
-        if isinstance(call, dict) and isinstance(call.get("name"), str):
-            arguments = call.get("arguments", {})
-            calls.append({"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
-                          "function": {"name": call["name"], "arguments": json.dumps(arguments)}})
-    if not calls:
-        return {"role": "assistant", "content": text}, False
-    content = _TOOL_CALL.sub("", text).strip()
-    return {"role": "assistant", "content": content or None, "tool_calls": calls}, True
-
-
 def response_body(request: Request, choices: list[dict[str, Any]], prompt_tokens: int) -> dict[str, Any]:
     """An OpenAI ``chat.completion`` or ``text_completion`` object; each choice dict holds
     ``text``, ``ids``, ``logp`` (or None), ``finish`` and, for chat, ``message``."""
@@ -303,94 +295,133 @@ def response_body(request: Request, choices: list[dict[str, Any]], prompt_tokens
 
 
 class Endpoint:
-    """The HTTP server of one rollout's agent episodes, on 127.0.0.1 at a free port.
+    """The HTTP server of one rollout's agent episodes: starlette routes served by uvicorn
+    (HTTP/1.1, keep-alive) in a thread of its own, on 127.0.0.1 at a free port.
 
-    ``handle(request) -> body`` (the agent runner's) does the work and ``refuse(key, error)``
-    hears of every refused request (a fatal one fails the episode); the server parses, bounds
-    and answers. :meth:`close` stops it."""
+    ``handle(request) -> (choices, prompt_tokens)`` (the agent runner's, blocking until the
+    policy answered) does the work in a worker thread, and ``refuse(key, error)`` hears of
+    every refused request (a fatal one fails the episode); the server reads and bounds the
+    body, parses it, and writes the answer as JSON or as server-sent events. :meth:`close`
+    stops it."""
+
+    #: Connections the kernel queues before the server accepts them: every episode of a step
+    #: may connect at once (the standard library's default, 5, dropped some of 32 agents).
+    BACKLOG = 2048
 
     def __init__(self, handle, refuse, sampling: Any, max_request_bytes: int, max_n: int):
         self.handle, self.refuse, self.sampling = handle, refuse, sampling
         self.max_request_bytes, self.max_n = max_request_bytes, max_n
-        endpoint = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args) -> None:  # no per-request lines on stderr
-                pass
-
-            def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
-                if self.path.rstrip("/").endswith("/v1/models"):
-                    endpoint._send(self, 200, {"object": "list", "data": [{"id": "policy", "object": "model"}]})
-                else:
-                    endpoint._send(self, 404, _error(f"no route {self.path}"))
-
-            def do_POST(self) -> None:  # noqa: N802
-                endpoint._post(self)
-
-        self.server = _Server(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.02,), name="grpo-agent-endpoint",
-                                       daemon=True)  # polls for shutdown every 20 ms: closing is quick
+        # Every waiting request holds a worker thread until its batch's generate returns: room
+        # for far more than rollout.agent.concurrency, so no episode waits for another's thread.
+        self.limiter = anyio.CapacityLimiter(1024)
+        app = Starlette(routes=[
+            Route("/v1/models", self._models, methods=["GET"]),
+            *(Route(f"/v1/{api}", self._post, methods=["POST"], name=api) for api in APIS),
+            Route("/v1/responses/{rest:path}", self._stored, methods=["GET", "POST", "DELETE"]),
+        ], exception_handlers={HTTPException: self._no_route})
+        self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.socket.bind(("127.0.0.1", 0))
+        self.socket.listen(self.BACKLOG)
+        config = uvicorn.Config(app, http="h11", loop="asyncio", ws="none", lifespan="off", log_config=None,
+                                log_level="warning", access_log=False, backlog=self.BACKLOG,
+                                timeout_graceful_shutdown=1, timeout_keep_alive=30)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]},
+                                       name="grpo-agent-endpoint", daemon=True)
         self.thread.start()
+        while not self.server.started:  # serving before the first agent starts
+            if not self.thread.is_alive():
+                raise RuntimeError("the agent endpoint's server did not start (see the log above)")
+            time.sleep(0.005)
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        return f"http://127.0.0.1:{self.socket.getsockname()[1]}/v1"
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(timeout=5)
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.socket.close()
 
     # ----------------------------------------------------------------- requests
-    def _post(self, http: BaseHTTPRequestHandler) -> None:
-        path = http.path.rstrip("/")
-        chat = path.endswith("/v1/chat/completions")
-        if not chat and not path.endswith("/v1/completions"):
-            self._send(http, 404, _error(f"no route {http.path}; /v1/chat/completions and /v1/completions"))
-            return
-        key = (http.headers.get("Authorization") or "").removeprefix("Bearer ").strip()
+    async def _models(self, http: StarletteRequest) -> Response:
+        return _json({"object": "list", "data": [{"id": "policy", "object": "model", "owned_by": "grpo"}]})
+
+    async def _stored(self, http: StarletteRequest) -> Response:
+        """Retrieving, cancelling or deleting a stored response: nothing is stored."""
+        return _json(_error(f"{http.method} {http.url.path}: stored responses are not served (every /v1/responses "
+                            "request is answered and forgotten); keep the output items the answer gave"), 400)
+
+    async def _no_route(self, http: StarletteRequest, exc: HTTPException) -> Response:
+        served = ", ".join(f"POST /v1/{api}" for api in APIS)
+        return _json(_error(f"no route {http.method} {http.url.path}; {served}, GET /v1/models"), exc.status_code)
+
+    async def _post(self, http: StarletteRequest) -> Response:
+        api = http.scope["route"].name
+        key = (http.headers.get("authorization") or "").removeprefix("Bearer ").strip()
         try:
-            body = self._read(http, key)
-            request = parse_request(body, key, chat, self.sampling, self.max_n)
-            self._send(http, 200, self.handle(request))
+            data = await self._read(http)
+            request, answer = await anyio.to_thread.run_sync(self._work, data, key, api, limiter=self.limiter)
+            if request.api == "responses":
+                if request.stream:
+                    return _events(responses_api.response_events(request, *answer))
+                return _json(responses_api.response_body(request, *answer))
+            if request.stream:
+                return _events((chat_events if request.chat else completion_events)(request, *answer,
+                                                                                    request.include_usage))
+            return _json(response_body(request, *answer))
         except EndpointError as exc:
             self.refuse(key, exc)
-            self._send(http, exc.status, _error(exc.message))
+            headers = {"Connection": "close"} if exc.status == 413 else None  # the body was not read
+            return _json(_error(exc.message), exc.status, headers)
         except BaseException as exc:  # noqa: BLE001 - the engine's fault on this request: answered, never dropped
             log.warning("the agent endpoint failed on a request of episode key %s...", key[:6], exc_info=True)
             error = EndpointError(500, f"the endpoint failed on this request ({fault_text(exc)}); the episode is "
                                        "failed (a bug: please report it)", fatal=True)
             self.refuse(key, error)
-            self._send(http, error.status, _error(error.message))
+            return _json(_error(error.message), 500)
 
-    def _read(self, http: BaseHTTPRequestHandler, key: str) -> dict[str, Any]:
+    def _work(self, data: bytes, key: str, api: str) -> tuple[Request, tuple[list[dict[str, Any]], int]]:
+        """In a worker thread: the body parsed, then the runner's answer (which waits for the
+        batch's generate)."""
+        body = decode_body(data or b"{}")
+        if api != "responses":
+            request = parse_request(body, key, api, self.sampling, self.max_n)
+            return request, self.handle(request)
         try:
-            length = int(http.headers.get("Content-Length") or -1)
-        except ValueError:
-            length = -1
-        if length < 0:
-            raise EndpointError(411, "a Content-Length header is required")
-        if length > self.max_request_bytes:
-            http.close_connection = True  # the body is not read
-            raise EndpointError(413, f"request body of {length} bytes; rollout.agent.max_request_bytes is "
-                                     f"{self.max_request_bytes}", fatal=True)
-        return decode_body(http.rfile.read(length) or b"{}")
+            chat = responses_api.chat_body(body)
+        except responses_api.NotServed as exc:
+            raise EndpointError(400, str(exc)) from None
+        request = parse_request(chat, key, api, self.sampling, self.max_n)
+        request.instructions = body.get("instructions")
+        request.response_tools = body.get("tools") or []
+        return request, self.handle(request)
 
-    @staticmethod
-    def _send(http: BaseHTTPRequestHandler, status: int, body: dict[str, Any]) -> None:
-        data = json.dumps(body).encode()
-        try:
-            http.send_response(status)
-            http.send_header("Content-Type", "application/json")
-            http.send_header("Content-Length", str(len(data)))
-            http.end_headers()
-            http.wfile.write(data)
-        except (BrokenPipeError, ConnectionResetError):  # the agent went away
-            pass
-
+    async def _read(self, http: StarletteRequest) -> bytes:
+        """The body, at most ``max_request_bytes``: a larger declared length is refused before
+        reading, a chunked body as soon as it grows past the cap (413, the episode fails)."""
+        cap = self.max_request_bytes
+        declared = http.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > cap:
+            raise EndpointError(413, f"request body of {declared} bytes; rollout.agent.max_request_bytes is {cap}",
+                                fatal=True)
+        chunks, size = [], 0
+        async for chunk in http.stream():
+            size += len(chunk)
+            if size > cap:
+                raise EndpointError(413, f"request body over {cap} bytes; rollout.agent.max_request_bytes is {cap}",
+                                    fatal=True)
+            chunks.append(chunk)
+        return b"".join(chunks)
 
 def _error(message: str) -> dict[str, Any]:
     return {"error": {"message": message, "type": "invalid_request_error"}}
+
+
+def _json(body: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(json.dumps(body), status, headers, media_type="application/json")
+
+
+def _events(events: Any) -> Response:
+    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
