@@ -2,10 +2,12 @@
 one entry each: where it lands in a grpo-core spec, or why it is refused or ignored.
 
 Facts about TRL come from its source (``trl/trainer/grpo_config.py`` and
-``grpo_trainer.py``, version 1.16.0): the loss of each ``loss_type`` (``_compute_loss``), the
-advantage of each ``scale_rewards`` (``_generate_and_score_completions``: the unbiased std,
-plus 1e-4), the KL term (k3 without clamps, times the importance ratio under
-``use_bias_correction_kl``) and the vLLM importance-sampling modes.
+``grpo_trainer.py``, version 1.16.0): the loss of each ``loss_type`` (``_compute_loss``;
+``get_gamma_weights`` for ``vespo``, ``get_off_policy_mask`` for ``off_policy_mask_threshold``),
+the advantage of each ``scale_rewards`` and ``multi_objective_aggregation``
+(``_generate_and_score_completions``: the unbiased std, plus 1e-4), the KL term (k3 without
+clamps, times the importance ratio under ``use_bias_correction_kl``) and the vLLM
+importance-sampling modes.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from grpo_core.trl.table import (
 #: TRL ``loss_type`` -> (grpo-core policy loss at token level, aggregator). Each aggregator
 #: normalizes as TRL's loss does once its micro-batch losses are accumulated over an
 #: optimizer step: ``grpo`` and ``sapo`` average each sequence's token mean, ``dr_grpo``
-#: divides the token sum by rows x max_completion_length, ``dapo`` and ``cispo`` divide by the
-#: tokens of the whole optimizer step, ``luspo`` averages each sequence's token sum.
+#: divides the token sum by rows x max_completion_length, ``dapo``, ``cispo`` and ``vespo``
+#: divide by the tokens of the whole optimizer step, ``luspo`` averages each sequence's token sum.
 LOSS_TYPES: dict[str, tuple[str, str]] = {
     "grpo": ("clip", "seq-mean-token-mean"),
     "dr_grpo": ("clip", "seq-mean-token-sum-norm"),
@@ -36,29 +38,34 @@ LOSS_TYPES: dict[str, tuple[str, str]] = {
     "cispo": ("cispo", "token-mean"),
     "sapo": ("sapo", "seq-mean-token-mean"),
     "luspo": ("gspo", "seq-mean-token-sum"),
+    "vespo": ("vespo", "token-mean"),
 }
 #: The TRL losses whose ratio is PPO's clip (``epsilon``, ``epsilon_high``, ``delta``).
 CLIPPED = ("grpo", "dr_grpo", "dapo", "bnpo", "luspo")
 
 
 def policy_loss(ctx: Context) -> str:
-    """The grpo-core policy loss of ``ctx``'s ``loss_type`` and ``importance_sampling_level``."""
+    """The grpo-core policy loss of ``ctx``'s ``loss_type``, ``importance_sampling_level`` and
+    ``off_policy_mask_threshold`` (PPO's token-level clip with the off-policy mask is ``opsm``)."""
     loss_type, level = ctx["loss_type"], ctx["importance_sampling_level"]
     if loss_type not in LOSS_TYPES:
         return ""
     name = LOSS_TYPES[loss_type][0]
-    return "gspo" if level == "sequence" and name == "clip" else name
+    if level == "sequence" and name == "clip":
+        return "gspo"
+    return "opsm" if name == "clip" and ctx["off_policy_mask_threshold"] is not None else name
 
 
 # --------------------------------------------------------------------------- converters
 def _loss_type(value: Any, ctx: Context) -> dict[str, Any]:
     level = ctx["importance_sampling_level"]
-    if value == "vespo":
-        raise Refusal("loss_type", value, "grpo-core has no VESPO loss (gamma-weighted sequence ratios)",
-                      "another loss_type, or a policy-loss plugin named in algorithm.policy_loss.name")
     if value not in LOSS_TYPES:
-        raise Refusal("loss_type", value, f"not a TRL 1.16 loss type ({', '.join([*LOSS_TYPES, 'vespo'])})",
-                      "one of them")
+        raise Refusal("loss_type", value, f"not a TRL 1.16 loss type ({', '.join(LOSS_TYPES)})", "one of them")
+    if value == "vespo" and ctx["use_vllm"] and ctx["vllm_importance_sampling_correction"]:
+        raise Refusal("loss_type", value, "with vLLM's importance-sampling correction TRL's vespo folds the vLLM "
+                      "ratio pi_old/pi_sampler into the sequence ratio w inside its gamma weight phi(w), while "
+                      "grpo-core's vespo weighs only pi/pi_old and its rollout correction multiplies the loss "
+                      "after it: another weight", "vllm_importance_sampling_correction=False, or without vLLM")
     if level not in ("token", "sequence"):
         raise Refusal("importance_sampling_level", level, "TRL knows 'token' and 'sequence'", "one of them")
     if value == "luspo" and level != "sequence":
@@ -75,9 +82,10 @@ def _loss_type(value: Any, ctx: Context) -> dict[str, Any]:
                           "count; grpo-core normalizes over the whole optimizer step (a gradient step is the same "
                           "whatever the micro-batching), which is bnpo only with gradient_accumulation_steps=1 on "
                           "one process", "loss_type='dapo' (the token mean over the optimizer step)")
-    aggregation = LOSS_TYPES[value][1]
-    return {"algorithm.policy_loss.name": policy_loss(ctx), "algorithm.policy_loss.log_ratio_clamp": None,
-            "algorithm.aggregation.name": aggregation}
+    out = {"algorithm.policy_loss.name": policy_loss(ctx), "algorithm.aggregation.name": LOSS_TYPES[value][1]}
+    if value != "vespo":  # vespo clamps as TRL's get_gamma_weights does, and has no other clamp
+        out["algorithm.policy_loss.log_ratio_clamp"] = None
+    return out
 
 
 def _epsilon(value: Any, ctx: Context) -> dict[str, Any]:
@@ -119,6 +127,29 @@ def _delta(value: Any, ctx: Context) -> dict[str, Any]:
     return {"algorithm.policy_loss.dual_clip": float(value)}
 
 
+def _vespo(option: str) -> Any:
+    def to(value: Any, ctx: Context) -> dict[str, Any]:
+        return {f"algorithm.policy_loss.{option}": float(value)} if ctx["loss_type"] == "vespo" else {}
+
+    return to
+
+
+def _off_policy_mask(value: Any, ctx: Context) -> dict[str, Any]:
+    """TRL's ``get_off_policy_mask`` on the loss of ``loss_type``: grpo-core's ``opsm`` is the
+    mask on PPO's token-level clip, so the clipped token-level losses only."""
+    if value is None:
+        return {}
+    if policy_loss(ctx) != "opsm":
+        raise Refusal("off_policy_mask_threshold", value, f"TRL masks whatever loss loss_type="
+                      f"{ctx['loss_type']!r} (importance_sampling_level={ctx['importance_sampling_level']!r}) "
+                      "computes; grpo-core's opsm masks PPO's token-level clip only (loss_type grpo, dr_grpo, dapo "
+                      "or bnpo at importance_sampling_level='token')", "one of those, or None")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise Refusal("off_policy_mask_threshold", value, "grpo-core's opsm threshold (delta) is a positive mean "
+                      "log-ratio", "a positive number (algorithm.policy_loss.delta)")
+    return {"algorithm.policy_loss.delta": float(value)}
+
+
 def _sapo(option: str) -> Any:
     def to(value: Any, ctx: Context) -> dict[str, Any]:
         return {f"algorithm.policy_loss.{option}": float(value)} if ctx["loss_type"] == "sapo" else {}
@@ -158,13 +189,32 @@ def _ref_sync(value: Any, ctx: Context) -> dict[str, Any]:
     return {"algorithm.kl.ref_sync": {"every": every // per_step, "alpha": alpha}}
 
 
+#: TRL's ``multi_objective_aggregation`` values.
+AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+
+
 def _scale_rewards(value: Any, ctx: Context) -> dict[str, Any]:
     scope = {True: "group", False: "none"}.get(value, value) if isinstance(value, bool) else value
     if scope not in ("group", "batch", "none"):
         raise Refusal("scale_rewards", value, "TRL knows 'group' (True), 'batch' and 'none' (False)", "one of them")
+    aggregation = ctx["multi_objective_aggregation"]
+    if aggregation == "normalize_then_sum":
+        # TRL reads no scale_rewards here: each function's scores divided by their group's unbiased
+        # std + 1e-4, the weighted sum centred and divided by the batch's unbiased std + 1e-4 (GDPO)
+        return {"algorithm.advantage.name": "gdpo", "algorithm.advantage.scale_by_std": True,
+                "algorithm.advantage.std": "unbiased", "algorithm.advantage.eps": 1e-4,
+                "algorithm.advantage.batch_norm": "sequence", "algorithm.advantage.batch_eps": 1e-4}
+    if aggregation != "sum_then_normalize":
+        return {}  # multi_objective_aggregation's entry says why
     return {"algorithm.advantage.name": "grpo", "algorithm.advantage.scale_by_std": scope != "none",
             "algorithm.advantage.std_scope": "batch" if scope == "batch" else "group",
             "algorithm.advantage.std": "unbiased", "algorithm.advantage.eps": 1e-4}
+
+
+def _aggregation(value: Any, ctx: Context) -> dict[str, Any]:
+    if value not in AGGREGATIONS:
+        raise Refusal("multi_objective_aggregation", value, f"TRL knows {' and '.join(AGGREGATIONS)}", "one of them")
+    return {}  # scale_rewards' entry writes the advantage keys of both
 
 
 def _reward_weights(value: Any, ctx: Context) -> dict[str, Any]:
@@ -490,10 +540,14 @@ FIELDS: list[TRLField] = [
            examples=((1.2, {"algorithm.policy_loss.tau_neg": 1.2}, {"loss_type": "sapo"}),)),
     mapped("sapo_temperature_pos", 1.0, "algorithm.policy_loss.tau_pos", "as is (sapo)", _sapo("tau_pos"),
            examples=((0.8, {"algorithm.policy_loss.tau_pos": 0.8}, {"loss_type": "sapo"}),)),
-    ignored("vespo_k_pos", 2.0, "read only by loss_type='vespo', which is refused"),
-    ignored("vespo_lambda_pos", 3.0, "read only by loss_type='vespo', which is refused"),
-    ignored("vespo_k_neg", 3.0, "read only by loss_type='vespo', which is refused"),
-    ignored("vespo_lambda_neg", 2.0, "read only by loss_type='vespo', which is refused"),
+    mapped("vespo_k_pos", 2.0, "algorithm.policy_loss.k_pos", "as is (vespo)", _vespo("k_pos"),
+           examples=((1.5, {"algorithm.policy_loss.k_pos": 1.5}, {"loss_type": "vespo"}),)),
+    mapped("vespo_lambda_pos", 3.0, "algorithm.policy_loss.lambda_pos", "as is (vespo)", _vespo("lambda_pos"),
+           examples=((2.5, {"algorithm.policy_loss.lambda_pos": 2.5}, {"loss_type": "vespo"}),)),
+    mapped("vespo_k_neg", 3.0, "algorithm.policy_loss.k_neg", "as is (vespo)", _vespo("k_neg"),
+           examples=((4.0, {"algorithm.policy_loss.k_neg": 4.0}, {"loss_type": "vespo"}),)),
+    mapped("vespo_lambda_neg", 2.0, "algorithm.policy_loss.lambda_neg", "as is (vespo)", _vespo("lambda_neg"),
+           examples=((1.0, {"algorithm.policy_loss.lambda_neg": 1.0}, {"loss_type": "vespo"}),)),
     mapped("importance_sampling_level", "token", "algorithm.policy_loss.name",
            "'sequence' turns the clipped losses into gspo (with epsilon / epsilon_high as its clip range)",
            lambda v, ctx: {},
@@ -504,11 +558,19 @@ FIELDS: list[TRLField] = [
     mapped("reward_weights", None, "rewards[i].weight", "one weight per reward function, in order (1.0 each "
            "when None)", _reward_weights, examples=(([0.5], {"rewards[0].weight": 0.5}),),
            refusals=(([1.0, 2.0], "one weight per entry of reward_funcs"),)),
-    refused("multi_objective_aggregation", "sum_then_normalize", "grpo-core sums the weighted rewards, then "
-            "normalizes (GDPO's normalize_then_sum is not built in)", "'sum_then_normalize', or an advantage-"
-            "estimator plugin (algorithm.advantage.name)", bad="normalize_then_sum"),
-    mapped("scale_rewards", "group", ("algorithm.advantage.scale_by_std", "algorithm.advantage.std_scope",
-                                      "algorithm.advantage.std", "algorithm.advantage.eps"),
+    mapped("multi_objective_aggregation", "sum_then_normalize", "algorithm.advantage.name",
+           "sum_then_normalize: grpo (see scale_rewards); normalize_then_sum: gdpo with std unbiased, eps 1e-4, "
+           "batch_norm sequence, batch_eps 1e-4 (scale_rewards is not read, as in TRL)", _aggregation,
+           note="normalize_then_sum is GDPO's (Liu et al. 2026): each reward function's scores normalized in its "
+           "group, the weighted sum normalized over the generation batch, both with TRL's unbiased std + 1e-4.",
+           examples=(("normalize_then_sum", {"algorithm.advantage.name": "gdpo", "algorithm.advantage.eps": 1e-4,
+                                             "algorithm.advantage.batch_norm": "sequence",
+                                             "algorithm.advantage.batch_eps": 1e-4}),),
+           refusals=(("sum", "one of them"),)),
+    mapped("scale_rewards", "group", ("algorithm.advantage.name", "algorithm.advantage.scale_by_std",
+                                      "algorithm.advantage.std_scope", "algorithm.advantage.std",
+                                      "algorithm.advantage.eps", "algorithm.advantage.batch_norm",
+                                      "algorithm.advantage.batch_eps"),
            "group (True): std per group; batch: one std over the batch; none (False): no scaling. Always std "
            "unbiased, eps 1e-4 (TRL divides by std + 1e-4, with Bessel's correction)", _scale_rewards,
            examples=(("batch", {"algorithm.advantage.std_scope": "batch", "algorithm.advantage.std": "unbiased"}),
@@ -517,15 +579,18 @@ FIELDS: list[TRLField] = [
     mapped("loss_type", "dapo", ("algorithm.policy_loss.name", "algorithm.aggregation.name"),
            "grpo: clip + seq-mean-token-mean; dr_grpo: clip + seq-mean-token-sum-norm; dapo: clip + token-mean; "
            "bnpo: clip + token-mean (gradient_accumulation_steps=1, one process); cispo: cispo + token-mean; sapo: "
-           "sapo + seq-mean-token-mean; luspo: gspo + seq-mean-token-sum. The ratio's log_ratio_clamp is null "
+           "sapo + seq-mean-token-mean; luspo: gspo + seq-mean-token-sum; vespo: vespo + token-mean (without vLLM's "
+           "importance-sampling correction). The ratio's log_ratio_clamp is null, but for vespo "
            "(TRL clamps nothing)", _loss_type,
            examples=(("grpo", {"algorithm.aggregation.name": "seq-mean-token-mean"}),
                      ("dr_grpo", {"algorithm.aggregation.name": "seq-mean-token-sum-norm"}),
                      ("sapo", {"algorithm.policy_loss.name": "sapo"}),
                      ("luspo", {"algorithm.policy_loss.name": "gspo", "algorithm.aggregation.name":
                                 "seq-mean-token-sum"}, {"importance_sampling_level": "sequence",
-                                                        "use_bias_correction_kl": False})),
-           refusals=(("vespo", "algorithm.policy_loss.name"),)),
+                                                        "use_bias_correction_kl": False}),
+                     ("vespo", {"algorithm.policy_loss.name": "vespo", "algorithm.aggregation.name": "token-mean"})),
+           refusals=(("vespo", "vllm_importance_sampling_correction=False", {"use_vllm": True}),
+                     ("grpo_v2", "one of them"))),
     mapped("mask_truncated_completions", False, "rollout.mask_truncated_completions", "as is",
            same("rollout.mask_truncated_completions"),
            examples=((True, {"rollout.mask_truncated_completions": True}),)),
@@ -571,8 +636,14 @@ FIELDS: list[TRLField] = [
            "as is, in (0, 1), mask modes only", _is_lower,
            examples=((0.5, {"algorithm.rollout_correction.lower": 0.5}),),
            refusals=((0.5, "a *_mask mode", {"vllm_importance_sampling_mode": "token_truncate"}),)),
-    refused("off_policy_mask_threshold", None, "grpo-core has no off-policy sequence mask (DeepSeek-V3.2's)",
-            "None, or algorithm.rollout_correction.reject for a sampler-ratio rejection", bad=0.5),
+    mapped("off_policy_mask_threshold", None, ("algorithm.policy_loss.name", "algorithm.policy_loss.delta"),
+           "a threshold: the clip loss becomes opsm with delta = the threshold (loss_type grpo, dr_grpo, dapo, "
+           "bnpo at token level); None: no mask", _off_policy_mask,
+           note="TRL's get_off_policy_mask (DeepSeek-V3.2's off-policy sequence masking): a completion with A < 0 "
+           "whose mean log(pi_sampler / pi) exceeds the threshold is left out of the loss; the sampler's "
+           "log-probs are vLLM's, else the old policy's, in both.",
+           examples=((0.5, {"algorithm.policy_loss.name": "opsm", "algorithm.policy_loss.delta": 0.5}),),
+           refusals=((0.5, "or None", {"loss_type": "sapo"}), (-0.1, "a positive number"))),
     mapped("use_bias_correction_kl", True, "algorithm.kl.name",
            "with beta > 0: True: k3+ (value of k3, gradient of k2: the gradient of TRL's ratio x k3 at ratio 1, "
            "one optimizer step per generation batch, token level); False: low_var_kl (k3). Clamps null",

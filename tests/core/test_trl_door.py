@@ -187,7 +187,7 @@ def test_a_value_grpo_core_cannot_honour_is_refused_naming_the_alternative(name,
 
 def test_every_refusal_is_reported_at_once():
     with pytest.raises(TRLConfigError) as err:
-        GRPOConfig(min_p=0.1, loss_type="vespo", top_entropy_quantile=0.2)
+        GRPOConfig(min_p=0.1, loss_type="vespo", use_vllm=True, top_entropy_quantile=0.2)
     assert len(err.value.problems) == 3
     assert "rollout.top_p" in str(err.value) and "algorithm.policy_loss.name" in str(err.value)
 

@@ -187,3 +187,62 @@ def test_ref_sync_is_sync_ref_model(alpha, seed):
     for got, expected in zip(reference.model.parameters(), theirs.parameters(), strict=True):
         torch.testing.assert_close(got, expected)
     assert all(not torch.equal(got, before) for got, before in zip(reference.model.parameters(), start))
+
+
+# --------------------------------------------------------------------------- the TRL door's settings
+def door_algorithm(**fields) -> dict:
+    """The ``algorithm`` section ``grpo_core.trl.GRPOConfig(**fields)`` writes (8 training rows)."""
+    from grpo_core.trl import GRPOConfig
+
+    return GRPOConfig("out", **fields).spec_data(rows=8)["algorithm"]
+
+
+def built(section: dict, kind: str):
+    """The component a spec section names, with the section's other keys as its options."""
+    options = {k: v for k, v in section.items() if k != "name"}
+    return component(kind, section["name"], **options)
+
+
+DOOR_LOSSES = [  # TRL's GRPOConfig fields; the same fields as _compute_loss's keyword arguments
+    ({"loss_type": "vespo"}, {"loss_type": "vespo"}),
+    ({"loss_type": "vespo", "vespo_k_pos": 1.5, "vespo_lambda_pos": 2.5, "vespo_k_neg": 4.0, "vespo_lambda_neg": 1.0},
+     {"loss_type": "vespo", "vespo": {"k_pos": 1.5, "lambda_pos": 2.5, "k_neg": 4.0, "lambda_neg": 1.0}}),
+    ({"loss_type": "vespo", "importance_sampling_level": "sequence", "use_bias_correction_kl": False},
+     {"loss_type": "vespo", "importance_sampling_level": "sequence"}),
+    ({"loss_type": "grpo", "off_policy_mask_threshold": 0.05},
+     {"loss_type": "grpo", "off_policy_mask_threshold": 0.05}),
+    ({"loss_type": "dapo", "off_policy_mask_threshold": 0.3, "epsilon_high": 0.28},
+     {"loss_type": "dapo", "off_policy_mask_threshold": 0.3, "epsilon_high": 0.28}),
+]
+
+
+@FAST
+@given(groups(spread=0.5), st.sampled_from(range(len(DOOR_LOSSES))), st.booleans())
+def test_the_doors_vespo_and_off_policy_mask_are_trls(batch, case, with_sampler):
+    """The policy loss and aggregator the TRL door writes for ``loss_type="vespo"`` (with its
+    ``vespo_*``; ``importance_sampling_level``, which vespo does not read) and for
+    ``off_policy_mask_threshold`` = TRL's ``_compute_loss`` with those arguments, with and without
+    the sampler's log-probs (vLLM's, with its importance-sampling correction off)."""
+    _, _, mask, logp, old, adv = batch
+    fields, kwargs = DOOR_LOSSES[case]
+    algorithm = door_algorithm(**fields)
+    sampled = (old + 0.3 * torch.sin(7 * old)) if with_sampler else None
+    mine = ours(built(algorithm["policy_loss"], "policy_loss"), algorithm["aggregation"]["name"], logp, old, adv,
+                mask, sampling=sampled)
+    theirs = peer(lambda lp: trl.compute_loss(lp, old, adv, mask.to(F64), sampling_per_token_logps=sampled,
+                                              **kwargs), logp)
+    assert_same(mine, theirs)
+
+
+@FAST
+@given(reward_tables())
+def test_the_doors_normalize_then_sum_is_trls(drawn):
+    """The advantage estimator the TRL door writes for ``multi_objective_aggregation="normalize_then_sum"``
+    (whatever ``scale_rewards``, which TRL does not read then) = TRL's advantages."""
+    (_, index, mask, *_), table, weights = drawn
+    for scale_rewards in ("group", "batch", False):
+        algorithm = door_algorithm(multi_objective_aggregation="normalize_then_sum", scale_rewards=scale_rewards)
+        got = built(algorithm["advantage"], "advantage_estimator")(
+            inputs_of(engine_total(table, weights), index, mask, reward_scores=table, reward_weights=weights))
+        expected = trl.advantages(table, weights, index.count(0), "normalize_then_sum")
+        torch.testing.assert_close(got, expected[:, None] * mask)
