@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -136,7 +137,9 @@ def _eval(value: Any, ctx: Context) -> dict[str, Any]:
 def _save(value: Any, ctx: Context) -> dict[str, Any]:
     strategy = _name(value)
     if strategy == "best":
-        raise Refusal("save_strategy", strategy, "grpo-core keeps no best model by a metric", "'steps' or 'epoch'")
+        raise Refusal("save_strategy", strategy, "grpo-core checkpoints on a schedule as well as at each best "
+                      "evaluation, and keeps the best beside the last checkpoints", "'steps' or 'epoch' with "
+                      "save_steps equal to eval_steps and metric_for_best_model (checkpoint.best_metric)")
     if strategy not in ("no", "steps", "epoch"):
         raise Refusal("save_strategy", strategy, "transformers knows no, steps, epoch and best", "one of them")
     every = _every(ctx, "save_strategy", "save_steps", ctx["save_steps"])
@@ -144,6 +147,63 @@ def _save(value: Any, ctx: Context) -> dict[str, Any]:
     if every is not None:
         out["checkpoint.every"] = every
     return out
+
+
+def _best_metric(value: Any, ctx: Context) -> dict[str, Any]:
+    """``metric_for_best_model`` as ``checkpoint.best_metric`` and ``best_mode``, where grpo-core
+    ranks the same evaluations of the same metric as transformers' ``_determine_best_metric``."""
+    if value is None:
+        return {}
+    name = str(value).removeprefix("eval_")  # transformers adds the prefix when it is missing
+    n = ctx["num_generations_eval"] or ctx["num_generations"]
+    per_function = re.fullmatch(r"rewards/(.+)/mean", name)
+    if name == "reward":
+        metric = f"eval/mean@{n}"
+    elif per_function:
+        metric = f"eval/rewards/{per_function.group(1)}/mean@{n}"
+    else:
+        raise Refusal("metric_for_best_model", value, "grpo-core's evaluation computes TRL's eval_reward (as "
+                      f"eval/mean@{n}) and eval_rewards/NAME/mean (eval/rewards/NAME/mean@{n}); not TRL's evaluation "
+                      "loss, nor its other metrics", "'reward' or 'rewards/NAME/mean'")
+    evaluate, save = _name(ctx["eval_strategy"]), _name(ctx["save_strategy"])
+    if evaluate == "no":
+        return {}  # nothing is evaluated, so nothing ranked (transformers neither)
+    if save != evaluate:
+        raise Refusal("metric_for_best_model", value, f"with save_strategy={save!r} transformers can restore "
+                      "only a step it both evaluated and saved (it refuses load_best_model_at_end with another "
+                      f"save_strategy than eval_strategy={evaluate!r}); grpo-core checkpoints every best step",
+                      f"save_strategy={evaluate!r}")
+    steps = ctx["eval_steps"] if ctx["eval_steps"] is not None else ctx["logging_steps"]
+    every = _every(ctx, "eval_strategy", "eval_steps", steps)
+    saves = _every(ctx, "save_strategy", "save_steps", ctx["save_steps"])
+    if every != saves:
+        raise Refusal("metric_for_best_model", value, f"transformers ranks every evaluation but keeps a best "
+                      f"checkpoint only where it saved: with saves every {saves} and evaluations every {every} "
+                      "rollout steps, a best evaluation between two saves leaves the best checkpoint where it was; "
+                      "grpo-core checkpoints each best step", "save_steps equal to eval_steps")
+    if ctx["eval_on_start"]:
+        raise Refusal("metric_for_best_model", value, "with eval_on_start=True grpo-core ranks the evaluation "
+                      "before training too (the base model can be the best); transformers does not rank it",
+                      "eval_on_start=False")
+    total = ctx.rollout_steps()
+    if total is not None and every and total % every:
+        raise Refusal("metric_for_best_model", value, f"grpo-core evaluates after the last step ({total}) too and "
+                      f"ranks it; transformers evaluates every {every} rollout steps only, so there the last step is "
+                      "no candidate", f"a run length that is a multiple of the evaluation interval ({every})")
+    better = ctx["greater_is_better"]
+    if better is None:  # transformers' default
+        better = not name.endswith("loss")
+    return {"checkpoint.best_metric": metric, "checkpoint.best_mode": "max" if better else "min"}
+
+
+def _final(value: Any, ctx: Context) -> dict[str, Any]:
+    if not value or _name(ctx["eval_strategy"]) == "no":
+        return {}  # with no evaluation transformers finds no best checkpoint and keeps the last weights
+    if ctx["metric_for_best_model"] is None:
+        raise Refusal("load_best_model_at_end", value, "without metric_for_best_model transformers ranks by 'loss', "
+                      "TRL's loss on the evaluation batches, which grpo-core's evaluation does not compute",
+                      "metric_for_best_model='reward' (or 'rewards/NAME/mean')")
+    return {"checkpoint.final": "best"}
 
 
 def _keep(value: Any, ctx: Context) -> dict[str, Any]:
@@ -190,6 +250,11 @@ IN_ROLLOUT_STEPS = "optimizer steps / optimizer steps per generation batch, roun
 _DATALOADER = "grpo-core draws the prompts itself; the loader's workers and memory pinning change no result"
 _DDP = "process-group mechanics of DDP; grpo-core sets up its own (train.parallel), with the same gradients"
 _LOGGING = "where and how much transformers logs; grpo-core's console and trackers log every metric"
+
+#: Fields under which metric_for_best_model ranks the same steps as transformers (the examples' 8 rows
+#: make 24 rollout steps: 3 epochs of 8 prompts).
+_BEST_GRID = {"eval_strategy": "steps", "eval_steps": 6, "save_steps": 6}
+_BEST = {**_BEST_GRID, "metric_for_best_model": "reward"}
 
 FIELDS: list[TRLField] = [
     mapped("output_dir", None, "train.output_dir", "as is ('trainer_output' when None, as transformers)",
@@ -357,10 +422,29 @@ FIELDS: list[TRLField] = [
     mapped("hub_revision", None, "export.push_to_hub.revision", "see push_to_hub", lambda v, ctx: {},
            examples=(("dev", {"export.push_to_hub.revision": "dev"}, {"push_to_hub": True,
                                                                       "hub_model_id": "me/model"}),)),
-    refused("load_best_model_at_end", False, "grpo-core keeps no best model by a metric", "the checkpoints "
-            "(checkpoint.keep) and their eval metrics", bad=True),
-    refused("metric_for_best_model", None, "see load_best_model_at_end", "the checkpoints", bad="eval_reward"),
-    ignored("greater_is_better", None, "read only with metric_for_best_model, which is refused"),
+    mapped("load_best_model_at_end", False, "checkpoint.final", "True: best (with metric_for_best_model); False: "
+           "last", _final,
+           note="The final model (trainer.model after train(), save_model, the export) is then the best "
+           "checkpoint's, as transformers loads it at the end.",
+           examples=((True, {"checkpoint.final": "best", "checkpoint.best_metric": "eval/mean@8"}, _BEST),),
+           refusals=((True, "metric_for_best_model='reward'", {"eval_strategy": "steps"}),)),
+    mapped("metric_for_best_model", None, ("checkpoint.best_metric", "checkpoint.best_mode"),
+           "reward: eval/mean@n; rewards/NAME/mean: eval/rewards/NAME/mean@n (n = num_generations_eval, else "
+           "num_generations); eval_ prefix optional; best_mode from greater_is_better", _best_metric,
+           note="grpo-core checkpoints each step whose evaluation is the best so far and keeps it beside the last "
+           "save_total_limit, as transformers keeps its best checkpoint. The same steps are ranked only when "
+           "checkpoints and evaluations share their interval, no evaluation on start is ranked and the run ends on "
+           "an evaluation step: the door refuses the rest. eval_reward is TRL's mean of its evaluation batches' "
+           "means, grpo-core's mean@n the mean over all samples: the same when the batches are equal.",
+           examples=(("eval_rewards/reward_len/mean", {"checkpoint.best_metric": "eval/rewards/reward_len/mean@8",
+                                                       "checkpoint.best_mode": "max"}, _BEST_GRID),),
+           refusals=(("loss", "'reward' or 'rewards/NAME/mean'", _BEST_GRID),
+                     ("reward", "save_steps equal to eval_steps", {**_BEST_GRID, "save_steps": 12}),
+                     ("reward", "eval_on_start=False", {**_BEST_GRID, "eval_on_start": True}),
+                     ("reward", "a run length that is a multiple", {**_BEST_GRID, "eval_steps": 5, "save_steps": 5}))),
+    mapped("greater_is_better", None, "checkpoint.best_mode", "True: max; False: min; None: transformers' default "
+           "(min for a metric ending in loss, else max)", lambda v, ctx: {},
+           examples=((False, {"checkpoint.best_mode": "min"}, {**_BEST_GRID, "metric_for_best_model": "reward"}),)),
     refused("ignore_data_skip", False, "a grpo-core resume always continues the prompt stream where it stopped",
             "False", bad=True),
     ignored("restore_callback_states_from_checkpoint", False, "transformers callbacks are refused (GRPOTrainer's "

@@ -346,3 +346,34 @@ def test_evaluate_save_model_and_resume(tmp_path, tiny_model_dir, monkeypatch):
     with pytest.raises(TRLConfigError, match="eval_strategy='steps' without eval_dataset"):
         GRPOTrainer(model=str(tiny_model_dir), reward_funcs=reward_len, args=GRPOConfig(eval_strategy="steps"),
                     train_dataset=Dataset.from_list(ROWS))
+
+
+def test_load_best_model_at_end_trains_to_the_best_evaluated_checkpoint(tmp_path, tiny_model_dir, monkeypatch):
+    """load_best_model_at_end with metric_for_best_model='reward': the model after train() (and
+    save_model's) is the checkpoint of the step whose eval_reward was the highest, the first on ties
+    (transformers' strict comparison), among the evaluated steps only."""
+    monkeypatch.chdir(tmp_path)
+    from datasets import Dataset
+
+    args = GRPOConfig(output_dir="out", eval_strategy="steps", eval_steps=1, save_steps=1, num_generations_eval=2,
+                      metric_for_best_model="reward", load_best_model_at_end=True, learning_rate=0.05,
+                      save_total_limit=1, **{**SMALL, "max_steps": 3})
+    trainer = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=reward_len, args=args,
+                          train_dataset=Dataset.from_list(ROWS), eval_dataset=Dataset.from_list(ROWS[:2]))
+    assert (trainer.spec.checkpoint.final, trainer.spec.checkpoint.best_metric) == ("best", "eval/mean@2")
+    result = trainer.train()
+    rewards = {e["step"]: e["eval/mean@2"] for e in result.evaluations}
+    assert sorted(rewards) == [1, 2, 3]
+    best = max(rewards, key=lambda step: (rewards[step], -step))
+    listing = json.loads((tmp_path / "out" / "checkpoints" / "best.json").read_text())
+    assert listing["best"][0]["step"] == best
+    saved = _weights(Path(listing["best"][0]["folder"]) / "model")
+    live = {k: v.detach() for k, v in trainer.model.state_dict().items()}
+    assert all(torch.equal(live[k], v) for k, v in saved.items())
+    if best != 3:  # the last step's weights, kept beside the best, are not the final model's
+        from grpo_core.checkpoint import step_folder
+
+        last = _weights(step_folder(tmp_path / "out" / "checkpoints", 3) / "model")
+        assert any(not torch.equal(live[k], v) for k, v in last.items())
+    final = _weights(trainer.save_model(tmp_path / "exported"))
+    assert all(torch.equal(final[k], v) for k, v in saved.items())
