@@ -21,6 +21,17 @@ from grpo_core.trl.config import BY_NAME, FIELDS, GRPOConfig, TRLConfigError
 from grpo_core.trl.grpo_fields import init_kwargs, quantization_keys
 from grpo_core.trl.table import Refusal
 
+#: How TRL 1.16's tool loop (``GRPOTrainer._tool_call_loop``) differs from grpo-core's ``tools``
+#: environment in what the model reads: why ``tools=`` and ``environment_factory`` are refused.
+TOOL_DIFFERENCES = (
+    "TRL parses a call with the tokenizer's response schema (transformers' parse_response, per model family), "
+    "grpo-core the Hermes/Qwen <tool_call>{json}</tool_call> form",
+    "TRL shows a result as str(result) (a dict as Python's repr) and a failure as {'error': '...'}, grpo-core a "
+    "result as JSON and a failure as 'error: ...'",
+    "grpo-core cuts a result at max_tool_output_chars, abandons a call after tool_timeout and runs "
+    "max_calls_per_turn calls a turn, TRL none of these",
+)
+
 #: Where each of ``GRPOTrainer``'s arguments goes (for the docs): (argument, where, note).
 ARGUMENTS: list[tuple[str, str, str]] = [
     ("model", "model.path, or grpo_core.Trainer(model=...)",
@@ -54,10 +65,17 @@ ARGUMENTS: list[tuple[str, str, str]] = [
      "8 bits, or any other field away from its default, is refused. Not with a loaded model object."),
     ("peft_config", "model.lora", "A peft.LoraConfig: r, lora_alpha, lora_dropout and target_modules (None: "
      "peft's default for the model type, resolved here); any other setting away from peft's default is refused."),
-    ("tools", "refused unless None", "Tools are grpo-core's rollout.environment: pass "
-     "grpo_core.Trainer(environment=tools_environment(fn, ...)), the built-in tools plugin's helper."),
-    ("rollout_func", "refused unless None", "A custom rollout is a rollout-backend plugin (rollout.name)."),
-    ("environment_factory", "refused unless None", "An environment is grpo_core.Trainer(environment=...)."),
+    ("tools", "refused unless None", "TRL's tool loop and grpo-core's tools environment show the model other "
+     "text: " + "; ".join(TOOL_DIFFERENCES) + ". Pass grpo_core.Trainer(environment=tools_environment(fn, ...)) "
+     "(the built-in tools plugin's helper) to train with grpo-core's."),
+    ("rollout_func", "refused unless None", "TRL calls rollout_func(prompts, trainer) with its own GRPOTrainer "
+     "(its vLLM engine, tokenizer and state), which grpo-core does not have. A program that talks to a model is "
+     "an agent (grpo_core.Trainer(agent=...), served the policy at an OpenAI-compatible endpoint); a generation "
+     "engine is a rollout-backend plugin (rollout.name)."),
+    ("environment_factory", "refused unless None", "TRL exposes each environment's methods as tools in the same "
+     "tool loop as tools= (same differences), builds one environment per completion and hands them to the reward "
+     "functions (environments=). A grpo-core environment is grpo_core.Trainer(environment=...) "
+     "(reset(row), step(state, text))."),
     ("overrides", "grpo_core.Trainer(overrides=...)",
      "grpo-core's own: spec keys applied after the table, e.g. {'rollout.dtype': 'auto', 'train.threads': 4}."),
 ]
@@ -259,9 +277,11 @@ def _quantization(config: Any, model_object: bool, model_spec: dict, problems: l
 
 
 def _refused(problems: list[str], **arguments: Any) -> None:
-    for name, (value, instead) in arguments.items():
+    """Each argument ``name=(value, instead)`` or ``name=(value, why, instead)`` set away from None."""
+    for name, (value, *texts) in arguments.items():
         if value is not None and value != (None, None):
-            problems.append(f"{name}: not supported by grpo-core's TRL door (instead: {instead})")
+            why = texts[0] if len(texts) == 2 else "not supported by grpo-core's TRL door"
+            problems.append(f"{name}: {why} (instead: {texts[-1]})")
 
 
 def _annotated(error: SpecError) -> SpecError:
@@ -311,9 +331,15 @@ class GRPOTrainer:
                  "reward model, whose folder grpo-core loads it from"),
                  optimizers=(None if optimizers in (None, (None, None)) else optimizers,
                              "train.lr, train.adam_*, train.schedule"),
-                 tools=(tools, "grpo_core.Trainer(environment=tools_environment(...)), rollout.environment"),
-                 rollout_func=(rollout_func, "a rollout-backend plugin (rollout.name)"),
-                 environment_factory=(environment_factory, "grpo_core.Trainer(environment=...)"))
+                 tools=(tools, "TRL's tool loop shows the model other text than grpo-core's tools environment: "
+                        + "; ".join(TOOL_DIFFERENCES), "grpo_core.Trainer(environment=tools_environment(fn, ...)), "
+                        "rollout.environment"),
+                 rollout_func=(rollout_func, "TRL calls rollout_func(prompts, trainer) with its own GRPOTrainer "
+                               "(its vLLM engine, tokenizer, state), which grpo-core does not have",
+                               "an agent (grpo_core.Trainer(agent=...)) or a rollout-backend plugin (rollout.name)"),
+                 environment_factory=(environment_factory, "TRL runs each environment's methods as tools in its "
+                                      "tool loop (the differences of tools=) and passes the environments to the "
+                                      "reward functions", "grpo_core.Trainer(environment=...)"))
         model_object = not isinstance(model, str)
         if model_object and hasattr(model, "peft_config"):
             problems.append("model: a PeftModel; instead: pass its base model with peft_config (model.lora)")

@@ -223,6 +223,27 @@ def test_trainer_arguments_grpo_core_cannot_take_are_refused(tmp_path, tiny_mode
     assert "grpo_core.Callback" in text and "tools_environment" in text
 
 
+def test_tools_environment_factory_and_rollout_func_are_refused_saying_how_trl_differs(tmp_path, tiny_model_dir):
+    """TRL's agent arguments stay refused: each names what TRL computes that grpo-core would not
+    (the tool-call parser and the result text the model reads; TRL's own trainer handed to
+    rollout_func) and the grpo_core.Trainer argument to use instead."""
+    from datasets import Dataset
+
+    def rollout(prompts, trainer):
+        return {}
+
+    with pytest.raises(TRLConfigError) as err:
+        GRPOTrainer(model=str(tiny_model_dir), reward_funcs=reward_len, args=GRPOConfig(output_dir=str(tmp_path)),
+                    train_dataset=Dataset.from_list(ROWS), tools=[len], rollout_func=rollout,
+                    environment_factory=object)
+    tools, rollout_func, factory = (next(p for p in err.value.problems if p.startswith(f"{name}:"))
+                                    for name in ("tools", "rollout_func", "environment_factory"))
+    assert "parse_response" in tools and "str(result)" in tools and "tool_timeout" in tools
+    assert "instead: grpo_core.Trainer(environment=tools_environment(fn, ...))" in tools
+    assert "rollout_func(prompts, trainer)" in rollout_func and "grpo_core.Trainer(agent=...)" in rollout_func
+    assert "tool loop" in factory and "instead: grpo_core.Trainer(environment=...)" in factory
+
+
 def test_a_spec_problem_names_the_trl_field_behind_it(tmp_path, tiny_model_dir):
     with pytest.raises(SpecError, match=r"rollout.temperature.*\(GRPOConfig: temperature\)"):
         _door(tmp_path, tiny_model_dir, temperature=0.0)
