@@ -81,6 +81,12 @@ class ArithmeticOptions(Options):
         description="True: prompts are chat messages [{'role': 'user', 'content': ...}]; "
         "False: plain strings.",
     )
+    solutions: bool = Field(
+        False,
+        description="Add a `solution` column: the worked solution, one operation per line in the order of "
+        "evaluation ('*' first, then left to right: '12 + 30 = 42' ...), then the answer alone on the last line; "
+        "demonstrations for an SFT stage (sft.completion_column: solution).",
+    )
 
     @field_validator("operations")
     @classmethod
@@ -158,6 +164,23 @@ def _evaluate(terms: list[int], ops: list[str]) -> int:
     return total + sign * product
 
 
+def _worked(terms: list[int], ops: list[str]) -> str:
+    """The worked solution of ``terms ops``: each '*' first, then '+' and '-' left to right,
+    one ``a op b = c`` line per operation, then the answer on a line of its own."""
+    terms, ops, lines = list(terms), list(ops), []
+    for group in (("*",), ("+", "-")):
+        i = 0
+        while i < len(ops):
+            if ops[i] not in group:
+                i += 1
+                continue
+            a, b, op = terms[i], terms[i + 1], ops[i]
+            value = a * b if op == "*" else a + b if op == "+" else a - b
+            lines.append(f"{a} {op} {b} = {value}")
+            terms[i:i + 2], ops[i:i + 1] = [value], []
+    return "\n".join(lines + [str(terms[0])])
+
+
 class ArithmeticDataset:
     """Synthetic arithmetic problems with exact integer answers (seeded, offline).
 
@@ -205,7 +228,10 @@ class ArithmeticDataset:
         question = " ".join(parts)
         content = self.options.instruction.format(question=question)
         prompt: Any = [{"role": "user", "content": content}] if self.options.chat else content
-        return {"prompt": prompt, "answer": str(_evaluate(terms, ops)), "question": question}
+        row = {"prompt": prompt, "answer": str(_evaluate(terms, ops)), "question": question}
+        if self.options.solutions:
+            row["solution"] = _worked(terms, ops)
+        return row
 
     def load(self, split: str) -> list[dict[str, Any]]:
         _check_split("arithmetic", split)

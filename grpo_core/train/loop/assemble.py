@@ -10,11 +10,9 @@ then holds read no spec value of their own. Copies of the policy are all made wi
 from __future__ import annotations
 
 import contextlib
-import random
 from functools import partial
 from typing import Any
 
-import numpy as np
 import torch
 
 from grpo_core import checkpoint as ckpt
@@ -41,15 +39,11 @@ from grpo_core.train.learner.parallel import Strategy, strategy_for
 from grpo_core.train.learner.update import Objective
 from grpo_core.train.loop.evaluate import load_eval_sets
 from grpo_core.train.loop.iterative import build_iterative
+from grpo_core.train.loop.sft import build_sft
 from grpo_core.train.loop.state import Run
 from grpo_core.train.pipeline import Pipeline
 from grpo_core.train.reasoning_steps import split_steps
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
+from grpo_core.train.seeds import seed_everything
 
 
 def build_rewards(spec: Spec, splitter: Any) -> list[RewardFn]:
@@ -79,6 +73,19 @@ def load_rows(spec: Spec, split: str) -> list[dict]:
     rows = _labelled(_load(data, split), data.source_column, data.source)
     for more in data.more_sources:
         rows += _labelled(_load(more, split), data.source_column, more.source)
+    return rows
+
+
+def load_sft_rows(spec: Spec) -> tuple[list[dict], list[dict]] | None:
+    """The ``(train, eval)`` demonstrations of ``spec.sft`` (None without it), their columns checked."""
+    s = spec.sft
+    if s is None:
+        return None
+    rows = _load(s.data, "train"), _load(s.data, "eval")
+    needed = ({s.messages_column: "sft.messages_column"} if s.messages_column is not None else
+              {s.data.prompt_column: "sft.data.prompt_column", s.completion_column: "sft.completion_column"})
+    check_columns(rows[0], needed, "SFT training")
+    check_columns(rows[1], needed, "SFT held-out")
     return rows
 
 
@@ -297,6 +304,7 @@ def build_run(loaded: LoadedSpec, dist: Dist | None = None, *, model=None, token
     check_routed_columns(train_rows, rewards, "training")
     check_routed_columns(eval_rows, rewards, "held-out")
     check_routes(spec, train_rows + eval_rows)
+    sft_rows = load_sft_rows(spec)
 
     processor, tokenizer = load_processing(loaded, tokenizer)
     model = (modeling.load_policy(spec.model, loaded.base_dir, tokenizer) if model is None
@@ -322,8 +330,9 @@ def build_run(loaded: LoadedSpec, dist: Dist | None = None, *, model=None, token
                                 processor=processor)
     reference = learner.kl.reference if learner.kl is not None else None
     trackers: dict[str, Tracker] = {slot.name: slot.build() for slot in spec.tracking}
+    sft = build_sft(spec, tokenizer, output_dir, sft_rows, special_ids(model, tokenizer, "sft")[0][0])
     return Run(
-        spec=spec, loaded=loaded, output_dir=output_dir, actor=actor, learner=learner, feed=feed,
+        spec=spec, loaded=loaded, output_dir=output_dir, actor=actor, learner=learner, feed=feed, sft=sft,
         eval_prompts=held_out_prompts(spec, eval_rows, tokenizer, max_prompt, tools, processor),
         log=RunLog(trackers, output_dir, enabled=dist.is_main),
         iterative=build_iterative(spec, rewards, reference),
