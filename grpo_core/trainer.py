@@ -28,6 +28,8 @@ from grpo_core.spec.loader import PYTHON_OBJECTS
 
 #: The registered name of the in-memory training dataset; eval sets are ``python.<set>``.
 DATASET = "python"
+#: The registered name of the in-memory SFT demonstrations (``sft_dataset``).
+SFT_DATASET = "python.sft"
 
 
 @dataclass
@@ -249,6 +251,11 @@ class Trainer:
             :class:`~grpo_core.contracts.AgentEpisode`) that runs each episode against the
             OpenAI-compatible endpoint the run serves (``rollout.agent``; with ``rollout.routing``,
             registered under its name for a route to name).
+        sft_dataset: demonstrations for the SFT stage before GRPO (``sft``; rows as train_dataset's,
+            with a prompt and a completion column, or a messages column); replaces the dataset of
+            ``sft.data``, keeping its options; adds an ``sft`` section with its defaults when the
+            spec has none.
+        sft_eval_dataset: held-out demonstrations (the SFT stage's held-out loss).
         trackers: tracker objects, added to the spec's ``tracking``.
         callbacks: :class:`Callback` objects or functions (``on_step``).
         plugins: further plugin objects or modules (classes with ``@hookimpl`` methods).
@@ -258,7 +265,7 @@ class Trainer:
                  model: Any = None, tokenizer: Any = None, reward_funcs: Any = None,
                  reward_weights: list[float] | None = None, train_dataset: Any = None, eval_dataset: Any = None,
                  environment: Any = None, agent: Any = None, trackers: Any = None, callbacks: Any = None,
-                 plugins: Iterable = ()):
+                 plugins: Iterable = (), sft_dataset: Any = None, sft_eval_dataset: Any = None):
         self.model, self.tokenizer = model, tokenizer
         self.hooks = _hooks(callbacks)
         self._objects = _Objects()
@@ -266,6 +273,13 @@ class Trainer:
         self._run = None
         data, self._path, base_dir = _source(spec)
         self._patch(data, reward_funcs, reward_weights, train_dataset, eval_dataset, environment, trackers)
+        if sft_dataset is not None:
+            self._objects.datasets[SFT_DATASET] = MemoryDataset(as_rows(sft_dataset, "sft_dataset"),
+                                                               as_rows(sft_eval_dataset, "sft_eval_dataset"))
+            sft = data.get("sft") if isinstance(data.get("sft"), Mapping) else {}
+            data["sft"] = {**sft, "data": {**_own_fields(sft.get("data"), "DataSlot"), "name": SFT_DATASET}}
+        elif sft_eval_dataset is not None:
+            raise UsageError("sft_eval_dataset without sft_dataset: pass both")
         if agent is not None:  # under rollout.routing, registered for the routes to name
             name = _name_of(agent, "agent")
             self._objects.agents.append((name, agent))

@@ -51,8 +51,8 @@ class SftSection(Section):
     )
     shuffle: bool = Field(True, description="Shuffle the demonstrations (seeded by train.seed) every epoch.")
     eval_every: int = Field(
-        0, ge=0, description="Held-out loss on the eval split every N SFT steps and after the last; 0: after the "
-        "last only (when the split has rows)."
+        0, ge=0, description="Held-out loss on the eval split before the first SFT step, every N steps and after "
+        "the last (logged at SFT step 0, N, 2N...); 0: after the last only (when the split has rows)."
     )
     eval_max_rows: int | None = Field(None, ge=1, description="Held-out demonstrations to use; default all.")
     eval_rewards: bool = Field(

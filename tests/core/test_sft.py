@@ -212,9 +212,10 @@ def test_a_run_trains_the_sft_stage_then_grpo_from_its_weights(tmp_path, write_s
     assert main([str(spec)]) == 0
     out = tmp_path / "out"
     sft_rows = _metrics(out / "sft" / "metrics.jsonl")
-    assert [r["step"] for r in sft_rows] == [1, 2, 3, 4]
-    assert sft_rows[-1]["sft/eval_loss"] < sft_rows[1]["sft/eval_loss"]  # it learns
-    assert sft_rows[-1]["sft/loss"] < sft_rows[0]["sft/loss"]
+    assert [r["step"] for r in sft_rows] == [0, 1, 2, 3, 4]
+    assert set(sft_rows[0]) >= {"sft/eval_loss", "sft/eval/reward"}  # the starting point, before any SFT step
+    assert sft_rows[-1]["sft/eval_loss"] < sft_rows[0]["sft/eval_loss"]  # it learns
+    assert sft_rows[-1]["sft/loss"] < sft_rows[1]["sft/loss"]
     grpo_rows = _metrics(out / "metrics.jsonl")
     assert [r["step"] for r in grpo_rows] == [0, 1, 2]
     # GRPO's evaluation before its first step is the SFT result's: the same weights, greedy.
@@ -243,6 +244,24 @@ def test_grpo_starts_from_the_best_sft_step_when_asked(tmp_path, write_spec, kit
     losses = {r["step"]: r["sft/eval_loss"] for r in rows}
     best = min(losses, key=losses.get)
     assert best < 4, f"the test needs a best step before the last one: {losses}"
+    assert ("sft/loss" in rows[best]) == (best > 0)
     kept = kit.load_weights(out / "sft" / "checkpoints" / f"step-{best:06d}" / "model")  # protected from pruning
     final = kit.load_weights(out / "sft" / "final")
     assert all(torch.equal(kept[k], final[k]) for k in final)
+
+
+def test_the_python_trainer_takes_demonstrations_in_memory(tmp_path, write_spec):
+    from grpo_core import Trainer
+
+    spec = write_spec(tmp_path, train={"steps": 1})
+    demos = [{"prompt": [{"role": "user", "content": f"What is {a} + 1?"}], "completion": str(a + 1)}
+             for a in range(8)]
+    trainer = Trainer(spec, sft_dataset=demos, sft_eval_dataset=demos[:2],
+                      overrides={"sft.steps": 2, "sft.batch_size": 2})
+    assert trainer.spec.sft.data.name == "python.sft" and trainer.spec.sft.steps == 2
+    result = trainer.train()
+    assert result.status == "finished"
+    rows = _metrics(trainer.run_dir / "sft" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2] and "sft/eval_loss" in rows[-1]
+    record = json.loads((trainer.run_dir / "python_objects.json").read_text())
+    assert record["dataset"]["python.sft"] == {"rows": 8, "eval_rows": 2}

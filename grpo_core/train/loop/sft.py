@@ -112,6 +112,8 @@ class SftStage:
         s = self.section
         bar = _progress(run, self.step, s.steps)
         try:
+            if self.step == 0 and s.eval_every:  # the starting point: the weights before any SFT step
+                log.log_metrics(self.evaluate(run), 0)
             while self.step < s.steps:
                 if run.dist.any(stop.signum is not None):
                     folder = self.save(run)
