@@ -265,3 +265,19 @@ def test_the_python_trainer_takes_demonstrations_in_memory(tmp_path, write_spec)
     assert [r["step"] for r in rows] == [1, 2] and "sft/eval_loss" in rows[-1]
     record = json.loads((trainer.run_dir / "python_objects.json").read_text())
     assert record["dataset"]["python.sft"] == {"rows": 8, "eval_rows": 2}
+
+
+def test_the_recipe_spec_runs_with_a_tiny_model(tmp_path, tiny_model_dir):
+    """specs/sft-grpo.yaml (SmolLM2 swapped for the tiny model, fewer steps) runs both stages."""
+    from pathlib import Path
+
+    spec = Path(__file__).resolve().parents[2] / "specs" / "sft-grpo.yaml"
+    code = main([str(spec), "--set", "model.package=null", "--set", "model.gguf_file=null",
+                 "--set", f"model.path={tiny_model_dir}", "--set", "sft.steps=2", "--set", "sft.eval_every=1",
+                 "--set", "sft.data.eval_size=2", "--set", "sft.batch_size=2", "--set", "train.steps=1",
+                 "--set", "eval.max_prompts=2", "--set", "rollout.max_new_tokens=4", "--set", "tracking=[]",
+                 "--set", "train.progress=false", "--set", f"train.output_dir={tmp_path / 'recipe'}"])
+    assert code == 0
+    rows = _metrics(tmp_path / "recipe" / "sft" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2] and all("sft/eval/rewards/accuracy" in r for r in rows)
+    assert (tmp_path / "recipe" / "final" / "config.json").exists()
