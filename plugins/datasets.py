@@ -19,6 +19,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from grpo_core import hookimpl
+from grpo_core.contracts import RowStream
 from grpo_core.errors import RunError
 from grpo_core.options import Options
 from grpo_core.spec import SpecPath
@@ -384,6 +385,12 @@ class HFOptions(Options):
     revision: str | None = Field(
         None, description="Hub git revision (branch, tag or commit); unset: the default branch."
     )
+    streaming: bool = Field(
+        False, description="Stream the training split instead of loading it into memory (datasets' "
+        "streaming=True; a saved local copy is read lazily from its files): rows read once per epoch, each "
+        "process reading its share, through a shuffle buffer (data.shuffle_buffer); a resume continues from the "
+        "exact row. The eval split is still read into memory. Not with data.sampler or data.more_sources."
+    )
 
     @field_validator("path")
     @classmethod
@@ -477,11 +484,34 @@ class HFDataset:
             raise RunError(f"could not load dataset {where} split '{split}': {detail}") from exc
         return ds.to_list()
 
-    def load(self, split: str) -> list[dict[str, Any]]:
+    def _stream(self, split: str) -> RowStream:
+        """The split as a stream: a saved copy read lazily from its Arrow files, or the Hub's
+        streaming reader."""
+        import datasets
+
+        o = self.options
+        if _is_saved(Path(o.path)):
+            saved = datasets.load_from_disk(o.path)
+            if isinstance(saved, datasets.DatasetDict):
+                if split not in saved:
+                    raise RunError(f"dataset '{o.path}' has no split {split!r}; available: {', '.join(saved)}")
+                saved = saved[split]
+            iterable = saved.to_iterable_dataset()
+        else:
+            try:
+                iterable = datasets.load_dataset(o.path, o.config, split=split, revision=o.revision, streaming=True)
+            except Exception as exc:
+                raise RunError(f"could not stream dataset '{o.path}' split '{split}': "
+                               f"{type(exc).__name__}: {exc}") from exc
+        return RowStream(lambda: iter(iterable), f"dataset hf '{o.path}' split '{split}'")
+
+    def load(self, split: str) -> list[dict[str, Any]] | RowStream:
         _check_split("hf", split)
         name = self.options.train_split if split == "train" else self.options.eval_split
         if name is None:
             return []
+        if self.options.streaming and split == "train":
+            return self._stream(name)
         if _is_saved(Path(self.options.path)):
             return self._from_disk(name)
         return self._from_hub(name)
