@@ -281,3 +281,44 @@ def test_the_recipe_spec_runs_with_a_tiny_model(tmp_path, tiny_model_dir):
     rows = _metrics(tmp_path / "recipe" / "sft" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2] and all("sft/eval/rewards/accuracy" in r for r in rows)
     assert (tmp_path / "recipe" / "final" / "config.json").exists()
+
+
+# --------------------------------------------------------------------------- the TRL door
+def test_the_trl_door_maps_sftconfig_onto_the_sft_section(tmp_path, tiny_model_dir):
+    from datasets import Dataset
+
+    from grpo_core.trl import GRPOConfig, GRPOTrainer, SFTConfig
+
+    demos = [{"prompt": f"{a} + {a} =", "completion": f" {2 * a}"} for a in range(8)]
+    sft = SFTConfig(output_dir="ignored", learning_rate=1e-3, max_steps=2, per_device_train_batch_size=2,
+                    gradient_accumulation_steps=2, lr_scheduler_type="cosine", warmup_steps=1, max_length=64,
+                    logging_steps=5)
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), max_steps=1, num_generations=4,
+                      per_device_train_batch_size=8, max_completion_length=6)
+    def zero(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    trainer = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=zero,
+                          args=args, train_dataset=Dataset.from_list(demos), sft_args=sft,
+                          sft_dataset=Dataset.from_list(demos))
+    s = trainer.spec.sft
+    assert (s.lr, s.steps, s.batch_size, s.micro_batch_size, s.schedule, s.warmup_steps, s.max_length) == (
+        1e-3, 2, 4, 2, "cosine", 1, 64)
+    assert s.data.name == "python.sft"
+    trainer.train()
+    rows = _metrics(tmp_path / "out" / "sft" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"max_steps": 2, "num_train_epochs": 3}, "num_train_epochs=3: not read by the SFT stage; instead: max_steps"),
+    ({"max_steps": 2, "packing": True}, "packing=True: .*instead: train.packing"),
+    ({"max_steps": 2, "completion_only_loss": False}, "completion_only_loss=False"),
+    ({"max_steps": 2, "dataset_txt_field": "text"}, "dataset_txt_field: not an SFTConfig argument"),
+    ({}, "max_steps: required"),
+])
+def test_sftconfig_refuses_what_it_does_not_map_by_name(fields, message):
+    from grpo_core.trl import SFTConfig, TRLConfigError
+
+    with pytest.raises(TRLConfigError, match=message):
+        SFTConfig(**fields)
