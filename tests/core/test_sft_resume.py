@@ -70,7 +70,7 @@ def test_a_run_stopped_in_either_stage_resumes_to_the_same_weights(tmp_path, wri
     want_sft = kit.load_weights(straight_dir / "out" / "sft" / "final")
     want_grpo = _rows(kit, straight_dir / "out" / "metrics.jsonl")
     want_sft_rows = _rows(kit, straight_dir / "out" / "sft" / "metrics.jsonl")
-    assert sorted(want_sft_rows) == list(range(1, STAGES["sft"]["steps"] + 1))
+    assert sorted(want_sft_rows) == list(range(0, STAGES["sft"]["steps"] + 1))  # 0: the starting evaluation
     assert "kl" in want_grpo[2][0]  # the reference is in play
     for name, (folder, _, _, _) in broken.items():
         out = folder / "out"
