@@ -28,6 +28,8 @@ from grpo_core.spec.loader import PYTHON_OBJECTS
 
 #: The registered name of the in-memory training dataset; eval sets are ``python.<set>``.
 DATASET = "python"
+#: The registered name of the in-memory SFT demonstrations (``sft_dataset``).
+SFT_DATASET = "python.sft"
 
 
 @dataclass
@@ -71,10 +73,12 @@ class Callback:
 class MemoryDataset:
     """Rows held in memory: ``train`` rows, and ``eval`` rows (empty when none were given)."""
 
-    def __init__(self, train: list[dict], eval_rows: list[dict] | None = None):
-        self.train, self.eval = train, eval_rows or []
+    def __init__(self, train: list[dict] | Any, eval_rows: list[dict] | None = None):
+        self.train, self.eval = train, eval_rows or []  # train: rows, or a RowStream
 
-    def load(self, split: str) -> list[dict[str, Any]]:
+    def load(self, split: str) -> list[dict[str, Any]] | Any:
+        if split == "train" and not isinstance(self.train, list):
+            return self.train
         return list(self.train if split == "train" else self.eval)
 
 
@@ -87,8 +91,9 @@ def as_rows(data: Any, what: str) -> list[dict[str, Any]]:
         raise UsageError(f"{what}: got a {type(data).__name__} with splits {list(data)}; pass one split, "
                          f"e.g. {what}=ds['train']")
     if type(data).__name__ == "IterableDataset":
-        raise UsageError(f"{what}: an IterableDataset streams rows grpo-core must index and reshuffle; "
-                         "materialize it first, e.g. datasets.Dataset.from_list(list(ds.take(N)))")
+        raise UsageError(f"{what}: an IterableDataset streams rows, and only train_dataset may stream (held-out "
+                         "rows and demonstrations are held in memory); materialize it first, e.g. "
+                         "datasets.Dataset.from_list(list(ds.take(N)))")
     if hasattr(data, "to_list"):  # datasets.Dataset
         rows = data.to_list()
     elif hasattr(data, "to_dict") and hasattr(data, "columns"):  # pandas.DataFrame
@@ -102,6 +107,15 @@ def as_rows(data: Any, what: str) -> list[dict[str, Any]]:
     if bad is not None:
         raise UsageError(f"{what}: row {bad} is a {type(rows[bad]).__name__}, not a dict of columns")
     return [dict(row) for row in rows]
+
+
+def _train_rows(data: Any) -> list[dict[str, Any]] | Any:
+    """The training rows, or a :class:`~grpo_core.contracts.RowStream` for data that streams (a
+    ``datasets.IterableDataset``, a function returning an iterator of rows, a generator)."""
+    from grpo_core.contracts import RowStream
+
+    stream = RowStream.of(data, "train_dataset")
+    return stream if stream is not None else as_rows(data, "train_dataset")
 
 
 def _name_of(obj: Any, what: str) -> str:
@@ -183,7 +197,8 @@ class _Objects:
         if self.rewards:
             out["reward function"] = {n: _where(fn) for n, fn in self.rewards}
         if self.datasets:
-            out["dataset"] = {n: {"rows": len(d.train), "eval_rows": len(d.eval)} for n, d in self.datasets.items()}
+            out["dataset"] = {n: {"rows": len(d.train) if isinstance(d.train, list) else "stream",
+                                  "eval_rows": len(d.eval)} for n, d in self.datasets.items()}
         if self.environments:
             out["environment"] = {n: _where(e) for n, e in self.environments}
         if self.agents:
@@ -240,8 +255,10 @@ class Trainer:
             pairs or a ``{name: callable}`` mapping. Without a ``rewards`` key in the spec they
             are its rewards; with one, any the spec does not name are added to it.
         reward_weights: one weight per entry of ``reward_funcs`` (default 1.0 each).
-        train_dataset: the training rows (``datasets.Dataset``, DataFrame, list of dicts);
-            replaces the spec's dataset, keeping its ``data`` options (prompt column, ...).
+        train_dataset: the training rows (``datasets.Dataset``, DataFrame, list of dicts), or rows
+            that stream (a ``datasets.IterableDataset``, a function of no arguments returning an
+            iterator of rows, a generator: read once, so one epoch); replaces the spec's dataset,
+            keeping its ``data`` options (prompt column, ...).
         eval_dataset: the held-out rows, or ``{name: rows}`` for named sets (``eval.sets``).
         environment: a multi-turn environment object (``rollout.environment``; with
             ``rollout.routing``, registered under its class name for a route to name).
@@ -249,6 +266,11 @@ class Trainer:
             :class:`~grpo_core.contracts.AgentEpisode`) that runs each episode against the
             OpenAI-compatible endpoint the run serves (``rollout.agent``; with ``rollout.routing``,
             registered under its name for a route to name).
+        sft_dataset: demonstrations for the SFT stage before GRPO (``sft``; rows as train_dataset's,
+            with a prompt and a completion column, or a messages column); replaces the dataset of
+            ``sft.data``, keeping its options; adds an ``sft`` section with its defaults when the
+            spec has none.
+        sft_eval_dataset: held-out demonstrations (the SFT stage's held-out loss).
         trackers: tracker objects, added to the spec's ``tracking``.
         callbacks: :class:`Callback` objects or functions (``on_step``).
         plugins: further plugin objects or modules (classes with ``@hookimpl`` methods).
@@ -258,7 +280,7 @@ class Trainer:
                  model: Any = None, tokenizer: Any = None, reward_funcs: Any = None,
                  reward_weights: list[float] | None = None, train_dataset: Any = None, eval_dataset: Any = None,
                  environment: Any = None, agent: Any = None, trackers: Any = None, callbacks: Any = None,
-                 plugins: Iterable = ()):
+                 plugins: Iterable = (), sft_dataset: Any = None, sft_eval_dataset: Any = None):
         self.model, self.tokenizer = model, tokenizer
         self.hooks = _hooks(callbacks)
         self._objects = _Objects()
@@ -266,6 +288,13 @@ class Trainer:
         self._run = None
         data, self._path, base_dir = _source(spec)
         self._patch(data, reward_funcs, reward_weights, train_dataset, eval_dataset, environment, trackers)
+        if sft_dataset is not None:
+            self._objects.datasets[SFT_DATASET] = MemoryDataset(as_rows(sft_dataset, "sft_dataset"),
+                                                               as_rows(sft_eval_dataset, "sft_eval_dataset"))
+            sft = data.get("sft") if isinstance(data.get("sft"), Mapping) else {}
+            data["sft"] = {**sft, "data": {**_own_fields(sft.get("data"), "DataSlot"), "name": SFT_DATASET}}
+        elif sft_eval_dataset is not None:
+            raise UsageError("sft_eval_dataset without sft_dataset: pass both")
         if agent is not None:  # under rollout.routing, registered for the routes to name
             name = _name_of(agent, "agent")
             self._objects.agents.append((name, agent))
@@ -310,7 +339,7 @@ class Trainer:
         eval_sets = eval_dataset if isinstance(eval_dataset, Mapping) else None
         if train_dataset is not None:
             default_eval = None if eval_sets is not None else eval_dataset
-            self._objects.datasets[DATASET] = MemoryDataset(as_rows(train_dataset, "train_dataset"),
+            self._objects.datasets[DATASET] = MemoryDataset(_train_rows(train_dataset),
                                                            as_rows(default_eval, "eval_dataset"))
             data["data"] = {**_own_fields(data.get("data"), "DataSlot"), "name": DATASET}
         elif eval_dataset is not None and eval_sets is None:

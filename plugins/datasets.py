@@ -19,6 +19,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from grpo_core import hookimpl
+from grpo_core.contracts import RowStream
 from grpo_core.errors import RunError
 from grpo_core.options import Options
 from grpo_core.spec import SpecPath
@@ -80,6 +81,12 @@ class ArithmeticOptions(Options):
         True,
         description="True: prompts are chat messages [{'role': 'user', 'content': ...}]; "
         "False: plain strings.",
+    )
+    solutions: bool = Field(
+        False,
+        description="Add a `solution` column: the worked solution, one operation per line in the order of "
+        "evaluation ('*' first, then left to right: '12 + 30 = 42' ...), then the answer alone on the last line; "
+        "demonstrations for an SFT stage (sft.completion_column: solution).",
     )
 
     @field_validator("operations")
@@ -158,6 +165,23 @@ def _evaluate(terms: list[int], ops: list[str]) -> int:
     return total + sign * product
 
 
+def _worked(terms: list[int], ops: list[str]) -> str:
+    """The worked solution of ``terms ops``: each '*' first, then '+' and '-' left to right,
+    one ``a op b = c`` line per operation, then the answer on a line of its own."""
+    terms, ops, lines = list(terms), list(ops), []
+    for group in (("*",), ("+", "-")):
+        i = 0
+        while i < len(ops):
+            if ops[i] not in group:
+                i += 1
+                continue
+            a, b, op = terms[i], terms[i + 1], ops[i]
+            value = a * b if op == "*" else a + b if op == "+" else a - b
+            lines.append(f"{a} {op} {b} = {value}")
+            terms[i:i + 2], ops[i:i + 1] = [value], []
+    return "\n".join(lines + [str(terms[0])])
+
+
 class ArithmeticDataset:
     """Synthetic arithmetic problems with exact integer answers (seeded, offline).
 
@@ -205,7 +229,10 @@ class ArithmeticDataset:
         question = " ".join(parts)
         content = self.options.instruction.format(question=question)
         prompt: Any = [{"role": "user", "content": content}] if self.options.chat else content
-        return {"prompt": prompt, "answer": str(_evaluate(terms, ops)), "question": question}
+        row = {"prompt": prompt, "answer": str(_evaluate(terms, ops)), "question": question}
+        if self.options.solutions:
+            row["solution"] = _worked(terms, ops)
+        return row
 
     def load(self, split: str) -> list[dict[str, Any]]:
         _check_split("arithmetic", split)
@@ -358,6 +385,12 @@ class HFOptions(Options):
     revision: str | None = Field(
         None, description="Hub git revision (branch, tag or commit); unset: the default branch."
     )
+    streaming: bool = Field(
+        False, description="Stream the training split instead of loading it into memory (datasets' "
+        "streaming=True; a saved local copy is read lazily from its files): rows read once per epoch, each "
+        "process reading its share, through a shuffle buffer (data.shuffle_buffer); a resume continues from the "
+        "exact row. The eval split is still read into memory. Not with data.sampler or data.more_sources."
+    )
 
     @field_validator("path")
     @classmethod
@@ -451,11 +484,34 @@ class HFDataset:
             raise RunError(f"could not load dataset {where} split '{split}': {detail}") from exc
         return ds.to_list()
 
-    def load(self, split: str) -> list[dict[str, Any]]:
+    def _stream(self, split: str) -> RowStream:
+        """The split as a stream: a saved copy read lazily from its Arrow files, or the Hub's
+        streaming reader."""
+        import datasets
+
+        o = self.options
+        if _is_saved(Path(o.path)):
+            saved = datasets.load_from_disk(o.path)
+            if isinstance(saved, datasets.DatasetDict):
+                if split not in saved:
+                    raise RunError(f"dataset '{o.path}' has no split {split!r}; available: {', '.join(saved)}")
+                saved = saved[split]
+            iterable = saved.to_iterable_dataset()
+        else:
+            try:
+                iterable = datasets.load_dataset(o.path, o.config, split=split, revision=o.revision, streaming=True)
+            except Exception as exc:
+                raise RunError(f"could not stream dataset '{o.path}' split '{split}': "
+                               f"{type(exc).__name__}: {exc}") from exc
+        return RowStream(lambda: iter(iterable), f"dataset hf '{o.path}' split '{split}'")
+
+    def load(self, split: str) -> list[dict[str, Any]] | RowStream:
         _check_split("hf", split)
         name = self.options.train_split if split == "train" else self.options.eval_split
         if name is None:
             return []
+        if self.options.streaming and split == "train":
+            return self._stream(name)
         if _is_saved(Path(self.options.path)):
             return self._from_disk(name)
         return self._from_hub(name)

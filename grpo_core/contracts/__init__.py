@@ -30,7 +30,7 @@ from grpo_core.contracts.algorithms import (
     Teacher,
     masked_fill_zero,
 )
-from grpo_core.contracts.components import Dataset, PromptSampler, Stateful, Tracker
+from grpo_core.contracts.components import Dataset, PromptSampler, RowStream, Stateful, Tracker
 from grpo_core.contracts.episodes import Agent, AgentEpisode, Environment, Episodes, Observation
 from grpo_core.contracts.images import PromptImages, image_inputs, repeat_rows
 from grpo_core.contracts.launch import Launcher, RunArguments
@@ -77,6 +77,7 @@ __all__ = [
     "TrainableReward",
     "Dataset",
     "PromptSampler",
+    "RowStream",
     "Tracker",
     "Launcher",
     "RunArguments",

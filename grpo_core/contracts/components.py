@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
 
@@ -11,10 +12,61 @@ class Dataset(Protocol):
     """Rows of a task: each a dict with the prompt column plus any other columns.
 
     ``load(split)`` returns the rows of ``"train"`` or ``"eval"`` (an empty list when the
-    task has no held-out split). Relative paths in its options are resolved by the spec.
+    task has no held-out split). Relative paths in its options are resolved by the spec. The
+    training split may instead be a :class:`RowStream` (or a ``datasets.IterableDataset``):
+    it is then read through a seeded shuffle buffer, each process reading its share.
     """
 
     def load(self, split: str) -> list[dict[str, Any]]: ...
+
+
+class RowStream:
+    """A training split read as a stream instead of held in memory: what a dataset's
+    ``load("train")`` may return (a ``datasets.IterableDataset`` is taken as one too).
+
+    ``open()`` returns a new iterator over the rows from the first, once per epoch and again
+    when a run resumes (it then skips the rows read before). ``name`` says where the rows come
+    from, in messages. ``once``: ``open`` can be called only once (a generator object), so the
+    stream holds one epoch; a second is an error naming it.
+    """
+
+    def __init__(self, open: Callable[[], Iterator[dict[str, Any]]], name: str, *, once: bool = False):
+        self._open, self.name, self.once = open, name, once
+        self.opened = 0
+
+    def open(self) -> Iterator[dict[str, Any]]:
+        from grpo_core.errors import RunError
+
+        if self.once and self.opened:
+            raise RunError(f"data: {self.name} is a generator, read once, and the run needs its rows again (a new "
+                           "epoch, or a resume): pass a function that returns a new iterator, or a "
+                           "datasets.IterableDataset")
+        self.opened += 1
+        return iter(self._open())
+
+    def first(self) -> dict[str, Any] | None:
+        """The first row (to check its columns), or None when the stream is empty; a stream read
+        once is not opened for it."""
+        if self.once:
+            return None
+        return next(self.open(), None)
+
+    @classmethod
+    def of(cls, data: Any, name: str) -> RowStream | None:
+        """``data`` as a stream when it is one (a RowStream, a ``datasets.IterableDataset``, a
+        function of no arguments returning an iterator, a generator object); None for rows in
+        memory."""
+        import inspect
+
+        if isinstance(data, RowStream):
+            return data
+        if type(data).__name__ == "IterableDataset":
+            return cls(lambda: iter(data), name)
+        if inspect.isgenerator(data):
+            return cls(lambda: data, name, once=True)
+        if callable(data) and not isinstance(data, type):
+            return cls(data, name)
+        return None
 
 
 @runtime_checkable

@@ -3,7 +3,7 @@
 - ``models``: the spec, one small pydantic model per section, composed into ``Spec``;
 - ``slots``: the parts of a spec that select a plugin by name;
 - the sections with a module of their own: ``algorithm``, ``data``, ``episodes``, ``export``,
-  ``iterative``, ``optimizer``, ``parallel``;
+  ``iterative``, ``optimizer``, ``parallel``, ``sft``;
 - ``loader``: safe YAML, ``--set`` overrides, plugin files, validation of everything at once;
 - ``schema``: the spec's JSON Schema with every registered component's options;
 - ``metrics``: the metric names an evaluation of a spec logs (what ``checkpoint.best_metric`` may name).

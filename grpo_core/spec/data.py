@@ -42,6 +42,11 @@ class DataSlot(Slot):
         "below the model's context."
     )
     shuffle: bool = Field(True, description="Shuffle the training rows (seeded by train.seed) every epoch.")
+    shuffle_buffer: int = Field(
+        1000, ge=1, description="For a training split that streams (e.g. hf with streaming: true): rows each "
+        "process holds in its shuffle buffer; a draw takes a random one and the next row of the stream takes its "
+        "place (a larger buffer shuffles more widely). Rows held in memory are shuffled whole instead."
+    )
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="Extra keyword arguments of the tokenizer's apply_chat_template, which its "

@@ -18,6 +18,7 @@ from grpo_core.spec.export import ExportSection
 from grpo_core.spec.iterative import IterativeSection
 from grpo_core.spec.optimizer import OptimizerSection
 from grpo_core.spec.parallel import ParallelSection, parallel_conflicts
+from grpo_core.spec.sft import SftSection
 from grpo_core.spec.slots import Section, Slot, SpecPath
 
 
@@ -416,6 +417,10 @@ class Spec(Section):
     iterative: IterativeSection | None = Field(
         None, description="Iterative GRPO with a trainable reward model; unset: plain GRPO."
     )
+    sft: SftSection | None = Field(
+        None, description="A supervised stage on demonstrations before the GRPO steps, in the same run "
+        "(cold start); unset: GRPO from model.path's weights."
+    )
 
     @model_validator(mode="after")
     def _batches_divide(self):
@@ -502,6 +507,14 @@ class Spec(Section):
             raise ValueError(
                 "algorithm.kl.reference_dtype: bfloat16 cannot follow algorithm.kl.ref_sync (a move of "
                 "alpha * (policy - reference) is mostly below bf16 rounding): use float32 or null, or drop ref_sync")
+        return self
+
+    @model_validator(mode="after")
+    def _sft_reference(self):
+        if self.sft is not None and self.model.lora is not None and self.algorithm.kl.beta > 0:
+            raise ValueError(
+                "sft with model.lora: the GRPO reference would be the base model with the adapter disabled, "
+                "the weights before the SFT stage, not its result: set algorithm.kl.beta: 0, or drop model.lora")
         return self
 
     @model_validator(mode="after")

@@ -54,3 +54,15 @@ def stochastic_rounding(seed: int, optimizer_step: int, parameter_index: int) ->
     bfloat16 at one optimizer step (1-based ``optimizer_step``, 1-based ``parameter_index``),
     within ``[0, 2**63)``."""
     return (seed * RUN + optimizer_step * STEP + parameter_index) % (2**63)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python's, numpy's and torch's global RNGs (a run's start, the SFT stage's hand-over)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

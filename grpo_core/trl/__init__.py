@@ -8,12 +8,15 @@ TRL's arguments and runs the resulting spec with :class:`grpo_core.Trainer`.
 
 Its modules: ``config`` (``GRPOConfig``), ``trainer`` (``GRPOTrainer``), ``table`` (what one
 field entry is), ``grpo_fields`` (the fields TRL's ``GRPOConfig`` adds) and
-``training_fields`` (those it inherits from ``transformers.TrainingArguments``).
+``training_fields`` (those it inherits from ``transformers.TrainingArguments``), and ``sft``
+(``SFTConfig``: TRL's ``SFTConfig`` arguments for an SFT stage before GRPO,
+``GRPOTrainer(sft_args=..., sft_dataset=...)``).
 """
 
 from grpo_core.trl.config import FIELDS, GRPOConfig, TRLConfigError
+from grpo_core.trl.sft import SFTConfig
 
-__all__ = ["FIELDS", "GRPOConfig", "GRPOTrainer", "TRLConfigError"]
+__all__ = ["FIELDS", "GRPOConfig", "GRPOTrainer", "SFTConfig", "TRLConfigError"]
 
 
 def __getattr__(name: str):

@@ -48,6 +48,10 @@ ARGUMENTS: list[tuple[str, str, str]] = [
     ("train_dataset", "data (grpo_core.Trainer(train_dataset=...))",
      "A datasets.Dataset, a pandas DataFrame or a list of dicts with a 'prompt' column (text or chat messages); "
      "every other column reaches the reward functions. Required. An IterableDataset is refused (materialize it)."),
+    ("sft_args, sft_dataset, sft_eval_dataset", "sft (grpo_core.Trainer(sft_dataset=...))",
+     "Not TRL's: a cold-start SFT stage before GRPO. sft_args is a grpo_core.trl.SFTConfig (TRL SFTConfig's "
+     "common arguments, the others refused by name); sft_dataset the demonstrations (prompt + completion rows, or "
+     "a messages column with assistant_only_loss=True)."),
     ("eval_dataset", "the held-out split, or eval.sets",
      "One dataset, or {name: dataset} (a DatasetDict too) for named sets logged under eval/NAME/."),
     ("processing_class", "grpo_core.Trainer(tokenizer=...)",
@@ -318,7 +322,8 @@ class GRPOTrainer:
                  eval_dataset: Any = None, processing_class: Any = None, reward_processing_classes: Any = None,
                  callbacks: Any = None, optimizers: tuple = (None, None), quantization_config: Any = None,
                  peft_config: Any = None, tools: Any = None, rollout_func: Any = None,
-                 environment_factory: Any = None, *, overrides: Mapping[str, Any] | Iterable[str] | None = None):
+                 environment_factory: Any = None, *, overrides: Mapping[str, Any] | Iterable[str] | None = None,
+                 sft_args: Any = None, sft_dataset: Any = None, sft_eval_dataset: Any = None):
         if args is None:
             name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "")
             args = GRPOConfig(f"{str(name).rstrip('/').split('/')[-1] or 'model'}-GRPO")
@@ -367,6 +372,16 @@ class GRPOTrainer:
         if lora is not None:
             model_spec["lora"] = lora
         _quantization(quantization_config, model_object, model_spec, problems)
+        if (sft_args is None) != (sft_dataset is None):
+            problems.append("sft_args and sft_dataset: pass both (grpo_core.trl.SFTConfig and the demonstrations) to "
+                            "run an SFT stage before GRPO, or neither")
+        elif sft_args is not None:
+            from grpo_core.trl.sft import SFTConfig
+
+            if not isinstance(sft_args, SFTConfig):
+                problems.append(f"sft_args: a {type(sft_args).__name__}; instead: grpo_core.trl.SFTConfig")
+            else:
+                data["sft"] = sft_args.sft_data()
         if problems:
             raise TRLConfigError(problems, "GRPOTrainer")
         data["rewards"] = entries
@@ -374,7 +389,7 @@ class GRPOTrainer:
         try:
             self.trainer = Trainer(data, overrides, model=model if model_object else None, tokenizer=processing_class,
                                    reward_funcs=objects, train_dataset=rows, eval_dataset=_eval_sets(eval_dataset),
-                                   callbacks=items)
+                                   callbacks=items, sft_dataset=sft_dataset, sft_eval_dataset=sft_eval_dataset)
         except SpecError as exc:
             raise _annotated(exc) from None
         self._eval_given = eval_dataset is not None

@@ -5,6 +5,7 @@ It never imports the learner (:mod:`grpo_core.train.learner`); what it makes, an
 
 - ``actor``: the :class:`Actor`, prompts in, a scored batch out, at a policy version.
 - ``data``: the dataset's rows as prompts, in a seeded order with a checkpointable position.
+- ``stream``: prompts from rows that stream, through a shuffle buffer, each process its share.
 - ``images``: the images of a row, loaded, checked and rendered with the model's processor.
 - ``rollout``: generation then scoring, one path for training and evaluation.
 - ``scoring``: the spec's reward functions called on completions (TRL's convention).

@@ -123,9 +123,13 @@ class Actor:
         """Draw ``prompts_per_step`` prompts, keep this process's groups, generate ``G``
         completions of each and score them."""
         s = self.settings
-        prompts = self.source.next(s.prompts_per_step)
-        first, stop = self.dist.shard_bounds(len(prompts))
-        prompts = prompts[first:stop]  # this process's groups (all of them with one process)
+        if getattr(self.source, "sharded", False):  # a stream: each process reads only its own rows
+            first, stop = self.dist.shard_bounds(s.prompts_per_step)
+            prompts = self.source.next(stop - first)
+        else:
+            prompts = self.source.next(s.prompts_per_step)
+            first, stop = self.dist.shard_bounds(len(prompts))
+            prompts = prompts[first:stop]  # this process's groups (all of them with one process)
         seed = seeds.rollout(s.seed, step, first, round_=round_, prompts_per_step=s.prompts_per_step)
         with timer("generate"), self.autocast():
             rollout = generate_rollout(self.backend, prompts, s.group_size, replace(s.sampling, seed=seed),

@@ -6,6 +6,7 @@ It never imports the actor (:mod:`grpo_core.train.actor`); it reads an
 - ``learner``: the :class:`Learner`, an experience in, an optimizer step out.
 - ``batch``: the training batch (:class:`TrainBatch`) and its log-probs under a model.
 - ``update``: the policy update, ``mu`` passes over a batch in mini- and micro-batches.
+- ``sft``: the supervised update, cross-entropy on demonstrations' completion tokens.
 - ``logprobs``: log-probs of sampled tokens under a causal LM (padded or packed).
 - ``head_logprobs``: the output layer's chosen-token log-probs without full-vocabulary copies.
 - ``packing``: the padding-free forward, a micro-batch's rows packed into one sequence.

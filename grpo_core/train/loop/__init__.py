@@ -11,4 +11,6 @@ nothing below it imports it.
 - ``passk``: pass@k and mean@n, pure functions.
 - ``iterative``: iterative GRPO's stages (reference reset, reward-model retraining).
 - ``best``: the best checkpoints by an evaluation metric.
+- ``sft``: the SFT stage before the GRPO steps (its steps, checkpoints and hand-over).
+- ``demonstrations``: the SFT stage's rows as prompt and completion tokens with a loss mask.
 """

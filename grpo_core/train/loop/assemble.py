@@ -10,15 +10,13 @@ then holds read no spec value of their own. Copies of the policy are all made wi
 from __future__ import annotations
 
 import contextlib
-import random
 from functools import partial
 from typing import Any
 
-import numpy as np
 import torch
 
 from grpo_core import checkpoint as ckpt
-from grpo_core.contracts import Tracker, policy_copy, special_ids
+from grpo_core.contracts import RowStream, Tracker, policy_copy, special_ids
 from grpo_core.errors import RunError
 from grpo_core.spec import LoadedSpec, Spec
 from grpo_core.spec.metrics import reward_labels
@@ -32,6 +30,7 @@ from grpo_core.train.actor.episodes import EpisodeRunner
 from grpo_core.train.actor.rollout import Scorer
 from grpo_core.train.actor.routes import RoutedRunner
 from grpo_core.train.actor.scoring import RewardFn
+from grpo_core.train.actor.stream import StreamingPromptSource
 from grpo_core.train.distributed import Dist, check_layout, parallel_from_launcher
 from grpo_core.train.feed import Feed, SyncFeed
 from grpo_core.train.learner.kl import KLTerm
@@ -42,15 +41,11 @@ from grpo_core.train.learner.parallel import Strategy, strategy_for
 from grpo_core.train.learner.update import Objective
 from grpo_core.train.loop.evaluate import load_eval_sets
 from grpo_core.train.loop.iterative import build_iterative
+from grpo_core.train.loop.sft import build_sft
 from grpo_core.train.loop.state import Run
 from grpo_core.train.pipeline import Pipeline
 from grpo_core.train.reasoning_steps import split_steps
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
+from grpo_core.train.seeds import seed_everything
 
 
 def build_rewards(spec: Spec, splitter: Any) -> list[RewardFn]:
@@ -71,14 +66,55 @@ def build_scorer(spec: Spec, rewards: list[RewardFn], splitter: Any, with_steps:
                   split=partial(split_steps, splitter, spec.algorithm.step_splitter.name), with_steps=with_steps)
 
 
-def load_rows(spec: Spec, split: str) -> list[dict]:
+def load_rows(spec: Spec, split: str) -> list[dict] | RowStream:
     """The rows of ``split`` (``train`` or ``eval``) of the spec's dataset, then of each of
     ``data.more_sources``, each labelled in ``data.source_column`` when it has a label; a
-    failure names the dataset."""
+    failure names the dataset. A training split that streams comes back as a
+    :class:`~grpo_core.contracts.RowStream` (held-out rows are read into memory)."""
     data = spec.data
-    rows = _labelled(_load(data, split), data.source_column, data.source)
+    loaded = _load(data, split)
+    stream = RowStream.of(loaded, f"dataset '{data.name}'") if not isinstance(loaded, list) else None
+    if stream is not None and split == "eval":  # held-out rows are few: read them into memory
+        loaded = list(stream.open())
+    elif stream is not None:
+        return _streamed(spec, stream)
+    rows = _labelled(loaded, data.source_column, data.source)
     for more in data.more_sources:
         rows += _labelled(_load(more, split), data.source_column, more.source)
+    return rows
+
+
+def _streamed(spec: Spec, stream: RowStream) -> RowStream:
+    """The training split as a stream, refusing what needs its rows in memory."""
+    data, where = spec.data, f"data: dataset '{spec.data.name}' streams its training rows"
+    needs = [(data.more_sources, "data.more_sources (a mixture joins rows in memory)"),
+             (data.sampler, f"data.sampler '{data.sampler.name if data.sampler else ''}' (it draws rows by index from "
+                            "the whole training split)"),
+             (spec.iterative, "iterative (its reward-model prompts are drawn on every process)"),
+             (data.image_column, "data.image_column (images are loaded and checked with the rows)")]
+    for given, what in needs:
+        if given:
+            raise RunError(f"{where}, which {what} cannot take: drop it, or load the rows into memory (e.g. hf "
+                           "without streaming)")
+    if data.source_column is not None and data.source is not None:
+        column, label, inner = data.source_column, data.source, stream
+        return RowStream(lambda: ({**row, column: label} for row in inner.open()), stream.name, once=stream.once)
+    return stream
+
+
+def load_sft_rows(spec: Spec) -> tuple[list[dict], list[dict]] | None:
+    """The ``(train, eval)`` demonstrations of ``spec.sft`` (None without it), their columns checked."""
+    s = spec.sft
+    if s is None:
+        return None
+    rows = _load(s.data, "train"), _load(s.data, "eval")
+    if not all(isinstance(r, list) for r in rows):
+        raise RunError(f"sft.data: dataset '{s.data.name}' streams its rows; the SFT stage reads its demonstrations "
+                       "into memory: load them without streaming")
+    needed = ({s.messages_column: "sft.messages_column"} if s.messages_column is not None else
+              {s.data.prompt_column: "sft.data.prompt_column", s.completion_column: "sft.completion_column"})
+    check_columns(rows[0], needed, "SFT training")
+    check_columns(rows[1], needed, "SFT held-out")
     return rows
 
 
@@ -288,6 +324,10 @@ def build_run(loaded: LoadedSpec, dist: Dist | None = None, *, model=None, token
     splitter = spec.algorithm.step_splitter.build()
     rewards = build_rewards(spec, splitter)
     train_rows, eval_rows = load_rows(spec, "train"), load_rows(spec, "eval")
+    stream = train_rows if isinstance(train_rows, RowStream) else None
+    if stream is not None:  # its first row stands for the others in the checks
+        first = stream.first()
+        train_rows = [first] if first is not None else []
     needed = {spec.data.prompt_column: "data.prompt_column"}
     if spec.rollout.routing is not None:
         needed[spec.rollout.routing.column] = "rollout.routing.column"
@@ -297,6 +337,7 @@ def build_run(loaded: LoadedSpec, dist: Dist | None = None, *, model=None, token
     check_routed_columns(train_rows, rewards, "training")
     check_routed_columns(eval_rows, rewards, "held-out")
     check_routes(spec, train_rows + eval_rows)
+    sft_rows = load_sft_rows(spec)
 
     processor, tokenizer = load_processing(loaded, tokenizer)
     model = (modeling.load_policy(spec.model, loaded.base_dir, tokenizer, dist.device) if model is None
@@ -317,13 +358,19 @@ def build_run(loaded: LoadedSpec, dist: Dist | None = None, *, model=None, token
     max_prompt = prompt_budget(spec, model)
     tools = prompt_tools(actor.episodes)
     sampler_slot = spec.data.sampler
-    actor.source = PromptSource(train_rows, tokenizer, spec.data, seed=spec.train.seed, max_tokens=max_prompt,
-                                tools=tools, sampler=sampler_slot.build() if sampler_slot is not None else None,
-                                processor=processor)
+    if stream is not None:
+        actor.source = StreamingPromptSource(stream, tokenizer, spec.data, seed=spec.train.seed, max_tokens=max_prompt,
+                                             rank=dist.rank, world=dist.world, buffer_size=spec.data.shuffle_buffer,
+                                             tools=tools)
+    else:
+        actor.source = PromptSource(train_rows, tokenizer, spec.data, seed=spec.train.seed, max_tokens=max_prompt,
+                                    tools=tools, sampler=sampler_slot.build() if sampler_slot is not None else None,
+                                    processor=processor)
     reference = learner.kl.reference if learner.kl is not None else None
     trackers: dict[str, Tracker] = {slot.name: slot.build() for slot in spec.tracking}
+    sft = build_sft(spec, tokenizer, output_dir, sft_rows, special_ids(model, tokenizer, "sft")[0][0])
     return Run(
-        spec=spec, loaded=loaded, output_dir=output_dir, actor=actor, learner=learner, feed=feed,
+        spec=spec, loaded=loaded, output_dir=output_dir, actor=actor, learner=learner, feed=feed, sft=sft,
         eval_prompts=held_out_prompts(spec, eval_rows, tokenizer, max_prompt, tools, processor),
         log=RunLog(trackers, output_dir, enabled=dist.is_main),
         iterative=build_iterative(spec, rewards, reference),

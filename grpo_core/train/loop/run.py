@@ -57,7 +57,6 @@ def run_loop(run: Run, loaded: LoadedSpec, resume: str | None = None, hooks: Hoo
     """Resume ``run`` if asked, train it to ``train.steps``, finish it. A KeyboardInterrupt
     (a second Ctrl-C) propagates at once, unless ``checkpoint_on_interrupt`` (a notebook's
     Ctrl-C): then the last completed step is checkpointed and the run ends ``KILLED``."""
-    spec = run.spec
     if run.best is not None and not run.has_eval:
         raise RunError("checkpoint.best_metric ranks steps by an evaluation, but this run has no held-out "
                        "prompts (data.eval_size, eval.sets): add some or drop best_metric")
@@ -65,44 +64,57 @@ def run_loop(run: Run, loaded: LoadedSpec, resume: str | None = None, hooks: Hoo
     _start_logging(run, loaded, _resume(run, resume))
     bar = _progress(run, run.step)
     with _ending(run, loaded, bar) as end, StopSignal() as stop:
-        if spec.eval.at_start and run.has_eval and run.step == 0:
-            run.last_eval = evaluate_run(run)  # before the feed starts: the actor is at rest
-            run.log.log_metrics(run.last_eval, run.step)
-            hooks.on_eval(run.step, run.last_eval)
-            run.after_eval()
-        run.feed.start(run.model, run.step)
-        # With several processes, a signal or a hook seen by any stops all of them at the same step.
-        while run.step < spec.train.steps and not run.dist.any(stop.signum is not None or run.stop_asked):
-            start = _StepStart.of(run)
-            try:
-                metrics = _step_and_record(run, start)
-                run.stop_asked = bool(hooks.on_step(run.step, metrics)) or run.stop_asked
-            except (Exception, SystemExit) as exc:  # SystemExit: sys.exit() in plugin code
-                _save_failed_step(run, start, loaded, exc)
-                raise
-            except KeyboardInterrupt as exc:
-                if not checkpoint_on_interrupt:
-                    raise
-                _save_interrupted(run, start, loaded, exc)
-                end.status = "KILLED"
-                return Outcome(end.status, 130, "interrupt")
-            if bar is not None:
-                bar.set_postfix(_postfix(metrics, run.last_eval), refresh=False)
-                bar.update(1)
-        run.feed.stop(run.model, run.step)
-        if run.dist.any(stop.signum is not None):
+        if run.sft is not None and not run.sft.run(run, stop, loaded):  # a signal stopped the SFT stage
             end.status = "KILLED"
-            folder = run.save_checkpoint()
-            if run.dist.is_main:
-                print(
-                    f"grpo-run: stopped at step {run.step}; checkpoint {folder}\n"
-                    f"  resume with: {loaded.command('--resume')}", file=sys.stderr,
-                )
             outcome = Outcome(end.status, stop.exit_code, "signal")
         else:
-            end.status, code = _finish(run, stop)
-            outcome = Outcome(end.status, code, "callback" if run.step < spec.train.steps else None)
-    close_process_group()  # every process got here: the run ended, not failed
+            outcome = _grpo(run, loaded, hooks, bar, end, stop, checkpoint_on_interrupt)
+    if outcome.stopped_by != "interrupt":
+        close_process_group()  # every process got here: the run ended, not failed
+    return outcome
+
+
+def _grpo(run: Run, loaded: LoadedSpec, hooks: Hooks, bar, end: _End, stop: StopSignal,
+          checkpoint_on_interrupt: bool) -> Outcome:
+    """The GRPO steps of :func:`run_loop`, inside its ending and signal handler."""
+    spec = run.spec
+    if spec.eval.at_start and run.has_eval and run.step == 0:
+        run.last_eval = evaluate_run(run)  # before the feed starts: the actor is at rest
+        run.log.log_metrics(run.last_eval, run.step)
+        hooks.on_eval(run.step, run.last_eval)
+        run.after_eval()
+    run.feed.start(run.model, run.step)
+    # With several processes, a signal or a hook seen by any stops all of them at the same step.
+    while run.step < spec.train.steps and not run.dist.any(stop.signum is not None or run.stop_asked):
+        start = _StepStart.of(run)
+        try:
+            metrics = _step_and_record(run, start)
+            run.stop_asked = bool(hooks.on_step(run.step, metrics)) or run.stop_asked
+        except (Exception, SystemExit) as exc:  # SystemExit: sys.exit() in plugin code
+            _save_failed_step(run, start, loaded, exc)
+            raise
+        except KeyboardInterrupt as exc:
+            if not checkpoint_on_interrupt:
+                raise
+            _save_interrupted(run, start, loaded, exc)
+            end.status = "KILLED"
+            return Outcome(end.status, 130, "interrupt")
+        if bar is not None:
+            bar.set_postfix(_postfix(metrics, run.last_eval), refresh=False)
+            bar.update(1)
+    run.feed.stop(run.model, run.step)
+    if run.dist.any(stop.signum is not None):
+        end.status = "KILLED"
+        folder = run.save_checkpoint()
+        if run.dist.is_main:
+            print(
+                f"grpo-run: stopped at step {run.step}; checkpoint {folder}\n"
+                f"  resume with: {loaded.command('--resume')}", file=sys.stderr,
+            )
+        outcome = Outcome(end.status, stop.exit_code, "signal")
+    else:
+        end.status, code = _finish(run, stop)
+        outcome = Outcome(end.status, code, "callback" if run.step < spec.train.steps else None)
     return outcome
 
 
@@ -273,12 +285,21 @@ def _resume(run: Run, resume: str | None) -> str | None:
     the restored weights when the feed starts."""
     if resume is None:
         return None
+    sft = run.sft
+    if sft is not None and resume not in (None, "latest") and Path(resume).resolve().parent == \
+            sft.checkpoint_dir.resolve():
+        return sft.resume(run, resume)
     found = ckpt.find_resumable(run.checkpoint_dir, resume, map_location=run.dist.device)
+    if found is None and sft is not None:
+        return sft.resume(run, None)
     if found is None:
         raise RunError(
             f"--resume: no usable checkpoint in {run.checkpoint_dir}; run without --resume to start afresh"
         )
     run.restore(found)
+    if sft is not None:  # a GRPO step was checkpointed: the SFT stage is over
+        sft.done = True
+        sft.reload_reference(run)
     if run.dist.is_main:
         print(f"grpo-run: resuming from {found.folder} (step {run.step})", file=sys.stderr)
         print("".join(f"grpo-run: --resume: {note}\n" for note in ckpt.overridden_on_resume(found.state, run.spec)),

@@ -22,6 +22,7 @@ from grpo_core.train.learner.learner import Learner
 from grpo_core.train.loop.best import BestCheckpoints, MissingMetric
 from grpo_core.train.loop.evaluate import EvalSet
 from grpo_core.train.loop.iterative import IterativeStage
+from grpo_core.train.loop.sft import SftStage
 
 log = logging.getLogger("grpo.checkpoint")
 
@@ -63,6 +64,7 @@ class Run:
     hooks: Hooks = field(default_factory=lambda: Hooks())
     stop_asked: bool = False  # a hook asked to stop after the current step
     best: BestCheckpoints | None = None  # the best checkpoints by checkpoint.best_metric
+    sft: SftStage | None = None  # the SFT stage before the GRPO steps (spec section sft)
 
     def __post_init__(self) -> None:
         c = self.spec.checkpoint
@@ -125,6 +127,7 @@ class Run:
         named.update({f"tracking.{name}": tracker for name, tracker in self.log.trackers.items()})
         named["kl"] = self.learner.kl
         named["iterative"] = self.iterative
+        named["sft"] = self.sft
         return {k: v for k, v in named.items() if isinstance(v, Stateful)}
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,0 +1,185 @@
+"""Training rows that stream (hf with ``streaming: true``, a ``datasets.IterableDataset``, a
+generator of rows): each row drawn once per epoch over the processes, through a seeded shuffle
+buffer, and a resume continues from the exact row."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+import torch
+import yaml
+
+from grpo_core import checkpoint as ckpt
+from grpo_core.contracts import RowStream
+from grpo_core.errors import RunError
+from grpo_core.spec.data import DataSlot
+from grpo_core.testing import build_tokenizer
+from grpo_core.train.actor.stream import StreamingPromptSource
+
+ROWS = [{"prompt": f"What is {i} + 1?", "answer": str(i + 1), "i": i} for i in range(23)]
+
+
+def _source(rank=0, world=1, rows=ROWS, buffer=5, shuffle=True, seed=3):
+    slot = DataSlot(shuffle=shuffle, shuffle_buffer=buffer)
+    stream = RowStream(lambda: iter(rows), "test rows")
+    return StreamingPromptSource(stream, build_tokenizer(), slot, seed=seed, max_tokens=64, rank=rank, world=world,
+                                 buffer_size=buffer)
+
+
+def _ids(prompts) -> list[int]:
+    return [p.row["i"] for p in prompts]
+
+
+def test_each_row_is_drawn_once_per_epoch_over_two_processes():
+    rows = ROWS[:22]  # 11 per process
+    ranks = [_source(rank, 2, rows) for rank in (0, 1)]
+    epochs = []
+    for _ in range(2):
+        drawn = [_ids(source.next(11)) for source in ranks]
+        assert set(drawn[0]).isdisjoint(drawn[1])
+        assert sorted(drawn[0] + drawn[1]) == list(range(22))  # every row once, over the two processes
+        assert all(i % 2 == rank for rank, ids in enumerate(drawn) for i in ids)  # row i is process i % 2's
+        epochs.append(drawn)
+    assert epochs[0] != epochs[1]  # each epoch is shuffled anew
+    assert epochs[0][0] != sorted(epochs[0][0])  # and shuffled at all
+
+
+def test_without_shuffle_the_rows_come_in_stream_order():
+    assert _ids(_source(shuffle=False).next(25)) == list(range(23)) + [0, 1]
+
+
+@pytest.mark.parametrize("after", [0, 3, 12, 23, 30])
+def test_a_restored_source_draws_what_the_uninterrupted_one_does(after):
+    straight = _source()
+    straight.next(after)
+    state = straight.state_dict()
+    want = _ids(straight.next(30))
+    # through a checkpoint file, as a resume reads it (plain data only)
+    path = ckpt.STATE
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as folder:
+        torch.save({"data": state}, Path(folder) / path)
+        loaded = ckpt.load_state(Path(folder) / path)["data"]
+    resumed = _source()
+    resumed.load_state_dict(loaded)
+    assert _ids(resumed.next(30)) == want
+
+
+def test_restoring_the_current_state_reads_nothing_again():
+    opened = []
+
+    def rows():
+        opened.append(1)
+        return iter(ROWS)
+
+    source = StreamingPromptSource(RowStream(rows, "rows"), build_tokenizer(), DataSlot(), seed=0, max_tokens=64,
+                                   buffer_size=4)
+    source.next(3)
+    source.load_state_dict(source.state_dict())  # what the loop does around an evaluation
+    source.next(3)
+    assert len(opened) == 1
+
+
+def test_a_generator_holds_one_epoch_and_says_so():
+    stream = RowStream.of((dict(r) for r in ROWS[:4]), "train_dataset")
+    source = StreamingPromptSource(stream, build_tokenizer(), DataSlot(), seed=0, max_tokens=64, buffer_size=2)
+    assert sorted(_ids(source.next(4))) == [0, 1, 2, 3]
+    with pytest.raises(RunError, match="is a generator, read once"):
+        source.next(1)
+
+
+# --------------------------------------------------------------------------- a run
+def _saved_dataset(folder):
+    import datasets
+
+    path = folder / "ds"
+    datasets.DatasetDict({
+        "train": datasets.Dataset.from_list([{"prompt": f"What is {i} + 2?", "answer": str(i + 2)} for i in range(40)]),
+        "test": datasets.Dataset.from_list([{"prompt": f"What is {i} + 3?", "answer": str(i + 3)} for i in range(4)]),
+    }).save_to_disk(str(path))
+    return path
+
+
+STREAMED = {
+    "data": {"name": "hf", "path": "ds", "eval_split": "test", "streaming": True, "shuffle_buffer": 8,
+             "train_size": None, "eval_size": None},  # None: drop the arithmetic options of the base spec
+    "train": {"steps": 6, "seed": 2},
+    "checkpoint": {"every": 1, "keep": 2},
+    "rewards": [{"name": "accuracy"}],
+}
+
+
+def test_hf_streaming_reads_a_saved_dataset_lazily(tmp_path):
+    from grpo_plugins.datasets import HFDataset, HFOptions
+
+    path = _saved_dataset(tmp_path)
+    dataset = HFDataset(HFOptions(path=str(path), eval_split="test", streaming=True))
+    stream = dataset.load("train")
+    assert isinstance(stream, RowStream)
+    assert [r["answer"] for r in stream.open()][:3] == ["2", "3", "4"] and len(list(stream.open())) == 40
+    assert len(dataset.load("eval")) == 4  # held-out rows stay in memory
+
+
+def test_a_streamed_run_resumes_at_the_exact_row(tmp_path, write_spec, child, kit):
+    """A real grpo-run streaming a saved dataset, SIGTERM mid-epoch, --resume: the same rows are
+    drawn (the completions table's prompts) and the same weights come out as without the stop."""
+    runs = {}
+    for name in ("straight", "broken"):
+        folder = tmp_path / name
+        folder.mkdir()
+        _saved_dataset(folder)
+        runs[name] = (folder, write_spec(folder, **STREAMED, eval={"at_start": False, "at_end": False}))
+    straight = child([runs["straight"][1]], cwd=runs["straight"][0])
+    folder, spec = runs["broken"]
+    broken = child([spec], cwd=folder)
+    broken.wait_for(lambda: kit.last_step(folder / "out" / "metrics.jsonl") >= 2, 300, "step 2")
+    broken.signal(signal.SIGTERM)
+    assert broken.wait() == 143, broken.output()
+    stopped = kit.last_step(folder / "out" / "metrics.jsonl")
+    assert 2 <= stopped < 6
+    state = torch.load(ckpt.step_folder(folder / "out" / "checkpoints", stopped) / ckpt.STATE, weights_only=False)
+    assert state["data"]["stream"] and state["data"]["read"] > 0 and state["data"]["buffer"]
+    resumed = child([spec, "--resume"], cwd=folder)
+    assert resumed.wait(300) == 0, resumed.output()
+    assert straight.wait(300) == 0, straight.output()
+    a, b = kit.load_weights(runs["straight"][0] / "out" / "final"), kit.load_weights(folder / "out" / "final")
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+    want = {r["step"]: r.get("reward") for r in kit.read_metrics(runs["straight"][0] / "out" / "metrics.jsonl")}
+    got = {r["step"]: r.get("reward") for r in kit.read_metrics(folder / "out" / "metrics.jsonl")}
+    assert got == want
+
+
+def test_a_streamed_split_refuses_a_sampler_by_name(tmp_path, write_spec):
+    _saved_dataset(tmp_path)
+    spec = write_spec(tmp_path, **{**STREAMED, "data": {**STREAMED["data"], "sampler": {"name": "curriculum"}}})
+    with pytest.raises(RunError, match="data.sampler 'curriculum' .*draws rows by index"):
+        _build(spec)  # refused before the model loads
+
+
+def _build(spec):
+    from grpo_core.spec import load_spec
+    from grpo_core.train.loop.assemble import build_run
+
+    build_run(load_spec(spec))
+
+
+def test_the_python_trainer_streams_an_iterable_dataset(tmp_path, write_spec):
+    import datasets
+
+    from grpo_core import Trainer
+
+    rows = [{"prompt": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(12)]
+    iterable = datasets.Dataset.from_list(rows).to_iterable_dataset()
+    spec = write_spec(tmp_path, train={"steps": 3})
+    trainer = Trainer(spec, train_dataset=iterable, overrides={"data.shuffle_buffer": 4})
+    assert trainer.train().status == "finished"
+    record = json.loads((trainer.run_dir / "python_objects.json").read_text())
+    assert record["dataset"]["python"]["rows"] == "stream"
+    # A function that returns a new iterator each epoch streams too (6 steps x 2 prompts: two epochs).
+    trainer = Trainer(write_spec(tmp_path / "fn", train={"steps": 6}), train_dataset=lambda: iter(rows[:6]))
+    assert trainer.train().status == "finished"
+    assert yaml.safe_load((trainer.run_dir / "spec.resolved.yaml").read_text())["data"]["name"] == "python"
