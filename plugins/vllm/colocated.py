@@ -304,8 +304,10 @@ class VLLMRollout:
         kwargs = engine_kwargs(self.options, self._folder.name, replica=rank // tp)
         if hasattr(model, "peft_config"):
             self.push, reason = choose_push(self.options.lora_push, model)
-            log.info("vllm rollout: LoRA weight sync pushes the %s (%s)",
-                     "adapter alone" if self.push == "adapter" else "full merged weights", reason)
+            # a warning when auto falls back to the heavier push: the user sees why
+            say = log.warning if self.push == "merged" and self.options.lora_push == "auto" else log.info
+            say("vllm rollout: LoRA weight sync pushes the %s (%s)",
+                "adapter alone" if self.push == "adapter" else "full merged weights", reason)
         if self.push == "adapter":
             keep = self.max_staleness + 1
             self._versions = AdapterVersions(tempfile.mkdtemp(prefix="adapters-", dir=self._folder.name), keep)

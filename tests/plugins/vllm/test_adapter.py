@@ -1,6 +1,6 @@
 """Adapter-only LoRA pushes (``lora_push``), without vLLM: which policies go as an adapter and
 which stay merged (and the message that says why), the folder of each version and how many
-are kept, the base weights the engine gets once, and the option.
+are kept, and the base weights the engine gets once.
 
 The engine side (vLLM loading each version as a LoRA request, its log-probs equal to the
 merged push's) is tested against a real vLLM in ``tests/vllm/test_adapter.py``.
@@ -14,7 +14,6 @@ import pytest
 import torch
 from grpo_plugins.rollout.weights import policy_weights
 from grpo_plugins.vllm.adapter import AdapterVersions, adapter_obstacle, base_weights, choose_push, engine_rank
-from grpo_plugins.vllm.colocated import VLLMRolloutOptions
 from peft import LoraConfig, get_peft_model
 
 from grpo_core.testing import build_model
@@ -82,6 +81,15 @@ def test_the_base_weights_are_the_base_models_without_the_adapter(tokenizer):
     assert all(torch.equal(got[name], tensor) for name, tensor in plain.state_dict().items())
 
 
-def test_lora_push_is_an_option_of_the_backend():
-    assert VLLMRolloutOptions.model_fields["lora_push"].default == "auto"
-    assert VLLMRolloutOptions.model_construct(lora_push="merged").lora_push == "merged"
+def test_a_qlora_base_stays_merged(tokenizer, tmp_path):
+    """model.quantization: the engine holds the dequantized base, so the merged push (which
+    sends what the 4-bit policy computes) stays."""
+    from grpo_core.spec.models import ModelSection
+    from grpo_core.train.model import load_policy
+
+    build_model(tokenizer, hidden_size=64).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    model = load_policy(ModelSection(path=str(tmp_path), lora={"r": 4, "alpha": 8}, quantization={}), tmp_path,
+                        tokenizer)
+    assert adapter_obstacle(model) == "the base is quantized in 4 bits (QLoRA)"
+    assert choose_push("auto", model) == ("merged", "lora_push: auto, and the base is quantized in 4 bits (QLoRA)")
