@@ -2,7 +2,7 @@
 optimizer step when the policy is a peft LoRA model that vLLM's LoRA support can load.
 
 The engine gets the base weights once (:func:`base_weights`, at setup and after a resume)
-and each push after that is the adapter alone, written with peft's ``save_pretrained`` to a
+and each push after that is the adapter alone, written in peft's adapter format to a
 folder per version (:class:`AdapterVersions`) and loaded by vLLM as a ``LoRARequest``: about
 ``2 * r / hidden`` of the merged push's bytes. :func:`adapter_obstacle` says why a policy
 cannot go as an adapter (the merged path then stays); :func:`choose_push` makes the choice of
@@ -91,9 +91,9 @@ def base_weights(model: Any) -> Iterator[tuple[str, Tensor]]:
 
 
 class AdapterVersions:
-    """The adapter of each push in ``folder/v<n>`` (peft ``save_pretrained``, the adapter
-    only), the last ``keep`` of them on disk: a rollout sampled under a staleness bound ``k``
-    may name any of the last ``k + 1`` versions."""
+    """The adapter of each push in ``folder/v<n>`` (peft's adapter format: its config and
+    ``adapter_model.safetensors``, the adapter only), the last ``keep`` of them on disk: a
+    rollout sampled under a staleness bound ``k`` may name any of the last ``k + 1`` versions."""
 
     def __init__(self, folder: str, keep: int):
         if keep < 1:
@@ -106,14 +106,23 @@ class AdapterVersions:
         return os.path.join(self.folder, f"v{version}")
 
     def save(self, model: Any) -> tuple[int, str, int, list[int]]:
-        """Write the next version; ``(version, its folder, the adapter weights' bytes, the
+        """Write the next version; ``(version, its folder, the adapter file's bytes, the
         versions dropped)``."""
+        from peft import get_peft_model_state_dict
+        from safetensors.torch import save_file
+
         self.version += 1
         path = self.path(self.version)
-        model.save_pretrained(path, selected_adapters=[model.active_adapter])
-        if model.active_adapter != "default":  # peft writes a named adapter to a subfolder
-            path = os.path.join(path, model.active_adapter)
-        size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+        os.makedirs(path, exist_ok=True)
+        adapter = model.active_adapter
+        # what peft's save_pretrained writes, each tensor whole: a sharded (fsdp2) adapter is
+        # gathered, every process in step (as the merged push gathers its weights)
+        state = get_peft_model_state_dict(model, adapter_name=adapter)
+        state = {k: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().contiguous().cpu()
+                 for k, t in state.items()}
+        save_file(state, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+        model.peft_config[adapter].save_pretrained(path)
+        size = os.path.getsize(os.path.join(path, "adapter_model.safetensors"))
         self.kept.append(self.version)
         dropped = self.kept[: -self.keep]
         self.kept = self.kept[-self.keep :]

@@ -14,7 +14,8 @@ import pytest
 import torch
 from grpo_plugins.rollout.weights import policy_weights
 from grpo_plugins.vllm.adapter import AdapterVersions, adapter_obstacle, base_weights, choose_push, engine_rank
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+from safetensors.torch import load_file
 
 from grpo_core.testing import build_model
 
@@ -66,7 +67,10 @@ def test_each_push_is_a_folder_of_the_adapter_alone_and_the_last_k_plus_1_are_ke
         version, path, size, dropped = versions.save(model)
         seen.append(dropped)
         assert version == step and path == os.path.join(str(tmp_path), f"v{step}")
-        assert sorted(os.listdir(path)) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
+        assert sorted(os.listdir(path)) == ["adapter_config.json", "adapter_model.safetensors"]
+        again = get_peft_model(build_model(tokenizer), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+        set_peft_model_state_dict(again, load_file(os.path.join(path, "adapter_model.safetensors")))
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), again.parameters()))  # what peft reads back
         assert adapter <= size < adapter + 4096  # the adapter's tensors plus the safetensors header
         assert size < merged / 10
     assert seen == [[], [], [1]]
