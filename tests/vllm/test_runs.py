@@ -136,10 +136,10 @@ def register_environments(register):
 """
 
 
-def test_a_multi_turn_lora_run_pushes_the_merged_adapter(tmp_path, model_dir):
+def test_a_multi_turn_lora_run_pushes_the_adapter(tmp_path, model_dir):
     """Two-turn episodes (the engine generates each turn after the environment's message)
-    with a LoRA policy: each push merges the adapter, and the sampler's log-probs of the
-    model's tokens match the trainer's at every step."""
+    with a LoRA policy: each push is the adapter alone (lora_push: auto), and the sampler's
+    log-probs of the model's tokens match the trainer's at every step."""
     (tmp_path / "countdown.py").write_text(COUNTDOWN)
     spec = write_spec(
         tmp_path, model_dir,
@@ -153,6 +153,40 @@ def test_a_multi_turn_lora_run_pushes_the_merged_adapter(tmp_path, model_dir):
     assert_pushes_reached_the_engine(tmp_path / "out", [1, 2])
     for row in step_rows(tmp_path / "out"):
         assert row["env/turns_per_episode"] == 2.0 and row["env/env_tokens"] > 0
+
+
+LORA = {"r": 8, "alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                  "down_proj"]}
+
+
+def test_a_lora_run_pushes_adapters_across_a_resume(tmp_path, model_dir):
+    """A LoRA policy with lora_push: auto: the engine gets the base weights at setup and the
+    adapter alone after each update, and samples with the trainer's log-probs at every step,
+    before and after a resume (which builds a new engine, pushes the base, then the resumed
+    adapter). Each push's bytes are logged: the adapter's, far below the merged push of the
+    same run with lora_push: merged (whose log-probs match the trainer's as well)."""
+    runs = {}
+    for push in ("auto", "merged"):
+        folder = tmp_path / push
+        spec = write_spec(folder, model_dir, model={"path": str(model_dir), "lora": LORA},
+                          rollout={"lora_push": push}, train={"steps": 3, "lr": 5.0e-2},
+                          checkpoint={"every": 1, "keep": 3})
+        grpo_run([spec], folder)
+        runs[push] = folder
+    done = grpo_run([runs["auto"] / "spec.yaml", "--set", "train.steps=5", "--resume"], runs["auto"])
+    assert "(step 3)" in done.stderr
+    for push, steps in (("auto", 5), ("merged", 3)):
+        rows = [json.loads(line) for line in (runs[push] / "out" / "metrics.jsonl").read_text().splitlines()]
+        rows = [r for r in rows if "sync/push_bytes" in r]
+        assert [r["step"] for r in rows] == list(range(1, steps + 1))
+        # a step with nothing to train (every advantage 0) logs no correction: the others do
+        checked = [r["step"] for r in rows if "rollout_correction/logp_diff/max" in r]
+        assert min(checked) <= 3 and (push == "merged" or max(checked) > 3), checked
+        assert all(r["rollout_correction/logp_diff/max"] <= GAP for r in rows if r["step"] in checked), rows
+        runs[push] = [r["sync/push_bytes"] for r in rows]
+    adapter, merged = runs["auto"], runs["merged"]
+    print(f"bytes per push: adapter {adapter}, merged {merged}")
+    assert len(set(adapter)) == 1 and len(set(merged)) == 1 and adapter[0] < merged[0] / 10
 
 
 @pytest.mark.parametrize(("strategy", "tp"), [("ddp", 1), ("fsdp2", 2)])

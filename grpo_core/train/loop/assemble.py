@@ -346,6 +346,8 @@ def build_run(loaded: LoadedSpec, dist: Dist | None = None, *, model=None, token
     # snapshot the learner's weights cross in, and for a backend that generates with the policy
     # module, the weights the actor samples from while the learner's move.
     backend, k = spec.rollout.build(), spec.rollout.max_staleness
+    if hasattr(backend, "max_staleness"):  # a backend that keeps past policy versions (vllm's adapters)
+        backend.max_staleness = k
     if processor is not None:
         check_image_run(spec, backend, model)
         backend.processor = processor

@@ -79,6 +79,7 @@ def test_option_defaults():
         "seed": 0,
         "logprobs_mode": "processed_logprobs",
         "model_impl": "auto",
+        "lora_push": "auto",
         "engine_kwargs": {},
     }
 

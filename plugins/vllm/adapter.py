@@ -1,0 +1,131 @@
+"""Adapter-only LoRA pushes (``lora_push``): what the ``vllm`` backend sends after each
+optimizer step when the policy is a peft LoRA model that vLLM's LoRA support can load.
+
+The engine gets the base weights once (:func:`base_weights`, at setup and after a resume)
+and each push after that is the adapter alone, written in peft's adapter format to a
+folder per version (:class:`AdapterVersions`) and loaded by vLLM as a ``LoRARequest``: about
+``2 * r / hidden`` of the merged push's bytes. :func:`adapter_obstacle` says why a policy
+cannot go as an adapter (the merged path then stays); :func:`choose_push` makes the choice of
+``lora_push: auto|adapter|merged``. vLLM is imported by the caller, never here.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from typing import Any
+
+from grpo_plugins.rollout.weights import merge_lora
+from torch import Tensor, nn
+
+__all__ = ["VLLM_LORA_RANKS", "AdapterVersions", "adapter_obstacle", "base_weights", "choose_push", "engine_rank"]
+
+#: The ranks vLLM 0.32 accepts as ``max_lora_rank`` (``vllm.config.lora.MaxLoRARanks``).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def _is_peft(model: Any) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def adapter_obstacle(model: Any) -> str | None:
+    """Why the peft ``model``'s active adapter cannot be loaded by vLLM as a LoRA adapter
+    (None when it can): not a LoRA adapter, ``modules_to_save``, DoRA, ``lora_bias``, a
+    4-bit (QLoRA) base (the engine holds the dequantized base; the merged push sends what
+    the trainer computes with), a rank above vLLM's largest, or a target that is not a
+    linear layer (vLLM's LoRA covers linear layers of its models)."""
+    if not _is_peft(model):
+        return "the policy has no LoRA adapter"
+    config = model.peft_config[model.active_adapter]
+    if getattr(config, "peft_type", None) is None or str(config.peft_type.value) != "LORA":
+        return f"the adapter is {config.peft_type}, not LoRA"
+    if config.modules_to_save:
+        return f"the adapter has modules_to_save {sorted(config.modules_to_save)}"
+    if getattr(config, "use_dora", False):
+        return "the adapter uses DoRA"
+    if getattr(config, "lora_bias", False):
+        return "the adapter has lora_bias"
+    if any(getattr(getattr(m, "weight", None), "quant_state", None) is not None for m in model.modules()):
+        return "the base is quantized in 4 bits (QLoRA)"
+    ranks = [int(config.r), *map(int, (getattr(config, "rank_pattern", None) or {}).values())]
+    if max(ranks) > VLLM_LORA_RANKS[-1]:
+        return f"rank {max(ranks)} is above vLLM's largest, {VLLM_LORA_RANKS[-1]}"
+    for name, module in model.named_modules():
+        base = getattr(module, "base_layer", None)
+        if base is not None and hasattr(module, "lora_A") and not isinstance(base, nn.Linear):
+            kind = type(base).__name__
+            return f"target module {name.removeprefix('base_model.model.')} is a {kind}, not a linear layer"
+    return None
+
+
+def choose_push(option: str, model: Any) -> tuple[str, str]:
+    """``("adapter" | "merged", reason)`` for ``lora_push`` ``option`` and the policy.
+
+    ``auto`` pushes the adapter when :func:`adapter_obstacle` finds none; ``adapter``
+    raises where there is one, naming it; ``merged`` always merges."""
+    obstacle = adapter_obstacle(model)
+    if option == "merged":
+        return "merged", "lora_push: merged"
+    if obstacle is None:
+        return "adapter", f"lora_push: {option}"
+    if option == "adapter":
+        raise ValueError(
+            f"vllm rollout: lora_push: adapter, but {obstacle}, which vLLM cannot load as a LoRA adapter; "
+            "set rollout.lora_push: merged (or auto, which merges then)"
+        )
+    return "merged", f"lora_push: auto, and {obstacle}"
+
+
+def engine_rank(model: Any) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds the adapter's rank."""
+    config = model.peft_config[model.active_adapter]
+    rank = max([int(config.r), *map(int, (getattr(config, "rank_pattern", None) or {}).values())])
+    return next(r for r in VLLM_LORA_RANKS if r >= rank)
+
+
+def base_weights(model: Any) -> Iterator[tuple[str, Tensor]]:
+    """The peft ``model``'s base weights as the base model names them, without the adapter
+    (what the engine's LoRA layers add the adapter to)."""
+    return merge_lora(model.state_dict(), {}, model.active_adapter, frozenset())
+
+
+class AdapterVersions:
+    """The adapter of each push in ``folder/v<n>`` (peft's adapter format: its config and
+    ``adapter_model.safetensors``, the adapter only), the last ``keep`` of them on disk: a
+    rollout sampled under a staleness bound ``k`` may name any of the last ``k + 1`` versions."""
+
+    def __init__(self, folder: str, keep: int):
+        if keep < 1:
+            raise ValueError(f"AdapterVersions: keep must be at least 1, got {keep}")
+        self.folder, self.keep = folder, keep
+        self.version = 0
+        self.kept: list[int] = []
+
+    def path(self, version: int) -> str:
+        return os.path.join(self.folder, f"v{version}")
+
+    def save(self, model: Any) -> tuple[int, str, int, list[int]]:
+        """Write the next version; ``(version, its folder, the adapter file's bytes, the
+        versions dropped)``."""
+        from peft import get_peft_model_state_dict
+        from safetensors.torch import save_file
+
+        self.version += 1
+        path = self.path(self.version)
+        os.makedirs(path, exist_ok=True)
+        adapter = model.active_adapter
+        # what peft's save_pretrained writes, each tensor whole: a sharded (fsdp2) adapter is
+        # gathered, every process in step (as the merged push gathers its weights)
+        state = get_peft_model_state_dict(model, adapter_name=adapter)
+        state = {k: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().contiguous().cpu()
+                 for k, t in state.items()}
+        save_file(state, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+        model.peft_config[adapter].save_pretrained(path)
+        size = os.path.getsize(os.path.join(path, "adapter_model.safetensors"))
+        self.kept.append(self.version)
+        dropped = self.kept[: -self.keep]
+        self.kept = self.kept[-self.keep :]
+        for old in dropped:
+            shutil.rmtree(self.path(old), ignore_errors=True)
+        return self.version, path, size, dropped
