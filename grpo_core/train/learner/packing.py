@@ -234,13 +234,11 @@ def pack_rows(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, c
     )
 
 
-def segment_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any,
-                      dropout: float = 0.0, scaling: float | None = None, **kwargs: Any) -> tuple[Tensor, None]:
-    """The attention of a packed sequence, segment by segment (the module doc's rule).
-
-    ``query (1, heads, N, d)``, ``key``/``value (1, kv_heads, N, d)`` (after the rotary
-    embedding); returns ``(1, N, heads, d)`` as transformers' attention functions do. The
-    layout comes in ``kwargs[LAYOUT_KWARG]`` (a :class:`PackedRows`)."""
+def _packed_layout(module: nn.Module, kwargs: dict[str, Any], attention_mask: Any, query: Tensor,
+                   dropout: float | None = None) -> Any:
+    """The packed layout an attention call was given, or a RuntimeError saying why packing
+    cannot serve the call: no layout passed down, a mask or a special argument asked for, more
+    than one sequence, or (``dropout`` given: the flex path, which takes none) dropout."""
     layout = kwargs.get(LAYOUT_KWARG)
     if layout is None:
         raise RuntimeError(
@@ -248,9 +246,22 @@ def segment_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tens
             "pass keyword arguments down to attention); set train.packing: false"
         )
     special = [k for k in _SPECIAL if kwargs.get(k) is not None]
-    if special or attention_mask is not None or query.shape[0] != 1:
-        raise RuntimeError(f"packed attention: {type(module).__name__} asked for {special or 'a mask'}, which "
-                           "packing cannot honour; set train.packing: false")
+    if special or attention_mask is not None or query.shape[0] != 1 or dropout:
+        what, which = (special or "a mask", "packing") if dropout is None else (
+            special or "a mask or dropout", "the flex packed attention")
+        raise RuntimeError(f"packed attention: {type(module).__name__} asked for {what}, which {which} cannot "
+                           "honour; set train.packing: false")
+    return layout
+
+
+def segment_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any,
+                      dropout: float = 0.0, scaling: float | None = None, **kwargs: Any) -> tuple[Tensor, None]:
+    """The attention of a packed sequence, segment by segment (the module doc's rule).
+
+    ``query (1, heads, N, d)``, ``key``/``value (1, kv_heads, N, d)`` (after the rotary
+    embedding); returns ``(1, N, heads, d)`` as transformers' attention functions do. The
+    layout comes in ``kwargs[LAYOUT_KWARG]`` (a :class:`PackedRows`)."""
+    layout = _packed_layout(module, kwargs, attention_mask, query)
     layout.tally.count += 1
     heads, kv_heads = query.shape[1], key.shape[1]
     if heads != kv_heads:  # grouped-query attention: each key/value head serves heads // kv_heads queries
@@ -284,16 +295,7 @@ def flex_segment_attention(module: nn.Module, query: Tensor, key: Tensor, value:
     sequence, with the layout's block mask (:func:`block_mask`; grouped-query heads served by
     ``enable_gqa``). Compiled on CUDA (``torch.compile``, shapes dynamic), where the fused kernel
     is what makes it one call; eager elsewhere (torch 2.13: forward only on a CPU)."""
-    layout = kwargs.get(LAYOUT_KWARG)
-    if layout is None:
-        raise RuntimeError(
-            f"packed attention: {type(module).__name__} was called without the packed layout (its model does not "
-            "pass keyword arguments down to attention); set train.packing: false"
-        )
-    special = [k for k in _SPECIAL if kwargs.get(k) is not None]
-    if special or attention_mask is not None or query.shape[0] != 1 or dropout:
-        raise RuntimeError(f"packed attention: {type(module).__name__} asked for {special or 'a mask or dropout'}, "
-                           "which the flex packed attention cannot honour; set train.packing: false")
+    layout = _packed_layout(module, kwargs, attention_mask, query, dropout=dropout)
     layout.tally.count += 1
     from torch.nn.attention.flex_attention import flex_attention
 
