@@ -56,7 +56,7 @@ def checksum(t: Tensor) -> int:
     weights = torch.arange(1, b.numel() + 1, dtype=torch.int64, device=b.device)
     first = int(b.sum())
     second = int((b * weights).sum())
-    return (first * 1_000_033 + second + b.numel()) & _MASK  # a prime; not the seeds module's multipliers
+    return (first * 1_000_033 + second + b.numel()) & _MASK  # a prime that train/seeds.py's derivation does not use
 
 
 @dataclasses.dataclass
