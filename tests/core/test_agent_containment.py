@@ -208,13 +208,16 @@ WORDS = {"sys.exit": "raised SystemExit (sys.exit(3) was called)",
          "_thread.exit": "raised SystemExit"}
 
 
-def _vowels(text: str | None) -> float:
-    return float(sum(ch in "aeiou" for ch in text or ""))
+def _reward(episode, text: str | None) -> float:
+    """The answer's vowels plus the episode's place in its group: a tiny random policy's six
+    tokens can tie across a whole group, and a tied group has no advantage to train on."""
+    return float(sum(ch in "aeiou" for ch in text or "")) + episode.index
 
 
 def _one_hostile(kind: str, coroutine: bool):
     """An agent of which one episode per step of 8 (the first to start) does ``kind``, the
-    others ask the policy once and return the vowels of its answer as the reward."""
+    others ask the policy once and return the vowels of its answer (plus the episode's index)
+    as the reward."""
     started = itertools.count()
 
     def hostile_now() -> bool:
@@ -231,14 +234,14 @@ def _one_hostile(kind: str, coroutine: bool):
         async with openai.AsyncOpenAI(base_url=episode.base_url, api_key=episode.api_key, max_retries=0) as client:
             reply = await client.chat.completions.create(model=episode.model, messages=episode.row["prompt"],
                                                          max_tokens=6)
-        return _vowels(reply.choices[0].message.content)
+        return _reward(episode, reply.choices[0].message.content)
 
     def sync_agent(episode):
         if hostile_now():
             _exits(kind)
         with openai.OpenAI(base_url=episode.base_url, api_key=episode.api_key, max_retries=0) as client:
             reply = client.chat.completions.create(model=episode.model, messages=episode.row["prompt"], max_tokens=6)
-        return _vowels(reply.choices[0].message.content)
+        return _reward(episode, reply.choices[0].message.content)
 
     return async_agent if coroutine else sync_agent
 
