@@ -89,10 +89,13 @@ class Agent(Protocol):
     returns the episode's reward (a float), or None to leave scoring to the reward functions,
     which receive the episode's messages as completions (and its reward as ``env_reward``).
 
-    Every request's prompt must extend the episode's history: the messages the agent sent
-    before, each followed by the assistant message the endpoint answered (the trainer keeps
-    the tokens the policy sampled, and never re-tokenizes them). An agent that raises (even
-    ``SystemExit`` or ``KeyboardInterrupt``), times out or edits its history is a failed episode
+    A request whose prompt extends the episode's history (the messages the agent sent before,
+    each followed by the assistant message the endpoint answered) goes on the episode's
+    sequence: the trainer keeps the tokens the policy sampled, and never re-tokenizes them. One
+    that does not (an edited or compacted history, a sub-agent's conversation, a chat template
+    that drops past thinking) starts a new training sample of the same episode
+    (``rollout.agent.history: split``, the default) or fails the episode (``refuse``). An agent
+    that raises (even ``SystemExit`` or ``KeyboardInterrupt``) or times out is a failed episode
     (no reward), never a crashed run nor another episode's failure. A malformed request gets a
     400 and the episode goes on.
     """
@@ -113,7 +116,16 @@ class Episodes:
         lengths: ``long (B,)`` episode length in tokens after the prompt (model and
             environment tokens; the model's are ``completion_mask.sum(1)``).
         failed: ``bool (B,)`` episodes an agent failed (raised, timed out, edited its
-            history, broke a limit), or None (in-process environments do not fail).
+            history under ``rollout.agent.history: refuse``, broke a limit), or None
+            (in-process environments do not fail).
+        splits: per row, the positions (into ``T``) where the episode's second, third...
+            training sample starts, or None when no episode of the batch was split. An agent
+            episode whose history is not append-only (``rollout.agent.history: split``) is
+            several samples, each its own prompt and the tokens sampled under it; its row
+            holds them one after the other: the first sample's tokens, then for each later one
+            its prompt after the group's prompt (context) and its tokens. The learner trains
+            each sample as its own sequence (:mod:`grpo_core.train.learner.samples`); rewards
+            and advantages stay the episode's.
     """
 
     messages: list[list[dict[str, Any]]]
@@ -123,16 +135,29 @@ class Episodes:
     tool_errors: Tensor
     lengths: Tensor
     failed: Tensor | None = None
+    splits: list[list[int]] | None = None
 
     def select(self, rows: Sequence[int]) -> Episodes:
         idx = torch.tensor(list(rows), dtype=torch.long)
         return Episodes([self.messages[i] for i in rows], [self.env_rewards[i] for i in rows],
                         self.turns[idx], self.tool_calls[idx], self.tool_errors[idx], self.lengths[idx],
-                        None if self.failed is None else self.failed[idx])
+                        None if self.failed is None else self.failed[idx],
+                        None if self.splits is None else [list(self.splits[i]) for i in rows])
 
     @staticmethod
     def concat(parts: Sequence[Episodes]) -> Episodes:
         failed = None if any(p.failed is None for p in parts) else torch.cat([p.failed for p in parts])
+        splits = None
+        if any(p.splits is not None for p in parts):
+            splits = [list(s) for p in parts for s in (p.splits or [[] for _ in p.messages])]
         return Episodes([m for p in parts for m in p.messages], [r for p in parts for r in p.env_rewards],
                         *(torch.cat([getattr(p, k) for p in parts]) for k in ("turns", "tool_calls",
-                                                                              "tool_errors", "lengths")), failed)
+                                                                              "tool_errors", "lengths")), failed,
+                        splits)
+
+    @property
+    def samples(self) -> Tensor:
+        """``long (B,)``: training samples per episode (1 unless its history was split)."""
+        if self.splits is None:
+            return torch.ones(len(self.messages), dtype=torch.long)
+        return torch.tensor([1 + len(s) for s in self.splits], dtype=torch.long)

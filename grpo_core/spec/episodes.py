@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from grpo_core.options import Seconds
@@ -27,7 +29,8 @@ class AgentSlot(Slot):
     grpo_core.contracts.Agent) runs each episode against an OpenAI-compatible endpoint the
     run serves on 127.0.0.1 during rollouts, backed by the rollout backend; the tokens the
     policy sampled there are recorded and trained, one sequence per episode whose loss mask
-    covers only those tokens (the agent's messages, tool results included, are context)."""
+    covers only those tokens (the agent's messages, tool results included, are context); an
+    episode whose history is not append-only is several such sequences (``history``)."""
 
     kind = "agent"
     name: str = Field(description="Agent plugin (registered with register_agents, or passed to grpo_core.Trainer).")
@@ -38,9 +41,15 @@ class AgentSlot(Slot):
     )
     max_calls: int = Field(32, ge=1, description="Completion requests per episode at most; past it the episode fails.")
     max_total_tokens: int = Field(
-        1024, ge=1, description="Tokens after the first prompt per episode at most, the policy's and the agent's "
-        "together; a request that reaches it is answered up to it (finish_reason length) and the episode is "
-        "counted as truncated.",
+        1024, ge=1, description="Tokens after the prompt per episode (per training sample of a split episode) at "
+        "most, the policy's and the agent's together; a request that reaches it is answered up to it "
+        "(finish_reason length) and the episode is counted as truncated.",
+    )
+    history: Literal["split", "refuse"] = Field(
+        "split", description="A request whose prompt does not extend the episode's tokens so far (an edited or "
+        "compacted history, a sub-agent, a chat template that drops past thinking): split: it starts a new training "
+        "sample of the episode, prompted as the chat template renders its messages (the samples share the episode's "
+        "reward and advantage; env/samples_per_episode counts them); refuse: HTTP 400 and the episode fails.",
     )
     max_request_bytes: int = Field(
         1_000_000, ge=1024, description="A request body larger than this is refused (HTTP 413) and fails its episode.",

@@ -18,7 +18,8 @@ __all__ = ["EPISODE_METRICS", "reward_labels", "eval_metric_names", "best_metric
 #: logged under each held-out set's prefix; the last two only when some episode made a tool
 #: call, or when the episodes record failures.
 EPISODE_METRICS = ("env/turns_per_episode", "env/tool_calls", "env/tool_errors", "env/model_tokens",
-                   "env/env_tokens", "env/tool_call_rate", "env/tool_success_rate", "env/failed_episodes")
+                   "env/env_tokens", "env/samples_per_episode", "env/tool_call_rate", "env/tool_success_rate",
+                   "env/failed_episodes")
 
 
 def reward_labels(names: list[str]) -> list[str]:

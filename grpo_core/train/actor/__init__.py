@@ -12,6 +12,7 @@ It never imports the learner (:mod:`grpo_core.train.learner`); what it makes, an
 - ``baseline``: the greedy-baseline rollout an estimator can ask for.
 - ``episodes``: multi-turn rollouts (model turns and environment observations).
 - ``agents``: episodes driven by agent programs over the endpoint.
+- ``histories``: agent histories that are not append-only, split into training samples.
 - ``agent_tasks``: the agent programs run in an event loop of their own, each failure its episode's.
 - ``endpoint``: the OpenAI-compatible HTTP endpoint those programs talk to.
 - ``streaming``: the endpoint's answers as server-sent events (``stream: true``).

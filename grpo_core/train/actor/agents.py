@@ -11,11 +11,13 @@ prefilled once.
 
 What trains is what the endpoint recorded: per episode, one sequence of the first prompt's
 tokens, then each call's sampled tokens (in the loss mask, with the sampler's log-probs when
-the backend gives them) and the tokens of the messages the agent added (context). The ``G``
-episodes of a prompt share the longest common prefix of their first prompts as the group's
-prompt; the rest of each first prompt is context. An episode whose agent raised, timed out,
-edited its history or broke a limit is failed: no reward, no token in the loss
-(``env/failed_episodes`` counts them). An agent's ``SystemExit`` (``sys.exit``,
+the backend gives them) and the tokens of the messages the agent added (context). A request that does not extend
+the episode so far starts a new training sample of it, or fails it
+(``rollout.agent.history``, :mod:`grpo_core.train.actor.histories`). The ``G``
+episodes of a prompt share the longest common prefix of their samples' prompts as the group's
+prompt; the rest of each prompt is context. An episode whose agent raised, timed out,
+edited its history (under ``history: refuse``) or broke a limit is failed: no reward, no token
+in the loss (``env/failed_episodes`` counts them). An agent's ``SystemExit`` (``sys.exit``,
 ``_thread.exit``) or ``KeyboardInterrupt`` fails its own episode like any exception: the
 event loop all coroutine agents share goes on, as it does when an agent stops it. Agent
 episodes are not bit-reproducible across runs: which requests share a ``generate`` call
@@ -45,6 +47,14 @@ from grpo_core.train.actor.endpoint import (
     same_message,
 )
 from grpo_core.train.actor.episodes import EpisodeRecord, TurnRenderer, episodes_batch, with_tools
+from grpo_core.train.actor.histories import (
+    NotExtended,
+    Sample,
+    episode_row,
+    keeps_turn,
+    shared_messages,
+    template_message,
+)
 from grpo_core.train.actor.streaming import pieces
 from grpo_core.train.actor.toolcalls import tool_format
 
@@ -64,6 +74,8 @@ class _Live:
     text: str | None = None  # the completions API's text so far
     pending: list[dict[str, Any]] | None = None  # the choices of an n > 1 call, until one is continued
     eos: bool = False  # the last sampled turn ended with an EOS token
+    said: str | None = None  # the text of the last sampled turn
+    samples: list[Sample] = field(default_factory=list)  # the episode's finished training samples
     calls: int = 0
     busy: bool = False
     exhausted: bool = False  # max_total_tokens reached
@@ -265,58 +277,100 @@ class AgentRunner:
     def _extend(self, e: _Live, request: Request) -> int:
         """Append what the agent added since its last call (context) to the episode; the
         prompt's length in tokens. An edited history fails the episode."""
-        if request.chat:
-            messages = request.messages
-            if e.first is None:
-                try:
-                    shown, kwargs = with_tools(self.tokenizer, [plain(m) for m in messages], request.tools)
-                    text = self.tokenizer.apply_chat_template(shown, tokenize=False, add_generation_prompt=True,
-                                                              **self.chat_template_kwargs, **kwargs)
-                except Exception as exc:  # the agent's messages: it may send others
-                    raise _unrenderable(messages, exc) from None
-                e.first = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-                e.history = [(m, False) for m in messages]
-                return len(e.first)
-            known = len(e.history)
-            if e.pending is not None:  # an n > 1 call: the choice the agent went on with
-                kept = next((c for c in e.pending if known < len(messages)
-                             and same_message(messages[known], c["message"])), None)
-                if kept is None:
-                    raise EndpointError(400, f"message {known} is none of the {len(e.pending)} choices answered "
-                                             "before: the episode's history was edited", True)
-                self._keep(e, kept)
-                known += 1
-            for i, (sent, (had, answered)) in enumerate(zip(messages, e.history)):
-                if not (same_message(sent, had) if answered else plain(sent) == plain(had)):
-                    raise EndpointError(400, f"message {i} differs from the episode's history: a request must "
-                                             "repeat every earlier message and answer unchanged", True)
-            new = messages[known:]
-            if len(messages) < known or not new:
-                raise EndpointError(400, "the request adds no message to the episode's history (a retry of an "
-                                         "answered request edits the history)", True)
-            try:
-                ids = self.renderer.observation_ids([plain(m) for m in new], e.eos)
-            except RunError as exc:  # nothing of the request is recorded yet: the agent may send others
-                raise _unrenderable(new, exc.__cause__ or exc) from None
-            self._context(e, ids)
-            e.history.extend((m, False) for m in new)
-            e.record.messages.extend(plain(m) for m in new)
-        else:
-            if e.first is None:
-                e.first = self.tokenizer(request.prompt)["input_ids"]
-                e.text = request.prompt
-                return len(e.first)
-            if e.pending is not None:
-                kept = next((c for c in e.pending if request.prompt.startswith(e.text + c["text"])), None)
-                if kept is None:
-                    raise EndpointError(400, "the prompt continues none of the choices answered before", True)
-                self._keep(e, kept)
-            if not request.prompt.startswith(e.text) or request.prompt == e.text:
-                raise EndpointError(400, "the prompt must extend the episode's text so far (its previous prompt "
-                                         "and the completion answered)", True)
-            self._context(e, self.tokenizer(request.prompt[len(e.text):], add_special_tokens=False)["input_ids"])
-            e.text = request.prompt
+        if e.first is None:
+            if request.chat:
+                e.first = self._rendered(request.messages, request.tools, plain)
+                e.history = [(m, False) for m in request.messages]
+            else:
+                e.first, e.text = self.tokenizer(request.prompt)["input_ids"], request.prompt
+            return len(e.first)
+        try:
+            (self._extend_chat if request.chat else self._extend_text)(e, request)
+        except NotExtended as broken:
+            if self.slot.history == "refuse":
+                raise broken.error from None
+            self._split(e, request)
         return len(e.first) + len(e.record.ids)
+
+    def _rendered(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], shown) -> list[int]:
+        """The token ids of ``messages`` (each as ``shown`` gives it to the chat template) as a
+        prompt: rendered whole, with the generation prompt; a 400 (the episode goes on) when
+        the template refuses them."""
+        try:
+            given, kwargs = with_tools(self.tokenizer, [shown(m) for m in messages], tools)
+            text = self.tokenizer.apply_chat_template(given, tokenize=False, add_generation_prompt=True,
+                                                      **self.chat_template_kwargs, **kwargs)
+        except Exception as exc:  # the agent's messages: it may send others
+            raise _unrenderable(messages, exc) from None
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _extend_chat(self, e: _Live, request: Request) -> None:
+        """Append the messages the agent added since its last call (context) to the episode;
+        :class:`NotExtended` when the request does not extend it."""
+        messages = request.messages
+        known = len(e.history)
+        if e.pending is not None:  # an n > 1 call: the choice the agent went on with
+            kept = next((c for c in e.pending if known < len(messages)
+                         and same_message(messages[known], c["message"])), None)
+            if kept is None:
+                raise NotExtended(EndpointError(400, f"message {known} is none of the {len(e.pending)} choices "
+                                                     "answered before: the episode's history was edited", True))
+            self._keep(e, kept)
+            known += 1
+        shared = shared_messages(messages, e.history)
+        if shared < min(len(messages), len(e.history)):
+            raise NotExtended(EndpointError(400, f"message {shared} differs from the episode's history: a request "
+                                                 "must repeat every earlier message and answer unchanged", True))
+        new = messages[known:]
+        if len(messages) < known or not new:
+            raise NotExtended(EndpointError(400, "the request adds no message to the episode's history (a retry of "
+                                                 "an answered request edits the history)", True))
+        try:
+            ids = self.renderer.observation_ids([plain(m) for m in new], e.eos)
+        except RunError as exc:  # nothing of the request is recorded yet: the agent may send others
+            raise NotExtended(_unrenderable(new, exc.__cause__ or exc)) from None
+        if self.slot.history == "split" and e.said is not None and not keeps_turn(
+                self.tokenizer, e.said, new, self.chat_template_kwargs):
+            raise NotExtended(EndpointError(400, "the chat template renders the last answer otherwise once "
+                                                 "these messages follow it", True))
+        self._context(e, ids)
+        e.history.extend((m, False) for m in new)
+        e.record.messages.extend(plain(m) for m in new)
+
+    def _extend_text(self, e: _Live, request: Request) -> None:
+        """The completions API: the prompt extends the episode's text so far."""
+        if e.pending is not None:
+            kept = next((c for c in e.pending if request.prompt.startswith(e.text + c["text"])), None)
+            if kept is None:
+                raise NotExtended(EndpointError(400, "the prompt continues none of the choices answered before",
+                                                True))
+            self._keep(e, kept)
+        if not request.prompt.startswith(e.text) or request.prompt == e.text:
+            raise NotExtended(EndpointError(400, "the prompt must extend the episode's text so far (its previous "
+                                                 "prompt and the completion answered)", True))
+        self._context(e, self.tokenizer(request.prompt[len(e.text):], add_special_tokens=False)["input_ids"])
+        e.text = request.prompt
+
+    def _split(self, e: _Live, request: Request) -> None:
+        """Start a new training sample of the episode, prompted by ``request`` as the chat
+        template renders its messages (the text itself for the completions API): the tokens so
+        far become a finished sample (an n > 1 call not continued keeps its first choice)."""
+        if request.chat:
+            prompt = self._rendered(request.messages, request.tools, template_message)  # a 400 changes nothing
+        else:
+            prompt = self.tokenizer(request.prompt)["input_ids"]
+        if e.pending is not None:
+            self._keep(e, e.pending[0])
+        record = e.record
+        e.samples.append(Sample(e.first, record.ids, record.mask, record.logp))
+        record.ids, record.mask, record.logp = [], [], []
+        e.first, e.exhausted, e.said = prompt, False, None
+        if request.chat:
+            record.messages.extend(plain(m) for m in request.messages[shared_messages(request.messages,
+                                                                                      e.history):])
+            e.history = [(m, False) for m in request.messages]
+        else:
+            e.text = request.prompt
 
     def _context(self, e: _Live, ids: list[int]) -> None:
         if len(e.record.ids) + len(ids) >= self.slot.max_total_tokens:
@@ -354,7 +408,7 @@ class AgentRunner:
         e.record.messages.append(plain(choice["message"]) | (
             {"tool_calls": choice["message"]["tool_calls"]} if choice["message"].get("tool_calls") else {}))
         e.history.append((choice["message"], True))
-        e.eos = choice["eos"]
+        e.eos, e.said = choice["eos"], choice["text"]
         if e.text is not None:
             e.text += choice["text"]
         if choice["finish"] == "length" and len(e.record.ids) >= self.slot.max_total_tokens:
@@ -373,19 +427,19 @@ class AgentRunner:
             for e in group:
                 if e.pending is not None:  # the episode ended on an n > 1 call: its first choice
                     self._keep(e, e.pending[0])
-            firsts = [e.first for e in group if e.first is not None and e.failure is None]
+            firsts = [s.prompt for e in group if e.first is not None and e.failure is None for s in _samples(e)]
             common = _common_prefix(firsts) if firsts else list(prompt.ids)
             if not common:
                 for e in group:
-                    e.fail("the group's first prompts share no token, so they cannot share a prompt")
+                    e.fail("the group's prompts share no token, so they cannot share a prompt")
                 common = list(prompt.ids)
             for e in group:
-                rest = (e.first or [])[len(common):] if e.failure is None else []
                 record = e.record
-                record.ids, record.mask = rest + record.ids, [False] * len(rest) + record.mask
-                record.logp = [0.0] * len(rest) + record.logp
-                if e.failure is not None:
-                    record.mask = [False] * len(record.mask)
+                if e.failure is None:
+                    record.ids, record.mask, record.logp, record.splits = episode_row(_samples(e), len(common))
+                else:  # nothing of it trains: its sampled tokens, as context
+                    record.ids = [t for s in _samples(e) for t in s.ids]
+                    record.mask, record.logp = [False] * len(record.ids), [0.0] * len(record.ids)
                     record.reward = None
                     record.messages.append({"role": "system", "content": f"agent failed: {e.failure}"})
             group_prompts.append(common)
@@ -404,6 +458,11 @@ def _unrenderable(messages: list[dict[str, Any]], exc: BaseException) -> Endpoin
     """The 400 of messages the model's chat template refuses (a role it does not know...)."""
     roles = sorted({str(m.get("role")) for m in messages})
     return EndpointError(400, f"the chat template cannot render these messages (roles {roles}): {fault_text(exc)}")
+
+
+def _samples(e: _Live) -> list[Sample]:
+    """The episode's training samples: the finished ones, then the one it ended in."""
+    return [*e.samples, Sample(e.first or [], e.record.ids, e.record.mask, e.record.logp)]
 
 
 def _common_prefix(sequences: list[list[int]]) -> list[int]:

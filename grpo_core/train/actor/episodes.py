@@ -120,6 +120,7 @@ class EpisodeRecord:
     done: bool = False
     truncated: bool = False
     last_eos: bool = False  # the last model turn ended with an EOS token
+    splits: list[int] = field(default_factory=list)  # where its 2nd, 3rd... training sample start in ids
 
     def extend(self, ids: list[int], trained: bool, logp: list[float] | None = None) -> None:
         self.ids += ids
@@ -260,6 +261,7 @@ def episodes_batch(prompts: list[list[int]], episodes: list[EpisodeRecord], toke
         tool_errors=torch.tensor([e.tool_errors for e in episodes]),
         lengths=torch.tensor([len(e.ids) for e in episodes]),
         failed=torch.tensor(failed if failed is not None else [False] * rows, dtype=torch.bool),
+        splits=[list(e.splits) for e in episodes] if any(e.splits for e in episodes) else None,
     )
     return RolloutBatch(
         prompt_ids.to(device), prompt_mask.to(device), ids.to(device), mask.to(device),
@@ -278,8 +280,9 @@ def _device_of(backend: Any) -> torch.device:
 
 def episode_metrics(episodes: Episodes, mask: torch.Tensor, prefix: str = "") -> dict[str, float]:
     """Per-episode means: ``env/turns_per_episode``, ``env/tool_calls``, ``env/tool_errors``,
-    ``env/model_tokens``, ``env/env_tokens``; ``env/tool_call_rate`` (episodes with at least
-    one call) and ``env/tool_success_rate`` (calls without error, over all calls)."""
+    ``env/model_tokens``, ``env/env_tokens``, ``env/samples_per_episode`` (training samples:
+    more than 1 where an agent's history was split); ``env/tool_call_rate`` (episodes with at
+    least one call) and ``env/tool_success_rate`` (calls without error, over all calls)."""
     model_tokens = mask.sum(dim=1).float().cpu()
     calls, errors = episodes.tool_calls.float(), episodes.tool_errors.float()
     out = {
@@ -289,6 +292,7 @@ def episode_metrics(episodes: Episodes, mask: torch.Tensor, prefix: str = "") ->
         "env/model_tokens": float(model_tokens.mean()),
         "env/env_tokens": float((episodes.lengths.float() - model_tokens).mean()),
         "env/tool_call_rate": float((calls > 0).float().mean()),
+        "env/samples_per_episode": float(episodes.samples.float().mean()),
     }
     if calls.sum() > 0:
         out["env/tool_success_rate"] = float(1 - errors.sum() / calls.sum())
