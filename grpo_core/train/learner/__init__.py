@@ -5,6 +5,7 @@ It never imports the actor (:mod:`grpo_core.train.actor`); it reads an
 
 - ``learner``: the :class:`Learner`, an experience in, an optimizer step out.
 - ``batch``: the training batch (:class:`TrainBatch`) and its log-probs under a model.
+- ``samples``: split agent episodes as one row per training sample, advantages per episode.
 - ``update``: the policy update, ``mu`` passes over a batch in mini- and micro-batches.
 - ``sft``: the supervised update, cross-entropy on demonstrations' completion tokens.
 - ``logprobs``: log-probs of sampled tokens under a causal LM (padded or packed).

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from grpo_core.train.learner.packing import needed_lengths
+from grpo_core.train.learner.samples import SampleRows
 
 if TYPE_CHECKING:
     from grpo_core.train.learner.parallel import Forward
@@ -27,7 +28,9 @@ class TrainBatch:
     spec says so); ``old_logp`` is None when ``mu == 1`` with one mini-batch (the detached
     current log-probs serve); ``ref_logp`` is None unless the KL is in the loss;
     ``temperature`` is the one the rows were sampled at: every log-prob of the batch divides
-    the logits by it.
+    the logits by it. ``samples``: when agent episodes were split, where each row comes from
+    (:mod:`grpo_core.train.learner.samples`): the rows are then training samples, ``G'`` per
+    prompt; None: row ``i`` is the rollout's row ``i``.
     """
 
     prompt_ids: Tensor  # long (P, L)
@@ -40,6 +43,20 @@ class TrainBatch:
     sampling_logp: Tensor | None = None  # float (B, T): the sampler's, when the backend gives them
     temperature: float = 1.0
     prompt_images: list | None = None  # P PromptImages (or None each) when the prompts have images
+    samples: SampleRows | None = None  # the rows' episodes when agent episodes were split
+
+    def per_episode(self, t: Tensor, fill: float | bool | int = 0) -> Tensor:
+        """A per-row tensor ``(B', T')`` at its rollout rows' places ``(B, T)`` (itself when no
+        episode was split)."""
+        return t if self.samples is None else self.samples.collapse(t, fill)
+
+    def per_sample(self, t: Tensor, fill: float | bool | int = 0) -> Tensor:
+        """A tensor of the rollout's rows ``(B, T)`` at this batch's rows ``(B', T')``."""
+        return t if self.samples is None else self.samples.expand(t, fill)
+
+    def sequences(self, rows: Tensor) -> int:
+        """How many of ``rows`` are sequences for the loss aggregator (padding rows are not)."""
+        return len(rows) if self.samples is None else self.samples.real(rows)
 
     @property
     def group_size(self) -> int:

@@ -26,6 +26,7 @@ from grpo_core.train.learner.batch import TrainBatch, batch_logprobs, micro_batc
 from grpo_core.train.learner.kl import KLTerm
 from grpo_core.train.learner.packing import resolve_packing
 from grpo_core.train.learner.parallel import OneProcess, Strategy, forward_of
+from grpo_core.train.learner.samples import sample_rows
 from grpo_core.train.learner.teacher import check_vocabulary, teacher_logprobs
 from grpo_core.train.learner.update import Objective, update
 from grpo_core.train.reasoning_steps import step_tensors
@@ -116,6 +117,7 @@ class Learner:
         micro = self.micro_batches(batch)
         temperature = batch.temperature
         rewards, penalty, metrics = scored.scores.total.to(batch.mask.device), None, {}
+        mask = batch.per_episode(batch.mask, False)  # rewards and advantages are the episodes'
         with timer("logprobs"):
             # the sampling policy's log-probs: the current ones serve only while no optimizer step
             # has moved the policy since the rollout (one pass, one mini-batch) and no KL-in-reward needs them first
@@ -127,21 +129,22 @@ class Learner:
                     batch.ref_logp = batch_logprobs(self.strategy.forward(ref_model), batch, micro, temperature,
                                                     self.autocast, packed=self.packs, strategy=self.strategy)
         if kl is not None and kl.in_reward:
-            rewards, penalty, metrics["kl"] = kl.penalize(rewards, batch.old_logp, batch.ref_logp, batch.mask)
+            rewards, penalty, metrics["kl"] = kl.penalize(rewards, batch.per_episode(batch.old_logp),
+                                                          batch.per_episode(batch.ref_logp), mask)
         distilled = None
         if teacher is not None:
             with timer("teacher"):
-                distilled = self.distillation_logprobs(teacher, batch, micro)
-            if batch.mask.any():  # the sampled-token estimate of KL(policy || teacher), per token
-                metrics["teacher/kl"] = float((distilled[0] - distilled[1])[batch.mask].mean())
+                distilled = tuple(batch.per_episode(t) for t in self.distillation_logprobs(teacher, batch, micro))
+            if mask.any():  # the sampled-token estimate of KL(policy || teacher), per token
+                metrics["teacher/kl"] = float((distilled[0] - distilled[1])[mask].mean())
         with timer("advantage"):
-            inputs = advantage_inputs(scored, rewards, penalty, batch.mask,
+            inputs = advantage_inputs(scored, rewards, penalty, mask,
                                       with_steps=self.estimator.needs_step_scores, tokenizer=self.tokenizer)
             if experience.baseline_scores is not None:
                 inputs.baseline_scores = experience.baseline_scores.to(batch.mask.device)
             if distilled is not None:
                 inputs.logp, inputs.teacher_logp = distilled
-            batch.advantages = global_advantages(self.estimator, self.dist, inputs)
+            batch.advantages = batch.per_sample(global_advantages(self.estimator, self.dist, inputs))
         return batch, metrics
 
     def check_teacher(self) -> None:
@@ -181,7 +184,7 @@ class Learner:
         batch = train_batch(experience.scored.rollout, False, experience.temperature, getattr(sampler, "config", None))
         logp = batch_logprobs(forward_of(sampler), batch, self.micro_batches(batch), batch.temperature, self.autocast,
                               packed=self.packs)
-        return logp.masked_fill(~batch.mask, 0.0)
+        return batch.per_episode(logp.masked_fill(~batch.mask, 0.0))
 
 
 def train_batch(rollout: RolloutBatch, mask_truncated: bool, temperature: float = 1.0, config: Any = None
@@ -189,17 +192,22 @@ def train_batch(rollout: RolloutBatch, mask_truncated: bool, temperature: float 
     """The rollout (sampled at ``temperature``) as a :class:`TrainBatch`; the loss mask drops
     truncated completions when ``mask_truncated`` (``rollout.mask_truncated_completions``),
     and for prompts with images the completions that wrote one of the model's (``config``)
-    image placeholder tokens (:func:`~grpo_core.contracts.images.without_placeholders`)."""
+    image placeholder tokens (:func:`~grpo_core.contracts.images.without_placeholders`). With
+    split agent episodes the rows are their training samples
+    (:mod:`grpo_core.train.learner.samples`)."""
     mask = rollout.completion_mask.bool()
     if mask_truncated:
         mask = mask & ~rollout.truncated.bool()[:, None]
     completion_ids = rollout.completion_ids
     if rollout.prompt_images is not None and config is not None:
         completion_ids, mask = without_placeholders(completion_ids, mask, config)
+    samples = sample_rows(rollout)
+    if samples is not None:
+        completion_ids, mask = samples.expand(completion_ids), samples.expand(mask, False)
     batch = TrainBatch(rollout.prompt_ids, rollout.prompt_mask.bool(), completion_ids, mask,
-                       torch.zeros(mask.shape, device=mask.device), temperature=temperature)
+                       torch.zeros(mask.shape, device=mask.device), temperature=temperature, samples=samples)
     if rollout.sampling_logp is not None:
-        batch.sampling_logp = rollout.sampling_logp.to(mask.device, torch.float32)
+        batch.sampling_logp = batch.per_sample(rollout.sampling_logp.to(mask.device, torch.float32))
     batch.prompt_images = rollout.prompt_images
     return batch
 

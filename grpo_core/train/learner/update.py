@@ -183,7 +183,7 @@ def _backward_minibatch(learner: Learning, batch: TrainBatch, rows: Tensor, tall
     the gradient are skipped (see the module doc)."""
     objective, strategy = learner.objective, learner.strategy
     forward = strategy.forward(learner.model)
-    n_tokens, n_seqs = strategy.total([float(batch.mask[rows].sum()), float(len(rows))])
+    n_tokens, n_seqs = strategy.total([float(batch.mask[rows].sum()), float(batch.sequences(rows))])
     stats = BatchStats(int(n_tokens), int(n_seqs), objective.max_length)
     active = rows
     if objective.skips_zero_advantage_rows:

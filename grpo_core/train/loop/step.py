@@ -97,11 +97,12 @@ def advantage_metrics(batch: TrainBatch) -> dict[str, float]:
 
 def samples(scored: Scored, batch: TrainBatch) -> list[dict[str, Any]]:
     """Every ``G/2``-th row: prompt, completion, reward and mean advantage."""
-    g, total, mask = scored.rollout.group_size, scored.scores.total, batch.mask
+    g, total = scored.rollout.group_size, scored.scores.total
+    mask, advantages = batch.per_episode(batch.mask, False), batch.per_episode(batch.advantages)  # rows: episodes
     return [
         {"prompt": scored.prompts[i // g].text, "completion": shown_completion(scored.rollout, i),
          "reward": None if math.isnan(float(total[i])) else float(total[i]),
-         "advantage": float(batch.advantages[i][mask[i]].mean()) if mask[i].any() else 0.0}
+         "advantage": float(advantages[i][mask[i]].mean()) if mask[i].any() else 0.0}
         for i in range(0, len(scored.rollout.completions), max(1, g // 2))
     ]
 
