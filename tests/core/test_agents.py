@@ -236,7 +236,7 @@ def _hostile(kind: str):
 ])
 def test_hostile_agents_get_a_clear_bounded_outcome(long_model, tmp_path, kind, status, words, caplog):
     spec = _spec(long_model, tmp_path / "o", name="scripted", group_size=2,
-                 agent={"max_calls": 5, "timeout_s": 20, "concurrency": 2})
+                 agent={"max_calls": 5, "timeout_s": 20, "concurrency": 2, "history": "refuse"})
     run = Trainer(spec, agent=_hostile(kind), plugins=[ScriptedPlugin()])._build()
     t0 = time.monotonic()
     rollout = run.actor.collect(0).scored.rollout
