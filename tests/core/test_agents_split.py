@@ -188,8 +188,13 @@ def test_an_edited_history_is_a_new_sample_or_refused(long_model, tmp_path):  # 
         assert "something else" in second and "something else" not in first
 
 
-def test_two_training_steps_with_split_episodes(think_model, tmp_path):
-    result = Trainer(_think_spec(think_model, tmp_path / "o"), agent=thinker(), plugins=[RecordedPlugin()]).train()
+@pytest.mark.parametrize("rollout", [{}, {"dtype": None, "max_staleness": 1}], ids=["sync", "async"])
+def test_two_training_steps_with_split_episodes(think_model, tmp_path, rollout):
+    """Two steps train with no failed episode; asynchronously too, where the behaviour policy's
+    log-probs are computed on the samples and put back at their episodes' places."""
+    spec = _think_spec(think_model, tmp_path / "o")
+    spec["rollout"].update(rollout)
+    result = Trainer(spec, agent=thinker(), plugins=[RecordedPlugin()]).train()
     assert result.status == "finished" and result.step == 2
     for row in result.history:
         assert row["env/failed_episodes"] == 0.0 and row["env/samples_per_episode"] == 3.0, row
