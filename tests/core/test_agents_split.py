@@ -188,6 +188,52 @@ def test_an_edited_history_is_a_new_sample_or_refused(long_model, tmp_path):  # 
         assert "something else" in second and "something else" not in first
 
 
+def compactor(episode):
+    """Two calls that extend, then a compacted history and two calls that extend it: two samples
+    of two model turns each (merged while each prompt extends the last)."""
+    with openai.OpenAI(base_url=episode.base_url, api_key=episode.api_key, max_retries=0, timeout=20) as client:
+        for messages in (list(episode.row["prompt"]), [*episode.row["prompt"], {"role": "user", "content": "so: 5"}]):
+            reply = client.chat.completions.create(model="policy", messages=messages)
+            messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
+            client.chat.completions.create(model="policy", messages=messages)
+
+
+def texter(episode):
+    """The completions API: a prompt that extends the text so far, then one that does not."""
+    with openai.OpenAI(base_url=episode.base_url, api_key=episode.api_key, max_retries=0, timeout=20) as client:
+        first = client.completions.create(model="policy", prompt="What is 2 + 3?", max_tokens=4)
+        client.completions.create(model="policy", prompt="What is 2 + 3?" + first.choices[0].text + " more",
+                                  max_tokens=4)
+        client.completions.create(model="policy", prompt="What is the answer?", max_tokens=4)
+
+
+def test_samples_merge_while_prompts_extend(long_model, tmp_path):  # noqa: F811 - a fixture
+    """A compacted history after two turns: two samples of two turns each; the completions API:
+    a prompt that does not extend the text so far starts the second sample, prompted by its text."""
+    spec = _spec(long_model, tmp_path / "chat", name="scripted", group_size=2, agent={"timeout_s": 20})
+    run = Trainer(spec, agent=compactor, plugins=[ScriptedPlugin()])._build()
+    rollout = run.actor.collect(0).scored.rollout
+    assert not rollout.episodes.failed.any() and rollout.episodes.samples.tolist() == [2] * 4
+    assert rollout.episodes.turns.tolist() == [4] * 4
+    for row in range(4):
+        size = int(rollout.episodes.lengths[row])
+        parts = torch.arange(size).tensor_split(rollout.episodes.splits[row])
+        texts = [run.tokenizer.decode(rollout.completion_ids[row][part]) for part in parts]
+        assert "more" in texts[0] and "so: 5" not in texts[0] and "so: 5" in texts[1] and "more" in texts[1]
+        for part in parts:  # two sampled runs in each sample: two model turns merged
+            trained = rollout.completion_mask[row][part].int()
+            assert int((trained[1:] > trained[:-1]).sum()) + int(trained[0]) == 2
+    spec = _spec(long_model, tmp_path / "text", name="scripted", group_size=2, agent={"timeout_s": 20})
+    run = Trainer(spec, agent=texter, plugins=[ScriptedPlugin()])._build()
+    experience = run.actor.collect(0)
+    rollout = experience.scored.rollout
+    assert not rollout.episodes.failed.any() and rollout.episodes.samples.tolist() == [2] * 4
+    batch, _ = run.learner.prepare(experience, Timer())
+    prompt = batch.prompt_ids[0][batch.prompt_mask[0]].tolist()
+    context = batch.completion_ids[1][: int(batch.samples.length[1])][~batch.mask[1][: int(batch.samples.length[1])]]
+    assert prompt + context.tolist() == run.tokenizer("What is the answer?")["input_ids"]
+
+
 @pytest.mark.parametrize("rollout", [{}, {"dtype": None, "max_staleness": 1}], ids=["sync", "async"])
 def test_two_training_steps_with_split_episodes(think_model, tmp_path, rollout):
     """Two steps train with no failed episode; asynchronously too, where the behaviour policy's

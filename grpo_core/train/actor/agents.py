@@ -431,7 +431,7 @@ class AgentRunner:
             common = _common_prefix(firsts) if firsts else list(prompt.ids)
             if not common:
                 for e in group:
-                    e.fail("the group's prompts share no token, so they cannot share a prompt")
+                    e.fail("the prompts of the group's training samples share no token, so they cannot share a prompt")
                 common = list(prompt.ids)
             for e in group:
                 record = e.record
