@@ -11,11 +11,11 @@ prefilled once.
 
 What trains is what the endpoint recorded: per episode, one sequence of the first prompt's
 tokens, then each call's sampled tokens (in the loss mask, with the sampler's log-probs when
-the backend gives them) and the tokens of the messages the agent added (context). A request that does not extend
-the episode so far starts a new training sample of it, or fails it
-(``rollout.agent.history``, :mod:`grpo_core.train.actor.histories`). The ``G``
-episodes of a prompt share the longest common prefix of their samples' prompts as the group's
-prompt; the rest of each prompt is context. An episode whose agent raised, timed out,
+the backend gives them) and the tokens of the messages the agent added (context). A request
+that does not extend the episode so far starts a new training sample of it, or fails it
+(``rollout.agent.history``, :mod:`grpo_core.train.actor.histories`). The ``G`` episodes of a
+prompt share the longest common prefix of their samples' prompts as the group's prompt; the
+rest of each prompt is context. An episode whose agent raised, timed out,
 edited its history (under ``history: refuse``) or broke a limit is failed: no reward, no token
 in the loss (``env/failed_episodes`` counts them). An agent's ``SystemExit`` (``sys.exit``,
 ``_thread.exit``) or ``KeyboardInterrupt`` fails its own episode like any exception: the
@@ -276,7 +276,8 @@ class AgentRunner:
 
     def _extend(self, e: _Live, request: Request) -> int:
         """Append what the agent added since its last call (context) to the episode; the
-        prompt's length in tokens. An edited history fails the episode."""
+        prompt's length in tokens. A request that does not extend the episode starts a new
+        training sample (``history: split``) or fails the episode (``refuse``)."""
         if e.first is None:
             if request.chat:
                 e.first = self._rendered(request.messages, request.tools, plain)
