@@ -245,3 +245,45 @@ def test_two_training_steps_with_split_episodes(think_model, tmp_path, rollout):
     for row in result.history:
         assert row["env/failed_episodes"] == 0.0 and row["env/samples_per_episode"] == 3.0, row
         assert row["train/updates"] == 1.0 and row["reward_std"] > 0, row
+
+
+SPLITTER = '''
+import os
+
+import openai
+
+from grpo_core import hookimpl
+
+
+def splitter(episode):  # rank 1's episodes drop their first answer: two samples each; rank 0's extend theirs
+    with openai.OpenAI(base_url=episode.base_url, api_key=episode.api_key, max_retries=0, timeout=60) as client:
+        messages = list(episode.row["prompt"])
+        reply = client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
+        if os.environ.get("RANK", "0") != "1":
+            messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+        client.chat.completions.create(model="policy", messages=[*messages, {"role": "user", "content": "again"}],
+                                       max_tokens=4)
+    return float(episode.index)
+
+
+@hookimpl
+def register_agents(register):
+    register.add("splitter", splitter)
+'''
+
+
+@pytest.mark.slow
+def test_split_episodes_on_one_process_only_train_sharded(tmp_path, write_spec):
+    """FSDP2 on two processes, rank 1's episodes split and rank 0's not: their batches have
+    different numbers of rows per prompt (8 and 4) and of micro-batches; the step is taken."""
+    from .conftest import read_metrics
+    from .test_fsdp2 import FSDP_SPEC, _run
+
+    (tmp_path / "splitter.py").write_text(SPLITTER, encoding="utf-8")
+    rollout = {**FSDP_SPEC["rollout"], "agent": {"name": "splitter", "concurrency": 8, "max_total_tokens": 24}}
+    spec = write_spec(tmp_path, **{**FSDP_SPEC, "plugins": ["splitter.py"], "rewards": [{"name": "env_reward"}],
+                                   "checkpoint": {"every": 0}, "rollout": rollout})
+    _run([spec, "--nproc", "2", "--set", "train.steps=1"], tmp_path, timeout=180)
+    (row,) = read_metrics(tmp_path / "out" / "metrics.jsonl")
+    assert row["env/samples_per_episode"] == 1.5 and row["env/failed_episodes"] == 0.0, row
+    assert row["train/updates"] == 1 and row["train/nonfinite_updates"] == 0, row
