@@ -49,12 +49,12 @@ def free_port() -> int:
 class Server:
     """One ``grpo-run serve`` process group, its URL and log."""
 
-    def __init__(self, model_dir: Path, log: Path, as_api_key: bool = False):
+    def __init__(self, model_dir: Path, log: Path, as_api_key: bool = False, extra: tuple[str, ...] = ()):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         env = {k: v for k, v in {**os.environ, **CHILD_ENV}.items() if k != "GRPO_SERVE_SECRET"}
-        vllm_args = ["--max-num-seqs", "32"]
+        vllm_args = ["--max-num-seqs", "32", *extra]
         if as_api_key:
             vllm_args += ["--api-key", SECRET]
         else:
