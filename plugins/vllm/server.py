@@ -384,8 +384,8 @@ class VLLMServerRollout:
             by_dtype = self._cast(weights)
             self._each(lambda c: c.push(by_dtype[c.dtype], version, self.options.timeout_s),
                        "failed during the push of the base weights")
-            if self.pusher:  # a previous run's versions (its learner gone) hold no slot of ours
-                self._each(self._unload_strangers, "did not unload a previous run's adapters", required=False)
+            # a previous run's versions (its learner gone) hold no slot of ours
+            self._each(self._unload_strangers, "did not unload a previous run's adapters", required=False)
 
     def _unload_strangers(self, client: ServerClient) -> None:
         for name in client.adapters():
@@ -401,13 +401,12 @@ class VLLMServerRollout:
         name = f"grpo-policy-{self.tag.rstrip('/').replace('/', '-').replace(':', '-')}-v{self.version}"
         with torch.no_grad():
             state = adapter_state(model)
+        keep = self.max_staleness + 1
+        drop = {v: self.loaded[v] for v in sorted([*self.loaded, self.version])[:-keep]}
         if not self.pusher:
             self._each(lambda c: c.wait_for_adapter(name, self.options.timeout_s),
                        "did not receive the first process's adapter push", required=False)
         else:
-            keep = self.max_staleness + 1
-            versions = sorted([*self.loaded, self.version])
-            drop = {v: self.loaded[v] for v in versions[:-keep]}
             config = adapter_config(model)
             by_dtype = self._cast(list(state.items()))
             self._each(lambda c: c.push_adapter(name, by_dtype[c.dtype], config, self.version, drop,
@@ -416,8 +415,8 @@ class VLLMServerRollout:
             dtype = self.clients[self.failover.live()[0]].dtype if self.failover.live() else "float32"
             self.last_push = {"bytes": float(sum(t.numel() * t.element_size() for _, t in by_dtype.get(dtype, [])))}
             log.info("vllm-server rollout: adapter push %s: %d bytes", name, self.last_push["bytes"])
-            for v in drop:
-                self.loaded.pop(v)
+        for v in drop:
+            self.loaded.pop(v)
         self.loaded[self.version] = name
         self.serving = name
 

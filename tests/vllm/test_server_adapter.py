@@ -170,3 +170,20 @@ def test_a_lora_run_on_servers_pushes_adapters_across_a_resume(servers, model_di
     assert min(checked) <= 3 and max(checked) > 3, checked
     assert all(g <= GAP for g in checked.values()), checked
     print(f"bytes per adapter push: {pushes[1]:.0f}")
+
+
+def test_two_learner_processes_push_the_adapter_once_and_both_sample_with_it(servers, model_dir, tmp_path):
+    """grpo-run --nproc 2 (ddp) with a LoRA policy on both servers: every process gathers the
+    adapter, the first pushes it, the second waits until its servers list the new version
+    (/v1/models) before it generates with it; every step's sampler log-probs equal the trainer's."""
+    lora = {"r": 8, "alpha": 16, "target_modules": TARGETS}
+    rollout = {"name": "vllm-server", "urls": [s.url for s in servers]}
+    spec = write_spec(tmp_path, model_dir, rollout, model={"path": str(model_dir), "lora": lora},
+                      train={"steps": 2, "lr": 5.0e-2, "prompts_per_step": 4})
+    done = run([spec, "--nproc", "2"], tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "full merged weights" not in done.stderr, done.stderr[-4000:]
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines() if line]
+    assert sorted(r["step"] for r in rows if "sync/push_bytes" in r) == [1, 2]
+    checked = {r["step"]: r["rollout_correction/logp_diff/max"] for r in step_rows(tmp_path / "out")}
+    assert checked and all(g <= GAP for g in checked.values()), checked
