@@ -113,11 +113,16 @@ def test_adapter_pushes_give_the_merged_pushes_log_probs_over_steps_and_a_resume
     full_bytes = sum(t.numel() * t.element_size() for _, t in policy_weights(policy))  # a merged push's
     optimizer = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=0.5)
     sampling = SamplingParams(max_new_tokens=8, temperature=1.0, seed=3)
+    seconds: dict[str, list[float]] = {"adapter": [], "merged": []}  # push times, printed (a shared machine)
     for step in range(4):
         if step:
             train_step(policy, ids, optimizer)
+            start = time.perf_counter()
             in_thread(adapter.sync_weights, policy)  # as the actor thread of asynchronous training calls it
+            seconds["adapter"].append(time.perf_counter() - start)
+            start = time.perf_counter()
             in_thread(merged.sync_weights, policy)
+            seconds["merged"].append(time.perf_counter() - start)
         own = learner_logprobs(policy, ids)
         got, want = server_logps(first, ids, adapter.serving), server_logps(second, ids)
         assert (got - want).abs().max() <= TOL, (step, (got - want).abs().max())
@@ -130,7 +135,8 @@ def test_adapter_pushes_give_the_merged_pushes_log_probs_over_steps_and_a_resume
         assert len(adapter.loaded) == min(step + 1, 2), (step, adapter.loaded)
         assert 0 < adapter.last_push["bytes"] < full_bytes / 10, (step, adapter.last_push)
     assert adapter.failover.dropped == {}
-    print(f"bytes per push: adapter {adapter.last_push['bytes']:.0f}, merged {full_bytes}")
+    print(f"bytes per push: adapter {adapter.last_push['bytes']:.0f}, merged {full_bytes}; seconds per push: "
+          f"adapter {sorted(seconds['adapter'])}, merged {sorted(seconds['merged'])}")
 
     # A resumed learner: a new backend (setup pushes the base, then the adapter as its version 1)
     # and the previous learner's versions unloaded.
@@ -187,3 +193,27 @@ def test_two_learner_processes_push_the_adapter_once_and_both_sample_with_it(ser
     assert sorted(r["step"] for r in rows if "sync/push_bytes" in r) == [1, 2]
     checked = {r["step"]: r["rollout_correction/logp_diff/max"] for r in step_rows(tmp_path / "out")}
     assert checked and all(g <= GAP for g in checked.values()), checked
+
+
+def test_an_asynchronous_lora_run_keeps_max_staleness_plus_one_versions_on_the_servers(servers, model_dir, tmp_path):
+    """rollout.max_staleness: 1 with a LoRA policy on servers holding two adapters
+    (--max-loras 2): the actor's thread pushes each version's adapter and generates with it;
+    a batch sampled at the learner's own version matches the trainer (1e-4), one a version
+    older does not; the servers end holding the last two versions."""
+    lora = {"r": 8, "alpha": 16, "target_modules": TARGETS}
+    rollout = {"name": "vllm-server", "urls": [s.url for s in servers], "max_staleness": 1}
+    spec = write_spec(tmp_path, model_dir, rollout, model={"path": str(model_dir), "lora": lora},
+                      train={"steps": 4, "lr": 5.0e-2})
+    done = run([spec], tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "full merged weights" not in done.stderr, done.stderr[-4000:]
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines() if line]
+    assert [r["async/staleness"] for r in rows if "async/staleness" in r][:2] == [0, 1]
+    gaps = {r["step"]: (r["async/staleness"], r["rollout_correction/logp_diff/max"])
+            for r in step_rows(tmp_path / "out")}
+    for step, (staleness, gap) in gaps.items():
+        assert (gap <= GAP) if staleness == 0 else (gap > 1e-3), (step, gap)
+    for server in servers:
+        listed = requests.get(server.url + "/v1/models", headers=AUTH, timeout=30).json()["data"]
+        adapters = [m["id"] for m in listed if m.get("parent")]
+        assert len(adapters) == 2 and all(a.startswith("grpo-policy-") for a in adapters), adapters
