@@ -19,7 +19,8 @@ HEADLINES = [
     "bf16_logp_diff_max", "cpu_resume_bit_exact", "checkpoint_step", "bit_exact", "root_tensors_unchanged",
     "same_tokens", "rel_error_vs_unsharded", "update_rel_error_vs_unsharded", "tokens_per_s", "median_seconds",
     "mfu", "peak_allocated_gib", "peak_rss_gib", "step_seconds", "generate_seconds", "train_seconds",
-    "load_seconds", "parameters", "trl",
+    "load_seconds", "parameters", "trl", "bytes_ratio", "adapter_bytes", "merged_bytes", "elements_sent",
+    "delta_bytes", "full_bytes", "bitwise_equal", "weight_bytes_ratio", "peak_ratio", "step_time_ratio",
 ]
 
 

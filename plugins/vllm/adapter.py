@@ -1,5 +1,6 @@
-"""Adapter-only LoRA pushes (``lora_push``): what the ``vllm`` backend sends after each
-optimizer step when the policy is a peft LoRA model that vLLM's LoRA support can load.
+"""Adapter-only LoRA pushes (``lora_push``): what the ``vllm`` and ``vllm-server`` backends
+send after each optimizer step when the policy is a peft LoRA model that vLLM's LoRA support
+can load.
 
 The engine gets the base weights once (:func:`base_weights`, at setup and after a resume)
 and each push after that is the adapter alone, written in peft's adapter format to a
@@ -7,19 +8,29 @@ folder per version (:class:`AdapterVersions`) and loaded by vLLM as a ``LoRARequ
 ``2 * r / hidden`` of the merged push's bytes. :func:`adapter_obstacle` says why a policy
 cannot go as an adapter (the merged path then stays); :func:`choose_push` makes the choice of
 ``lora_push: auto|adapter|merged``. vLLM is imported by the caller, never here.
+
+For rollout servers the adapter's tensors travel over the weight channel and each server's
+workers write them in peft's format to a folder of their own machine
+(:func:`adapter_root`, :func:`write_adapter`), which the server's ``/v1/load_lora_adapter``
+then loads; :func:`server_obstacle` says why a server cannot take them (not started with
+``--enable-lora``, a smaller ``--max-lora-rank`` or ``--max-loras``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
 from grpo_plugins.rollout.weights import merge_lora
 from torch import Tensor, nn
 
-__all__ = ["VLLM_LORA_RANKS", "AdapterVersions", "adapter_obstacle", "base_weights", "choose_push", "engine_rank"]
+__all__ = ["VLLM_LORA_RANKS", "AdapterVersions", "adapter_config", "adapter_obstacle", "adapter_rank", "adapter_root",
+           "adapter_state", "base_weights", "choose_push", "engine_rank", "server_obstacle", "write_adapter"]
 
 #: The ranks vLLM 0.32 accepts as ``max_lora_rank`` (``vllm.config.lora.MaxLoRARanks``).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -59,19 +70,41 @@ def adapter_obstacle(model: Any) -> str | None:
     return None
 
 
-def choose_push(option: str, model: Any) -> tuple[str, str]:
+def server_obstacle(url: str, lora: dict[str, Any] | None, rank: int, keep: int) -> str | None:
+    """Why the server at ``url`` cannot load the adapter of rank ``rank`` with ``keep``
+    versions loaded at once (None when it can). ``lora``: what its workers report of its LoRA
+    settings (``grpo_server_info``): None when it was not started with ``--enable-lora``,
+    else ``max_lora_rank``, ``max_loras`` and ``runtime_updates`` (vLLM's
+    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``, which ``grpo-run serve`` sets with ``--enable-lora``)."""
+    if lora is None:
+        return f"the server {url} was not started with LoRA (grpo-run serve MODEL -- --enable-lora)"
+    if not lora.get("runtime_updates", False):
+        return (f"the server {url} does not load adapters at run time (start it with grpo-run serve, which sets "
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING with --enable-lora)")
+    if int(lora.get("max_lora_rank", 0)) < rank:
+        return f"the server {url} has --max-lora-rank {lora.get('max_lora_rank')}, below the adapter's rank {rank}"
+    if int(lora.get("max_loras", 0)) < keep:
+        return (f"the server {url} has --max-loras {lora.get('max_loras')}, fewer than the {keep} adapter versions "
+                "the staleness bound keeps loaded (rollout.max_staleness + 1)")
+    return None
+
+
+def choose_push(option: str, model: Any, servers: list[str | None] = (), backend: str = "vllm") -> tuple[str, str]:
     """``("adapter" | "merged", reason)`` for ``lora_push`` ``option`` and the policy.
 
-    ``auto`` pushes the adapter when :func:`adapter_obstacle` finds none; ``adapter``
-    raises where there is one, naming it; ``merged`` always merges."""
+    ``auto`` pushes the adapter when :func:`adapter_obstacle` finds none (nor any of
+    ``servers``, each server's :func:`server_obstacle`); ``adapter`` raises where there is
+    one, naming it; ``merged`` always merges."""
     obstacle = adapter_obstacle(model)
     if option == "merged":
         return "merged", "lora_push: merged"
     if obstacle is None:
+        obstacle = next((o for o in servers if o is not None), None)
+    if obstacle is None:
         return "adapter", f"lora_push: {option}"
     if option == "adapter":
         raise ValueError(
-            f"vllm rollout: lora_push: adapter, but {obstacle}, which vLLM cannot load as a LoRA adapter; "
+            f"{backend} rollout: lora_push: adapter, but {obstacle}, so vLLM cannot load it as a LoRA adapter; "
             "set rollout.lora_push: merged (or auto, which merges then)"
         )
     return "merged", f"lora_push: auto, and {obstacle}"
@@ -79,9 +112,57 @@ def choose_push(option: str, model: Any) -> tuple[str, str]:
 
 def engine_rank(model: Any) -> int:
     """The smallest ``max_lora_rank`` vLLM accepts that holds the adapter's rank."""
-    config = model.peft_config[model.active_adapter]
-    rank = max([int(config.r), *map(int, (getattr(config, "rank_pattern", None) or {}).values())])
+    rank = adapter_rank(model)
     return next(r for r in VLLM_LORA_RANKS if r >= rank)
+
+
+def adapter_rank(model: Any) -> int:
+    """The largest rank of the peft ``model``'s active adapter (``r`` or its ``rank_pattern``)."""
+    config = model.peft_config[model.active_adapter]
+    return max([int(config.r), *map(int, (getattr(config, "rank_pattern", None) or {}).values())])
+
+
+def adapter_state(model: Any) -> dict[str, Tensor]:
+    """The active adapter's tensors as peft's ``save_pretrained`` writes them, each whole and
+    on the CPU: a sharded (fsdp2) adapter is gathered, so every process calls this in step
+    (as the merged push gathers its weights)."""
+    from peft import get_peft_model_state_dict
+
+    state = get_peft_model_state_dict(model, adapter_name=model.active_adapter)
+    return {k: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().contiguous().cpu()
+            for k, t in state.items()}
+
+
+def adapter_config(model: Any) -> dict[str, Any]:
+    """The active adapter's ``adapter_config.json``, as a JSON-ready dict."""
+    config = model.peft_config[model.active_adapter]
+    return json.loads(json.dumps(config.to_dict(), default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
+
+
+def adapter_root(token: str) -> str:
+    """The folder of a rollout server's adapter versions for the weight channel whose token is
+    ``token``: in the machine's temporary folder, named by a hash of the token (the same in
+    every worker of the server; the token itself is not shown)."""
+    digest = hashlib.sha256(token.encode()).hexdigest()[:16]
+    return os.path.join(tempfile.gettempdir(), f"grpo-adapters-{digest}")
+
+
+def write_adapter(folder: str, tensors: dict[str, Tensor], config: dict[str, Any]) -> str:
+    """``tensors`` and ``config`` in peft's adapter format in ``folder`` (made if needed), each
+    file written whole then renamed into place (workers of one machine write the same files);
+    ``folder``."""
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    suffix = f".{os.getpid()}.tmp"
+    weights = os.path.join(folder, "adapter_model.safetensors")
+    save_file({k: t.detach().contiguous().cpu() for k, t in tensors.items()}, weights + suffix,
+              metadata={"format": "pt"})
+    os.replace(weights + suffix, weights)
+    with open(os.path.join(folder, "adapter_config.json") + suffix, "w", encoding="utf-8") as out:
+        json.dump(config, out)
+    os.replace(os.path.join(folder, "adapter_config.json") + suffix, os.path.join(folder, "adapter_config.json"))
+    return folder
 
 
 def base_weights(model: Any) -> Iterator[tuple[str, Tensor]]:
@@ -108,20 +189,14 @@ class AdapterVersions:
     def save(self, model: Any) -> tuple[int, str, int, list[int]]:
         """Write the next version; ``(version, its folder, the adapter file's bytes, the
         versions dropped)``."""
-        from peft import get_peft_model_state_dict
         from safetensors.torch import save_file
 
         self.version += 1
         path = self.path(self.version)
         os.makedirs(path, exist_ok=True)
-        adapter = model.active_adapter
-        # what peft's save_pretrained writes, each tensor whole: a sharded (fsdp2) adapter is
-        # gathered, every process in step (as the merged push gathers its weights)
-        state = get_peft_model_state_dict(model, adapter_name=adapter)
-        state = {k: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().contiguous().cpu()
-                 for k, t in state.items()}
+        state = adapter_state(model)
         save_file(state, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
-        model.peft_config[adapter].save_pretrained(path)
+        model.peft_config[model.active_adapter].save_pretrained(path)
         size = os.path.getsize(os.path.join(path, "adapter_model.safetensors"))
         self.kept.append(self.version)
         dropped = self.kept[: -self.keep]

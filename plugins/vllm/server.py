@@ -45,10 +45,20 @@ from urllib.parse import urlsplit
 
 import torch
 from grpo_plugins.rollout.weights import cast_weights, policy_weights
+from grpo_plugins.vllm.adapter import (
+    adapter_config,
+    adapter_obstacle,
+    adapter_rank,
+    adapter_state,
+    base_weights,
+    choose_push,
+    server_obstacle,
+)
 from grpo_plugins.vllm.client import Expected, ServerClient, ServerFault, local_address
 from grpo_plugins.vllm.delta import DeltaEncoder, push_stats
 from grpo_plugins.vllm.io import completion_body, outputs_to_batch, repeat_greedy, request_seed
 from pydantic import AfterValidator, Field, field_validator
+from torch import Tensor
 
 from grpo_core import hookimpl
 from grpo_core.contracts import RolloutBatch, SamplingParams, check_request, special_ids
@@ -118,6 +128,18 @@ class VLLMServerOptions(Options):
             "take more bytes than the tensor. Costs one copy of the pushed weights on the learner (per server "
             "dtype) and one on each server worker. Each push's bytes, and a full push's, are logged with the next "
             "step (sync/push_bytes, sync/push_full_bytes)."
+        ),
+    )
+    lora_push: Literal["auto", "adapter", "merged"] = Field(
+        "auto",
+        description=(
+            "What a LoRA policy's weight push sends: adapter, the adapter alone (over the weight channel; each "
+            "server writes it to its own disk and loads it with vLLM's /v1/load_lora_adapter, keeping "
+            "rollout.max_staleness + 1 versions loaded; the base weights go once, at setup); merged, the full "
+            "merged weights; auto, the adapter when the adapter is one vLLM can load (not modules_to_save, "
+            "DoRA, lora_bias, a 4-bit base, a non-linear target) and every server was started with LoRA "
+            "(grpo-run serve MODEL -- --enable-lora --max-lora-rank R --max-loras K, R at least the adapter's "
+            "rank, K at least max_staleness + 1), else merged, said in the log."
         ),
     )
     push_every: int = Field(
@@ -240,6 +262,12 @@ class VLLMServerRollout:
         self.tag = _launch_tag()
         self.encoders: dict[str, DeltaEncoder] = {}  # per server dtype: what the servers hold (delta_push)
         self.last_push: dict[str, float] = {}  # the last push's push_stats (logged as sync/push_*)
+        #: The run's staleness bound (``rollout.max_staleness``, set by the engine): adapter
+        #: pushes keep ``max_staleness + 1`` versions loaded on each server.
+        self.max_staleness = 0
+        self.push = "merged"  # or "adapter": chosen in setup from lora_push
+        self.loaded: dict[int, str] = {}  # adapter versions loaded on the servers: version -> LoRA name
+        self.serving = ""  # the LoRA name requests sample with (adapter pushes); "": the base model
 
     # ----------------------------------------------------------------- contract
     def setup(self, model: Any, tokenizer: Any) -> None:
@@ -254,9 +282,15 @@ class VLLMServerRollout:
             self.backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.pusher = _rank() == 0
         self._each(lambda c: c.connect(), "did not answer as a grpo-run serve server")
+        if hasattr(model, "peft_config"):
+            self._choose_push(model)
         if self.pusher:
             self._open_channels()
-        self._push(model)
+        if self.push == "adapter":
+            self._push_base(model)
+            self._push_adapter(model)
+        else:
+            self._push(model)
 
     def sync_weights(self, model: Any) -> None:
         """Push the policy's weights to every live server at syncs ``1, 1 + n, 1 + 2n, ...``
@@ -270,7 +304,7 @@ class VLLMServerRollout:
         completed step."""
         self.syncs += 1
         if (self.syncs - 1) % self.options.push_every == 0:
-            self._push(model)
+            self._push_adapter(model) if self.push == "adapter" else self._push(model)
 
     def generate(self, prompt_ids: list[list[int]], group_size: int, sampling: SamplingParams) -> RolloutBatch:
         """``G = group_size`` completions for each of the ``P`` prompts, spread over the live
@@ -320,7 +354,80 @@ class VLLMServerRollout:
         if url in self.failover.dropped:  # dropped while this request waited
             raise ServerFault(self.failover.dropped[url])
         client = self.clients[url]
-        return client.complete({**body, "model": client.model}, expected)
+        return client.complete({**body, "model": self.serving or client.model}, expected)
+
+    def _choose_push(self, model: Any) -> None:
+        """``lora_push`` for a LoRA policy: the adapter alone where the adapter and every live
+        server allow it (:func:`~grpo_plugins.vllm.adapter.choose_push`), said in the log."""
+        keep = self.max_staleness + 1
+        servers = []
+        if adapter_obstacle(model) is None:
+            rank = adapter_rank(model)
+            servers = [server_obstacle(u, self.clients[u].lora, rank, keep) for u in self.failover.live()]
+        self.push, reason = choose_push(self.options.lora_push, model, servers, backend=NAME)
+        # a warning when auto falls back to the heavier push: the user sees why
+        say = log.warning if self.push == "merged" and self.options.lora_push == "auto" else log.info
+        say("vllm-server rollout: LoRA weight pushes send the %s (%s)",
+            "adapter alone" if self.push == "adapter" else "full merged weights", reason)
+
+    def _push_base(self, model: Any) -> None:
+        """The base weights, without the adapter (what the servers' LoRA layers add each
+        adapter version to), pushed whole at setup: after a resume too, as a new run's."""
+        self.version += 1
+        version = f"{self.tag}{self.version}"
+        with torch.no_grad():
+            weights = [(n, t.full_tensor() if hasattr(t, "full_tensor") else t) for n, t in base_weights(model)]
+            if not self.pusher:
+                self._each(lambda c: c.wait_for_version(version, self.options.timeout_s),
+                           "did not receive the first process's push")
+                return
+            by_dtype = self._cast(weights)
+            self._each(lambda c: c.push(by_dtype[c.dtype], version, self.options.timeout_s),
+                       "failed during the push of the base weights")
+            # a previous run's versions (its learner gone) hold no slot of ours
+            self._each(self._unload_strangers, "did not unload a previous run's adapters", required=False)
+
+    def _unload_strangers(self, client: ServerClient) -> None:
+        for name in client.adapters():
+            if name.startswith("grpo-policy-") and name not in self.loaded.values():
+                client.unload_adapter(name)
+
+    def _push_adapter(self, model: Any) -> None:
+        """The adapter alone, as the next version, to every live server; the versions beyond
+        ``max_staleness + 1`` unloaded. Every process gathers the adapter (FSDP2's gathers
+        are collectives); the first pushes it, the others wait until their servers list it.
+        Requests sample with it from then on."""
+        self.version += 1
+        name = f"grpo-policy-{self.tag.rstrip('/').replace('/', '-').replace(':', '-')}-v{self.version}"
+        with torch.no_grad():
+            state = adapter_state(model)
+        keep = self.max_staleness + 1
+        drop = {v: self.loaded[v] for v in sorted([*self.loaded, self.version])[:-keep]}
+        if not self.pusher:
+            self._each(lambda c: c.wait_for_adapter(name, self.options.timeout_s),
+                       "did not receive the first process's adapter push", required=False)
+        else:
+            config = adapter_config(model)
+            by_dtype = self._cast(list(state.items()))
+            self._each(lambda c: c.push_adapter(name, by_dtype[c.dtype], config, self.version, drop,
+                                                self.options.timeout_s),
+                       "failed during an adapter push", required=False)
+            dtype = self.clients[self.failover.live()[0]].dtype if self.failover.live() else "float32"
+            self.last_push = {"bytes": float(sum(t.numel() * t.element_size() for _, t in by_dtype.get(dtype, [])))}
+            log.info("vllm-server rollout: adapter push %s: %d bytes", name, self.last_push["bytes"])
+        for v in drop:
+            self.loaded.pop(v)
+        self.loaded[self.version] = name
+        self.serving = name
+
+    def _cast(self, weights: list[tuple[str, Tensor]]) -> dict[str, list[tuple[str, Tensor]]]:
+        """``weights`` cast to each live server's dtype (on the CPU for gloo), once per dtype."""
+        by_dtype: dict[str, list] = {}
+        for client in (self.clients[u] for u in self.failover.live()):
+            if client.dtype not in by_dtype:
+                cast = cast_weights(weights, getattr(torch, client.dtype))
+                by_dtype[client.dtype] = [(n, t.cpu() if self.backend == "gloo" else t) for n, t in cast]
+        return by_dtype
 
     def _open_channels(self) -> None:
         port = self.options.weight_port
@@ -351,11 +458,7 @@ class VLLMServerRollout:
                            "did not receive the first process's push", required=False)
             else:
                 weights = list(policy_weights(model))
-                by_dtype: dict[str, list] = {}
-                for client in (self.clients[u] for u in self.failover.live()):
-                    if client.dtype not in by_dtype:
-                        cast = cast_weights(weights, getattr(torch, client.dtype))
-                        by_dtype[client.dtype] = [(n, t.cpu() if self.backend == "gloo" else t) for n, t in cast]
+                by_dtype = self._cast(weights)
                 if self.options.delta_push:
                     # Whole at setup and at the first sync (after a resume, the checkpoint's weights).
                     full = self.syncs <= 1

@@ -15,6 +15,13 @@ format weights through the model's ``load_weights`` between vLLM's layerwise-rel
 ``initialize`` and ``finalize``, so the post-processing vLLM applies after loading (its CPU
 kernels repack every linear weight) is redone.
 
+Adapter-only LoRA pushes (``lora_push``) take the same channel: the learner calls
+:meth:`WeightChannelExtension.grpo_receive_adapter` through ``/collective_rpc`` and broadcasts
+the adapter's tensors; each worker writes them in peft's format to a folder of its machine
+(:func:`grpo_plugins.vllm.adapter.write_adapter`) and the learner loads that folder with vLLM's
+own ``/v1/load_lora_adapter``. The adapter goes through the channel rather than a path the
+learner writes because a server on another machine cannot read the learner's disk.
+
 The registration happens when vLLM imports this module as the worker extension
 (``--worker-extension-cls grpo_plugins.vllm.worker.WeightChannelExtension``), in each
 worker process, before the worker builds its transfer engine.
@@ -23,9 +30,13 @@ worker process, before the worker builds its transfer engine.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import shutil
 from typing import Any
 
 import torch
+from grpo_plugins.vllm.adapter import adapter_root, write_adapter
 from grpo_plugins.vllm.channel import BACKENDS, open_group, receive_deltas, receive_tensors
 from grpo_plugins.vllm.delta import DeltaDecoder
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
@@ -87,6 +98,7 @@ class TorchWeightTransferEngine(WeightTransferEngine[TorchInitInfo, TorchUpdateI
         super().__init__(config, vllm_config, device, model)
         self.group: Any = None
         self.decoder: DeltaDecoder | None = None  # the pushed weights as last received, for delta pushes
+        self.adapters = ""  # the folder of the adapter versions pushed (lora_push), by channel
 
     def init_transfer_engine(self, init_info: TorchInitInfo) -> None:
         """Join the learner's group as rank ``rank_offset + worker rank`` (tensor/pipeline
@@ -98,6 +110,7 @@ class TorchWeightTransferEngine(WeightTransferEngine[TorchInitInfo, TorchUpdateI
                 "grpo-run serve per replica and list every URL in rollout.urls"
             )
         rank = init_info.rank_offset + self.parallel_config.rank
+        self.adapters = adapter_root(init_info.token)
         self.group = open_group(
             init_info.host, init_info.port, rank, init_info.world_size, init_info.backend, init_info.timeout_s,
             init_info.token,
@@ -149,9 +162,24 @@ class TorchWeightTransferEngine(WeightTransferEngine[TorchInitInfo, TorchUpdateI
             self.decoder = None
             raise failure
 
+    def receive_adapter(self, info: dict[str, Any]) -> str:
+        """Receive one adapter version (``info``: :func:`~grpo_plugins.vllm.channel.update_info`'s
+        payload plus ``version``, ``config``, the adapter's ``adapter_config.json``, and ``drop``,
+        the versions the learner no longer keeps), write it to ``<adapters>/v<version>``, remove
+        the dropped versions' folders; the folder written."""
+        if self.group is None:
+            raise RuntimeError("grpo_torch weight transfer: /init_weight_transfer_engine was not called")
+        tensors = {name: t.cpu() for name, t in receive_tensors(self.group, info, self.device)}
+        folder = write_adapter(os.path.join(self.adapters, f"v{int(info['version'])}"), tensors, info["config"])
+        for old in info.get("drop", []):
+            shutil.rmtree(os.path.join(self.adapters, f"v{int(old)}"), ignore_errors=True)
+        return folder
+
     def shutdown(self) -> None:
         self.group = None
         self.decoder = None
+        if self.adapters:
+            shutil.rmtree(self.adapters, ignore_errors=True)
 
 
 class WeightChannelExtension:
@@ -160,13 +188,31 @@ class WeightChannelExtension:
     (through vLLM's ``/collective_rpc``, one answer per worker) what it needs to push."""
 
     def grpo_server_info(self) -> dict[str, Any]:
-        """This worker's weight transfer engine, model dtype (what pushes are cast to) and rank."""
+        """This worker's weight transfer engine, model dtype (what pushes are cast to), rank and
+        LoRA settings (None without ``--enable-lora``; else ``max_lora_rank``, ``max_loras`` and
+        whether the server loads adapters at run time, ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``)."""
+        from vllm import envs
+
         config = self.vllm_config  # type: ignore[attr-defined]  (the worker's)
+        lora = config.lora_config
         return {
             "engine": type(getattr(self, "weight_transfer_engine", None)).__name__,
             "dtype": str(config.model_config.dtype).removeprefix("torch."),
             "rank": int(config.parallel_config.rank),
+            "lora": None if lora is None else {
+                "max_lora_rank": int(lora.max_lora_rank), "max_loras": int(lora.max_loras),
+                "runtime_updates": bool(envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING),
+            },
         }
+
+    def grpo_receive_adapter(self, info: str) -> str:
+        """Through ``/collective_rpc`` (whose arguments are strings): receive one adapter version
+        over the weight channel (``info``: its JSON payload) and write it to this machine's
+        disk; the folder, which the learner hands to ``/v1/load_lora_adapter``."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if not isinstance(engine, TorchWeightTransferEngine):
+            raise RuntimeError("grpo_receive_adapter: the server's weight transfer engine is not grpo_torch")
+        return engine.receive_adapter(json.loads(info))
 
 
 try:

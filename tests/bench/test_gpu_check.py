@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu" / "run.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-PARTS = ["correctness", "nccl", "fsdp2", "throughput", "trl"]
+PARTS = ["correctness", "nccl", "fsdp2", "throughput", "onegpu", "trl"]
 
 
 def _check(args: list, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -60,6 +60,10 @@ def test_the_gpu_check_runs_in_its_cpu_mode(tmp_path):
     assert set(throughput["padded_vs_packed"]) == {"generated", "long_tailed"}
     for name, compared in throughput["padded_vs_packed"].items():  # the same weights, the same first update
         assert compared["speedup"] > 0 and compared["loss_difference"] < 1e-2, (name, compared)
+    onegpu = checks["onegpu"]  # issue 49's figures: adapter and delta pushes, QLoRA (its CPU backend here)
+    assert onegpu["push_adapter_vs_merged"]["adapter_bytes"] < onegpu["push_adapter_vs_merged"]["merged_bytes"]
+    assert onegpu["push_delta_vs_full"]["bitwise_equal"] and onegpu["push_delta_vs_full"]["corrupted_copy_caught"]
+    assert onegpu["qlora_vs_bf16_lora"]["status"] in ("ok", "skipped")
     trl = result["parts"]["trl"]
     if trl["status"] == "skipped" or checks["trl"].get("import", {}).get("status") == "skipped":
         assert "TRL cannot be imported" in json.dumps(trl)
@@ -69,6 +73,28 @@ def test_the_gpu_check_runs_in_its_cpu_mode(tmp_path):
     table = (tmp_path / "out" / "table.md").read_text()
     assert all(f"| {part} |" in table for part in PARTS)
     assert "correctness  gradient" in done.stdout  # the table printed at the end
+
+
+def test_the_onegpu_part_answers_its_questions_in_the_cpu_mode(tmp_path):
+    """The one-GPU practitioner's part alone (what the first GPU run answers, here on the tiny
+    Qwen2): adapter against merged push bytes and seconds, a delta push after an AdamW step at
+    1e-6 rebuilt bitwise and a corrupted copy caught, the 4-bit base's step against bf16's
+    (bitsandbytes' CPU backend here; skipped, saying why, where it cannot be imported)."""
+    done = _check(["--out", tmp_path / "out", "--work", tmp_path / "work", "--device", "cpu", "--tiny",
+                   "--simulate-missing", "--parts", "onegpu"])
+    assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
+    checks = json.loads((tmp_path / "out" / "results.json").read_text())["parts"]["onegpu"]["checks"]
+    pushes = checks["push_adapter_vs_merged"]
+    assert 0 < pushes["adapter_bytes"] < pushes["merged_bytes"] and pushes["merged_prepare_s"] > 0
+    delta = checks["push_delta_vs_full"]
+    assert delta["status"] == "ok" and delta["bitwise_equal"] and delta["corrupted_copy_caught"]
+    assert 0 < delta["delta_bytes"] < delta["full_bytes"] and 0 < delta["elements_sent"] < 1
+    qlora = checks["qlora_vs_bf16_lora"]
+    if qlora["status"] == "skipped":
+        assert "bitsandbytes cannot be imported" in qlora["reason"]
+    else:
+        assert qlora["status"] == "ok" and qlora["qlora_nf4"]["step_s"] > 0 and qlora["bf16_lora"]["step_s"] > 0
+    assert "push_delta_vs_full" in (tmp_path / "out" / "table.md").read_text()
 
 
 def test_the_dry_run_lists_every_file_sent_and_the_command():

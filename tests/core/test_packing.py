@@ -434,6 +434,40 @@ def test_the_flex_attention_path_gives_the_per_segment_hidden_states_in_one_call
     torch.testing.assert_close(flex, segments, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_flex_attention_paths_log_probs_and_entropies_equal_the_padded_paths(llama, qwen2, arch):
+    """End to end against the padded path (not through the per-segment one): the flex path's
+    hidden states through the learner's LM head (token_logprobs, as completion_logprobs applies
+    it) give the padded completion_logprobs' per-token log-probs and entropies. Its backward
+    cannot run here (torch 2.13 on a CPU: "FlexAttention does not support backward on CPU"):
+    the gradients of its mask rule are the next test's, the kernel's own bench/gpu/'s."""
+    from grpo_core.train.learner.logprobs import token_logprobs
+
+    model = {"llama": llama, "qwen2": qwen2}[arch]
+    batch = random_batch(model.config.vocab_size, prompts=3, group=3, prompt_lens=[5, 9, 2],
+                         lengths=[30, 3, 7, 1, 5, 0, 6, 2, 9], holes=[4, 0, 1, 0, 0, 0, 2, 0, 0], width=31, seed=5)
+    _, _, c_ids, c_mask = batch
+    with torch.no_grad():
+        want, want_ent = completion_logprobs(model, *batch, with_entropy=True)
+        layout, flex = _layout_and_hidden(model, batch, "flex", grad=False)
+        logp, ent = token_logprobs(flex[layout.hidden_index[c_mask]], model.get_output_embeddings(),
+                                   c_ids[c_mask], with_entropy=True)
+    assert layout.attention == "flex"
+    torch.testing.assert_close(logp, want[c_mask], atol=VALUE_TOL, rtol=0)
+    torch.testing.assert_close(ent, want_ent[c_mask], atol=VALUE_TOL, rtol=0)
+
+
+def test_the_flex_kernel_has_no_backward_on_a_cpu_so_its_gradients_wait_for_a_gpu(llama):
+    """Why the flex path's own gradients are checked on a GPU (bench/gpu/, gradient_packed) and
+    only its mask rule's here: on this CPU a forward that would need a backward raises. Should a
+    torch run it, this test fails and the gradients can be compared here directly."""
+    batch = random_batch(llama.config.vocab_size, prompts=1, group=2, prompt_lens=[4], lengths=[3, 5],
+                         holes=[0, 0], width=5, seed=1)
+    with pytest.raises(NotImplementedError, match="does not support backward on CPU"):
+        _layout_and_hidden(llama, batch, "flex", grad=True)[1].sum().backward()
+
+
 def test_the_flex_mask_rule_gives_the_per_segment_gradients(llama):
     """The block mask's rule (segment_mask_mod), evaluated densely into one sdpa call per layer,
     gives the per-segment path's hidden states and gradients: the rule flex_attention runs on a

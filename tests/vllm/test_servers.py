@@ -49,12 +49,12 @@ def free_port() -> int:
 class Server:
     """One ``grpo-run serve`` process group, its URL and log."""
 
-    def __init__(self, model_dir: Path, log: Path, as_api_key: bool = False):
+    def __init__(self, model_dir: Path, log: Path, as_api_key: bool = False, extra: tuple[str, ...] = ()):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         env = {k: v for k, v in {**os.environ, **CHILD_ENV}.items() if k != "GRPO_SERVE_SECRET"}
-        vllm_args = ["--max-num-seqs", "32"]
+        vllm_args = ["--max-num-seqs", "32", *extra]
         if as_api_key:
             vllm_args += ["--api-key", SECRET]
         else:
@@ -352,7 +352,8 @@ LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
 def test_a_run_trains_on_two_servers(servers, model_dir, tmp_path, case, args, changes):
     """grpo-run with rollout.name vllm-server: every step's sampler log-probs (the servers')
     equal the trainer's to 1e-4, so each update reached both servers before the next rollout.
-    lora-multi-turn: each push is the merged adapter; two-turn episodes, the server generating
+    lora-multi-turn: each push is the merged adapter (lora_push: auto on servers started
+    without --enable-lora merges, and says why in the log); two-turn episodes, the server generating
     each turn after the environment's message. fsdp2 over two processes: every process gathers
     the sharded weights once per push, the first one pushes, both generate on the servers; the
     held-out evaluation samples there too."""
@@ -367,7 +368,9 @@ def test_a_run_trains_on_two_servers(servers, model_dir, tmp_path, case, args, c
     steps = changes["train"]["steps"]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert all(r["rollout_correction/logp_diff/max"] <= GAP for r in rows), rows
-    if case.startswith("lora"):
+    if case.startswith("lora"):  # servers without --enable-lora: auto merges, saying so
+        assert ("full merged weights (lora_push: auto, and the server http://127.0.0.1:"
+                in done.stderr and "was not started with LoRA" in done.stderr), done.stderr[-4000:]
         assert all(r["env/turns_per_episode"] == 2.0 and r["env/env_tokens"] > 0 for r in rows), rows
     else:  # (a LoRA run saves the adapter, not merged weights)
         assert max_change(tmp_path / "out", model_dir) > 1e-2

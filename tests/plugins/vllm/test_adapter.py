@@ -8,12 +8,24 @@ merged push's) is tested against a real vLLM in ``tests/vllm/test_adapter.py``.
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 import torch
 from grpo_plugins.rollout.weights import policy_weights
-from grpo_plugins.vllm.adapter import AdapterVersions, adapter_obstacle, base_weights, choose_push, engine_rank
+from grpo_plugins.vllm.adapter import (
+    AdapterVersions,
+    adapter_config,
+    adapter_obstacle,
+    adapter_root,
+    adapter_state,
+    base_weights,
+    choose_push,
+    engine_rank,
+    server_obstacle,
+    write_adapter,
+)
 from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
 from safetensors.torch import load_file
 
@@ -97,3 +109,48 @@ def test_a_qlora_base_stays_merged(tokenizer, tmp_path):
                         tokenizer)
     assert adapter_obstacle(model) == "the base is quantized in 4 bits (QLoRA)"
     assert choose_push("auto", model) == ("merged", "lora_push: auto, and the base is quantized in 4 bits (QLoRA)")
+
+
+LORA_SERVER = {"max_lora_rank": 8, "max_loras": 2, "runtime_updates": True}
+
+
+@pytest.mark.parametrize(
+    ("settings", "says"),
+    [
+        (None, "the server http://s:1 was not started with LoRA (grpo-run serve MODEL -- --enable-lora)"),
+        ({**LORA_SERVER, "runtime_updates": False}, "does not load adapters at run time"),
+        ({**LORA_SERVER, "max_lora_rank": 1}, "has --max-lora-rank 1, below the adapter's rank 4"),
+        ({**LORA_SERVER, "max_loras": 1}, "has --max-loras 1, fewer than the 2 adapter versions"),
+    ],
+)
+def test_a_server_that_cannot_load_the_adapter_keeps_the_merged_push_and_says_why(tokenizer, settings, says):
+    """vllm-server: auto pushes the adapter only where every server can load it (LoRA on, run-time
+    loading, rank and slots for max_staleness + 1 versions), else merges, saying which server
+    and why; adapter refuses, naming it."""
+    model = lora(tokenizer)
+    assert server_obstacle("http://s:1", LORA_SERVER, 4, 2) is None
+    obstacle = server_obstacle("http://s:1", settings, 4, 2)
+    assert says in obstacle
+    assert choose_push("auto", model, [None, None]) == ("adapter", "lora_push: auto")
+    push, reason = choose_push("auto", model, [None, obstacle], backend="vllm-server")
+    assert push == "merged" and reason == f"lora_push: auto, and {obstacle}"
+    with pytest.raises(ValueError, match=r"^vllm-server rollout: lora_push: adapter, but the server http://s:1"):
+        choose_push("adapter", model, [obstacle], backend="vllm-server")
+
+
+def test_a_servers_adapter_folder_is_what_peft_reads_back(tokenizer, tmp_path):
+    """What a server's worker writes from the tensors it receives (the adapter's state and its
+    config, as the learner sends them) is an adapter peft loads to the same weights; writing
+    the same version again (another worker of the machine) replaces the files whole."""
+    from peft import PeftModel
+
+    model = lora(tokenizer)
+    state, config = adapter_state(model), adapter_config(model)
+    json.dumps(config)  # travels as JSON through /collective_rpc
+    folder = write_adapter(str(tmp_path / "v1"), state, config)
+    write_adapter(folder, state, config)
+    assert sorted(os.listdir(folder)) == ["adapter_config.json", "adapter_model.safetensors"]
+    again = PeftModel.from_pretrained(build_model(tokenizer), folder)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), again.parameters(), strict=True))
+    root = adapter_root("a-token")
+    assert root == adapter_root("a-token") != adapter_root("another") and "a-token" not in root

@@ -46,6 +46,15 @@ def test_serve_starts_vllms_server_ready_for_weight_pushes():
     assert env == {"VLLM_SERVER_DEV_MODE": "1"}
 
 
+@pytest.mark.parametrize("lora", [["--enable-lora"], ["--enable-lora=true", "--max-lora-rank", "8"]])
+def test_serve_with_lora_loads_adapters_at_run_time(lora):
+    """vLLM serves /v1/load_lora_adapter (the adapter-only pushes') only with
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING; serve sets it with --enable-lora, and only then."""
+    argv, env = serve_command(_serve_args("m", "--", *lora), python="py", environ={})
+    assert env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+    assert argv[-len(lora):] == lora
+
+
 @pytest.mark.parametrize("flag", ["--port", "--worker-extension-cls=x", "--model"])
 def test_serve_refuses_vllm_flags_it_sets_itself(flag):
     code, _, err = cli("serve", "m", "--", flag, "1")
