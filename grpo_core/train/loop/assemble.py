@@ -265,7 +265,24 @@ def _actor_and_feed(spec: Spec, model, tokenizer, backend, learner: Learner, sco
     if not k:
         return actor, SyncFeed(actor)
     return actor, Pipeline(actor, k, snapshot, sampler=sampler,
-                           behaviour=learner.sampler_logprobs if sampler is not None else None)
+                           behaviour=learner.sampler_logprobs if sampler is not None else None,
+                           interruptible=interruptible_backend(spec, backend, strategy.dist.world))
+
+
+def interruptible_backend(spec: Spec, backend: Any, world: int) -> Any:
+    """The backend, when ``rollout.partial_rollouts`` is on and it can stop mid-generation
+    (``interruptible``); None when the option is off. Refused, naming what to change, for a
+    backend that cannot, and for several processes (each would take new weights at its own
+    moment, and their weight gathers and pushes are collectives that must pair up)."""
+    if not spec.rollout.partial_rollouts:
+        return None
+    if not getattr(backend, "interruptible", False):
+        raise RunError(f"rollout.partial_rollouts: rollout backend '{spec.rollout.name}' cannot stop mid-generation; "
+                       "use rollout.name: vllm or vllm-server, or partial_rollouts: false")
+    if world > 1:
+        raise RunError(f"rollout.partial_rollouts: runs in one process only (this run has {world}); "
+                       "set partial_rollouts: false or run one process")
+    return backend
 
 
 def load_processing(loaded: LoadedSpec, given: Any = None) -> tuple[Any, Any]:
@@ -348,6 +365,7 @@ def build_run(loaded: LoadedSpec, dist: Dist | None = None, *, model=None, token
     backend, k = spec.rollout.build(), spec.rollout.max_staleness
     if hasattr(backend, "max_staleness"):  # a backend that keeps past policy versions (vllm's adapters)
         backend.max_staleness = k
+    interruptible_backend(spec, backend, dist.world)  # refused before the engine starts
     if processor is not None:
         check_image_run(spec, backend, model)
         backend.processor = processor

@@ -1,0 +1,114 @@
+"""Partial rollouts on a real vLLM engine (``rollout.partial_rollouts``): a weight push that
+reaches the colocated ``vllm`` backend mid-generation (its :class:`WeightSwitch` fires after
+a set number of engine steps, so the cut is exact).
+
+What each test pins: without an interruption the step-by-step path samples what one
+``llm.generate`` samples; with one, every completion's tokens before the push are those of
+the uninterrupted run with the old weights, the later ones carry the new version and their
+sampler log-probs are the new policy's (<= 1e-4), the earlier ones' the old policy's, and no
+token is lost (each completion's length is what the budget and its stop allow).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from grpo_plugins.vllm.colocated import VLLMRollout
+
+from grpo_core.contracts import SamplingParams
+from grpo_core.testing import build_model
+
+from .conftest import HIDDEN
+from .test_engine import _nudge, engine_options, trainer_logps
+
+pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("one_thread")]
+
+TOL = 1e-4
+
+
+class StepSwitch:
+    """Newer weights (``model``, version ``version + 1``) wait from the ``after``-th poll on."""
+
+    def __init__(self, backend, model, after: int, version: int = 0):
+        self.backend, self.model, self.after, self.version = backend, model, after, version
+        self.polls = 0
+        self.taken = 0
+
+    def pending(self) -> bool:
+        self.polls += 1
+        return self.model is not None and self.polls >= self.after and self.taken == 0
+
+    def take(self) -> int:
+        self.backend.sync_weights(self.model)
+        self.taken += 1
+        self.version += 1
+        return self.version
+
+
+@pytest.fixture(scope="module")
+def policy(tokenizer):
+    return build_model(tokenizer, hidden_size=HIDDEN, seed=0).eval()
+
+
+@pytest.fixture(scope="module")
+def engine(policy, tokenizer):
+    backend = VLLMRollout(engine_options())
+    backend.setup(policy, tokenizer)
+    return backend
+
+
+SAMPLING = SamplingParams(max_new_tokens=24, temperature=1.0, seed=5)
+
+
+def test_without_an_interruption_the_stepped_path_samples_what_generate_does(engine, prompts):
+    engine.switch = None
+    want = engine.generate(prompts, 4, SAMPLING)
+    engine.switch = StepSwitch(engine, None, after=0)
+    try:
+        got = engine.generate(prompts, 4, SAMPLING)
+    finally:
+        engine.switch = None
+    assert torch.equal(got.completion_ids, want.completion_ids)
+    assert torch.equal(got.completion_mask, want.completion_mask)
+    assert torch.equal(got.truncated, want.truncated)
+    assert torch.equal(got.sampling_logp, want.sampling_logp)
+    assert got.token_versions is not None and int(got.token_versions.max()) == 0
+
+
+def test_a_push_mid_generation_keeps_the_prefix_and_samples_the_rest_from_the_new_policy(engine, policy, prompts):
+    new = copy.deepcopy(policy)
+    _nudge(new, seed=3)
+    engine.switch = StepSwitch(engine, None, after=0)
+    try:
+        plain = engine.generate(prompts, 4, SAMPLING)  # the uninterrupted run, old weights
+        switch = StepSwitch(engine, new, after=6)
+        engine.switch = switch
+        cut = engine.generate(prompts, 4, SAMPLING)
+    finally:
+        engine.switch = None
+        engine.sync_weights(policy)
+    assert switch.taken == 1
+    versions, mask = cut.token_versions, cut.completion_mask
+    assert versions.shape == mask.shape and versions.dtype == torch.long
+    old, late = mask & (versions == 0), mask & (versions == 1)
+    assert int(old.sum()) > 0 and int(late.sum()) > 0, "the push did not land mid-generation"
+    assert not bool((versions[~mask] != 0).any())
+    # versions never go back along a completion
+    assert bool((versions[:, 1:] >= versions[:, :-1]).logical_or(~mask[:, 1:]).all())
+    # before the push: the uninterrupted run's tokens, with the old policy's log-probs
+    width = min(plain.completion_ids.shape[1], cut.completion_ids.shape[1])
+    assert torch.equal(cut.completion_ids[:, :width][old[:, :width]], plain.completion_ids[:, :width][old[:, :width]])
+    mine_old = trainer_logps(policy, cut)
+    mine_new = trainer_logps(new, cut)
+    assert float((mine_old - cut.sampling_logp).abs()[old].max()) <= TOL
+    # after it: sampled from the new policy given the whole prefix
+    gap = (mine_new - cut.sampling_logp).abs()[late]
+    assert float(gap.max()) <= TOL, float(gap.max())
+    assert float((mine_old - cut.sampling_logp).abs()[late].max()) > 1e-2  # not the old policy's
+    # nothing lost: a completion ends at its EOS or at the budget
+    lengths = mask.sum(1)
+    ended = [bool(row[n - 1] in engine.eos_ids) for row, n in zip(cut.completion_ids.tolist(), lengths.tolist())]
+    assert all(e or n == SAMPLING.max_new_tokens for e, n in zip(ended, lengths.tolist()))
+    assert torch.equal(cut.truncated, torch.tensor([not e for e in ended]))
