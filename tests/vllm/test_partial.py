@@ -12,6 +12,8 @@ token is lost (each completion's length is what the budget and its stop allow).
 from __future__ import annotations
 
 import copy
+import os
+import time
 
 import pytest
 import torch
@@ -112,3 +114,59 @@ def test_a_push_mid_generation_keeps_the_prefix_and_samples_the_rest_from_the_ne
     ended = [bool(row[n - 1] in engine.eos_ids) for row, n in zip(cut.completion_ids.tolist(), lengths.tolist())]
     assert all(e or n == SAMPLING.max_new_tokens for e, n in zip(ended, lengths.tolist()))
     assert torch.equal(cut.truncated, torch.tensor([not e for e in ended]))
+
+
+# --------------------------------------------------------------------------- rollout servers
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """One ``grpo-run serve`` server of a tiny model; the learner sends its secret."""
+    from grpo_core.testing import save_tiny_model
+
+    from .test_servers import SECRET, START_S, Server
+
+    before = os.environ.get("GRPO_SERVE_SECRET")
+    os.environ["GRPO_SERVE_SECRET"] = SECRET
+    folder = tmp_path_factory.mktemp("partial-server")
+    started = Server(save_tiny_model(folder / "model", hidden_size=HIDDEN), folder / "server.log")
+    try:
+        started.wait(time.monotonic() + START_S)
+        yield started
+    finally:
+        started.stop()
+        if before is None:
+            os.environ.pop("GRPO_SERVE_SECRET", None)
+        else:
+            os.environ["GRPO_SERVE_SECRET"] = before
+
+
+def test_a_push_mid_generation_on_a_server_keeps_the_prefix_and_samples_the_rest_from_the_new_policy(
+        server, tokenizer, prompts):
+    """The server is paused (vLLM's /pause?mode=abort) while it generates, the new weights
+    pushed, and each unfinished completion continues from its prefix: its tokens before the
+    push are the uninterrupted run's, the later ones are sampled from the new policy."""
+    from .test_servers import backend, in_thread
+
+    model = build_model(tokenizer, seed=4, hidden_size=HIDDEN).float()
+    new = copy.deepcopy(model)
+    _nudge(new, seed=5)
+    sampling = SamplingParams(max_new_tokens=64, temperature=1.0, seed=9)
+    rollout = backend([server.url], timeout_s=60)
+    rollout.setup(model, tokenizer)
+    rollout.switch = StepSwitch(rollout, None, after=0)
+    plain = in_thread(rollout.generate, prompts, 4, sampling)
+    switch = StepSwitch(rollout, new, after=3)  # 3 polls: about 60 ms into the batch
+    rollout.switch = switch
+    cut = in_thread(rollout.generate, prompts, 4, sampling)
+    assert switch.taken == 1
+    versions, mask = cut.token_versions, cut.completion_mask
+    old, late = mask & (versions == 0), mask & (versions == 1)
+    assert int(old.sum()) > 0 and int(late.sum()) > 0, "the push did not land mid-generation"
+    width = min(plain.completion_ids.shape[1], cut.completion_ids.shape[1])
+    assert torch.equal(cut.completion_ids[:, :width][old[:, :width]], plain.completion_ids[:, :width][old[:, :width]])
+    assert float((trainer_logps(model, cut) - cut.sampling_logp).abs()[old].max()) <= TOL
+    gap = (trainer_logps(new, cut) - cut.sampling_logp).abs()[late]
+    assert float(gap.max()) <= TOL, float(gap.max())
+    lengths = mask.sum(1).tolist()
+    ended = [row[n - 1] in rollout.eos_ids for row, n in zip(cut.completion_ids.tolist(), lengths)]
+    assert all(e or n == sampling.max_new_tokens for e, n in zip(ended, lengths))
+    assert rollout.failover.dropped == {}
