@@ -354,6 +354,16 @@ class _Switch:
         with p._cond:
             return not p._stop and p._slot is not None and p._slot[0] > p.actor.version
 
+    @property
+    def coming(self) -> bool:
+        """Whether newer weights are due while this batch runs: it is not the first since a
+        (re)start (so the learner is training on an earlier one), the actor holds an older
+        version than the batch's step and the pipeline is not stopping. A backend may wait
+        for them (a test's does, to cut at a fixed token)."""
+        p = self.pipeline
+        with p._cond:
+            return not p._stop and p._next > p._start and p.actor.version < p._next
+
     def take(self) -> int:
         self.pipeline._take_mid_batch()
         return self.pipeline.actor.version
