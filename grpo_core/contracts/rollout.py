@@ -55,9 +55,9 @@ class RolloutBatch:
         prompt_images: each prompt's images (``P`` entries, None for a prompt without),
             or ``None`` for text-only prompts; set by the engine after ``generate``.
         token_versions: ``long (B, T)``: the policy version each completion token was
-            sampled with (0 on padding), set by a backend whose generation a weight update
-            interrupted (partial rollouts, :class:`WeightSwitch`); ``None``: every token was
-            sampled with the weights the actor held when the batch began.
+            sampled with (0 on padding), set by an interruptible backend under partial
+            rollouts (:class:`WeightSwitch`); ``None``: every token was sampled with the
+            weights the actor held when the batch began.
     """
 
     prompt_ids: Tensor
