@@ -12,6 +12,7 @@ token is lost (each completion's length is what the budget and its stop allow).
 from __future__ import annotations
 
 import copy
+import json
 import os
 import time
 
@@ -170,3 +171,95 @@ def test_a_push_mid_generation_on_a_server_keeps_the_prefix_and_samples_the_rest
     ended = [row[n - 1] in rollout.eos_ids for row, n in zip(cut.completion_ids.tolist(), lengths)]
     assert all(e or n == sampling.max_new_tokens for e, n in zip(ended, lengths))
     assert rollout.failover.dropped == {}
+
+
+# --------------------------------------------------------------------------- runs
+#: The colocated backend, with its switch answering only at the CUT-th engine step of a batch,
+#: where it waits for the weights that are coming: every batch after the first since a
+#: (re)start is cut at that step, so a run repeats exactly and a resume can be compared.
+HELD = """
+import time
+from grpo_plugins.vllm.colocated import VLLMRollout, VLLMRolloutOptions
+from grpo_core import hookimpl
+
+CUT = 3
+
+class Held:
+    def __init__(self, inner):
+        self.inner, self.polls = inner, 0
+
+    @property
+    def version(self):
+        return self.inner.version
+
+    def pending(self):
+        self.polls += 1
+        if self.polls != CUT:
+            return False
+        deadline = time.monotonic() + 120
+        while self.inner.coming and not self.inner.pending() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return self.inner.pending()
+
+    def take(self):
+        return self.inner.take()
+
+class HeldVLLM(VLLMRollout):
+    @property
+    def switch(self):
+        return self._held
+
+    @switch.setter
+    def switch(self, value):
+        self._held = None if value is None else Held(value)
+
+    def generate(self, *args, **kwargs):
+        if self._held is not None:
+            self._held.polls = 0
+        return super().generate(*args, **kwargs)
+
+@hookimpl
+def register_rollout_backends(register):
+    register.add("held-vllm", HeldVLLM, options=VLLMRolloutOptions)
+"""
+
+
+def test_a_partial_run_on_the_engine_bounds_every_token_and_resumes_exactly(tmp_path):
+    """grpo-run with rollout.partial_rollouts on the colocated engine (max_staleness 1): each
+    batch after the first since a (re)start takes the newer weights mid-generation (the
+    switches), no token is more than 1 version old and the batch's later tokens are fresher;
+    a checkpoint is a point of rest, so a run resumed from it trains on exactly what the
+    uninterrupted run did (final weights bit for bit, each step's loss)."""
+    from safetensors.torch import load_file
+
+    from grpo_core.testing import save_tiny_model
+
+    from .test_runs import grpo_run, write_spec
+
+    model_dir = save_tiny_model(tmp_path / "model", hidden_size=HIDDEN)
+    (tmp_path / "held_vllm.py").write_text(HELD, encoding="utf-8")
+    changes = {"plugins": [str(tmp_path / "held_vllm.py")],
+               "rollout": {"name": "held-vllm", "max_staleness": 1, "partial_rollouts": True, "max_new_tokens": 12},
+               "train": {"steps": 5}, "checkpoint": {"every": 2, "keep": 5}}
+    whole = write_spec(tmp_path / "whole", model_dir, **changes)
+    grpo_run([whole], tmp_path / "whole", timeout=600)
+    cut = write_spec(tmp_path / "cut", model_dir, **changes)
+    grpo_run([cut, "--set", "train.steps=2"], tmp_path / "cut", timeout=600)
+    grpo_run([cut, "--resume", "latest"], tmp_path / "cut", timeout=600)
+
+    def rows(folder):
+        lines = (folder / "out" / "metrics.jsonl").read_text().splitlines()
+        return {r["step"]: r for r in map(json.loads, filter(None, lines)) if "loss" in r}
+
+    a, b = rows(tmp_path / "whole"), rows(tmp_path / "cut")
+    assert [a[s]["async/switches"] for s in range(1, 6)] == [0, 1, 0, 1, 0]  # restarts at steps 2 and 4
+    assert all(a[s]["async/staleness"] <= 1 and a[s]["async/token_staleness/max"] <= 1 for s in a)
+    # logged step 2 (batch 1): its first tokens one version old, the rest current; step 3 (the
+    # first batch after the checkpoint's restart) all current
+    assert 0 < a[2]["async/token_staleness"] < 1 and a[3]["async/token_staleness"] == 0
+    for s in (3, 4, 5):
+        for key in ("loss", "reward", "async/token_staleness"):
+            assert a[s][key] == b[s][key], (s, key)
+    final = [load_file(str(next((tmp_path / f / "out" / "final").glob("*.safetensors")))) for f in ("whole", "cut")]
+    assert final[0].keys() == final[1].keys()
+    assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])
