@@ -107,9 +107,10 @@ def test_partial_rollouts_with_multi_turn_episodes_is_refused_naming_both_keys()
               "rollout.environment={name: calculator}")
 
 
-def test_a_backend_that_cannot_stop_mid_generation_is_refused_naming_those_that_can(tmp_path, tiny_model_dir):
+def test_a_backend_that_cannot_stop_mid_generation_is_refused_naming_those_that_can(tmp_path):
+    """Before anything loads: the model folder here does not even exist."""
     spec = _spec("rollout.partial_rollouts=true", "rollout.max_staleness=1", f"train.output_dir={tmp_path}",
-                 f"model.path={tiny_model_dir}")
+                 f"model.path={tmp_path / 'not-loaded'}")
     with pytest.raises(RunError, match=r"rollout backend 'hf' cannot stop mid-generation; use rollout.name: vllm"):
         build_run(spec)
 
