@@ -283,3 +283,33 @@ def test_a_resumed_run_with_partial_rollouts_trains_on_exactly_what_the_uninterr
     for s in (3, 4, 5):
         for key in ("loss", "reward", "async/token_staleness", "async/staleness"):
             assert rows[s][key] == resumed[s][key], (s, key)
+
+
+def test_a_crash_mid_generation_loses_nothing_already_checkpointed(stepwise, tmp_path, kit):
+    """The engine dies in the middle of batch 3, right after taking version 3 there: the run
+    stops with exit 1, the checkpoint of the last completed step (3) is written, and the
+    resumed run (the engine healthy again) regenerates batch 3 from it and finishes."""
+    plugin, model = stepwise
+    failing = tmp_path / "failing" / "stepwise.py"
+    failing.parent.mkdir()
+    taking = "                    version = self.switch.take()\n"
+    assert taking in BACKEND
+    dies = "                    if version == 3:\n                        raise RuntimeError('the engine died')\n"
+    failing.write_text(BACKEND.replace(taking, taking + dies), encoding="utf-8")
+    sets = [f"model.path={model}", "tracking=[]", "train.progress=false", "train.threads=1", "eval.every=0",
+            "eval.at_start=false", "eval.at_end=false", "rollout.name=stepwise", "rollout.max_staleness=1",
+            "rollout.partial_rollouts=true", "train.steps=5", f"train.output_dir={tmp_path / 'out'}"]
+
+    def grpo(plugin_file, resume=False):
+        args = [str(SPECS / "tiny.yaml"), *[x for s in [*sets, f"plugins=[{plugin_file}]"] for x in ("--set", s)]]
+        return main([*args, "--resume", "latest"] if resume else args)
+
+    assert grpo(failing) == 1
+    saved = sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir())
+    assert saved and saved[-1].endswith("000003"), saved
+    trained = [r["step"] for r in kit.read_metrics(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
+    assert trained == [1, 2, 3]
+    assert grpo(plugin, resume=True) == 0
+    rows = [r for r in kit.read_metrics(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert rows[3]["async/switches"] == 0 and rows[3]["async/token_staleness"] == 0  # batch 3 anew, from step 3
