@@ -193,6 +193,11 @@ class RolloutBackend(Protocol):
         last_push: figures of the backend's last weight push (``{"bytes": ..., ...}``), logged
             with the next training step as ``sync/push_<key>`` (the push that gave that step's
             rollouts their weights). Optional: a backend without it logs none.
+        interruptible: True for a backend that can take new weights mid-generation
+            (``rollout.partial_rollouts``): the engine then sets its ``switch`` attribute to a
+            :class:`WeightSwitch`, which ``generate`` polls while it runs, and it returns
+            :attr:`RolloutBatch.token_versions`. Optional (default False: the option is
+            refused for it).
     """
 
     generates_with_policy: bool = False
