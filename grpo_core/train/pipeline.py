@@ -92,7 +92,6 @@ class _Stats:
 
     actor_wait: float = 0.0  # seconds the actor waited for weights
     dropped: int = 0  # batches dropped by a restart
-    switches: int = 0  # weights taken mid-batch (partial rollouts)
 
 
 @dataclass
@@ -119,6 +118,7 @@ class Pipeline:
     _stop = False
     _error: BaseException | None = None
     _stats: _Stats = field(default_factory=_Stats)
+    _switches = 0  # weight updates the batch being collected took mid-generation
 
     def __post_init__(self) -> None:
         if self.max_staleness < 1:
@@ -232,7 +232,7 @@ class Pipeline:
             "time/actor_wait": stats.actor_wait,
         }
         if self.interruptible is not None:
-            metrics.update(partial, **{"async/switches": float(stats.switches)})
+            metrics.update(partial)  # and the batch's own async/switches, in its metrics
         return experience, metrics
 
     def publish(self, model: Any, version: int) -> None:
@@ -268,7 +268,7 @@ class Pipeline:
         self._apply_now(slot[1], slot[0])
         with self._cond:
             self._slot = None
-            self._stats.switches += 1
+            self._switches += 1
             self._cond.notify_all()
 
     def _run(self, done: threading.Event) -> None:
@@ -295,7 +295,10 @@ class Pipeline:
                     with self._cond:  # only now may the learner write the next version into the snapshot
                         self._slot = None
                         self._cond.notify_all()
+                self._switches = 0
                 experience = self.actor.collect(step)
+                if self.interruptible is not None:  # weight updates this batch took mid-generation
+                    experience.metrics["async/switches"] = float(self._switches)
                 self._behaviour_logprobs(experience)
                 with self._cond:
                     self._queue.append(experience)
