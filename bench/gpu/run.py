@@ -5,8 +5,9 @@ TRL side by side, and the NCCL and FSDP2 paths; results as JSON in ``--out``, a 
     python3 bench/gpu/run.py --out DIR --device cpu --tiny  # the same on the CPU, tiny sizes (the test run)
     python3 bench/gpu/run.py --dry-run                   # what a GPU run would send, and its command
 
-Parts, in order (``--parts`` picks some): ``correctness``, ``nccl``, ``fsdp2``, ``throughput``, ``onegpu``,
-``trl``. This process imports only the standard library: it makes the checkout importable
+Parts, in order (``--parts`` picks some): ``correctness``, ``nccl``, ``fsdp2``, ``throughput``,
+``onegpu``, ``trl``; and ``overlap`` (synchronous against asynchronous and partial rollouts on one GPU) only
+when named. This process imports only the standard library: it makes the checkout importable
 (``grpo_plugins`` is the ``plugins`` folder under another name), then runs the parts in a child
 process that writes each part's record as it goes. A part that raises is recorded and the next
 one runs; a part still running at its time limit, or one that kills its process (or the CUDA
@@ -39,13 +40,17 @@ PARTS: dict[str, tuple[str, str, float, float, float]] = {
     "throughput": ("throughput", "run", 150, 20, 360),
     "onegpu": ("onegpu", "run", 30, 15, 180),
     "trl": ("trl_side", "run", 150, 40, 300),
+    "overlap": ("overlap", "run", 240, 60, 420),
 }
+#: Parts that run only when --parts names them (not in the default list).
+OPT_IN = ("overlap",)
 #: What the GPU machine lacks; with --simulate-missing the engine's parts run with these
 #: modules unimportable (the trl part needs datasets: they are importable again for it).
 MISSING_ON_GPU = ("mlflow", "datasets", "math_verify", "vllm", "trl", "wandb", "tensorboard")
 BLOCK_ENV = "GRPO_GPU_CHECK_BLOCK"
 #: The options that size the throughput and TRL parts (passed on to the part process).
-SIZE_FLAGS = ("prompts", "group_size", "new_tokens", "prompt_tokens", "micro_batch_tokens", "repeats", "peak_tflops")
+SIZE_FLAGS = ("prompts", "group_size", "new_tokens", "prompt_tokens", "micro_batch_tokens", "repeats", "peak_tflops",
+              "overlap_steps")
 #: Seconds kept back from --budget-s for writing the results.
 RESERVE_S = 10.0
 
@@ -55,7 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, help="folder for results.json and table.md (made if missing)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     p.add_argument("--tiny", action="store_true", help="tiny sizes everywhere (the CPU mode of the test run)")
-    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of: {', '.join(PARTS)}")
+    p.add_argument("--parts", default=",".join(p for p in PARTS if p not in OPT_IN),
+                   help=f"comma-separated, of: {', '.join(PARTS)} (default: all but {', '.join(OPT_IN)})")
+    p.add_argument("--overlap-steps", type=int, help="overlap: steps per configuration (default 8; 3 with --tiny)")
     p.add_argument("--budget-s", type=float, default=420.0, help="skip parts that would not fit in this many seconds")
     p.add_argument("--prompts", type=int, default=16, help="throughput and trl: prompts per step (P)")
     p.add_argument("--group-size", type=int, default=8, help="throughput and trl: completions per prompt (G)")

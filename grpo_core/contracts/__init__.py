@@ -46,12 +46,15 @@ from grpo_core.contracts.rollout import (
     RolloutBackend,
     RolloutBatch,
     SamplingParams,
+    WeightSwitch,
     check_request,
     check_sampling,
     cut_after_stop,
     left_pad,
+    oldest_versions,
     policy_copy,
     special_ids,
+    token_staleness,
 )
 
 __all__ = [
@@ -93,6 +96,9 @@ __all__ = [
     "check_sampling",
     "left_pad",
     "special_ids",
+    "WeightSwitch",
+    "oldest_versions",
+    "token_staleness",
     "cut_after_stop",
     "policy_copy",
 ]

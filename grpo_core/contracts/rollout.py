@@ -54,6 +54,10 @@ class RolloutBatch:
         episodes: what the environment recorded for multi-turn rollouts, else ``None``.
         prompt_images: each prompt's images (``P`` entries, None for a prompt without),
             or ``None`` for text-only prompts; set by the engine after ``generate``.
+        token_versions: ``long (B, T)``: the policy version each completion token was
+            sampled with (0 on padding), set by an interruptible backend under partial
+            rollouts (:class:`WeightSwitch`); ``None``: every token was sampled with the
+            weights the actor held when the batch began.
     """
 
     prompt_ids: Tensor
@@ -65,10 +69,42 @@ class RolloutBatch:
     sampling_logp: Tensor | None = None
     episodes: Episodes | None = None
     prompt_images: list[PromptImages | None] | None = None
+    token_versions: Tensor | None = None
 
     @property
     def group_size(self) -> int:
         return self.completion_ids.shape[0] // self.prompt_ids.shape[0]
+
+
+class WeightSwitch(Protocol):
+    """Partial rollouts (``rollout.partial_rollouts``): what an interruptible backend (one
+    with ``interruptible = True``) asks while it generates, between engine steps, when the
+    engine sets its ``switch`` attribute. ``version``: the policy version of the backend's
+    weights now; ``pending()``: whether newer weights wait; ``take()``: put them into the
+    backend now (through its ``sync_weights``) and return their version. The backend stops
+    its unfinished completions before ``take`` and continues each from its prefix after it,
+    recording every token's version in :attr:`RolloutBatch.token_versions`."""
+
+    version: int
+
+    def pending(self) -> bool: ...
+
+    def take(self) -> int: ...
+
+
+def oldest_versions(token_versions: Tensor, mask: Tensor, default: int) -> Tensor:
+    """``long (B,)``: each row's oldest token version over ``mask`` (``bool (B, T)``), or
+    ``default`` for a row without tokens: the version a completion's staleness counts from."""
+    big = torch.iinfo(torch.long).max
+    oldest = token_versions.masked_fill(~mask, big).amin(dim=1) if mask.shape[1] else torch.full(
+        (mask.shape[0],), big, dtype=torch.long, device=mask.device)
+    return oldest.masked_fill(oldest == big, default)
+
+
+def token_staleness(token_versions: Tensor, mask: Tensor, trained_version: int) -> Tensor:
+    """``long (B, T)``: versions between each token's sampling and its training at
+    ``trained_version`` (``trained_version - token_versions``), 0 on padding."""
+    return (trained_version - token_versions).masked_fill(~mask, 0)
 
 
 def check_request(prompt_ids: Sequence[Sequence[int]], group_size: int, sampling: SamplingParams, backend: str) -> None:
@@ -157,6 +193,11 @@ class RolloutBackend(Protocol):
         last_push: figures of the backend's last weight push (``{"bytes": ..., ...}``), logged
             with the next training step as ``sync/push_<key>`` (the push that gave that step's
             rollouts their weights). Optional: a backend without it logs none.
+        interruptible: True for a backend that can take new weights mid-generation
+            (``rollout.partial_rollouts``): the engine then sets its ``switch`` attribute to a
+            :class:`WeightSwitch`, which ``generate`` polls while it runs, and it returns
+            :attr:`RolloutBatch.token_versions`. Optional (default False: the option is
+            refused for it).
     """
 
     generates_with_policy: bool = False

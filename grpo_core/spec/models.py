@@ -139,6 +139,15 @@ class RolloutSlot(Slot):
         "when trained. The rollout correction (algorithm.rollout_correction) weights each token by "
         "pi_prox / pi_behav. 0: the synchronous loop (generate, then train).",
     )
+    partial_rollouts: bool = Field(
+        False, description="Partial (interruptible) rollouts, with max_staleness >= 1 on the vllm and vllm-server "
+        "backends: weights the learner publishes while a batch is being generated reach the engine at once; its "
+        "unfinished completions stop and continue from their prefix with the new weights, no sampled token thrown "
+        "away. Each token records the version that sampled it (logged as async/token_staleness), its sampler "
+        "log-prob is that version's, and the staleness bound counts a completion's oldest token. Which tokens get "
+        "the newer weights depends on timing, so such a run is not bit-reproducible. false: a batch is sampled "
+        "with one version.",
+    )
 
 
     @model_validator(mode="after")
@@ -146,6 +155,12 @@ class RolloutSlot(Slot):
         given = [k for k in ("environment", "agent", "routing") if getattr(self, k) is not None]
         if len(given) > 1:
             raise ValueError(f"rollout.{given[0]} and rollout.{given[1]} both run the episodes: set one of them")
+        if self.partial_rollouts and self.max_staleness < 1:
+            raise ValueError("rollout.partial_rollouts: weights reach a batch mid-generation only in asynchronous "
+                             "training; set rollout.max_staleness >= 1, or partial_rollouts: false")
+        if self.partial_rollouts and given:
+            raise ValueError(f"rollout.partial_rollouts: multi-turn episodes (rollout.{given[0]}) are not "
+                             "interruptible yet; drop rollout.partial_rollouts or rollout." + given[0])
         return self
 
     @property

@@ -86,7 +86,8 @@ class Experience:
     ``scored`` holds this process's ``P`` prompts and their ``B = P*G`` rows (the rollout
     with its sampler log-probs when the backend gives them, the rewards, the reasoning steps
     when cut); ``version`` is the policy version the rows were sampled with (the number of
-    learner updates the actor's weights had seen); ``temperature`` the sampling temperature
+    learner updates the actor's weights had seen), with partial rollouts that of their oldest
+    tokens (the rollout's ``token_versions`` holds each token's); ``temperature`` the sampling temperature
     they were drawn at, which the learner's log-probs use (``rollout.temperature``: the actor
     owns it); ``metrics`` what collecting measured (dynamic sampling's counts); ``times`` its
     phases in seconds (``generate``, ``score``, ``baseline``, ``sampler_logprobs``);

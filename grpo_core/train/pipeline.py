@@ -30,6 +30,16 @@ loop asks for that with :meth:`Pipeline.at_rest`. The batches generated ahead ar
 batch, and generation resumes from the current weights. A checkpoint is such a point, so a
 run resumed from one trains on exactly what the uninterrupted run trained on.
 
+Partial rollouts (``rollout.partial_rollouts``): the backend is handed a
+:class:`~grpo_core.contracts.WeightSwitch` (:class:`_Switch`) and asks it between engine
+steps whether the slot holds newer weights than it generates with; if so its unfinished
+completions stop, the weights move in (the learner may then publish the next version), and
+they continue from their prefix. A batch's start still follows the schedule above, so its
+oldest token is at most ``k`` versions old; its later tokens are fresher, by an amount that
+depends on timing (the rerun is then no longer bit-identical). AReaL's interruptible
+generation does the same (Fu et al., 2025, section 4); the counting of a completion's
+staleness from its oldest token is AReaL's too.
+
 The pipeline's one job is the thread, the queue and the weight slot. What it is handed when
 the run is built: the actor (with a process group of its own for its collectives, which run
 in its thread while the learner's run in the caller's), the snapshot and sampler copies
@@ -49,11 +59,12 @@ from typing import Any
 
 import torch
 
+from grpo_core.contracts import oldest_versions, token_staleness
 from grpo_core.train.experience import Experience
 from grpo_core.train.feed import Collector, kept_position
 from grpo_core.train.signals import leave_running
 
-__all__ = ["Pipeline", "copy_weights", "sampled_version"]
+__all__ = ["Pipeline", "batch_staleness", "copy_weights", "sampled_version"]
 
 
 def sampled_version(step: int, start: int, max_staleness: int) -> int:
@@ -95,6 +106,7 @@ class Pipeline:
     snapshot: Any  # a whole, unsharded copy of the policy: the weights that cross from the learner
     sampler: Any = None  # the actor's own copy of the policy, for a backend that generates with the policy
     behaviour: Callable[[Any, Experience], torch.Tensor] | None = None  # (sampler, experience) -> log-probs
+    interruptible: Any = None  # with partial rollouts: the backend, whose ``switch`` the pipeline sets
     _cond: threading.Condition = field(default_factory=threading.Condition)
     _queue: deque = field(default_factory=deque)
     _data_before: dict[int, Any] = field(default_factory=dict)  # step -> prompt position before its batch
@@ -106,10 +118,13 @@ class Pipeline:
     _stop = False
     _error: BaseException | None = None
     _stats: _Stats = field(default_factory=_Stats)
+    _switches = 0  # weight updates the batch being collected took mid-generation
 
     def __post_init__(self) -> None:
         if self.max_staleness < 1:
             raise ValueError(f"a pipeline needs max_staleness >= 1 (0: the synchronous loop), got {self.max_staleness}")
+        if self.interruptible is not None:
+            self.interruptible.switch = _Switch(self)
 
     # ----------------------------------------------------------------- lifecycle
     def start(self, model: Any, version: int) -> None:
@@ -205,17 +220,20 @@ class Pipeline:
             self._data_before.pop(step - 1, None)
         if experience.step != step:
             raise RuntimeError(f"pipeline: expected the batch of step {step}, got step {experience.step}")
-        staleness = step - experience.version
+        staleness, partial = batch_staleness(experience, step)
         if not 0 <= staleness <= self.max_staleness:
             raise RuntimeError(f"pipeline: the batch of step {step} is {staleness} versions old "
                                f"(bound {self.max_staleness})")
-        return experience, {
+        metrics = {
             "async/staleness": float(staleness),
             "async/queue_depth": float(depth),
             "async/dropped_batches": float(stats.dropped),
             "time/learner_wait": time.perf_counter() - t0,
             "time/actor_wait": stats.actor_wait,
         }
+        if self.interruptible is not None:
+            metrics.update(partial)  # and the batch's own async/switches, in its metrics
+        return experience, metrics
 
     def publish(self, model: Any, version: int) -> None:
         """The learner's weights after ``version`` updates, for the batch of step
@@ -239,6 +257,19 @@ class Pipeline:
             self.actor.receive(self.sampler, version)
         else:
             self.actor.receive(weights, version)
+
+    def _take_mid_batch(self) -> None:
+        """Partial rollouts: move the slot's weights into the actor now (the backend has
+        stopped its unfinished completions), freeing the slot for the learner."""
+        with self._cond:
+            slot = self._slot
+        if slot is None or slot[0] <= self.actor.version:
+            return
+        self._apply_now(slot[1], slot[0])
+        with self._cond:
+            self._slot = None
+            self._switches += 1
+            self._cond.notify_all()
 
     def _run(self, done: threading.Event) -> None:
         try:
@@ -264,7 +295,10 @@ class Pipeline:
                     with self._cond:  # only now may the learner write the next version into the snapshot
                         self._slot = None
                         self._cond.notify_all()
+                self._switches = 0
                 experience = self.actor.collect(step)
+                if self.interruptible is not None:  # weight updates this batch took mid-generation
+                    experience.metrics["async/switches"] = float(self._switches)
                 self._behaviour_logprobs(experience)
                 with self._cond:
                     self._queue.append(experience)
@@ -287,3 +321,52 @@ class Pipeline:
         with torch.no_grad():
             rollout.sampling_logp = self.behaviour(self.sampler, experience)
         experience.times["sampler_logprobs"] = time.perf_counter() - t0
+
+
+def batch_staleness(experience: Experience, step: int) -> tuple[int, dict[str, float]]:
+    """The staleness of ``experience`` trained at ``step``: versions since its oldest token
+    was sampled (``experience.version``, or with per-token versions the oldest of them), and
+    with per-token versions the mean and largest token staleness
+    (``async/token_staleness``, ``async/token_staleness/max``)."""
+    rollout = experience.scored.rollout
+    if rollout.token_versions is None:
+        return step - experience.version, {"async/token_staleness": float(step - experience.version),
+                                           "async/token_staleness/max": float(step - experience.version)}
+    mask = rollout.completion_mask.bool()
+    versions = rollout.token_versions.to(mask.device)
+    oldest = min(experience.version, int(oldest_versions(versions, mask, experience.version).min()))
+    per_token = token_staleness(versions, mask, step)[mask].double()
+    mean = float(per_token.mean()) if per_token.numel() else 0.0
+    top = float(per_token.max()) if per_token.numel() else 0.0
+    return step - oldest, {"async/token_staleness": mean, "async/token_staleness/max": top}
+
+
+@dataclass
+class _Switch:
+    """The :class:`~grpo_core.contracts.WeightSwitch` of a pipeline with partial rollouts:
+    the backend polls it from the actor's thread while it generates."""
+
+    pipeline: Pipeline
+
+    @property
+    def version(self) -> int:
+        return self.pipeline.actor.version
+
+    def pending(self) -> bool:
+        p = self.pipeline
+        with p._cond:
+            return not p._stop and p._slot is not None and p._slot[0] > p.actor.version
+
+    @property
+    def coming(self) -> bool:
+        """Whether newer weights are due while this batch runs: it is not the first since a
+        (re)start (so the learner is training on an earlier one), the actor holds an older
+        version than the batch's step and the pipeline is not stopping. A backend may wait
+        for them (a test's does, to cut at a fixed token)."""
+        p = self.pipeline
+        with p._cond:
+            return not p._stop and p._next > p._start and p.actor.version < p._next
+
+    def take(self) -> int:
+        self.pipeline._take_mid_batch()
+        return self.pipeline.actor.version

@@ -10,12 +10,14 @@ imports vLLM) and the ``torch.distributed`` channel that carries them
 (:mod:`~grpo_plugins.vllm.channel`). What both backends send vLLM and make of its answers is
 :mod:`~grpo_plugins.vllm.io`; the delta pushes both can make (only the elements that changed,
 checksummed) are :mod:`~grpo_plugins.vllm.delta` (pure torch, a leaf); the adapter-only LoRA
-pushes of both backends are :mod:`~grpo_plugins.vllm.adapter`.
+pushes of both backends are :mod:`~grpo_plugins.vllm.adapter`; what both keep of a
+completion that a weight update interrupts, and how it continues from its prefix (partial
+rollouts), is :mod:`~grpo_plugins.vllm.partial`.
 
 Imports go one way, from the backends down to the leaves, and vLLM itself is imported only
 inside the functions that need it (and by ``worker``)::
 
-    colocated -> engine, io, adapter    server -> client, io, delta, adapter
+    colocated -> engine, io, adapter, partial    server -> client, io, delta, adapter, partial    partial -> io
     client -> channel     worker -> channel, delta, adapter     channel -> delta (which imports none)
     serve -> guard (which imports none)
 

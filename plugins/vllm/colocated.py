@@ -15,6 +15,7 @@ import atexit
 import dataclasses
 import importlib.util
 import inspect
+import itertools
 import logging
 import tempfile
 from collections.abc import Iterable
@@ -40,6 +41,7 @@ from grpo_plugins.vllm.io import (
     request_seed,
     sampling_kwargs,
 )
+from grpo_plugins.vllm.partial import PartialCompletion, stitched_outputs, versions_tensor
 from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
@@ -48,6 +50,7 @@ from grpo_core.contracts import (
     PromptImages,
     RolloutBatch,
     SamplingParams,
+    WeightSwitch,
     check_request,
     special_ids,
 )
@@ -241,6 +244,8 @@ class VLLMRollout:
     generates_with_policy = False
     #: Prompts with images go to vLLM with their images as multimodal data.
     accepts_images = True
+    #: Partial rollouts: with ``switch`` set, a weight update stops and continues generation.
+    interruptible = True
 
     def __init__(self, options: VLLMRolloutOptions | None = None):
         # model_construct: the defaults without the install check, which setup repeats.
@@ -259,6 +264,9 @@ class VLLMRollout:
         self.lora_request: Any = None  # the adapter version generate samples with
         self._versions: AdapterVersions | None = None
         self.last_push: dict[str, float] = {}  # logged as sync/push_* with the next step
+        #: Partial rollouts (set by the engine): polled between engine steps (:meth:`_generate_partial`).
+        self.switch: WeightSwitch | None = None
+        self._request_ids = itertools.count()
 
     # ----------------------------------------------------------------- contract
     def setup(self, model: Any, tokenizer: Any) -> None:
@@ -394,6 +402,18 @@ class VLLMRollout:
         seeds = [None if sampling.seed is None else request_seed(sampling.seed + i) for i in range(len(prompt_ids))]
         prompts, seeds, mine = self._gather(engine_prompts(prompt_ids, images), seeds)
         self._wake("weights", "kv_cache")
+        if self.switch is not None:
+            if self._tp_group is not None or images is not None:
+                raise RuntimeError("vllm rollout: partial rollouts take neither tensor_parallel_size > 1 nor prompts "
+                                   "with images; set rollout.partial_rollouts: false")
+            parts = self._generate_partial(prompt_ids, seeds, sampling, group_size)
+            self._sleep()
+            batch = outputs_to_batch(
+                stitched_outputs(parts), prompt_ids, group_size, pad_id=self.pad_id, eos_ids=self.eos_ids,
+                max_new_tokens=sampling.max_new_tokens, stop=sampling.stop, device=self.device, decode=self._decode,
+            )
+            batch.token_versions = versions_tensor(parts, group_size, sampling.max_new_tokens, self.device)
+            return batch
         outputs = self.llm.generate(
             [TokensPrompt(**p) for p in prompts],
             [VLLMSamplingParams(**sampling_kwargs(sampling, group_size, self.eos_ids, s)) for s in seeds],
@@ -417,6 +437,61 @@ class VLLMRollout:
             device=self.device,
             decode=self._decode,
         )
+
+    def _generate_partial(self, prompt_ids: list[list[int]], seeds: list[int | None], sampling: SamplingParams,
+                          group_size: int) -> list[list[PartialCompletion]]:
+        """Partial rollouts: the requests of :meth:`generate` run step by step
+        (``llm.enqueue``, then ``llm_engine.step``), their outputs cumulative; between steps,
+        when :attr:`switch` has newer weights, the unfinished requests are aborted
+        (``llm_engine.abort_request``), the weights taken and each unfinished completion
+        continues as one request from its prefix (:mod:`grpo_plugins.vllm.partial`). Without
+        an interruption the requests, seeds and tokens are those of one ``llm.generate``."""
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        engine, switch = self.llm.llm_engine, self.switch
+        first = [sampling_kwargs(sampling, group_size, self.eos_ids, s) for s in seeds]
+        parts = [[PartialCompletion(list(p), k, None if s is None else s + k) for k in range(kw["n"])]
+                 for p, s, kw in zip(prompt_ids, seeds, first, strict=True)]
+        version = switch.version
+        running: dict[str, list[PartialCompletion]] = {}  # request -> its completions (n of them, or one)
+
+        def add(prompt: list[int], kw: dict[str, Any], group: list[PartialCompletion]) -> None:
+            # the engine's own add_request: LLM.enqueue would force final-only outputs
+            rid = f"grpo-partial-{next(self._request_ids)}"
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt),
+                               VLLMSamplingParams(**kw, output_kind=RequestOutputKind.CUMULATIVE),
+                               lora_request=self.lora_request)
+            running[rid] = group
+
+        for prompt, kw, group in zip(prompt_ids, first, parts, strict=True):
+            add(list(prompt), kw, group)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                group = running.get(out.request_id)
+                if group is None:
+                    continue
+                for c in out.outputs:
+                    part = group[c.index] if len(group) > 1 else group[0]
+                    if c.finish_reason is not None:
+                        part.fold(c, version)
+                    else:
+                        part.running = c
+                if out.finished:
+                    running.pop(out.request_id)
+            if running and switch.pending():
+                engine.abort_request(list(running))
+                running.clear()
+                for group in parts:
+                    for part in group:
+                        part.interrupt(version)
+                version = switch.take()
+                todo = [part for group in parts for part in group if not part.finished]
+                for part in todo:
+                    prompt, left, seed = part.rest(sampling.max_new_tokens)
+                    add(prompt, {**sampling_kwargs(sampling, 1, self.eos_ids, seed), "max_tokens": left}, [part])
+        return parts
 
     def _decode(self, rows: list[list[int]]) -> list[str]:
         return self.tokenizer.batch_decode(rows, skip_special_tokens=True)

@@ -57,11 +57,12 @@ from grpo_plugins.vllm.adapter import (
 from grpo_plugins.vllm.client import Expected, ServerClient, ServerFault, local_address
 from grpo_plugins.vllm.delta import DeltaEncoder, push_stats
 from grpo_plugins.vllm.io import completion_body, outputs_to_batch, repeat_greedy, request_seed
+from grpo_plugins.vllm.partial import PartialCompletion, stitched_outputs, versions_tensor
 from pydantic import AfterValidator, Field, field_validator
 from torch import Tensor
 
 from grpo_core import hookimpl
-from grpo_core.contracts import RolloutBatch, SamplingParams, check_request, special_ids
+from grpo_core.contracts import RolloutBatch, SamplingParams, WeightSwitch, check_request, special_ids
 from grpo_core.errors import RunError
 from grpo_core.options import Options, Seconds
 
@@ -245,6 +246,11 @@ class VLLMServerRollout:
 
     #: The servers hold their own copy of the weights (pushed by ``sync_weights``).
     generates_with_policy = False
+    #: Partial rollouts: with ``switch`` set, a weight update pauses the servers mid-generation
+    #: (:meth:`_generate_partial`).
+    interruptible = True
+    #: Seconds to wait, after a server's ``/pause`` answered, for the answers of the requests it aborted.
+    pause_grace_s = 0.5
 
     def __init__(self, options: VLLMServerOptions):
         self.options = options
@@ -268,6 +274,7 @@ class VLLMServerRollout:
         self.push = "merged"  # or "adapter": chosen in setup from lora_push
         self.loaded: dict[int, str] = {}  # adapter versions loaded on the servers: version -> LoRA name
         self.serving = ""  # the LoRA name requests sample with (adapter pushes); "": the base model
+        self.switch: WeightSwitch | None = None  # partial rollouts (set by the engine)
 
     # ----------------------------------------------------------------- contract
     def setup(self, model: Any, tokenizer: Any) -> None:
@@ -312,6 +319,8 @@ class VLLMServerRollout:
         backend's convention). Returns ``B = P * G`` rows, prompt-major, with the servers'
         ``sampling_logp`` (``float32 (B, T)``)."""
         check_request(prompt_ids, group_size, sampling, NAME)
+        if self.switch is not None:
+            return self._generate_partial(prompt_ids, group_size, sampling)
         requests = []
         for i, prompt in enumerate(prompt_ids):
             seed = None if sampling.seed is None else request_seed(sampling.seed + i)
@@ -325,6 +334,97 @@ class VLLMServerRollout:
             max_new_tokens=sampling.max_new_tokens, stop=sampling.stop, device=self.device,
             decode=lambda rows: self.tokenizer.batch_decode(rows, skip_special_tokens=True),
         )
+
+    # ----------------------------------------------------------------- partial rollouts
+    def _generate_partial(self, prompt_ids: list[list[int]], group_size: int, sampling: SamplingParams
+                          ) -> RolloutBatch:
+        """:meth:`generate` with :attr:`switch` set: the same requests; when newer weights
+        wait, every live server is paused with vLLM's ``/pause?mode=abort`` (its requests end
+        with ``finish_reason: "abort"`` and the tokens so far; one that reached it after the
+        pause waits in its queue), the weights are pushed (``switch.take()``), the servers
+        resume, and each unfinished completion continues as one request from its prefix
+        (:mod:`grpo_plugins.vllm.partial`). An answer that came in before the resume was
+        sampled with the old weights; one that comes after it waited in the queue, all of it
+        with the new ones."""
+        if self.options.push_every != 1:
+            raise RunError(f"rollout.partial_rollouts: every weight update must reach the servers mid-generation; set "
+                           f"rollout.options.push_every: 1 (it is {self.options.push_every})")
+        parts: list[list[PartialCompletion]] = []
+        todo: list[tuple[dict[str, Any], Expected, list[PartialCompletion]]] = []
+        for i, prompt in enumerate(prompt_ids):
+            seed = None if sampling.seed is None else request_seed(sampling.seed + i)
+            body = completion_body(list(prompt), group_size, sampling, self.eos_ids, seed, "")
+            group = [PartialCompletion(list(prompt), k, None if seed is None else seed + k) for k in range(body["n"])]
+            parts.append(group)
+            todo.append((body, Expected(body["n"], sampling.max_new_tokens, self.vocab_size, len(prompt)), group))
+        while todo:
+            for (_, _, group), (output, version) in zip(todo, self._complete_interruptible(todo), strict=True):
+                for c in output.outputs:
+                    (group[c.index] if len(group) > 1 else group[0]).fold(c, version)
+            todo = []
+            for part in (p for group in parts for p in group if not p.finished):
+                prompt, left, seed = part.rest(sampling.max_new_tokens)
+                body = completion_body(prompt, 1, sampling, self.eos_ids, seed, "")
+                body["max_tokens"] = left
+                todo.append((body, Expected(1, left, self.vocab_size, len(prompt)), [part]))
+        batch = outputs_to_batch(
+            stitched_outputs(parts), prompt_ids, group_size, pad_id=self.pad_id, eos_ids=self.eos_ids,
+            max_new_tokens=sampling.max_new_tokens, stop=sampling.stop, device=self.device,
+            decode=lambda rows: self.tokenizer.batch_decode(rows, skip_special_tokens=True),
+        )
+        batch.token_versions = versions_tensor(parts, group_size, sampling.max_new_tokens, self.device)
+        return batch
+
+    def _complete_interruptible(self, requests: list[tuple[dict[str, Any], Expected, Any]]) -> list[tuple[Any, int]]:
+        """Each request's checked answer and the policy version it was sampled with, in order.
+        Polls :attr:`switch` while they run; at most one weight update per call (the
+        continuation requests of an interrupted call come in the next). A request whose server
+        fails goes to a live one, whole."""
+        switch = self.switch
+        version = switch.version
+        live = self.failover.live()
+        if not live:
+            raise RunError(self.failover.failure())
+        results: list[Any] = [None] * len(requests)
+        todo = {i: live[s] for i, s in enumerate(assign_prompts(len(requests), len(live)))}
+        resumed_at = None  # set once the servers resumed with the new weights
+        while todo:
+            failed: list[int] = []
+            with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(todo), 256)) as pool:
+                futures = {pool.submit(self._ask, url, *requests[i][:2]): (i, url) for i, url in todo.items()}
+                waiting = set(futures)
+                while waiting:
+                    done, waiting = concurrent.futures.wait(waiting, timeout=0.02)
+                    for future in done:
+                        i, url = futures[future]
+                        try:
+                            results[i] = (future.result(), version if resumed_at is None else switch.version)
+                        except ServerFault as exc:
+                            self.failover.drop(url, str(exc))
+                            failed.append(i)
+                    if waiting and resumed_at is None and switch.pending():
+                        version = self._interrupt(waiting, futures, results, failed, version)
+                        resumed_at = switch.version
+            todo = self.failover.reassign(sorted(failed)) if failed else {}
+        return results
+
+    def _interrupt(self, waiting: set, futures: dict, results: list, failed: list[int], version: int) -> int:
+        """Pause every live server (its running requests end, aborted), collect the answers
+        that come in before the weights move (sampled with ``version``), push the new weights
+        and resume. Returns ``version``; the requests still waiting run after the resume."""
+        self._each(lambda c: c.call("POST", "/pause?mode=abort", retries=0), "did not pause for a weight update")
+        done, _ = concurrent.futures.wait(waiting, timeout=self.pause_grace_s)
+        for future in done:
+            waiting.discard(future)
+            i, url = futures[future]
+            try:
+                results[i] = (future.result(), version)
+            except ServerFault as exc:
+                self.failover.drop(url, str(exc))
+                failed.append(i)
+        self.switch.take()
+        self._each(lambda c: c.call("POST", "/resume", retries=0), "did not resume after a weight update")
+        return version
 
     # ----------------------------------------------------------------- internals
     def _complete(self, requests: list[tuple[dict[str, Any], Expected]]) -> list[Any]:

@@ -103,6 +103,7 @@ class Actor:
         greedy completion of each kept prompt is generated and scored too."""
         timer = Timer()
         baseline = None
+        started = self.version  # partial rollouts may move it mid-batch: the oldest token's counts
         with self.weights():
             if self.settings.dynamic is None:
                 scored, metrics = self.rollout_round(step, timer), {}
@@ -116,7 +117,7 @@ class Actor:
                     )
         pushed = getattr(self.backend, "last_push", None) or {}  # the push these rollouts sampled after
         metrics = {**metrics, **{f"sync/push_{k}": float(v) for k, v in pushed.items()}}
-        return Experience(step, scored, self.version, self.settings.sampling.temperature, metrics, timer.phases,
+        return Experience(step, scored, started, self.settings.sampling.temperature, metrics, timer.phases,
                           baseline)
 
     def rollout_round(self, step: int, timer: Timer, round_: int = 0) -> Scored:

@@ -141,12 +141,14 @@ def select_rollout(r: RolloutBatch, groups: list[int]) -> RolloutBatch:
         [r.completions[i] for i in rows], None if r.sampling_logp is None else r.sampling_logp[idx],
         None if r.episodes is None else r.episodes.select(rows),
         None if r.prompt_images is None else [r.prompt_images[i] for i in groups],
+        None if r.token_versions is None else r.token_versions[idx],
     )
 
 
 def concat_rollouts(rs: list[RolloutBatch]) -> RolloutBatch:
     """Several rollouts of one group size as one: prompts left-padded, completions
-    right-padded (padding outside the masks is 0); sampler log-probs only if every part has them."""
+    right-padded (padding outside the masks is 0); sampler log-probs and token versions only
+    if every part has them."""
     if len(rs) == 1:
         return rs[0]
     width_p, width_c = max(r.prompt_ids.shape[1] for r in rs), max(r.completion_ids.shape[1] for r in rs)
@@ -161,6 +163,8 @@ def concat_rollouts(rs: list[RolloutBatch]) -> RolloutBatch:
         torch.cat([_pad_right(r.sampling_logp, width_c, 0.0) for r in rs]) if with_logp else None,
         None if rs[0].episodes is None else Episodes.concat([r.episodes for r in rs]),
         _concat_images(rs),
+        torch.cat([_pad_right(r.token_versions, width_c, 0) for r in rs])
+        if all(r.token_versions is not None for r in rs) else None,
     )
 
 

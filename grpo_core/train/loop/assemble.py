@@ -265,7 +265,28 @@ def _actor_and_feed(spec: Spec, model, tokenizer, backend, learner: Learner, sco
     if not k:
         return actor, SyncFeed(actor)
     return actor, Pipeline(actor, k, snapshot, sampler=sampler,
-                           behaviour=learner.sampler_logprobs if sampler is not None else None)
+                           behaviour=learner.sampler_logprobs if sampler is not None else None,
+                           interruptible=interruptible_backend(spec, backend, strategy.dist.world))
+
+
+def interruptible_backend(spec: Spec, backend: Any, world: int) -> Any:
+    """The backend (or its registered class), when ``rollout.partial_rollouts`` is on and it
+    can stop mid-generation (``interruptible``); None when the option is off. Refused, naming what to change, for a
+    backend that cannot, and for several processes (each would take new weights at its own
+    moment, and their weight gathers and pushes are collectives that must pair up)."""
+    if not spec.rollout.partial_rollouts:
+        return None
+    if not getattr(backend, "interruptible", False):
+        raise RunError(f"rollout.partial_rollouts: rollout backend '{spec.rollout.name}' cannot stop mid-generation; "
+                       "use rollout.name: vllm or vllm-server, or partial_rollouts: false")
+    if getattr(backend, "generates_with_policy", False):
+        raise RunError(f"rollout.partial_rollouts: rollout backend '{spec.rollout.name}' generates with the policy "
+                       "module, whose sampler log-probs the pipeline computes after the batch with one version; "
+                       "partial rollouts need a backend that returns each token's own (vllm, vllm-server)")
+    if world > 1:
+        raise RunError(f"rollout.partial_rollouts: runs in one process only (this run has {world}); "
+                       "set partial_rollouts: false or run one process")
+    return backend
 
 
 def load_processing(loaded: LoadedSpec, given: Any = None) -> tuple[Any, Any]:
@@ -312,6 +333,7 @@ def build_run(loaded: LoadedSpec, dist: Dist | None = None, *, model=None, token
     spec = loaded.spec
     dist = dist or Dist.from_env(spec.train.device, spec.train.parallel.timeout_s)
     check_layout(spec, dist.world)
+    interruptible_backend(spec, spec.rollout.component.impl, dist.world)  # refused before anything loads
     parallel = parallel_from_launcher(spec.train.parallel)
     if parallel_conflicts(spec, parallel):
         raise RunError("accelerate's FSDP config selects fsdp2, but " + "; ".join(parallel_conflicts(spec, parallel)))
