@@ -345,7 +345,8 @@ class VLLMServerRollout:
         resume, and each unfinished completion continues as one request from its prefix
         (:mod:`grpo_plugins.vllm.partial`). An answer that came in before the resume was
         sampled with the old weights; one that comes after it waited in the queue, all of it
-        with the new ones."""
+        with the new ones, unless the pushes are adapters: it then names, and samples with, the
+        old adapter version, which stays loaded (``max_staleness + 1`` are)."""
         if self.options.push_every != 1:
             raise RunError(f"rollout.partial_rollouts: every weight update must reach the servers mid-generation; set "
                            f"rollout.options.push_every: 1 (it is {self.options.push_every})")
@@ -392,13 +393,17 @@ class VLLMServerRollout:
             failed: list[int] = []
             with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(todo), 256)) as pool:
                 futures = {pool.submit(self._ask, url, *requests[i][:2]): (i, url) for i, url in todo.items()}
+                # adapter pushes: a request names its LoRA version, and one still queued at a
+                # pause samples with that version after the resume too
+                named = dict.fromkeys(futures, version if resumed_at is None else switch.version)
                 waiting = set(futures)
                 while waiting:
                     done, waiting = concurrent.futures.wait(waiting, timeout=0.02)
                     for future in done:
                         i, url = futures[future]
                         try:
-                            results[i] = (future.result(), version if resumed_at is None else switch.version)
+                            now = version if resumed_at is None else switch.version
+                            results[i] = (future.result(), named[future] if self.push == "adapter" else now)
                         except ServerFault as exc:
                             self.failover.drop(url, str(exc))
                             failed.append(i)

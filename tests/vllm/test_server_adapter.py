@@ -217,3 +217,24 @@ def test_an_asynchronous_lora_run_keeps_max_staleness_plus_one_versions_on_the_s
         listed = requests.get(server.url + "/v1/models", headers=AUTH, timeout=30).json()["data"]
         adapters = [m["id"] for m in listed if m.get("parent")]
         assert len(adapters) == 2 and all(a.startswith("grpo-policy-") for a in adapters), adapters
+
+
+def test_partial_rollouts_with_adapter_pushes_train_every_token_within_the_bound(servers, model_dir, tmp_path):
+    """rollout.partial_rollouts with a LoRA policy on servers that load adapters: a weight
+    update pauses the servers mid-batch and pushes the adapter alone; a request still queued at
+    the pause names (and samples with) the older adapter version, which stays loaded, so every
+    token's recorded version is at most max_staleness behind the step that trains it."""
+    lora = {"r": 8, "alpha": 16, "target_modules": TARGETS}
+    rollout = {"name": "vllm-server", "urls": [s.url for s in servers], "max_staleness": 1,
+               "partial_rollouts": True, "max_new_tokens": 48}
+    spec = write_spec(tmp_path, model_dir, rollout, model={"path": str(model_dir), "lora": lora},
+                      train={"steps": 4, "lr": 5.0e-2})
+    done = run([spec], tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "full merged weights" not in done.stderr, done.stderr[-4000:]
+    rows = [r for r in step_rows(tmp_path / "out") if "async/token_staleness/max" in r]
+    assert len(rows) >= 3, rows
+    assert all(0 <= r["async/token_staleness/max"] <= 1 and r["async/staleness"] <= 1 for r in rows), rows
+    for server in servers:
+        listed = requests.get(server.url + "/v1/models", headers=AUTH, timeout=30).json()["data"]
+        assert len([m for m in listed if m.get("parent")]) <= 2, listed
