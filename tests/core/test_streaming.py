@@ -273,3 +273,13 @@ def test_a_run_streaming_a_file_resumes_at_the_exact_row(tmp_path, write_spec, k
     want = {r["step"]: r.get("reward") for r in kit.read_metrics(tmp_path / "straight" / "metrics.jsonl")}
     got = {r["step"]: r.get("reward") for r in kit.read_metrics(tmp_path / "broken" / "metrics.jsonl")}
     assert got == want and sorted(want) == [1, 2, 3, 4, 5]
+
+
+def test_a_streamed_file_in_a_mixture_is_refused_by_its_place(tmp_path, write_spec):
+    _write_file(tmp_path, "jsonl")
+    more = {"name": "file", "train": "train.jsonl", "streaming": True, "source": "files"}
+    spec = write_spec(tmp_path, data={"more_sources": [more], "source_column": "source", "source": "sums",
+                                      "sampler": {"name": "mixture", "weights": {"sums": 1, "files": 1}}},
+                      rewards=[{"name": "accuracy"}])
+    with pytest.raises(RunError, match=r"data.more_sources\[0\]: dataset 'file' streams .*set its streaming: false"):
+        _build(spec)

@@ -79,8 +79,12 @@ def load_rows(spec: Spec, split: str) -> list[dict] | RowStream:
     elif stream is not None:
         return _streamed(spec, stream)
     rows = _labelled(loaded, data.source_column, data.source)
-    for more in data.more_sources:
-        rows += _labelled(_load(more, split), data.source_column, more.source)
+    for i, more in enumerate(data.more_sources):
+        extra = _load(more, split)
+        if not isinstance(extra, list):
+            raise RunError(f"data.more_sources[{i}]: dataset '{more.name}' streams its training rows, which a mixture "
+                           "cannot take (it joins the sources' rows in memory): set its streaming: false")
+        rows += _labelled(extra, data.source_column, more.source)
     return rows
 
 
