@@ -3,9 +3,10 @@
 A component is a :class:`grpo_core.contracts.Dataset`: ``load(split)`` for ``"train"``
 or ``"eval"`` returns a list of plain Python dicts, each with a ``prompt`` (a string or a
 list of chat messages ``{"role", "content"}``) plus any other columns; ``"eval"`` is
-``[]`` when there is no held-out split. Chat templates, system prompts and column checks
-are the engine's job, and so is resolving relative paths: path fields are ``SpecPath``,
-which the spec loader resolves against the spec file's folder.
+``[]`` when there is no held-out split; with ``streaming: true`` (``file``, ``hf``) the
+training split is a :class:`grpo_core.contracts.RowStream` instead. Chat templates, system
+prompts and column checks are the engine's job, and so is resolving relative paths: path
+fields are ``SpecPath``, which the spec loader resolves against the spec file's folder.
 """
 
 from __future__ import annotations
