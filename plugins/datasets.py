@@ -3,9 +3,10 @@
 A component is a :class:`grpo_core.contracts.Dataset`: ``load(split)`` for ``"train"``
 or ``"eval"`` returns a list of plain Python dicts, each with a ``prompt`` (a string or a
 list of chat messages ``{"role", "content"}``) plus any other columns; ``"eval"`` is
-``[]`` when there is no held-out split. Chat templates, system prompts and column checks
-are the engine's job, and so is resolving relative paths: path fields are ``SpecPath``,
-which the spec loader resolves against the spec file's folder.
+``[]`` when there is no held-out split; with ``streaming: true`` (``file``, ``hf``) the
+training split is a :class:`grpo_core.contracts.RowStream` instead. Chat templates, system
+prompts and column checks are the engine's job, and so is resolving relative paths: path
+fields are ``SpecPath``, which the spec loader resolves against the spec file's folder.
 """
 
 from __future__ import annotations
@@ -283,6 +284,12 @@ class FileOptions(Options):
         description="auto (from each file's extension), json, jsonl (same as json), csv or "
         "parquet.",
     )
+    streaming: bool = Field(
+        False, description="Stream the training file instead of reading it into memory (datasets' "
+        "streaming=True): rows read once per epoch, each process reading its share, through a shuffle buffer "
+        "(data.shuffle_buffer); a resume continues from the exact row. The eval file is still read into memory. "
+        "Not with data.sampler or data.more_sources."
+    )
 
     @model_validator(mode="after")
     def _known_format(self) -> FileOptions:
@@ -318,9 +325,8 @@ def check_utf8(path: Path, chunk: int = 1 << 20) -> None:
             offset += len(data)
 
 
-def _read_file(path: Path, fmt: str) -> list[dict[str, Any]]:
-    import datasets
-
+def _checked_file(path: Path, fmt: str) -> str:
+    """The ``datasets`` builder of ``path``, once it is a non-empty file (UTF-8 for text)."""
     path_str = str(path)
     if not path.exists():
         raise RunError(f"dataset file {path_str} does not exist")
@@ -331,6 +337,42 @@ def _read_file(path: Path, fmt: str) -> list[dict[str, Any]]:
         raise RunError(f"dataset file {path_str} is empty: it has no rows (0 bytes)")
     if builder in ("json", "csv"):
         check_utf8(path)
+    return builder
+
+
+def _read_error(path: Path, builder: str, exc: Exception) -> RunError:
+    detail = f"{type(exc).__name__}: {exc}"
+    cause = exc.__cause__ or exc.__context__
+    if cause is not None:
+        detail += f" (caused by {type(cause).__name__}: {cause})"
+    return RunError(f"could not read dataset file {path} as {builder}: {detail}")
+
+
+def _stream_file(path: Path, fmt: str) -> RowStream:
+    """The file as a stream: ``datasets``' streaming reader, opened anew for each epoch (and on
+    a resume), rows in the file's order; a row it cannot read names the file."""
+    import datasets
+
+    builder = _checked_file(path, fmt)
+    try:
+        iterable = datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True)
+    except Exception as exc:
+        raise _read_error(path, builder, exc) from exc
+
+    def rows():
+        try:
+            yield from iterable
+        except Exception as exc:
+            raise _read_error(path, builder, exc) from exc
+
+    return RowStream(rows, f"dataset file {path}")
+
+
+def _read_file(path: Path, fmt: str) -> list[dict[str, Any]]:
+    import datasets
+
+    path_str = str(path)
+    builder = _checked_file(path, fmt)
     empty = RunError(f"dataset file {path_str} is empty: it has no rows")
     try:
         with tempfile.TemporaryDirectory(prefix="grpo-data-") as cache:
@@ -341,11 +383,7 @@ def _read_file(path: Path, fmt: str) -> list[dict[str, Any]]:
     except Exception as exc:
         if "corresponds to no data" in str(exc):  # datasets' words for zero rows (CSV header only)
             raise empty from None
-        detail = f"{type(exc).__name__}: {exc}"
-        cause = exc.__cause__ or exc.__context__
-        if cause is not None:
-            detail += f" (caused by {type(cause).__name__}: {cause})"
-        raise RunError(f"could not read dataset file {path_str} as {builder}: {detail}") from exc
+        raise _read_error(path, builder, exc) from exc
     if not rows:
         raise empty
     return rows
@@ -357,11 +395,13 @@ class FileDataset:
     def __init__(self, options: FileOptions):
         self.options = options
 
-    def load(self, split: str) -> list[dict[str, Any]]:
+    def load(self, split: str) -> list[dict[str, Any]] | RowStream:
         _check_split("file", split)
         path = self.options.train if split == "train" else self.options.eval
         if path is None:
             return []
+        if self.options.streaming and split == "train":
+            return _stream_file(path, self.options.format)
         return _read_file(path, self.options.format)
 
 

@@ -47,7 +47,8 @@ ARGUMENTS: list[tuple[str, str, str]] = [
      "as TRL."),
     ("train_dataset", "data (grpo_core.Trainer(train_dataset=...))",
      "A datasets.Dataset, a pandas DataFrame or a list of dicts with a 'prompt' column (text or chat messages); "
-     "every other column reaches the reward functions. Required. An IterableDataset is refused (materialize it)."),
+     "every other column reaches the reward functions. Required. An IterableDataset streams (as TRL takes it: "
+     "max_steps required), through a seeded shuffle buffer with an exact resume (data.shuffle_buffer)."),
     ("sft_args, sft_dataset, sft_eval_dataset", "sft (grpo_core.Trainer(sft_dataset=...))",
      "Not TRL's: a cold-start SFT stage before GRPO. sft_args is a grpo_core.trl.SFTConfig (TRL SFTConfig's "
      "common arguments, the others refused by name); sft_dataset the demonstrations (prompt + completion rows, or "
@@ -353,12 +354,20 @@ class GRPOTrainer:
         if eval_dataset is None and getattr(args.eval_strategy, "value", args.eval_strategy) != "no":
             problems.append(f"eval_strategy={args.eval_strategy!r} without eval_dataset: nothing to evaluate (TRL "
                             "refuses it too); instead: pass eval_dataset, or eval_strategy='no'")
-        rows = as_rows(train_dataset, "train_dataset") if train_dataset is not None else []
+        streamed = type(train_dataset).__name__ == "IterableDataset"
+        if streamed:  # no length: TRL needs max_steps for one too; its first row stands for the columns
+            if not (isinstance(args.max_steps, int) and args.max_steps > 0):
+                problems.append("max_steps: required with an IterableDataset train_dataset (it has no length, so "
+                                "num_train_epochs cannot be counted; TRL requires it too); instead: max_steps=N")
+            first = next(iter(train_dataset), None)
+            rows = [dict(first)] if first is not None else []
+        else:
+            rows = as_rows(train_dataset, "train_dataset") if train_dataset is not None else []
         entries, objects = _reward_entries(reward_funcs, args, problems)
         items = _callbacks(callbacks, problems)
+        counted = len(rows) if train_dataset is not None and not streamed else None
         try:
-            data = args.spec_data(rows=len(rows) if train_dataset is not None else None, rewards=len(entries) or None,
-                                  model_object=model_object)
+            data = args.spec_data(rows=counted, rewards=len(entries) or None, model_object=model_object)
         except TRLConfigError as exc:
             problems = [*exc.problems, *problems]
             data = {}
@@ -385,10 +394,11 @@ class GRPOTrainer:
         if problems:
             raise TRLConfigError(problems, "GRPOTrainer")
         data["rewards"] = entries
-        self.per_step = args.context(rows=len(rows)).layout.per_step
+        self.per_step = args.context(rows=counted).layout.per_step
         try:
             self.trainer = Trainer(data, overrides, model=model if model_object else None, tokenizer=processing_class,
-                                   reward_funcs=objects, train_dataset=rows, eval_dataset=_eval_sets(eval_dataset),
+                                   reward_funcs=objects, train_dataset=train_dataset if streamed else rows,
+                                   eval_dataset=_eval_sets(eval_dataset),
                                    callbacks=items, sft_dataset=sft_dataset, sft_eval_dataset=sft_eval_dataset)
         except SpecError as exc:
             raise _annotated(exc) from None

@@ -1,6 +1,7 @@
 """Real two-process runs (``grpo-run --nproc 2``, gloo on CPU) of the SFT stage and of a
-streamed training split: the SFT stage takes the same steps on two processes as on one, and a
-stream's rows are each trained once per epoch over the two processes."""
+streamed training split: the SFT stage takes the same steps on two processes as on one (DDP, and
+FSDP2 with its optimizer sharded), and a stream's rows are each trained once per epoch over the
+two processes."""
 
 from __future__ import annotations
 
@@ -80,3 +81,39 @@ def test_sft_on_two_processes_matches_one_and_a_stream_is_read_once_per_epoch(tm
     for epoch in (range(0, 4), range(4, 8)):
         drawn = [i for rank in (0, 1) for s in epoch for i in per_rank[rank][s]]
         assert sorted(drawn) == list(range(16)), drawn
+
+
+@pytest.mark.slow
+def test_sft_sharded_with_fsdp2_on_two_processes_matches_one(tmp_path, write_spec):
+    """The SFT stage under FSDP2 (train.parallel.strategy: fsdp2): each process trains half of
+    every batch on its shards, and the stage ends at the one-process weights; GRPO goes on from
+    them (a sharded KL reference reset to the SFT result)."""
+    spec = write_spec(
+        tmp_path,
+        train={"steps": 1, "prompts_per_step": 2, "seed": 1, "parallel": {"strategy": "fsdp2"}},
+        algorithm={"kl": {"beta": 0.04}},
+        sft={"data": {"name": "arithmetic", "train_size": 16, "eval_size": 4, "solutions": True},
+             "completion_column": "solution", "steps": 3, "batch_size": 4, "micro_batch_size": 1, "lr": 1.0e-2,
+             "eval_every": 3},
+    )
+    for name, extra in (("one", []), ("two", ["--nproc", "2"])):
+        folder = tmp_path / name
+        folder.mkdir()
+        done = _grpo_run([spec, *extra, "--set", f"train.output_dir={folder / 'out'}"], folder)
+        assert done.returncode == 0, done.stderr[-3000:]
+    rows = {name: [json.loads(line) for line in (tmp_path / name / "out" / "sft" / "metrics.jsonl").read_text()
+                   .splitlines()] for name in ("one", "two")}
+    assert [r["step"] for r in rows["two"]] == [0, 1, 2, 3]
+    for a, b in zip(rows["one"], rows["two"]):
+        for key in ("sft/loss", "sft/eval_loss", "sft/tokens", "sft/grad_norm"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-4), (a["step"], key)
+    w1 = load_weights(tmp_path / "one" / "out" / "sft" / "final")
+    w2 = load_weights(tmp_path / "two" / "out" / "sft" / "final")
+    assert w1.keys() == w2.keys() and max(float((w1[k] - w2[k]).abs().max()) for k in w1) < 1e-4
+    from grpo_core import checkpoint as ckpt
+
+    last = ckpt.list_checkpoints(tmp_path / "two" / "out" / "sft" / "checkpoints")[-1]
+    assert ckpt.load_state(last / ckpt.STATE)["optimizer_format"] == "named"  # the SFT optimizer was sharded
+    grpo = [json.loads(line) for line in (tmp_path / "two" / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in grpo] == [1] and "kl" in grpo[0]

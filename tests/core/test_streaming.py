@@ -183,3 +183,103 @@ def test_the_python_trainer_streams_an_iterable_dataset(tmp_path, write_spec):
     trainer = Trainer(write_spec(tmp_path / "fn", train={"steps": 6}), train_dataset=lambda: iter(rows[:6]))
     assert trainer.train().status == "finished"
     assert yaml.safe_load((trainer.run_dir / "spec.resolved.yaml").read_text())["data"]["name"] == "python"
+
+
+# --------------------------------------------------------------------------- files that stream
+FILE_ROWS = [{"prompt": f"What is {i} + 2?", "answer": str(i + 2), "i": i} for i in range(40)]
+
+
+def _write_file(folder, fmt: str, rows=FILE_ROWS):
+    """``rows`` as a file of ``fmt`` (jsonl, json, csv, parquet)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = folder / f"train.{fmt}"
+    if fmt in ("jsonl", "json"):
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    elif fmt == "csv":
+        path.write_text("prompt,answer,i\n" + "".join(f"\"{r['prompt']}\",{r['answer']},{r['i']}\n" for r in rows),
+                        encoding="utf-8")
+    else:
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "json", "csv", "parquet"])
+def test_a_file_streams_and_a_restored_source_draws_what_the_uninterrupted_one_does(tmp_path, fmt):
+    from grpo_plugins.datasets import FileDataset, FileOptions
+
+    train = _write_file(tmp_path, fmt)
+    (tmp_path / "held").mkdir()
+    evals = _write_file(tmp_path / "held", fmt, FILE_ROWS[:3])
+    dataset = FileDataset(FileOptions(train=str(train), eval=str(evals), streaming=True))
+    stream = dataset.load("train")
+    assert isinstance(stream, RowStream)
+    assert [int(r["i"]) for r in stream.open()] == list(range(40))  # every row, in the file's order
+    assert isinstance(dataset.load("eval"), list) and len(dataset.load("eval")) == 3  # held-out rows in memory
+
+    def source():
+        return StreamingPromptSource(FileDataset(FileOptions(train=str(train), streaming=True)).load("train"),
+                                     build_tokenizer(), DataSlot(shuffle_buffer=7), seed=4, max_tokens=64,
+                                     buffer_size=7)
+
+    straight = source()
+    straight.next(17)
+    state = straight.state_dict()
+    want = [int(p.row["i"]) for p in straight.next(40)]  # the rest of epoch 0, then into epoch 1
+    resumed = source()  # a new process: the file opened again, the rows read skipped
+    resumed.load_state_dict(state)
+    assert [int(p.row["i"]) for p in resumed.next(40)] == want
+
+
+def test_a_file_that_streams_names_itself_when_a_row_cannot_be_read(tmp_path):
+    from grpo_plugins.datasets import FileDataset, FileOptions
+
+    path = tmp_path / "train.jsonl"
+    path.write_text('{"prompt": "a"}\n{"prompt": \n', encoding="utf-8")
+    stream = FileDataset(FileOptions(train=str(path), streaming=True)).load("train")
+    with pytest.raises(RunError, match=f"could not read dataset file {path} as json"):
+        list(stream.open())
+
+
+def test_a_streamed_file_refuses_a_sampler_naming_its_streaming_option(tmp_path, write_spec):
+    _write_file(tmp_path, "jsonl")
+    spec = write_spec(tmp_path, data={"name": "file", "train": "train.jsonl", "streaming": True,
+                                      "sampler": {"name": "curriculum"}, "train_size": None, "eval_size": None},
+                      rewards=[{"name": "accuracy"}])
+    with pytest.raises(RunError, match="data.sampler 'curriculum' .*draws rows by index.*data.streaming: false"):
+        _build(spec)  # refused before the model loads
+
+
+def test_a_run_streaming_a_file_resumes_at_the_exact_row(tmp_path, write_spec, kit):
+    """A real run streaming a JSON Lines file: 2 steps, then resumed to 5, ends with the weights
+    and rewards of the run that took the 5 steps at once (the stream's position and buffer are
+    in the checkpoint)."""
+    from grpo_core.cli import main
+
+    _write_file(tmp_path, "jsonl")
+    spec = write_spec(tmp_path, data={"name": "file", "train": "train.jsonl", "streaming": True, "shuffle_buffer": 6,
+                                      "train_size": None, "eval_size": None},
+                      rewards=[{"name": "accuracy"}], train={"steps": 5, "seed": 2, "progress": False},
+                      eval={"at_start": False, "at_end": False}, checkpoint={"every": 1, "keep": 2},
+                      tracking=[])
+    assert main([str(spec), "--set", "train.output_dir=straight"]) == 0
+    assert main([str(spec), "--set", "train.output_dir=broken", "--set", "train.steps=2"]) == 0
+    state = torch.load(ckpt.step_folder(tmp_path / "broken" / "checkpoints", 2) / ckpt.STATE, weights_only=False)
+    assert state["data"]["stream"] and state["data"]["read"] > 0
+    assert main([str(spec), "--set", "train.output_dir=broken", "--resume"]) == 0
+    a, b = kit.load_weights(tmp_path / "straight" / "final"), kit.load_weights(tmp_path / "broken" / "final")
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+    want = {r["step"]: r.get("reward") for r in kit.read_metrics(tmp_path / "straight" / "metrics.jsonl")}
+    got = {r["step"]: r.get("reward") for r in kit.read_metrics(tmp_path / "broken" / "metrics.jsonl")}
+    assert got == want and sorted(want) == [1, 2, 3, 4, 5]
+
+
+def test_a_streamed_file_in_a_mixture_is_refused_by_its_place(tmp_path, write_spec):
+    _write_file(tmp_path, "jsonl")
+    more = {"name": "file", "train": "train.jsonl", "streaming": True, "source": "files"}
+    spec = write_spec(tmp_path, data={"more_sources": [more], "source_column": "source", "source": "sums",
+                                      "sampler": {"name": "mixture", "weights": {"sums": 1, "files": 1}}},
+                      rewards=[{"name": "accuracy"}])
+    with pytest.raises(RunError, match=r"data.more_sources\[0\]: dataset 'file' streams .*set its streaming: false"):
+        _build(spec)

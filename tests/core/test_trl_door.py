@@ -398,3 +398,32 @@ def test_load_best_model_at_end_trains_to_the_best_evaluated_checkpoint(tmp_path
         assert any(not torch.equal(live[k], v) for k, v in last.items())
     final = _weights(trainer.save_model(tmp_path / "exported"))
     assert all(torch.equal(final[k], v) for k, v in saved.items())
+
+
+# --------------------------------------------------------------------------- streamed rows
+def test_an_iterable_dataset_streams_through_the_door(tmp_path, tiny_model_dir):
+    """TRL takes an IterableDataset as train_dataset (with max_steps: it has no length); so does
+    the door, through the streaming path: the rows are read through the shuffle buffer, not
+    materialized, and the run takes max_steps steps."""
+    from datasets import Dataset
+
+    iterable = Dataset.from_list(ROWS).to_iterable_dataset()
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), **SMALL)
+    trainer = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=reward_len, args=args, train_dataset=iterable)
+    assert trainer.spec.data.name == "python" and trainer.spec.train.steps == 2
+    result = trainer.train()
+    assert result.status == "finished" and result.global_step == 2
+    record = json.loads((tmp_path / "out" / "python_objects.json").read_text())
+    assert record["dataset"]["python"]["rows"] == "stream"
+    state = torch.load(sorted((tmp_path / "out" / "checkpoints").glob("step-*"))[-1] / "state.pt",
+                       weights_only=False)
+    assert state["data"]["stream"] and state["data"]["read"] > 0  # the stream's position, for an exact resume
+
+
+def test_an_iterable_dataset_needs_max_steps_as_in_trl(tmp_path, tiny_model_dir):
+    from datasets import Dataset
+
+    iterable = Dataset.from_list(ROWS).to_iterable_dataset()
+    with pytest.raises(TRLConfigError, match="max_steps: required with an IterableDataset"):
+        GRPOTrainer(model=str(tiny_model_dir), reward_funcs=reward_len, args=GRPOConfig(output_dir=str(tmp_path)),
+                    train_dataset=iterable)

@@ -79,10 +79,14 @@ def sft_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, bat
     """One optimizer step on this process's rows of a demonstration batch; with several
     processes the token count, loss and gradients are summed over them (the strategy), so the
     step is the one a single process holding every row would take. A non-finite loss or
-    gradient skips the step (``sft/nonfinite_updates``)."""
+    gradient skips the step (``sft/nonfinite_updates``); with a fp16 scaler, inf gradients of a
+    finite loss are an overflow instead, as in the GRPO update: the step is skipped and the
+    scale lowered (``sft/scaler_overflows``, ``sft/loss_scale``) while the scale is at least 1."""
     strategy = strategy or OneProcess()
     forward = strategy.forward(model)
     params = [p for p in model.parameters() if p.requires_grad]
+    if scaler is not None:  # its scale is made on first use: a process with no micro-batch has none
+        scaler.scale(torch.zeros((), device=params[0].device))
     rows = torch.arange(len(batch.mask))
     (n_tokens,) = strategy.total([float(batch.mask.sum())])
     micros = [mb for mb in micro_batches(batch, rows, settings.micro_batch_size, settings.micro_batch_tokens,
@@ -112,15 +116,19 @@ def sft_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, bat
     norm = torch.nn.utils.clip_grad_norm_(params, settings.max_grad_norm or math.inf)
     norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     finite = math.isfinite(loss) and math.isfinite(norm)
+    overflow = not finite and scaler is not None and math.isfinite(loss) and scaler.get_scale() >= 1
     lr = optimizer.param_groups[0]["lr"]
     if finite:
         scaler.step(optimizer) if scaler is not None else optimizer.step()
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
+    metrics = {"sft/loss": loss, "sft/grad_norm": norm, "sft/lr": lr, "sft/tokens": n_tokens,
+               "sft/nonfinite_updates": float(not finite and not overflow)}
     if scaler is not None:
-        scaler.update()
-    return {"sft/loss": loss, "sft/grad_norm": norm, "sft/lr": lr, "sft/tokens": n_tokens,
-            "sft/nonfinite_updates": float(not finite)}
+        scaler.update()  # lowers the scale after an overflow
+        metrics["sft/scaler_overflows"] = float(overflow)
+        metrics["sft/loss_scale"] = scaler.get_scale()
+    return metrics
 
 
 def heldout_loss(model: Any, batch: TrainBatch, settings: SftSettings, strategy: Strategy | None = None,

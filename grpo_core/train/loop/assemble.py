@@ -79,8 +79,12 @@ def load_rows(spec: Spec, split: str) -> list[dict] | RowStream:
     elif stream is not None:
         return _streamed(spec, stream)
     rows = _labelled(loaded, data.source_column, data.source)
-    for more in data.more_sources:
-        rows += _labelled(_load(more, split), data.source_column, more.source)
+    for i, more in enumerate(data.more_sources):
+        extra = _load(more, split)
+        if not isinstance(extra, list):
+            raise RunError(f"data.more_sources[{i}]: dataset '{more.name}' streams its training rows, which a mixture "
+                           "cannot take (it joins the sources' rows in memory): set its streaming: false")
+        rows += _labelled(extra, data.source_column, more.source)
     return rows
 
 
@@ -94,12 +98,19 @@ def _streamed(spec: Spec, stream: RowStream) -> RowStream:
              (data.image_column, "data.image_column (images are loaded and checked with the rows)")]
     for given, what in needs:
         if given:
-            raise RunError(f"{where}, which {what} cannot take: drop it, or load the rows into memory (e.g. hf "
-                           "without streaming)")
+            raise RunError(f"{where}, which {what} cannot take: drop it, or load the rows into memory "
+                           f"({_in_memory(spec)})")
     if data.source_column is not None and data.source is not None:
         column, label, inner = data.source_column, data.source, stream
         return RowStream(lambda: ({**row, column: label} for row in inner.open()), stream.name, once=stream.once)
     return stream
+
+
+def _in_memory(spec: Spec) -> str:
+    """How the spec's training split comes into memory instead of streaming."""
+    if getattr(spec.data.options, "streaming", None) is True:
+        return "data.streaming: false"
+    return "a datasets.Dataset or a list of rows instead of a stream"
 
 
 def load_sft_rows(spec: Spec) -> tuple[list[dict], list[dict]] | None:
