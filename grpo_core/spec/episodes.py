@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from grpo_core.options import Seconds
@@ -49,6 +51,14 @@ class AgentSlot(Slot):
         20.0, ge=0, le=10_000, allow_inf_nan=False,
         description="How long a request waits for other episodes' requests to join its generate call (every "
         "running episode waiting ends the wait sooner).",
+    )
+    cut_response: Literal["incomplete", "completed"] = Field(
+        "incomplete", description="What POST /v1/responses answers for an answer cut at a token limit "
+        "(max_output_tokens, rollout.max_new_tokens, max_total_tokens): incomplete (status incomplete, "
+        "incomplete_details.reason max_output_tokens, as OpenAI and vLLM answer; the OpenAI Agents SDK's default "
+        "model raises ModelBehaviorError on it, which fails the episode), or completed (the cut text as a completed "
+        "response, as finish_reason length lets a chat client go on: the episode goes on and is scored, counted as "
+        "truncated).",
     )
 
 
