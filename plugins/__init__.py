@@ -22,6 +22,7 @@
 - ``trackers/``: trackers (``mlflow.py``, ``console.py``, ``wandb.py``, ``tensorboard.py``; shared:
   ``common.py``);
 - ``environments/``: the ``tools`` environment (``tools.py``) and its ``calculator.py``;
+- ``agents/``: agents that run other libraries' environments through the endpoint (``openenv.py``);
 - ``launchers.py``: the ``local`` launcher (``grpo-run run --nproc``).
 
 Each module that registers something is one plugin, registered on the same plugin manager as

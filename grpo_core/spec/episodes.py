@@ -59,6 +59,14 @@ class AgentSlot(Slot):
         description="How long a request waits for other episodes' requests to join its generate call (every "
         "running episode waiting ends the wait sooner).",
     )
+    cut_response: Literal["incomplete", "completed"] = Field(
+        "incomplete", description="What POST /v1/responses answers for an answer cut at a token limit "
+        "(max_output_tokens, rollout.max_new_tokens, max_total_tokens): incomplete (status incomplete, "
+        "incomplete_details.reason max_output_tokens, as OpenAI and vLLM answer; the OpenAI Agents SDK's default "
+        "model raises ModelBehaviorError on it, which fails the episode), or completed (the cut text as a completed "
+        "response, as finish_reason length lets a chat client go on: the episode goes on and is scored, counted as "
+        "truncated).",
+    )
 
 
 class RouteSection(Section):

@@ -8,9 +8,10 @@ TRL's arguments and runs the resulting spec with :class:`grpo_core.Trainer`.
 
 Its modules: ``config`` (``GRPOConfig``), ``trainer`` (``GRPOTrainer``), ``table`` (what one
 field entry is), ``grpo_fields`` (the fields TRL's ``GRPOConfig`` adds) and
-``training_fields`` (those it inherits from ``transformers.TrainingArguments``), and ``sft``
+``training_fields`` (those it inherits from ``transformers.TrainingArguments``), ``sft``
 (``SFTConfig``: TRL's ``SFTConfig`` arguments for an SFT stage before GRPO,
-``GRPOTrainer(sft_args=..., sft_dataset=...)``).
+``GRPOTrainer(sft_args=..., sft_dataset=...)``), and ``tool_loop`` (TRL's tool loop as an
+agent, for ``GRPOTrainer(tools=..., environment_factory=...)``).
 """
 
 from grpo_core.trl.config import FIELDS, GRPOConfig, TRLConfigError

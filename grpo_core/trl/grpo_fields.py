@@ -617,8 +617,8 @@ FIELDS: list[TRLField] = [
     ignored("entropy_coef_max", 1.0, _ADAPTIVE),
     ignored("entropy_coef_delta", 0.005, _ADAPTIVE),
     ignored("entropy_target", 0.2, _ADAPTIVE),
-    ignored("max_tool_calling_iterations", None, "read only with GRPOTrainer's tools=, which is refused "
-            "(grpo-core's rollout.environment.max_turns bounds a tool episode)"),
+    ignored("max_tool_calling_iterations", None, "read by GRPOTrainer with tools= or environment_factory (the "
+            "rounds of tool calls of TRL's loop, run as an agent), and without them by nothing, as in TRL"),
     mapped("vllm_importance_sampling_correction", True, "algorithm.rollout_correction.level",
            "the mode's level (token or sequence); False: off", _is_level,
            note="grpo-core weights only completions whose backend returns sampling log-probs (vllm does; hf with "

@@ -70,17 +70,24 @@ ARGUMENTS: list[tuple[str, str, str]] = [
      "8 bits, or any other field away from its default, is refused. Not with a loaded model object."),
     ("peft_config", "model.lora", "A peft.LoraConfig: r, lora_alpha, lora_dropout and target_modules (None: "
      "peft's default for the model type, resolved here); any other setting away from peft's default is refused."),
-    ("tools", "refused unless None", "TRL's tool loop and grpo-core's tools environment show the model other "
-     "text: " + "; ".join(TOOL_DIFFERENCES) + ". Pass grpo_core.Trainer(environment=tools_environment(fn, ...)) "
-     "(the built-in tools plugin's helper) to train with grpo-core's."),
+    ("tools", "rollout.agent (TRL's tool loop as an agent, grpo_core.trl.tool_loop)",
+     "Each function is a tool, its JSON schema read off its signature and docstring as TRL reads it; the loop runs "
+     "as an agent against the run's endpoint: the chat template shows the tools and the tool messages, the endpoint "
+     "parses the calls per model family (Hermes/Qwen, Llama 3, Mistral; TRL uses the tokenizer's response schema), "
+     "a result is shown as str(result) and a failure as {'error': '...'}, as in TRL; at most "
+     "max_tool_calling_iterations rounds (rollout.agent.max_calls = rounds + 1), max_completion_length tokens per "
+     "turn and per episode (rollout.agent.max_total_tokens). The chat template must render tool calls."),
     ("rollout_func", "refused unless None", "TRL calls rollout_func(prompts, trainer) with its own GRPOTrainer "
      "(its vLLM engine, tokenizer and state), which grpo-core does not have. A program that talks to a model is "
      "an agent (grpo_core.Trainer(agent=...), served the policy at an OpenAI-compatible endpoint); a generation "
      "engine is a rollout-backend plugin (rollout.name)."),
-    ("environment_factory", "refused unless None", "TRL exposes each environment's methods as tools in the same "
-     "tool loop as tools= (same differences), builds one environment per completion and hands them to the reward "
-     "functions (environments=). A grpo-core environment is grpo_core.Trainer(environment=...) "
-     "(reset(row), step(state, text))."),
+    ("environment_factory", "rollout.agent (the same tool loop, one environment per episode)",
+     "A callable (or {name: callable}, chosen by each row's 'environment' column) making an environment with "
+     "reset(**row) (a string it returns is appended to the last user message) and public methods as tools, as in "
+     "TRL; get_reward(), when the class has one, is the episode's reward, scored as env_reward with weight 1 "
+     "(TRL names its column after the class), and reward_funcs may then be empty. One environment is made per "
+     "episode (TRL reuses a pool, resetting each). Reward functions that take environments= are refused: "
+     "grpo-core passes rewards the dataset columns and completions."),
     ("overrides", "grpo_core.Trainer(overrides=...)",
      "grpo-core's own: spec keys applied after the table, e.g. {'rollout.dtype': 'auto', 'train.threads': 4}."),
 ]
@@ -183,12 +190,15 @@ def _default_targets(model: Any, model_spec: Mapping[str, Any], problems: list[s
     return targets if isinstance(targets, str) else sorted(targets)
 
 
-def _reward_entries(reward_funcs: Any, config: GRPOConfig, problems: list[str]) -> tuple[list[dict], list]:
-    """The spec's ``rewards`` entries, in TRL's order, and the ``(name, callable)`` pairs to register."""
+def _reward_entries(reward_funcs: Any, config: GRPOConfig, problems: list[str],
+                    env_reward: bool = False) -> tuple[list[dict], list]:
+    """The spec's ``rewards`` entries, in TRL's order, and the ``(name, callable)`` pairs to
+    register; ``env_reward``: an environment's get_reward() scores too (last, weight 1)."""
     funcs = [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, list | tuple) else [
         reward_funcs]
-    if not funcs:
-        problems.append("reward_funcs: none given; GRPO needs at least one reward function")
+    if not funcs and not env_reward:
+        problems.append("reward_funcs: none given; GRPO needs at least one reward function (or an "
+                        "environment_factory whose environment has get_reward)")
     weights = config.reward_weights or [1.0] * len(funcs)
     try:
         kwargs = init_kwargs(config.model_init_kwargs)
@@ -218,7 +228,65 @@ def _reward_entries(reward_funcs: Any, config: GRPOConfig, problems: list[str]) 
         name = getattr(func, "__name__", None) or type(func).__name__
         entries.append({"name": name, "weight": weight})
         objects.append((name, func))
+    if env_reward:
+        entries.append({"name": "env_reward", "weight": 1.0})
     return entries, objects
+
+
+def _tool_loop(tools: Any, factory: Any, config: GRPOConfig, rows: list[dict],
+               problems: list[str]) -> tuple[Any, bool]:
+    """TRL's tool loop as an agent for ``tools`` and ``environment_factory`` (None when both
+    are None), and whether an environment's get_reward() scores the episodes. Each factory
+    is called once here to check its environment, as TRL does."""
+    if not tools and factory is None:
+        return None, False
+    from transformers.utils import get_json_schema
+
+    from grpo_core.trl.tool_loop import TRLToolLoop, environment_tools
+
+    def described(method: Any, where: str) -> None:
+        try:  # the schema the chat template shows; transformers says what the docstring lacks
+            get_json_schema(method)
+        except Exception as exc:  # noqa: BLE001
+            problems.append(f"{where}: {getattr(method, '__name__', method)!s:.60}: {exc} (TRL's tools are functions "
+                            "with type hints and a Google-style docstring)")
+
+    tools = list(tools or [])
+    for tool in tools:
+        described(tool, "tools")
+    factories = factory if isinstance(factory, Mapping) else {None: factory} if factory is not None else {}
+    env_reward = False
+    for name, make in factories.items():
+        where = "environment_factory" if name is None else f"environment_factory[{name!r}]"
+        try:
+            environment = make()
+        except Exception as exc:  # noqa: BLE001 - the user's factory: name it
+            problems.append(f"{where}: calling it raised {type(exc).__name__}: {exc}")
+            continue
+        if not callable(getattr(environment, "reset", None)):
+            problems.append(f"{where}: its environment ({type(environment).__name__}) has no reset method; TRL's "
+                            "environments define reset(**row) (returning None or a string for the prompt)")
+        env_reward = env_reward or callable(getattr(environment, "get_reward", None))
+        for method in environment_tools(environment):
+            described(method, where)
+    if isinstance(factory, Mapping):
+        unknown = sorted({str(r.get("environment")) for r in rows} - {str(n) for n in factories})
+        if unknown:
+            problems.append(f"train_dataset: rows whose 'environment' names no environment_factory entry: "
+                            f"{', '.join(unknown)}; entries: {', '.join(map(str, factories))}")
+    if config.max_tool_calling_iterations is not None and (
+            isinstance(config.max_tool_calling_iterations, bool) or not isinstance(config.max_tool_calling_iterations,
+                                                                                   int)
+            or config.max_tool_calling_iterations < 0):
+        problems.append(f"max_tool_calling_iterations: {config.max_tool_calling_iterations!r}; None or an integer "
+                        ">= 0")
+    return TRLToolLoop(tools, factories, config.max_tool_calling_iterations), env_reward
+
+
+def _max_calls(rounds: Any) -> dict[str, int]:
+    """rollout.agent.max_calls for ``rounds`` rounds of tool calls: one request more (the
+    answer after the last round); none for TRL's unbounded loop (the slot's default bounds)."""
+    return {"max_calls": rounds + 1} if isinstance(rounds, int) and rounds >= 0 else {}
 
 
 def _reward_dtype(kwargs: Mapping[str, Any]) -> str:
@@ -337,15 +405,9 @@ class GRPOTrainer:
                  "reward model, whose folder grpo-core loads it from"),
                  optimizers=(None if optimizers in (None, (None, None)) else optimizers,
                              "train.lr, train.adam_*, train.schedule"),
-                 tools=(tools, "TRL's tool loop shows the model other text than grpo-core's tools environment: "
-                        + "; ".join(TOOL_DIFFERENCES), "grpo_core.Trainer(environment=tools_environment(fn, ...)), "
-                        "rollout.environment"),
                  rollout_func=(rollout_func, "TRL calls rollout_func(prompts, trainer) with its own GRPOTrainer "
                                "(its vLLM engine, tokenizer, state), which grpo-core does not have",
-                               "an agent (grpo_core.Trainer(agent=...)) or a rollout-backend plugin (rollout.name)"),
-                 environment_factory=(environment_factory, "TRL runs each environment's methods as tools in its "
-                                      "tool loop (the differences of tools=) and passes the environments to the "
-                                      "reward functions", "grpo_core.Trainer(environment=...)"))
+                               "an agent (grpo_core.Trainer(agent=...)) or a rollout-backend plugin (rollout.name)"))
         model_object = not isinstance(model, str)
         if model_object and hasattr(model, "peft_config"):
             problems.append("model: a PeftModel; instead: pass its base model with peft_config (model.lora)")
@@ -363,7 +425,8 @@ class GRPOTrainer:
             rows = [dict(first)] if first is not None else []
         else:
             rows = as_rows(train_dataset, "train_dataset") if train_dataset is not None else []
-        entries, objects = _reward_entries(reward_funcs, args, problems)
+        loop, env_reward = _tool_loop(tools, environment_factory, args, rows, problems)
+        entries, objects = _reward_entries(reward_funcs, args, problems, env_reward)
         items = _callbacks(callbacks, problems)
         counted = len(rows) if train_dataset is not None and not streamed else None
         try:
@@ -394,12 +457,16 @@ class GRPOTrainer:
         if problems:
             raise TRLConfigError(problems, "GRPOTrainer")
         data["rewards"] = entries
+        if loop is not None:
+            data.setdefault("rollout", {})["agent"] = {"max_total_tokens": args.max_completion_length,
+                                                       **_max_calls(args.max_tool_calling_iterations)}
         self.per_step = args.context(rows=counted).layout.per_step
         try:
             self.trainer = Trainer(data, overrides, model=model if model_object else None, tokenizer=processing_class,
                                    reward_funcs=objects, train_dataset=train_dataset if streamed else rows,
                                    eval_dataset=_eval_sets(eval_dataset),
-                                   callbacks=items, sft_dataset=sft_dataset, sft_eval_dataset=sft_eval_dataset)
+                                   callbacks=items, sft_dataset=sft_dataset, sft_eval_dataset=sft_eval_dataset,
+                                   agent=loop)
         except SpecError as exc:
             raise _annotated(exc) from None
         self._eval_given = eval_dataset is not None

@@ -18,7 +18,7 @@ agents = pytest.importorskip("agents", reason="the OpenAI Agents SDK (openai-age
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _sdk_agent(kind: str, finals: list):
+def _sdk_agent(kind: str, finals: list, sampled=None):
     """The calculator task as an OpenAI Agents SDK user writes it: a function tool, an Agent,
     ``Runner.run`` (or ``run_streamed``), with the episode's client given to the run."""
     import openai
@@ -37,7 +37,8 @@ def _sdk_agent(kind: str, finals: list):
         return calculator(expression)
 
     async def run(episode):
-        client = openai.AsyncOpenAI(base_url=episode.base_url, api_key=episode.api_key, max_retries=0)
+        extra = {"http_client": sampled.async_client()} if sampled is not None else {}
+        client = openai.AsyncOpenAI(base_url=episode.base_url, api_key=episode.api_key, max_retries=0, **extra)
         if kind.startswith("chat"):  # the chat-completions model, given explicitly
             agent = Agent(name="calc", instructions="Use the calculator.", tools=[calculator_tool],
                           model=OpenAIChatCompletionsModel(model=episode.model, openai_client=client))
@@ -89,6 +90,18 @@ def test_the_agents_sdk_trains_two_steps_on_the_real_policy(long_model, tmp_path
     cut = [bool(t) for t in rollout.truncated]
     assert rollout.episodes.failed.tolist() == cut and any(cut)
     assert "status=incomplete" in next(m[-1]["content"] for m, f in zip(rollout.episodes.messages, cut) if f)
+
+
+@pytest.mark.parametrize("kind", ["responses", "responses streamed"])
+def test_the_agents_sdk_default_model_trains_two_steps_with_cut_answers_completed(long_model, tmp_path, kind):  # noqa: F811
+    """rollout.agent.cut_response: completed, the SDK's default model (the Responses API), the
+    real policy whose answers are all cut at 8 tokens: two training steps, no failed episode,
+    each step training the token ids the endpoint answered."""
+    from .test_agent_frameworks import Sampled, train_two_steps
+
+    sampled = Sampled()
+    agent = _sdk_agent(kind, [], sampled)
+    train_two_steps(tmp_path, long_model, agent, sampled, cut_response="completed")
 
 
 def _langchain_agent(streamed: bool, finals: list):
@@ -185,3 +198,28 @@ def test_pydantic_ai_runs_the_calculator_loop(long_model, tmp_path, kind):  # no
     assert not rollout.episodes.failed.any(), [m[-1] for m in rollout.episodes.messages]
     assert rollout.episodes.tool_calls.tolist() == [1] * 8 and rollout.episodes.turns.tolist() == [2] * 8
     assert finals == ["The answer is 5."] * 8
+
+
+def test_the_agent_sdk_spec_runs_its_loop_on_a_tiny_model(long_model, tmp_path):  # noqa: F811
+    """specs/agent_sdk.yaml as shipped (its agent the OpenAI Agents SDK on its default model),
+    on the tiny model for a step, evaluation included: no failed episode, the cut answers
+    completed responses."""
+    from pathlib import Path
+
+    from grpo_core.cli import main
+
+    from .conftest import read_metrics
+
+    specs = Path(__file__).resolve().parents[2] / "specs"
+    out = tmp_path / "agent"
+    code = main([str(specs / "agent_sdk.yaml"),
+                 "--set", "model.package=null", "--set", "model.gguf_file=null", "--set", f"model.path={long_model}",
+                 "--set", "train.steps=1", "--set", "data.train_size=8", "--set", "eval.max_prompts=2",
+                 "--set", "rollout.group_size=2", "--set", "rollout.max_new_tokens=4",
+                 "--set", "rollout.agent.max_total_tokens=24", "--set", "train.progress=false",
+                 "--set", "tracking=[]", "--set", f"train.output_dir={out}"])
+    assert code == 0
+    rows = read_metrics(out / "metrics.jsonl")
+    step = next(r for r in rows if "env/turns_per_episode" in r)
+    assert step["env/failed_episodes"] == 0.0 and step["env/model_tokens"] > 0
+    assert [r["eval/env/failed_episodes"] for r in rows if "eval/env/failed_episodes" in r] == [0.0, 0.0]

@@ -52,6 +52,7 @@ class Scripted:
 
     generates_with_policy = False
     device = None
+    call, answer = CALL, "The answer is 5."  # what it writes before and after a tool result
 
     def setup(self, model, tokenizer):
         self.tokenizer, self.calls, self.rows = tokenizer, 0, 0
@@ -64,7 +65,7 @@ class Scripted:
         texts, ids = [], []
         for prompt in prompt_ids:
             answered = "<|tool|>" in self.tokenizer.decode(prompt)
-            text = "The answer is 5." if answered else CALL
+            text = self.answer if answered else self.call
             seq = self.tokenizer(text, add_special_tokens=False)["input_ids"] + (
                 [self.tokenizer.eos_token_id] if answered else [])
             for _ in range(group_size):  # cut at max_new_tokens, as a backend must

@@ -15,6 +15,8 @@ from grpo_core.errors import SpecError
 from grpo_core.trl import FIELDS, GRPOConfig, GRPOTrainer, TRLConfigError
 from grpo_core.trl.table import IGNORED, MAPPED, REFUSED, read
 
+from .test_agents import CALL
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 #: The training rows the table's examples are written for (8 rows; see TRLField.examples).
@@ -220,28 +222,125 @@ def test_trainer_arguments_grpo_core_cannot_take_are_refused(tmp_path, tiny_mode
     text = str(err.value)
     for culprit in ("TrainerCallback", "trainer_state", "tools", "optimizers", "reward_processing_classes"):
         assert culprit in text, culprit
-    assert "grpo_core.Callback" in text and "tools_environment" in text
+    assert "grpo_core.Callback" in text and "tools: len:" in text  # a tool without a schema TRL could read
 
 
-def test_tools_environment_factory_and_rollout_func_are_refused_saying_how_trl_differs(tmp_path, tiny_model_dir):
-    """TRL's agent arguments stay refused: each names what TRL computes that grpo-core would not
-    (the tool-call parser and the result text the model reads; TRL's own trainer handed to
-    rollout_func) and the grpo_core.Trainer argument to use instead."""
+def test_rollout_func_is_refused_and_a_bad_environment_factory_is_named(tmp_path, tiny_model_dir):
+    """rollout_func stays refused, saying why (TRL hands it its own trainer) and what to use; an
+    environment_factory whose environment has no reset, a tools entry TRL could not describe,
+    and rows naming no environment of a dict factory are each named."""
     from datasets import Dataset
 
     def rollout(prompts, trainer):
         return {}
 
+    class Env:
+        def reset(self, **row):
+            return None
+
     with pytest.raises(TRLConfigError) as err:
         GRPOTrainer(model=str(tiny_model_dir), reward_funcs=reward_len, args=GRPOConfig(output_dir=str(tmp_path)),
-                    train_dataset=Dataset.from_list(ROWS), tools=[len], rollout_func=rollout,
-                    environment_factory=object)
-    tools, rollout_func, factory = (next(p for p in err.value.problems if p.startswith(f"{name}:"))
-                                    for name in ("tools", "rollout_func", "environment_factory"))
-    assert "parse_response" in tools and "str(result)" in tools and "tool_timeout" in tools
-    assert "instead: grpo_core.Trainer(environment=tools_environment(fn, ...))" in tools
+                    train_dataset=Dataset.from_list([{**r, "environment": "chess"} for r in ROWS]), tools=[len],
+                    rollout_func=rollout, environment_factory={"broken": object, "fine": Env})
+    problems = err.value.problems
+    rollout_func = next(p for p in problems if p.startswith("rollout_func:"))
     assert "rollout_func(prompts, trainer)" in rollout_func and "grpo_core.Trainer(agent=...)" in rollout_func
-    assert "tool loop" in factory and "instead: grpo_core.Trainer(environment=...)" in factory
+    assert any(p.startswith("environment_factory['broken']: its environment (object) has no reset") for p in problems)
+    assert any(p.startswith("tools: len:") for p in problems)
+    assert "train_dataset: rows whose 'environment' names no environment_factory entry: chess; entries: broken, " \
+        "fine" in problems
+
+
+class CountdownEnv:
+    """A TRL environment (environment_factory): reset(**row) adds to the prompt, public
+    methods are tools, get_reward scores the episode from the environment's state."""
+
+    def reset(self, answer, **row):
+        self.answer, self.used = answer, 0
+        return " Use the calculator."
+
+    def calculator(self, expression: str) -> str:
+        """Evaluate an arithmetic expression.
+
+        Args:
+            expression: The arithmetic expression.
+        """
+        self.used += 1
+        return str(eval(expression, {"__builtins__": {}}))  # noqa: S307 - the test's own expressions
+
+    def get_reward(self) -> float:
+        return float(self.used)
+
+
+def test_trls_tool_loop_runs_as_an_agent(tmp_path, tiny_model_dir):
+    """tools= and environment_factory run TRL's loop against the endpoint: reset's text ends
+    the prompt, the policy's call runs the environment's method (TRL's str(result)), a call
+    to an unknown tool gets TRL's error text, and get_reward() is the episode's env_reward."""
+    import shutil
+
+    from grpo_core.trl.tool_loop import TRLToolLoop
+
+    from .test_agents import ScriptedPlugin
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    config["max_position_embeddings"] = 2048
+    (model / "config.json").write_text(json.dumps(config))
+
+    def square(x: int) -> int:
+        """Square a number.
+
+        Args:
+            x: The number.
+        """
+        return x * x
+
+    rows = [{"prompt": [{"role": "user", "content": "What is 2+3?"}], "answer": "5"}] * 4
+    spec = {"model": {"path": str(model)}, "data": {"name": "arithmetic"},
+            "rollout": {"name": "scripted", "group_size": 2, "max_new_tokens": 96, "agent": {"max_calls": 2}},
+            "rewards": [{"name": "env_reward"}], "train": {"output_dir": str(tmp_path / "o"), "prompts_per_step": 2},
+            "tracking": []}
+    plugin = ScriptedPlugin()
+    loop = TRLToolLoop([square], {None: CountdownEnv}, max_iterations=1)
+    run = Trainer(spec, agent=loop, train_dataset=rows, plugins=[plugin])._build()
+    rollout = run.actor.collect(0).scored.rollout
+    assert not rollout.episodes.failed.any(), [m[-1] for m in rollout.episodes.messages]
+    assert list(rollout.episodes.env_rewards) == [1.0] * 4, rollout.episodes.messages[0]
+    prompt = run.tokenizer.decode(rollout.prompt_ids[0][rollout.prompt_mask[0]])
+    assert "What is 2+3? Use the calculator." in prompt and '"name": "square"' in prompt
+    tool = next(m for m in rollout.episodes.messages[0] if m["role"] == "tool")
+    assert tool["content"] == "5"
+    plugin.backend.call = CALL.replace("calculator", "missing")
+    rollout = run.actor.collect(1).scored.rollout
+    tool = next(m for m in rollout.episodes.messages[0] if m["role"] == "tool")
+    assert tool["content"] == "{'error': 'Tool missing not found.'}"
+    assert list(rollout.episodes.env_rewards) == [0.0] * 4
+
+
+def test_the_door_trains_with_an_environment_factory(tmp_path, tiny_model_dir):
+    """GRPOTrainer(environment_factory=..., tools=...) with no reward_funcs: the spec's agent
+    is TRL's loop, its budget max_completion_length, its calls max_tool_calling_iterations + 1,
+    env_reward the reward; two steps train with no failed episode."""
+    from datasets import Dataset
+
+    def square(x: int) -> int:
+        """Square a number.
+
+        Args:
+            x: The number.
+        """
+        return x * x
+
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), max_tool_calling_iterations=2, report_to="none", **SMALL)
+    door = GRPOTrainer(model=str(tiny_model_dir), args=args, train_dataset=Dataset.from_list(ROWS), tools=[square],
+                       environment_factory=CountdownEnv)
+    spec = _spec(door)
+    assert spec["rollout"]["agent"]["name"] == "trl_tool_loop" and spec["rollout"]["agent"]["max_calls"] == 3
+    assert spec["rollout"]["agent"]["max_total_tokens"] == 6 and [r["name"] for r in spec["rewards"]] == ["env_reward"]
+    result = door.train()
+    assert result.global_step == 2
+    assert all(row["env/failed_episodes"] == 0.0 for row in result.history)
 
 
 def test_a_spec_problem_names_the_trl_field_behind_it(tmp_path, tiny_model_dir):

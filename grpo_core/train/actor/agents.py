@@ -162,7 +162,8 @@ class AgentRunner:
                     for p in prompts for g in range(group_size)]
         self._episodes = {e.key: e for e in episodes}
         self._sampling, self._queue, self._with_logp = sampling, _Queue(), True
-        endpoint = Endpoint(self._handle, self._refuse, sampling, self.slot.max_request_bytes, self.max_n)
+        endpoint = Endpoint(self._handle, self._refuse, sampling, self.slot.max_request_bytes, self.max_n,
+                            self.slot.cut_response)
         tasks = AgentTasks(self.agent, episodes, endpoint.base_url, self.slot.concurrency, self.slot.timeout_s,
                        self._queue.poke)
         calls = [0]

@@ -80,6 +80,7 @@ class Request:
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
     instructions: str | None = None  # /v1/responses: echoed in the response object
     response_tools: list[dict[str, Any]] = field(default_factory=list)  # /v1/responses: its tools, as sent
+    cut_status: str = "incomplete"  # /v1/responses: the status of an answer cut at a token limit
 
     @property
     def chat(self) -> bool:
@@ -308,8 +309,10 @@ class Endpoint:
     #: may connect at once (the standard library's default, 5, dropped some of 32 agents).
     BACKLOG = 2048
 
-    def __init__(self, handle, refuse, sampling: Any, max_request_bytes: int, max_n: int):
+    def __init__(self, handle, refuse, sampling: Any, max_request_bytes: int, max_n: int,
+                 cut_response: str = "incomplete"):
         self.handle, self.refuse, self.sampling = handle, refuse, sampling
+        self.cut_response = cut_response
         self.max_request_bytes, self.max_n = max_request_bytes, max_n
         # Every waiting request holds a worker thread until its batch's generate returns: room
         # for far more than rollout.agent.concurrency, so no episode waits for another's thread.
@@ -396,6 +399,7 @@ class Endpoint:
         request = parse_request(chat, key, api, self.sampling, self.max_n)
         request.instructions = body.get("instructions")
         request.response_tools = body.get("tools") or []
+        request.cut_status = self.cut_response
         return request, self.handle(request)
 
     async def _read(self, http: StarletteRequest) -> bytes:

@@ -168,7 +168,8 @@ def _items(choice: dict[str, Any], ids: dict[str, str]) -> list[dict[str, Any]]:
 def response_object(request: Any, choice: dict[str, Any], prompt_tokens: int, response_id: str,
                     ids: dict[str, str], done: bool = True) -> dict[str, Any]:
     """A ``response`` object of one choice (``done=False``: as it starts, in progress, no output)."""
-    incomplete = choice["finish"] == "length"
+    # cut at a token limit: incomplete, as OpenAI answers, unless rollout.agent.cut_response says completed
+    incomplete = choice["finish"] == "length" and request.cut_status == "incomplete"
     status = ("incomplete" if incomplete else "completed") if done else "in_progress"
     completion = len(choice["ids"])
     return {
