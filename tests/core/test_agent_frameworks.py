@@ -110,8 +110,8 @@ def train_two_steps(tmp_path, model, agent, sampled: Sampled, **agent_options):
     return result
 
 
-def _scripted_rollout(model, out, agent, plugin=None):
-    spec = _spec(model, out, name="scripted", group_size=4, agent={"max_total_tokens": 2000})
+def _scripted_rollout(model, out, agent, plugin=None, **slot):
+    spec = _spec(model, out, name="scripted", group_size=4, agent={"max_total_tokens": 2000, **slot})
     return Trainer(spec, agent=agent, plugins=[plugin or ScriptedPlugin()])._build().actor.collect(0).scored.rollout
 
 
@@ -214,15 +214,19 @@ def test_a_smolagents_tool_calling_agent_runs_on_the_endpoint(long_model, tmp_pa
     assert finals == ["5"] * 8
 
 
-def test_a_smolagents_agent_rewrites_its_history_so_its_second_call_is_refused(long_model, tmp_path):  # noqa: F811
-    """What is not served yet: after a tool call, smolagents sends the policy's answer back
-    rewritten as text (``Calling tools: [...]``) and the tool's result as an ``Observation``
-    user message, so its next request does not extend the episode (400) and the episode
-    fails, saying so. The agents guide lists it."""
+def test_a_smolagents_agent_that_rewrites_its_history_trains_as_split_samples(long_model, tmp_path):  # noqa: F811
+    """After a tool call, smolagents sends the policy's answer back rewritten as text
+    (``Calling tools: [...]``) and the tool's result as an ``Observation`` user message, so its
+    next request does not extend the episode. With ``rollout.agent.history: split`` (the
+    default) each such request starts a new training sample of the episode, and every episode
+    runs to its end; with ``refuse`` the request is a 400 and the episode fails, saying so."""
     pytest.importorskip("smolagents", reason="smolagents is not installed")
-    rollout = _scripted_rollout(long_model, tmp_path / "o", _smolagents_agent([]))
-    assert rollout.episodes.failed.all()
-    assert all("differs from the episode's history" in m[-1]["content"] for m in rollout.episodes.messages)
+    rollout = _scripted_rollout(long_model, tmp_path / "split", _smolagents_agent([]))
+    assert not rollout.episodes.failed.any(), [m[-1] for m in rollout.episodes.messages]
+    assert (rollout.episodes.samples > 1).all(), rollout.episodes.samples
+    refused = _scripted_rollout(long_model, tmp_path / "refuse", _smolagents_agent([]), history="refuse")
+    assert refused.episodes.failed.all()
+    assert all("differs from the episode's history" in m[-1]["content"] for m in refused.episodes.messages)
 
 
 def test_smolagents_openai_server_model_trains_two_steps_on_the_real_policy(long_model, tmp_path):  # noqa: F811

@@ -2,9 +2,9 @@
 (``grpo_plugins.agents.openenv``): each observation a user message, each answer an action, the
 steps' rewards the episode's. The environment here is written as OpenEnv's docs write one (an
 ``Environment`` subclass with its ``Action`` and ``Observation``), on the real package.
-Skipped where ``openenv-core`` is not installed: it is not in the ``test`` extra, since it
-depends on ``gradio`` for its web UI; ``pip install --no-deps openenv-core fastmcp tomli
-tomli-w`` is what it imports (the agents guide)."""
+The test command installs ``openenv-core`` with ``--no-deps`` (it depends on ``gradio`` for its
+web UI only); what it imports, ``fastmcp``, ``tomli`` and ``tomli-w``, is in the ``test`` extra.
+Skipped where ``openenv-core`` is not installed (the agents guide says how)."""
 
 from __future__ import annotations
 
