@@ -392,9 +392,11 @@ class VLLMServerRollout:
         while todo:
             failed: list[int] = []
             with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(todo), 256)) as pool:
-                futures = {pool.submit(self._ask, url, *requests[i][:2]): (i, url) for i, url in todo.items()}
-                # adapter pushes: a request names its LoRA version, and one still queued at a
-                # pause samples with that version after the resume too
+                # adapter pushes: a request names the LoRA version loaded when it is submitted
+                # (fixed here, not when its thread sends it), and one still queued at a pause
+                # samples with that version after the resume too
+                serving = self.serving
+                futures = {pool.submit(self._ask, url, *requests[i][:2], serving): (i, url) for i, url in todo.items()}
                 named = dict.fromkeys(futures, version if resumed_at is None else switch.version)
                 waiting = set(futures)
                 while waiting:
@@ -455,11 +457,13 @@ class VLLMServerRollout:
             todo = self.failover.reassign(sorted(failed)) if failed else {}
         return results
 
-    def _ask(self, url: str, body: dict[str, Any], expected: Expected) -> Any:
+    def _ask(self, url: str, body: dict[str, Any], expected: Expected, serving: str | None = None) -> Any:
+        """``body`` to the server at ``url``, naming ``serving`` (an adapter version), else the
+        one requests name now, else the server's model."""
         if url in self.failover.dropped:  # dropped while this request waited
             raise ServerFault(self.failover.dropped[url])
         client = self.clients[url]
-        return client.complete({**body, "model": self.serving or client.model}, expected)
+        return client.complete({**body, "model": serving or self.serving or client.model}, expected)
 
     def _choose_push(self, model: Any) -> None:
         """``lora_push`` for a LoRA policy: the adapter alone where the adapter and every live
