@@ -18,7 +18,7 @@ Imports go one way, from the backends down to the leaves, and vLLM itself is imp
 inside the functions that need it (and by ``worker``)::
 
     colocated -> engine, io, adapter, partial    server -> client, io, delta, adapter, partial    partial -> io
-    client -> channel     worker -> channel, delta, adapter     channel -> delta (which imports none)
+    client -> channel, io     worker -> channel, delta, adapter     channel -> delta (which imports none)
     serve -> guard (which imports none)
 
 (both backends also take the policy's weights from :mod:`grpo_plugins.rollout.weights`). The

@@ -27,6 +27,7 @@ import time
 from typing import Any
 
 from grpo_plugins.vllm.channel import delta_info, local_address, open_group, send_deltas, send_tensors, update_info
+from grpo_plugins.vllm.io import Completion, Output
 from torch import Tensor
 
 from grpo_core.http import BadAnswer, HTTPClient, HTTPFailure, StatusError, TooLarge
@@ -48,23 +49,6 @@ class ServerFault(Exception):
 
 class InvalidAnswer(ValueError):
     """What is wrong with an answer to ``/v1/completions`` (the caller names the server)."""
-
-
-@dataclasses.dataclass
-class Completion:
-    """One completion of a server's answer, with the attributes
-    :func:`~grpo_plugins.vllm.io.outputs_to_batch` reads from vLLM's own outputs."""
-
-    index: int
-    token_ids: list[int]
-    finish_reason: str | None
-    text: str
-    logprobs: list[dict[int, float]] | None
-
-
-@dataclasses.dataclass
-class Output:
-    outputs: list[Completion]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,6 +16,25 @@ import torch
 
 from grpo_core.contracts import RolloutBatch, SamplingParams, cut_after_stop, left_pad
 
+
+@dataclasses.dataclass
+class Completion:
+    """One completion of an answer that is not vLLM's own object (a server's JSON, a stitched
+    partial rollout), with the attributes :func:`outputs_to_batch` reads from vLLM's outputs."""
+
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None
+    text: str
+    logprobs: list[dict[int, float]] | None
+
+
+@dataclasses.dataclass
+class Output:
+    """One prompt's completions, as vLLM's ``RequestOutput`` holds them."""
+
+    outputs: list[Completion]
+
 __all__ = ["completion_body", "outputs_to_batch", "repeat_greedy", "request_seed", "sampling_kwargs"]
 
 

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from grpo_plugins.vllm.io import request_seed
+from grpo_plugins.vllm.io import Completion, Output, request_seed
 
 __all__ = ["Completion", "PartialCompletion", "continuation_seed", "stitched_outputs", "versions_tensor"]
 
@@ -38,23 +38,6 @@ def continuation_seed(seed: int | None, done: int) -> int | None:
     """The seed of a completion's continuation after ``done`` tokens, from its own seed
     (``None``: unseeded)."""
     return None if seed is None else request_seed(seed + done)
-
-
-@dataclasses.dataclass
-class Completion:
-    """A stitched completion with the attributes :func:`~grpo_plugins.vllm.io.outputs_to_batch`
-    reads from vLLM's own outputs."""
-
-    index: int
-    token_ids: list[int]
-    finish_reason: str | None
-    text: str
-    logprobs: list[dict[int, float]] | None
-
-
-@dataclasses.dataclass
-class _Output:
-    outputs: list[Completion]
 
 
 @dataclasses.dataclass
@@ -112,9 +95,9 @@ class PartialCompletion:
         return Completion(self.index, list(self.ids), self.finish_reason or "length", "", logps)
 
 
-def stitched_outputs(completions: Sequence[Sequence[PartialCompletion]]) -> list[_Output]:
+def stitched_outputs(completions: Sequence[Sequence[PartialCompletion]]) -> list[Output]:
     """One output per prompt, its completions stitched, for ``outputs_to_batch``."""
-    return [_Output([c.completion() for c in group]) for group in completions]
+    return [Output([c.completion() for c in group]) for group in completions]
 
 
 def versions_tensor(completions: Sequence[Sequence[PartialCompletion]], group_size: int, max_new_tokens: int,

@@ -246,27 +246,30 @@ def plain(message: dict[str, Any]) -> dict[str, Any]:
     return {"role": message["role"], "content": "" if content is None else str(content)}
 
 
+def tool_calls(message: dict[str, Any]) -> list[tuple[str | None, Any]]:
+    """``(name, arguments)`` of each of a message's tool calls, arguments sent as a JSON string
+    parsed to an object (left as sent when they do not parse)."""
+    out = []
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") or {}
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                pass
+        out.append((function.get("name"), arguments))
+    return out
+
+
 def same_message(sent: dict[str, Any], answered: dict[str, Any]) -> bool:
     """Whether ``sent`` (a message in a request) is the assistant message the endpoint
     answered: the same text and the same tool calls (names and arguments), whatever other
     fields the client echoed."""
     if sent.get("role") != "assistant":
         return False
-
-    def calls(message: dict[str, Any]) -> list[tuple[str, Any]]:
-        out = []
-        for call in message.get("tool_calls") or []:
-            function = call.get("function") or {}
-            arguments = function.get("arguments")
-            if isinstance(arguments, str):
-                try:
-                    arguments = json.loads(arguments)
-                except ValueError:
-                    pass
-            out.append((function.get("name"), arguments))
-        return out
-
-    return (plain(sent)["content"] or "") == (answered.get("content") or "") and calls(sent) == calls(answered)
+    same_text = (plain(sent)["content"] or "") == (answered.get("content") or "")
+    return same_text and tool_calls(sent) == tool_calls(answered)
 
 
 def response_body(request: Request, choices: list[dict[str, Any]], prompt_tokens: int) -> dict[str, Any]:

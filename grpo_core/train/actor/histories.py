@@ -18,11 +18,10 @@ episode's samples out as one row of a rollout (the layout of
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from grpo_core.train.actor.endpoint import EndpointError, plain, same_message
+from grpo_core.train.actor.endpoint import EndpointError, plain, same_message, tool_calls
 
 
 class NotExtended(Exception):
@@ -49,16 +48,8 @@ def template_message(message: dict[str, Any]) -> dict[str, Any]:
     its role and text, and an assistant message's tool calls (arguments as an object, as
     transformers' templates take them) and ``reasoning_content``."""
     out = plain(message)
-    calls = []
-    for call in message.get("tool_calls") or []:
-        function = call.get("function") or {}
-        arguments = function.get("arguments")
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except ValueError:
-                pass
-        calls.append({"type": "function", "function": {"name": function.get("name"), "arguments": arguments}})
+    calls = [{"type": "function", "function": {"name": name, "arguments": arguments}}
+             for name, arguments in tool_calls(message)]
     if calls:
         out["tool_calls"] = calls
     if isinstance(message.get("reasoning_content"), str):
