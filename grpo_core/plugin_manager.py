@@ -76,6 +76,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "grpo_plugins.trackers.wandb",
     "grpo_plugins.trackers.tensorboard",
     "grpo_plugins.environments.tools",
+    "grpo_plugins.agents.verifiers",
 )
 
 

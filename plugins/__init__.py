@@ -22,7 +22,8 @@
 - ``trackers/``: trackers (``mlflow.py``, ``console.py``, ``wandb.py``, ``tensorboard.py``; shared:
   ``common.py``);
 - ``environments/``: the ``tools`` environment (``tools.py``) and its ``calculator.py``;
-- ``agents/``: agents that run other libraries' environments through the endpoint (``openenv.py``);
+- ``agents/``: agents that run other libraries' environments through the endpoint (``openenv.py``;
+  ``verifiers.py``, also registered as the ``verifiers`` agent and dataset);
 - ``launchers.py``: the ``local`` launcher (``grpo-run run --nproc``).
 
 Each module that registers something is one plugin, registered on the same plugin manager as
