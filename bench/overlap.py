@@ -8,8 +8,8 @@ rollouts (``rollout.partial_rollouts``).
 
 ``--model`` is a transformers folder both sides load (the server cannot read the quickstart's
 GGUF file: export it once with ``save_pretrained``); ``--server-python`` a Python with vLLM (the
-server's environment; the learner runs in this one). One server serves every run (each run's
-setup pushes its initial weights). Per run: the median step time (first step excluded), the
+server's environment; the learner runs in this one). Each run gets a server of its own, started
+fresh, so no run inherits the engine state of the one before. Per run: the median step time (first step excluded), the
 learner's busy and idle time per step (CPU seconds of its process over the run, against wall
 time), the server's (CPU seconds of its processes, read from ``/proc``, over the run), the learner's
 wait for batches and the actor's wait for weights, the token staleness and the mid-batch weight
@@ -198,16 +198,19 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--configs: unknown {', '.join(unknown)}; valid: {', '.join(CONFIGS)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    server = Server(args.server_python, args.model, args.server_core, out / "server.log", args.max_model_len)
     results = []
-    try:
-        server.wait(600)
-        for seed in args.seeds:
-            for config in configs:
+    for seed in args.seeds:
+        for config in configs:
+            # A fresh server per run: a run must not inherit the engine state (caches, aborted
+            # requests, memory) of the runs before it, or the order of the runs shows in the figures.
+            server = Server(args.server_python, args.model, args.server_core,
+                            out / f"{config}-seed{seed}.server.log", args.max_model_len)
+            try:
+                server.wait(600)
                 results.append(run_one(args, server, config, seed, out))
-                (out / "results.json").write_text(json.dumps({"runs": results}, indent=2))
-    finally:
-        server.stop()
+            finally:
+                server.stop()
+            (out / "results.json").write_text(json.dumps({"runs": results}, indent=2))
     text = table(results) + "\n"
     (out / "table.md").write_text(text)
     print(text)
