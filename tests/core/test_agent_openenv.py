@@ -114,28 +114,27 @@ def guess_server():
     thread.join(timeout=10)
 
 
+def _guessing(url: str, guess: str, model, tmp_path):
+    """One rollout of the scripted policy, always guessing ``guess``, against the server at ``url``."""
+    plugin = ScriptedPlugin()
+    plugin.backend.call = guess
+    spec = _spec(model, tmp_path / "o", name="scripted", group_size=2, agent={"max_total_tokens": 400})
+    spec["rewards"] = [{"name": "env_reward"}]
+    return Trainer(spec, agent=openenv_agent(url, "guess"), plugins=[plugin])._build().actor.collect(0).scored.rollout
+
+
 def test_an_openenv_server_by_url_runs_its_episodes(guess_server, long_model, tmp_path):  # noqa: F811
     """A running server given by URL: each episode its own session of OpenEnv's asynchronous
     GenericEnvClient (dict actions and observations, nothing of the environment's package),
     the same episodes as the in-process environment gives."""
-    plugin = ScriptedPlugin()
-    plugin.backend.call = "7"
-    spec = _spec(long_model, tmp_path / "o", name="scripted", group_size=2, agent={"max_total_tokens": 400})
-    spec["rewards"] = [{"name": "env_reward"}]
-    rollout = Trainer(spec, agent=openenv_agent(guess_server, "guess"), plugins=[plugin])._build() \
-        .actor.collect(0).scored.rollout
+    rollout = _guessing(guess_server, "7", long_model, tmp_path)
     assert not rollout.episodes.failed.any(), [m[-1] for m in rollout.episodes.messages]
     assert list(rollout.episodes.env_rewards) == [0.0] * 4 and rollout.episodes.turns.tolist() == [2] * 4
     assert [m["content"] for m in rollout.episodes.messages[0]] == ["7", "No, try again.", "7"]
 
 
 def test_a_server_guessed_right_ends_the_episode_with_its_reward(guess_server, long_model, tmp_path):  # noqa: F811
-    plugin = ScriptedPlugin()
-    plugin.backend.call = "5"
-    spec = _spec(long_model, tmp_path / "o", name="scripted", group_size=2, agent={"max_total_tokens": 400})
-    spec["rewards"] = [{"name": "env_reward"}]
-    rollout = Trainer(spec, agent=openenv_agent(guess_server, "guess"), plugins=[plugin])._build() \
-        .actor.collect(0).scored.rollout
+    rollout = _guessing(guess_server, "5", long_model, tmp_path)
     assert list(rollout.episodes.env_rewards) == [1.0] * 4 and rollout.episodes.turns.tolist() == [1] * 4
 
 
