@@ -14,8 +14,8 @@
 - ``rollout/``: the ``hf`` rollout backend (``hf.py``, ``decode.py``, ``images.py``) and the
   policy's weights for backends with their own copy (``weights.py``);
 - ``vllm/``: the ``vllm`` backend (``colocated.py``, ``engine.py``, ``adapter.py``: adapter-only
-  LoRA pushes), the ``vllm-server`` backend (``server.py``, ``client.py``, ``channel.py``), the
-  ``grpo-run serve`` command (``serve.py``, ``worker.py``, ``guard.py``) and what they share
+  LoRA pushes), the ``vllm-server`` backend (``server.py``, its weight pushes ``pushes.py``,
+  ``client.py``, ``channel.py``), the ``grpo-run serve`` command (``serve.py``, ``worker.py``, ``guard.py``) and what they share
   (``io.py``, ``delta.py``: delta weight pushes; ``partial.py``: partial rollouts);
 - ``datasets.py``: datasets; ``shapes.py``: a visual counting dataset that draws its images;
   ``samplers.py``: prompt samplers;
