@@ -15,8 +15,8 @@
   policy's weights for backends with their own copy (``weights.py``);
 - ``vllm/``: the ``vllm`` backend (``colocated.py``, ``engine.py``, ``adapter.py``: adapter-only
   LoRA pushes), the ``vllm-server`` backend (``server.py``, its weight pushes ``pushes.py``,
-  ``client.py``, ``channel.py``), the ``grpo-run serve`` command (``serve.py``, ``worker.py``, ``guard.py``) and what they share
-  (``io.py``, ``delta.py``: delta weight pushes; ``partial.py``: partial rollouts);
+  ``client.py``, ``channel.py``), the ``grpo-run serve`` command (``serve.py``, ``worker.py``,
+  ``guard.py``) and what they share (``io.py``, ``delta.py``: delta weight pushes; ``partial.py``: partial rollouts);
 - ``datasets.py``: datasets; ``shapes.py``: a visual counting dataset that draws its images;
   ``samplers.py``: prompt samplers;
 - ``trackers/``: trackers (``mlflow.py``, ``console.py``, ``wandb.py``, ``tensorboard.py``; shared:
