@@ -2,8 +2,8 @@
 (:mod:`~grpo_plugins.vllm.colocated`, building it with :mod:`~grpo_plugins.vllm.engine`), and the
 ``vllm-server`` backend, vLLM servers addressed by URL (:mod:`~grpo_plugins.vllm.server`, its
 weight pushes in :mod:`~grpo_plugins.vllm.pushes`) with the client of one server, which checks its
-answers (:mod:`~grpo_plugins.vllm.client`, on the engine's :mod:`grpo_core.http`), the ``grpo-run
-serve`` command that starts one (:mod:`~grpo_plugins.vllm.serve`), the guard that makes the server
+answers (:mod:`~grpo_plugins.vllm.client`, on the engine's :mod:`grpo_core.http`), the
+``grpo-run serve`` command that starts one (:mod:`~grpo_plugins.vllm.serve`), the guard that makes the server
 require a shared secret (:mod:`~grpo_plugins.vllm.guard`, loaded inside the server), the server's
 worker extension that receives the weights (:mod:`~grpo_plugins.vllm.worker`, loaded inside the
 server only: it imports vLLM) and the ``torch.distributed`` channel that carries them
