@@ -92,7 +92,8 @@ def verifiers_agent(environment: Any, *, env_args: dict[str, Any] | None = None,
 
     ``environment``: a ``verifiers.Environment``, or the id of an installed one (then made with
     ``env_args``). ``sampling_args``: what verifiers passes on to each model call (e.g.
-    ``{"max_tokens": 256}``); the run's own sampling settings apply to every call regardless.
+    ``{"max_tokens": 256}``, a cap under ``rollout.max_new_tokens``); ``temperature`` and ``top_p``
+    only at the spec's values, which the endpoint samples at (it refuses others with a 400).
     ``http_client``: a function making the ``httpx.AsyncClient`` of each episode's OpenAI client
     (a proxy, or to read the answers); unset, the OpenAI client's own.
     """
@@ -128,8 +129,9 @@ class VerifiersAgentOptions(Options):
     environment: str = Field(min_length=1, description="The id of an installed verifiers environment (its "
                              "package's module has load_environment), e.g. 'wordle' or 'owner/wordle'.")
     env_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of its load_environment.")
-    sampling_args: dict[str, Any] = Field(default_factory=dict, description="What verifiers passes on to each model "
-                                          "call (e.g. max_tokens); the run's sampling settings apply regardless.")
+    sampling_args: dict[str, Any] = Field(
+        default_factory=dict, description="What verifiers passes on to each model call (e.g. max_tokens, a cap); "
+        "temperature and top_p only at the spec's rollout values.")
 
 
 class VerifiersDatasetOptions(Options):
