@@ -182,6 +182,7 @@ async def _play_tools(environment, answer, messages, rewards, max_turns) -> None
 
     _, _, done = _unpack(await _call(environment, "reset"))
     listed, _, _ = _unpack(await _call(environment, "step", ListToolsAction()))
+
     def field(tool: Any, name: str) -> Any:  # a Tool, or a dict from a GenericEnvClient
         return tool.get(name) if isinstance(tool, dict) else getattr(tool, name, None)
 
