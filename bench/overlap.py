@@ -55,10 +55,9 @@ def _pinned(core: int | None, command: list[str]) -> list[str]:
     return ["taskset", "-c", str(core), *command]
 
 
-def _group_cpu_seconds(pgid: int) -> float:
-    """CPU seconds (user + system) of every live process of process group ``pgid``."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0
+def group_members(pgid: int):
+    """``(entry, stat fields after the name)`` of every live process of process group ``pgid``
+    (``/proc``); the fields start with the state, the parent and the group."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -66,9 +65,14 @@ def _group_cpu_seconds(pgid: int) -> float:
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[2]) == pgid:  # fields after the name: state, ppid, pgrp, ...
-            total += int(fields[11]) + int(fields[12])
-    return total / tick
+        if int(fields[2]) == pgid:
+            yield entry, fields
+
+
+def _group_cpu_seconds(pgid: int) -> float:
+    """CPU seconds (user + system) of every live process of process group ``pgid``."""
+    tick = os.sysconf("SC_CLK_TCK")
+    return sum(int(fields[11]) + int(fields[12]) for _, fields in group_members(pgid)) / tick
 
 
 class Server:

@@ -22,24 +22,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from overlap import SECRET, Server  # noqa: E402
+from overlap import SECRET, Server, group_members  # noqa: E402
 
 
 def _group_rss_mib(pgid: int) -> float:
     """Resident memory (MiB) of every live process of process group ``pgid``."""
     total = 0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for entry, _ in group_members(pgid):
         try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            if int(fields[2]) != pgid:
-                continue
-            for line in (entry / "status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
+            status = (entry / "status").read_text()
         except OSError:
             continue
+        total += next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
     return total / 1024
 
 
