@@ -114,13 +114,15 @@ def guess_server():
     thread.join(timeout=10)
 
 
-def _guessing(url: str, guess: str, model, tmp_path):
-    """One rollout of the scripted policy, always guessing ``guess``, against the server at ``url``."""
+def _guessing(environment, guess: str, model, tmp_path):
+    """One rollout of the scripted policy, always guessing ``guess``, against ``environment`` (a
+    server's URL, or a function making a client of it)."""
     plugin = ScriptedPlugin()
     plugin.backend.call = guess
     spec = _spec(model, tmp_path / "o", name="scripted", group_size=2, agent={"max_total_tokens": 400})
     spec["rewards"] = [{"name": "env_reward"}]
-    return Trainer(spec, agent=openenv_agent(url, "guess"), plugins=[plugin])._build().actor.collect(0).scored.rollout
+    return Trainer(spec, agent=openenv_agent(environment, "guess"), plugins=[plugin])._build() \
+        .actor.collect(0).scored.rollout
 
 
 def test_an_openenv_server_by_url_runs_its_episodes(guess_server, long_model, tmp_path):  # noqa: F811
@@ -136,6 +138,17 @@ def test_an_openenv_server_by_url_runs_its_episodes(guess_server, long_model, tm
 def test_a_server_guessed_right_ends_the_episode_with_its_reward(guess_server, long_model, tmp_path):  # noqa: F811
     rollout = _guessing(guess_server, "5", long_model, tmp_path)
     assert list(rollout.episodes.env_rewards) == [1.0] * 4 and rollout.episodes.turns.tolist() == [1] * 4
+
+
+def test_a_synchronous_client_of_a_server_runs_its_episodes(guess_server, long_model, tmp_path):  # noqa: F811
+    """OpenEnv's synchronous wrapper (``EnvClient.sync()``), made per episode: its blocking
+    calls step in a worker thread; the episodes are the URL form's."""
+    from openenv.core import GenericEnvClient
+
+    rollout = _guessing(lambda: GenericEnvClient(base_url=guess_server).sync(), "7", long_model, tmp_path)
+    assert not rollout.episodes.failed.any(), [m[-1] for m in rollout.episodes.messages]
+    assert list(rollout.episodes.env_rewards) == [0.0] * 4 and rollout.episodes.turns.tolist() == [2] * 4
+    assert [m["content"] for m in rollout.episodes.messages[0]] == ["7", "No, try again.", "7"]
 
 
 def test_a_name_that_is_not_a_url_is_refused_naming_what_to_pass():
