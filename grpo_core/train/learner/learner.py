@@ -24,6 +24,7 @@ from grpo_core.train.distributed import Dist, pad_cat
 from grpo_core.train.experience import Experience, Scored, Timer
 from grpo_core.train.learner.batch import TrainBatch, batch_logprobs, micro_batches
 from grpo_core.train.learner.kl import KLTerm
+from grpo_core.train.learner.optim import Optimization
 from grpo_core.train.learner.packing import resolve_packing
 from grpo_core.train.learner.parallel import OneProcess, Strategy, forward_of
 from grpo_core.train.learner.samples import sample_rows
@@ -77,6 +78,12 @@ class Learner:
     @property
     def dist(self) -> Dist:
         return self.strategy.dist
+
+    @property
+    def optimization(self) -> Optimization:
+        """The optimizer, its schedule and the fp16 scaler: what an optimizer step moves and a
+        checkpoint saves besides the weights."""
+        return Optimization(self.optimizer, self.scheduler, self.scaler)
 
     @property
     def packs(self) -> bool:

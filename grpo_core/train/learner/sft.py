@@ -16,7 +16,6 @@ does not depend on the micro-batch size or the number of processes.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ import torch
 from torch import Tensor
 
 from grpo_core.train.learner.batch import TrainBatch, batch_logprobs, forward_logprobs, micro_batches
+from grpo_core.train.learner.optim import Optimization, optimizer_step, zero_gradient_passes
 from grpo_core.train.learner.parallel import OneProcess, Strategy
 
 
@@ -84,49 +84,24 @@ def sft_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, bat
     scale lowered (``sft/scaler_overflows``, ``sft/loss_scale``) while the scale is at least 1."""
     strategy = strategy or OneProcess()
     forward = strategy.forward(model)
-    params = [p for p in model.parameters() if p.requires_grad]
-    if scaler is not None:  # its scale is made on first use: a process with no micro-batch has none
-        scaler.scale(torch.zeros((), device=params[0].device))
     rows = torch.arange(len(batch.mask))
     (n_tokens,) = strategy.total([float(batch.mask.sum())])
     micros = [mb for mb in micro_batches(batch, rows, settings.micro_batch_size, settings.micro_batch_tokens,
                                          settings.packed) if bool(batch.mask[mb].any())]
 
-    def idle(count: int, share: bool) -> None:  # passes adding exactly zero, to join the collectives
-        for _ in range(count):
-            with autocast():
-                logp, _ = forward_logprobs(forward, batch, rows[:1], with_entropy=False, temperature=1.0,
-                                           mask=torch.zeros_like(batch.mask[:1]), share_prompt=False,
-                                           packed=settings.packed)
-            (logp.float().sum() * 0.0).backward()
+    def loss_of(micro: Tensor, share: bool) -> tuple[Tensor, list[float]]:
+        return sft_micro_loss(forward, batch, micro, n_tokens, autocast, settings.packed), []
 
-    strategy.lockstep(len(micros), True, idle)
-    loss = 0.0
-    for i, micro in enumerate(micros):
-        with strategy.grad_sync(last=i == len(micros) - 1):
-            part = sft_micro_loss(forward, batch, micro, n_tokens, autocast, settings.packed)
-            (scaler.scale(part) if scaler is not None else part).backward()
-        loss += float(part.detach())
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    (loss,) = strategy.total([loss])
-    if scaler is not None:
-        scaler.unscale_(optimizer)
-    norm = torch.nn.utils.clip_grad_norm_(params, settings.max_grad_norm or math.inf)
-    norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-    finite = math.isfinite(loss) and math.isfinite(norm)
-    overflow = not finite and scaler is not None and math.isfinite(loss) and scaler.get_scale() >= 1
+    def idle(count: int, share: bool) -> None:
+        zero_gradient_passes(forward, batch, rows[:1], count, autocast, False, settings.packed)
+
     lr = optimizer.param_groups[0]["lr"]
-    if finite:
-        scaler.step(optimizer) if scaler is not None else optimizer.step()
-        scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    metrics = {"sft/loss": loss, "sft/grad_norm": norm, "sft/lr": lr, "sft/tokens": n_tokens,
-               "sft/nonfinite_updates": float(not finite and not overflow)}
+    done = optimizer_step(model, Optimization(optimizer, scheduler, scaler), strategy, micros, loss_of, idle,
+                          shareable=False, max_grad_norm=settings.max_grad_norm)
+    metrics = {"sft/loss": done.loss, "sft/grad_norm": done.grad_norm, "sft/lr": lr, "sft/tokens": n_tokens,
+               "sft/nonfinite_updates": float(done.outcome == "nonfinite")}
     if scaler is not None:
-        scaler.update()  # lowers the scale after an overflow
-        metrics["sft/scaler_overflows"] = float(overflow)
+        metrics["sft/scaler_overflows"] = float(done.outcome == "overflow")
         metrics["sft/loss_scale"] = scaler.get_scale()
     return metrics
 

@@ -28,6 +28,7 @@ from torch import Tensor
 from grpo_core.contracts import BatchStats, LossAggregator, PolicyLoss, PolicyLossInputs, masked_fill_zero
 from grpo_core.train.learner.batch import TrainBatch, forward_logprobs, micro_batches, shares_prompts
 from grpo_core.train.learner.correction import rollout_correction
+from grpo_core.train.learner.optim import Optimization, StepOutcome, optimizer_step, zero_gradient_passes
 
 if TYPE_CHECKING:
     from grpo_core.train.learner.kl import KLTerm
@@ -113,6 +114,9 @@ class Learning(Protocol):
     @property
     def trains_packed(self) -> bool: ...
 
+    @property
+    def optimization(self) -> Optimization: ...
+
 
 def minibatches(num_prompts: int, group_size: int, count: int) -> list[Tensor]:
     """Row indices of each mini-batch: whole groups, in order."""
@@ -120,21 +124,6 @@ def minibatches(num_prompts: int, group_size: int, count: int) -> list[Tensor]:
     return [
         torch.arange(i * per * group_size, (i + 1) * per * group_size) for i in range(count)
     ]
-
-
-def _ensure_grads(params: list[Tensor]) -> None:
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-
-
-@dataclass
-class _MinibatchSums:
-    """What the micro-batches of one mini-batch add up (summed over processes before use)."""
-
-    loss: float = 0.0
-    ratio_sum: float = 0.0
-    ratio_tokens: int = 0
 
 
 def micro_batch_loss(
@@ -177,10 +166,11 @@ def micro_batch_loss(
     return objective.aggregator(per_token, m, stats), metrics, logp, old
 
 
-def _backward_minibatch(learner: Learning, batch: TrainBatch, rows: Tensor, tally: _Tally, counts) -> _MinibatchSums:
-    """Forward and backward every micro-batch of the mini-batch ``rows`` (gradients accumulate,
-    of the loss times the fp16 scaler's scale when there is one); rows that cannot change
-    the gradient are skipped (see the module doc)."""
+def _minibatch_step(learner: Learning, batch: TrainBatch, rows: Tensor, tally: _Tally, counts) -> StepOutcome:
+    """One optimizer step on the mini-batch ``rows`` (:func:`~grpo_core.train.learner.optim.optimizer_step`):
+    every micro-batch's forward and backward with the mini-batch's normalizers; rows that
+    cannot change the gradient are skipped (see the module doc). Dropped (``dropped``) when
+    the mean importance ratio exceeds ``early_stop_imp_ratio``."""
     objective, strategy = learner.objective, learner.strategy
     forward = strategy.forward(learner.model)
     n_tokens, n_seqs = strategy.total([float(batch.mask[rows].sum()), float(batch.sequences(rows))])
@@ -190,74 +180,31 @@ def _backward_minibatch(learner: Learning, batch: TrainBatch, rows: Tensor, tall
         active = rows[(batch.advantages[rows] != 0).any(dim=1)]
     counts["rows"] += len(rows)
     counts["rows_skipped"] += len(rows) - len(active)
-    sums = _MinibatchSums()
     s, packed = learner.settings, learner.trains_packed
     micros = [mb for mb in micro_batches(batch, active, s.micro_batch_size, s.micro_batch_tokens, packed)
               if bool(batch.mask[mb].any())]
 
+    def loss_of(micro: Tensor, share: bool) -> tuple[Tensor, list[float]]:
+        m = batch.mask[micro]
+        loss, metrics, logp, old = micro_batch_loss(
+            forward, batch, micro, objective, stats, learner.autocast, share_prompt=share, packed=packed
+        )
+        tally.add(metrics, m)
+        return loss, [float(masked_fill_zero((logp.detach() - old).exp(), m).sum()), float(m.sum())]
+
     def idle(count: int, share: bool) -> None:
-        _zero_gradient_passes(learner, forward, batch, rows[: batch.group_size] if share else rows[:1], count, share,
-                              packed)
+        zero_gradient_passes(forward, batch, rows[: batch.group_size] if share else rows[:1], count,
+                             learner.autocast, share, packed)
+
+    def keep(extra: list[float]) -> bool:
+        ratio_sum, ratio_tokens = extra
+        mean_ratio = ratio_sum / ratio_tokens if ratio_tokens else 1.0
+        return objective.early_stop_imp_ratio is None or mean_ratio <= objective.early_stop_imp_ratio
 
     # packed: one decoder call per micro-batch whatever its rows, prompts always encoded once
     shareable = packed or all(shares_prompts(batch, mb) for mb in micros)
-    share = strategy.lockstep(len(micros), shareable, idle)
-    for i, micro in enumerate(micros):
-        m = batch.mask[micro]
-        with strategy.grad_sync(last=i == len(micros) - 1):
-            loss, metrics, logp, old = micro_batch_loss(
-                forward, batch, micro, objective, stats, learner.autocast, share_prompt=share, packed=packed
-            )
-            (learner.scaler.scale(loss) if learner.scaler is not None else loss).backward()
-        sums.loss += float(loss.detach())
-        tally.add(metrics, m)
-        sums.ratio_sum += float(masked_fill_zero((logp.detach() - old).exp(), m).sum())
-        sums.ratio_tokens += int(m.sum())
-    return sums
-
-
-def _zero_gradient_passes(learner: Learning, forward: Forward, batch: TrainBatch, rows: Tensor, count: int,
-                          share: bool, packed: bool = False) -> None:
-    """``count`` forward/backward passes on ``rows`` that add exactly zero to every gradient:
-    what the parallel strategy has a process run when it has fewer micro-batches than another
-    (its rows' advantages were 0), so that every process takes part in each collective."""
-    for _ in range(count):
-        with learner.autocast():
-            logp, _ = forward_logprobs(forward, batch, rows, with_entropy=False,
-                                       temperature=batch.temperature,
-                                       mask=torch.zeros_like(batch.mask[rows]), share_prompt=share, packed=packed)
-        (logp.float().sum() * 0.0).backward()
-
-
-def _optimizer_decision(learner: Learning, params: list[Tensor], sums: _MinibatchSums):
-    """Unscale the summed gradients (fp16 scaler), clip, and step the optimizer unless the
-    loss or the gradient is not finite (``"nonfinite"``; with a scaler and a finite loss,
-    ``"overflow"`` while the scale is at least 1: the step is skipped and the scale lowered)
-    or the mean importance ratio exceeds ``early_stop_imp_ratio`` (``"dropped"``); returns
-    ``(outcome, loss, grad_norm)``."""
-    optimizer, scaler = learner.optimizer, learner.scaler
-    _ensure_grads(params)
-    loss, ratio_sum, ratio_tokens = learner.strategy.total([sums.loss, sums.ratio_sum, sums.ratio_tokens])
-    if scaler is not None:
-        scaler.unscale_(optimizer)
-    norm = torch.nn.utils.clip_grad_norm_(params, learner.settings.max_grad_norm or math.inf)
-    # Sharded gradients (DTensor): the norm is over the shards of every process.
-    norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-    mean_ratio = ratio_sum / ratio_tokens if ratio_tokens else 1.0
-    early_stop = learner.objective.early_stop_imp_ratio
-    if not (math.isfinite(loss) and math.isfinite(norm)):
-        overflow = scaler is not None and math.isfinite(loss) and scaler.get_scale() >= 1
-        outcome = "overflow" if overflow else "nonfinite"
-    elif early_stop is not None and mean_ratio > early_stop:
-        outcome = "dropped"
-    else:
-        scaler.step(optimizer) if scaler is not None else optimizer.step()
-        learner.scheduler.step()
-        outcome = "updated"
-    optimizer.zero_grad(set_to_none=True)  # no gradient memory between updates (rollout, scoring)
-    if scaler is not None:
-        scaler.update()  # lowers the scale after an overflow, raises it after a long run without
-    return outcome, loss, norm
+    return optimizer_step(learner.model, learner.optimization, strategy, micros, loss_of, idle, shareable=shareable,
+                          max_grad_norm=s.max_grad_norm, extras=2, keep=keep)
 
 
 def update(learner: Learning, batch: TrainBatch) -> dict[str, float]:
@@ -275,23 +222,18 @@ def update(learner: Learning, batch: TrainBatch) -> dict[str, float]:
     whole batch would.
     """
     s, scaler = learner.settings, learner.scaler
-    params = [p for p in learner.model.parameters() if p.requires_grad]
     tally, counts, times = _Tally(), defaultdict(float), defaultdict(float)
     losses, grad_norms = [], []
-    if scaler is not None:  # its scale is made on first use: a mini-batch with no loss token has none
-        scaler.scale(torch.zeros((), device=params[0].device))
     for _ in range(s.mu):
         for rows in minibatches(batch.prompt_ids.shape[0], batch.group_size, s.mini_batches):
             t0 = time.perf_counter()
-            sums = _backward_minibatch(learner, batch, rows, tally, counts)
-            times["forward_backward"] += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            outcome, loss, norm = _optimizer_decision(learner, params, sums)
-            counts[_OUTCOME_COUNTS[outcome]] += 1
-            if outcome == "updated":
-                grad_norms.append(norm)
-            losses.append(loss)
-            times["optimizer"] += time.perf_counter() - t0
+            done = _minibatch_step(learner, batch, rows, tally, counts)
+            times["forward_backward"] += time.perf_counter() - t0 - done.optimizer_seconds
+            times["optimizer"] += done.optimizer_seconds
+            counts[_OUTCOME_COUNTS[done.outcome]] += 1
+            if done.outcome == "updated":
+                grad_norms.append(done.grad_norm)
+            losses.append(done.loss)
     tally.merge(learner.strategy.gather)
     result = _update_metrics(tally, losses, grad_norms, counts, times)
     if scaler is not None:
@@ -300,7 +242,7 @@ def update(learner: Learning, batch: TrainBatch) -> dict[str, float]:
     return result
 
 
-#: The metric counting each outcome of :func:`_optimizer_decision`.
+#: The metric counting each outcome of an optimizer step (:class:`~grpo_core.train.learner.optim.StepOutcome`).
 _OUTCOME_COUNTS = {
     "updated": "updates", "nonfinite": "nonfinite_updates", "dropped": "dropped_minibatches",
     "overflow": "scaler_overflows",
