@@ -40,6 +40,7 @@ from grpo_core.train.learner.packing import resolve_packing
 from grpo_core.train.learner.parallel import Strategy, strategy_for
 from grpo_core.train.learner.update import Objective
 from grpo_core.train.loop.evaluate import load_eval_sets
+from grpo_core.train.loop.grpo import GrpoStage
 from grpo_core.train.loop.iterative import build_iterative
 from grpo_core.train.loop.sft import build_sft
 from grpo_core.train.loop.state import Run
@@ -404,11 +405,16 @@ def build_run(loaded: LoadedSpec, dist: Dist | None = None, *, model=None, token
     reference = learner.kl.reference if learner.kl is not None else None
     trackers: dict[str, Tracker] = {slot.name: slot.build() for slot in spec.tracking}
     sft = build_sft(spec, tokenizer, output_dir, sft_rows, special_ids(model, tokenizer, "sft")[0][0])
-    return Run(
-        spec=spec, loaded=loaded, output_dir=output_dir, actor=actor, learner=learner, feed=feed, sft=sft,
+    grpo = GrpoStage(spec, learner, output_dir, build_iterative(spec, rewards, reference))
+    run = Run(
+        spec=spec, loaded=loaded, output_dir=output_dir, actor=actor, learner=learner, feed=feed,
+        stages=[stage for stage in (sft, grpo) if stage is not None],
         eval_prompts=held_out_prompts(spec, eval_rows, tokenizer, max_prompt, tools, processor),
         log=RunLog(trackers, output_dir, enabled=dist.is_main),
-        iterative=build_iterative(spec, rewards, reference),
         eval_sets=load_eval_sets(spec, tokenizer, max_prompt, required_columns(rewards), tools, processor),
         processor=processor,
     )
+    if grpo.best is not None and not run.has_eval:
+        raise RunError("checkpoint.best_metric ranks steps by an evaluation, but this run has no held-out "
+                       "prompts (data.eval_size, eval.sets): add some or drop best_metric")
+    return run

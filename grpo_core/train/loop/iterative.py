@@ -5,13 +5,14 @@ is trained continually on fresh samples of the latest policy, labelled by the ta
 verifier, with a replay of historical data (kept by the reward model itself); then the
 policy trains for ``M`` steps against the updated reward model.
 
-:class:`IterativeStage` runs the iteration start before the first step of each
-iteration. It samples ``iterative.prompts + iterative.heldout_prompts`` training prompts
-with ``group_size`` completions each from the policy, labels them with the verifier,
-measures the reward model's accuracy on the held-out prompts' completions before
-(staleness) and after its update, and returns the metrics, which the loop logs with that
-first step. Its state (iterations begun, resets, and the reference weights when the
-reference is a copy) is checkpointed, so a resumed run continues mid-iteration exactly.
+:class:`IterativeRefresh`, a hook of the GRPO stage (:mod:`grpo_core.train.loop.grpo`), runs
+the iteration start before the first step of each iteration. It samples
+``iterative.prompts + iterative.heldout_prompts`` training prompts with ``group_size``
+completions each from the policy, labels them with the verifier, measures the reward model's
+accuracy on the held-out prompts' completions before (staleness) and after its update, and
+returns the metrics, which the loop logs with that first step. Its state (iterations begun,
+resets, and the reference weights when the reference is a copy) is checkpointed with the GRPO
+stage's, so a resumed run continues mid-iteration exactly.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ from grpo_core.train.actor.rollout import Scorer, as_completions
 from grpo_core.train.actor.scoring import RewardFn
 
 
-class IterativeStage:
-    """The iteration boundary of iterative GRPO; see the module doc."""
+class IterativeRefresh:
+    """The iteration start of iterative GRPO (reference reset, reward-model refresh); see the
+    module doc."""
 
     def __init__(self, section: IterativeSection, reward: RewardFn, verifier: RewardFn, reference: Any):
         self.section = section
@@ -101,8 +103,8 @@ class IterativeStage:
             model.load_state_dict(state["reference"])
 
 
-def build_iterative(spec, rewards: list[RewardFn], reference: Any) -> IterativeStage | None:
-    """The stage for ``spec.iterative``, or None; a RunError when the named reward
+def build_iterative(spec, rewards: list[RewardFn], reference: Any) -> IterativeRefresh | None:
+    """The refresh of ``spec.iterative``, or None; a RunError when the named reward
     function cannot be trained."""
     section = spec.iterative
     if section is None:
@@ -115,4 +117,4 @@ def build_iterative(spec, rewards: list[RewardFn], reference: Any) -> IterativeS
             "trainable_reward_model"
         )
     verifier = RewardFn.of(f"verifier:{section.verifier.name}", 1.0, section.verifier.build())
-    return IterativeStage(section, reward, verifier, reference)
+    return IterativeRefresh(section, reward, verifier, reference)

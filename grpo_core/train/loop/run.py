@@ -1,19 +1,21 @@
-"""The training loop: steps, with held-out evaluation, logging, checkpoints and the stops
-around them. The run it drives is built by :mod:`grpo_core.train.loop.assemble`; one step is
-:func:`grpo_core.train.loop.step.train_step`.
+"""The training loop: one loop over a run's stages (:class:`~grpo_core.train.loop.stage.Stage`:
+an SFT stage, then the GRPO steps, or stages of your own), with held-out evaluation, logging,
+checkpoints, the best checkpoints, the progress bar, the stops around them and resume, all
+written once here and in :mod:`~grpo_core.train.loop.checkpoints` for every stage. The run it
+drives is built by :mod:`grpo_core.train.loop.assemble`; a GRPO step is
+:func:`grpo_core.train.loop.step.train_step`, by way of :mod:`grpo_core.train.loop.grpo`.
 
 One loop for both modes: the run's feed (:mod:`grpo_core.train.feed`) hands over each step's
 experience and takes the new weights, synchronously or from an actor thread running ahead.
 Where the actor must be idle with the current weights (an evaluation, a checkpoint, the start
-of an iterative-GRPO iteration), the loop says so with ``run.at_rest()``: an asynchronous feed
-drops the batches it generated ahead and rewinds the prompt stream there.
+of an iterative-GRPO iteration), the stage's ``at_rest`` says so: an asynchronous feed drops
+the batches it generated ahead and rewinds the prompt stream there.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
-import math
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,12 +28,16 @@ from grpo_core.export import finish_exports, print_exports
 from grpo_core.spec import LoadedSpec, dump_spec
 from grpo_core.tracking import flatten
 from grpo_core.train.distributed import close_process_group, lost_contact, lost_contact_message
+from grpo_core.train.loop import checkpoints
 from grpo_core.train.loop.assemble import build_run
 from grpo_core.train.loop.best import MissingMetric
-from grpo_core.train.loop.evaluate import EvalSet, evaluate_sets
+from grpo_core.train.loop.checkpoints import steps_of
+from grpo_core.train.loop.grpo import evaluate_run
+from grpo_core.train.loop.stage import Stage
 from grpo_core.train.loop.state import Hooks, Run
-from grpo_core.train.loop.step import train_step
 from grpo_core.train.signals import StopSignal
+
+__all__ = ["Outcome", "evaluate_run", "run_loop", "train"]
 
 log = logging.getLogger("grpo.run")
 
@@ -54,82 +60,147 @@ def train(loaded: LoadedSpec, resume: str | None = None) -> int:
 
 def run_loop(run: Run, loaded: LoadedSpec, resume: str | None = None, hooks: Hooks | None = None, *,
              checkpoint_on_interrupt: bool = False) -> Outcome:
-    """Resume ``run`` if asked, train it to ``train.steps``, finish it. A KeyboardInterrupt
-    (a second Ctrl-C) propagates at once, unless ``checkpoint_on_interrupt`` (a notebook's
-    Ctrl-C): then the last completed step is checkpointed and the run ends ``KILLED``."""
-    if run.best is not None and not run.has_eval:
-        raise RunError("checkpoint.best_metric ranks steps by an evaluation, but this run has no held-out "
-                       "prompts (data.eval_size, eval.sets): add some or drop best_metric")
+    """Resume ``run`` if asked, drive each of its stages to its last step, finish it. A
+    KeyboardInterrupt (a second Ctrl-C) propagates at once, unless ``checkpoint_on_interrupt``
+    (a notebook's Ctrl-C): then the last completed step is checkpointed and the run ends
+    ``KILLED``."""
     hooks = run.hooks = hooks or Hooks()
-    _start_logging(run, loaded, _resume(run, resume))
-    bar = _progress(run, run.step)
-    with _ending(run, loaded, bar) as end, StopSignal() as stop:
-        if run.sft is not None and not run.sft.run(run, stop, loaded):  # a signal stopped the SFT stage
-            end.status = "KILLED"
-            outcome = Outcome(end.status, stop.exit_code, "signal")
-        else:
-            outcome = _grpo(run, loaded, hooks, bar, end, stop, checkpoint_on_interrupt)
+    first, run_id = checkpoints.resume(run, resume)
+    _start_logging(run, loaded, run_id)
+    with _ending(run, loaded) as end, StopSignal() as stop:
+        outcome = None
+        for stage in run.stages[first:]:
+            outcome = _drive(run, stage, loaded, end, stop, checkpoint_on_interrupt)
+            if outcome is not None or run.stop_asked:
+                break
+        if outcome is None:
+            end.status, code = _finish(run, stop, end)
+            short = any(s.step < s.steps for s in run.stages)
+            outcome = Outcome(end.status, code, "callback" if run.stop_asked and short else None)
     if outcome.stopped_by != "interrupt":
         close_process_group()  # every process got here: the run ended, not failed
-    return outcome
-
-
-def _grpo(run: Run, loaded: LoadedSpec, hooks: Hooks, bar, end: _End, stop: StopSignal,
-          checkpoint_on_interrupt: bool) -> Outcome:
-    """The GRPO steps of :func:`run_loop`, inside its ending and signal handler."""
-    spec = run.spec
-    if spec.eval.at_start and run.has_eval and run.step == 0:
-        run.last_eval = evaluate_run(run)  # before the feed starts: the actor is at rest
-        run.log.log_metrics(run.last_eval, run.step)
-        hooks.on_eval(run.step, run.last_eval)
-        run.after_eval()
-    run.feed.start(run.model, run.step)
-    # With several processes, a signal or a hook seen by any stops all of them at the same step.
-    while run.step < spec.train.steps and not run.dist.any(stop.signum is not None or run.stop_asked):
-        start = _StepStart.of(run)
-        try:
-            metrics = _step_and_record(run, start)
-            run.stop_asked = bool(hooks.on_step(run.step, metrics)) or run.stop_asked
-        except (Exception, SystemExit) as exc:  # SystemExit: sys.exit() in plugin code
-            _save_failed_step(run, start, loaded, exc)
-            raise
-        except KeyboardInterrupt as exc:
-            if not checkpoint_on_interrupt:
-                raise
-            _save_interrupted(run, start, loaded, exc)
-            end.status = "KILLED"
-            return Outcome(end.status, 130, "interrupt")
-        if bar is not None:
-            bar.set_postfix(_postfix(metrics, run.last_eval), refresh=False)
-            bar.update(1)
-    run.feed.stop(run.model, run.step)
-    if run.dist.any(stop.signum is not None):
-        end.status = "KILLED"
-        folder = run.save_checkpoint()
-        if run.dist.is_main:
-            print(
-                f"grpo-run: stopped at step {run.step}; checkpoint {folder}\n"
-                f"  resume with: {loaded.command('--resume')}", file=sys.stderr,
-            )
-        outcome = Outcome(end.status, stop.exit_code, "signal")
-    else:
-        end.status, code = _finish(run, stop)
-        outcome = Outcome(end.status, code, "callback" if run.step < spec.train.steps else None)
     return outcome
 
 
 @dataclass
 class _End:
     status: str = "FAILED"  # what the trackers are told, unless the run sets it
+    unranked: MissingMetric | None = None  # the final evaluation lacked the best metric: raised after the final save
+
+
+def _drive(run: Run, stage: Stage, loaded: LoadedSpec, end: _End, stop: StopSignal,
+           checkpoint_on_interrupt: bool) -> Outcome | None:
+    """The one loop, over ``stage``'s remaining steps: its starting evaluation, its steps with
+    their bookkeeping, then its end (a stop's checkpoint, or its final evaluation, checkpoint
+    and hand-over). An :class:`Outcome` when the run stops here, None when it goes on."""
+    stage.prepare(run)
+    if stage.step == 0 and stage.cadence.eval_at_start and stage.can_evaluate(run):
+        metrics = _evaluate(run, stage, {})  # before the stage starts: at rest
+        if stage.watched:
+            run.hooks.on_eval(stage.step, metrics)
+        checkpoints.rank(run, stage)
+    stage.start(run)
+    bar = _progress(run, stage)
+    try:
+        # With several processes, a signal or a hook seen by any stops all of them at the same step.
+        while stage.step < stage.steps and not run.dist.any(stop.signum is not None or run.stop_asked):
+            start = _StepStart.of(run, stage)
+            try:
+                metrics = _step_and_record(run, stage, start)
+                if stage.watched:
+                    run.stop_asked = bool(run.hooks.on_step(stage.step, metrics)) or run.stop_asked
+            except (Exception, SystemExit) as exc:  # SystemExit: sys.exit() in plugin code
+                _save_failed_step(run, stage, start, loaded, exc)
+                raise
+            except KeyboardInterrupt as exc:
+                if not checkpoint_on_interrupt:
+                    raise
+                _save_interrupted(run, stage, start, loaded, exc)
+                end.status = "KILLED"
+                return Outcome(end.status, 130, "interrupt")
+            if bar is not None:
+                bar.set_postfix(stage.postfix(metrics, run.books[stage.name].last_eval), refresh=False)
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    stage.rest(run)
+    if run.dist.any(stop.signum is not None):
+        end.status = "KILLED"
+        folder = checkpoints.save(run, stage)
+        if run.dist.is_main:
+            print(f"grpo-run: stopped at {steps_of(stage, stage.step)}; checkpoint {folder}\n"
+                  f"  resume with: {loaded.command('--resume')}", file=sys.stderr)
+        return Outcome(end.status, stop.exit_code, "signal")
+    end.unranked = _close(run, stage)
+    stage.hand_over(run)
+    return None
+
+
+def _close(run: Run, stage: Stage) -> MissingMetric | None:
+    """After the stage's last step: its final evaluation (a row of its own) and checkpoint.
+    Called under the signal handler: a signal here lets them finish. An evaluation that lacks
+    the best metric is returned (checkpointed), for the caller to raise once the final model
+    is written."""
+    unranked = None
+    if stage.cadence.eval_at_end and stage.can_evaluate(run):
+        metrics = _evaluate(run, stage, {})
+        if stage.watched:
+            run.hooks.on_eval(stage.step, metrics)
+        try:
+            checkpoints.rank(run, stage)
+        except MissingMetric as exc:
+            unranked = exc
+    if stage.cadence.checkpoint_at_end:
+        checkpoints.save(run, stage)
+    return unranked
+
+
+def _evaluate(run: Run, stage: Stage, metrics: dict[str, float]) -> dict[str, float]:
+    """Evaluate the stage now, log its metrics with the step's ``metrics``; the evaluation."""
+    books = run.books[stage.name]
+    books.last_eval = stage.evaluate(run)
+    metrics.update(books.last_eval)
+    books.log.log_metrics(metrics, stage.step)
+    return books.last_eval
+
+
+def _step_and_record(run: Run, stage: Stage, start: _StepStart) -> dict[str, float]:
+    """One step of ``stage`` plus the loop's bookkeeping: held-out evaluation, logging, tables,
+    checkpoints, and the stage's own stop (GRPO's non-finite streak)."""
+    record = stage.train_step(run)
+    metrics, step, cadence, books = record.metrics, stage.step, stage.cadence, run.books[stage.name]
+    start.recorded = True  # the step is whole from here: a checkpoint of it resumes exactly
+    if cadence.evaluates_after(step, stage.steps) and stage.can_evaluate(run):
+        with stage.at_rest(run):
+            # logged before a ranked step is checkpointed, so its saved tracker state holds them
+            evaluation = _evaluate(run, stage, metrics)
+            checkpoints.rank(run, stage)
+        if stage.watched:
+            run.stop_asked = bool(run.hooks.on_eval(step, evaluation)) or run.stop_asked
+    else:
+        books.log.log_metrics(metrics, step)
+    if cadence.tables_every and step % cadence.tables_every == 0:
+        for name, rows in record.tables.items():
+            books.log.log_table(name, rows, step)
+    if checkpoints.due(run, stage):
+        with stage.at_rest(run):
+            checkpoints.save(run, stage)
+    reason = stage.halt(metrics)
+    if reason is not None:
+        stage.rest(run)
+        folder = checkpoints.save(run, stage)
+        raise RunError(reason.replace("{folder}", str(folder)))
+    return metrics
 
 
 @contextmanager
-def _ending(run: Run, loaded: LoadedSpec, bar):
+def _ending(run: Run, loaded: LoadedSpec):
     """How every run ends, whatever ends it: a full disk and a lost process become errors that
     say what to do, a KeyboardInterrupt ends the run ``KILLED``, and then the feed is closed
     (without waiting for an actor thread's batch unless the run finished: nor for another
-    process's actor that will never join its collective), the progress bar too, and the
-    trackers are told the status the body set (``FAILED`` unless it set another)."""
+    process's actor that will never join its collective) and the trackers are told the status
+    the body set (``FAILED`` unless it set another)."""
     end = _End()
     try:
         yield end
@@ -146,70 +217,13 @@ def _ending(run: Run, loaded: LoadedSpec, bar):
         raise
     finally:
         run.feed.close(wait=end.status == "FINISHED")
-        if bar is not None:
-            bar.close()
         run.log.finish(end.status)
-
-
-def _step_and_record(run: Run, start: _StepStart) -> dict[str, float]:
-    """One training step plus the loop's bookkeeping: the iteration start of iterative
-    GRPO, held-out evaluation, logging, checkpoints, the non-finite stop."""
-    spec = run.spec
-    begun: dict[str, float] = {}
-    if run.iterative is not None and run.iterative.due(run.step):
-        with run.at_rest():
-            begun = run.iterative.begin(run.actor, run.model)
-    result = train_step(run.feed, run.learner, run.step)
-    metrics = run.dist.combine_metrics(result.metrics)
-    if run.learner.kl is not None:  # adaptive beta and reference sync see the global step
-        rows = spec.train.prompts_per_step * spec.rollout.group_size
-        metrics.update(run.learner.kl.after_step(run.step, run.model, metrics.get("kl"), rows))
-    metrics.update(begun)
-    start.recorded = True  # the step is whole from here: a checkpoint of it resumes exactly
-    run.nonfinite_streak = run.nonfinite_streak + 1 if metrics["train/nonfinite_updates"] else 0
-    metrics["train/nonfinite_streak"] = run.nonfinite_streak
-    metrics["data/skipped_prompts"] = float(sum(run.prompts.skipped.values()))
-    if spec.eval.every and run.step % spec.eval.every == 0 and run.step < spec.train.steps:
-        with run.at_rest():
-            run.last_eval = evaluate_run(run)
-            metrics.update(run.last_eval)
-            # logged before a ranked step is checkpointed, so its saved tracker state holds them
-            run.log.log_metrics(metrics, run.step)
-            run.after_eval()
-        run.stop_asked = bool(run.hooks.on_eval(run.step, run.last_eval)) or run.stop_asked
-    else:
-        run.log.log_metrics(metrics, run.step)
-    every = spec.train.log_completions_every
-    if every and run.step % every == 0:
-        run.log.log_table("completions", result.samples, run.step)
-    c = spec.checkpoint
-    due = ckpt.due(run.step, c.every, c.every_minutes, run.saved_at)
-    if run.dist.any(due) if c.every_minutes else due:  # clocks differ between processes
-        with run.at_rest():
-            run.save_checkpoint()
-    if run.nonfinite_streak >= spec.train.max_nonfinite_updates:
-        run.feed.stop(run.model, run.learner.version)
-        folder = run.save_checkpoint()
-        raise RunError(
-            f"{run.nonfinite_streak} steps in a row had a non-finite loss or gradient "
-            f"(train.max_nonfinite_updates = {spec.train.max_nonfinite_updates}); stopped with the "
-            f"last good weights in {folder}. Lower train.lr or check the rewards."
-        )
-    return metrics
-
-
-def evaluate_run(run: Run) -> dict[str, float]:
-    """The held-out sets' metrics: the default set, then every named one (see
-    :func:`evaluate_sets`). The caller holds the actor at rest."""
-    sets = [EvalSet("eval/", run.eval_prompts, run.spec.data.prompt_column), *run.eval_sets.values()]
-    with run.actor.weights():
-        return evaluate_sets(run.spec, run.actor, sets)
 
 
 @dataclass
 class _StepStart:
-    """What a step changes before its update: the update count and the RNG states (the feed
-    rewinds the prompt position)."""
+    """What a step changes before its update: the step, the update count and the RNG states
+    (the stage's ``rest`` rewinds the data position)."""
 
     step: int
     updates: int
@@ -217,54 +231,55 @@ class _StepStart:
     recorded: bool = False  # set once the step's update and the bookkeeping that must follow it are done
 
     @classmethod
-    def of(cls, run: Run) -> _StepStart:
-        return cls(run.step, run.learner.scheduler.last_epoch, ckpt.rng_state())
+    def of(cls, run: Run, stage: Stage) -> _StepStart:
+        return cls(stage.step, stage.optimization(run).scheduler.last_epoch, ckpt.rng_state())
 
 
-def _save_failed_step(run: Run, start: _StepStart, loaded: LoadedSpec, exc: BaseException) -> None:
+def _save_failed_step(run: Run, stage: Stage, start: _StepStart, loaded: LoadedSpec, exc: BaseException) -> None:
     """A step that failed before its update (a reward function raised, no usable prompt, out
     of memory, a full disk, a bug, another process lost) left the model and optimizer as the
-    previous step did: stop the feed (which rewinds the prompts to this step's batch), restore
-    the RNG states and checkpoint that state, so that no completed step is lost. With several
-    processes, a failure every process shares (a RunError they agree on) is checkpointed by all
-    of them together; any other failure only by the main process alone, and only when it holds
-    the whole state (ddp): the others may be waiting in a collective, gone or unreachable, and
-    a sharded state (fsdp2) cannot be gathered without them."""
-    if run.step != start.step or run.learner.scheduler.last_epoch != start.updates or run.step == 0:
+    previous step did: bring the stage to rest (which rewinds the data to this step's batch),
+    restore the RNG states and checkpoint that state, so that no completed step is lost. With
+    several processes, a failure every process shares (a RunError they agree on) is
+    checkpointed by all of them together; any other failure only by the main process alone,
+    and only when it holds the whole state (ddp): the others may be waiting in a collective,
+    gone or unreachable, and a sharded state (fsdp2) cannot be gathered without them."""
+    updates = stage.optimization(run).scheduler.last_epoch
+    if stage.step != start.step or updates != start.updates or stage.step == 0:
         return
     alone = run.dist.active and not isinstance(exc, RunError)
     if alone and (run.learner.strategy.sharded or not run.dist.is_main):
         return
-    run.feed.stop(run.model, run.step)
+    stage.rest(run)
     ckpt.set_rng_state(start.rng)
     try:
-        folder = run.save_checkpoint(alone=alone)
+        folder = checkpoints.save(run, stage, alone=alone)
     except Exception as exc:  # keep the original error; the previous checkpoint stays
-        log.warning("could not checkpoint step %d after the failure: %s", run.step, exc)
+        log.warning("could not checkpoint %s after the failure: %s", steps_of(stage, stage.step), exc)
         return
     if not run.dist.is_main:
         return
     print(
-        f"grpo-run: step {run.step + 1} failed before its update; checkpoint of step {run.step}: {folder}\n"
-        f"  resume with: {loaded.command('--resume')}", file=sys.stderr,
+        f"grpo-run: {steps_of(stage, stage.step + 1)} failed before its update; checkpoint of "
+        f"{steps_of(stage, stage.step)}: {folder}\n  resume with: {loaded.command('--resume')}", file=sys.stderr,
     )
 
 
-def _save_interrupted(run: Run, start: _StepStart, loaded: LoadedSpec, exc: BaseException) -> None:
+def _save_interrupted(run: Run, stage: Stage, start: _StepStart, loaded: LoadedSpec, exc: BaseException) -> None:
     """A KeyboardInterrupt the caller asked to checkpoint (``checkpoint_on_interrupt``): before
     the step's update, as a failed step; once the step is whole (its update and what follows
-    it, the KL controller's, done: while evaluating or logging), the completed step itself.
-    Mid-update (between two optimizer steps of one batch, or before what follows the update)
-    nothing is written and the previous checkpoint stays."""
-    if run.step == start.step:
-        _save_failed_step(run, start, loaded, exc)
+    it done: while evaluating or logging), the completed step itself. Mid-update (between two
+    optimizer steps of one batch, or before what follows the update) nothing is written and
+    the previous checkpoint stays."""
+    if stage.step == start.step:
+        _save_failed_step(run, stage, start, loaded, exc)
         return
     if not start.recorded:
         return
-    run.feed.stop(run.model, run.step)
-    folder = run.save_checkpoint()
+    stage.rest(run)
+    folder = checkpoints.save(run, stage)
     if run.dist.is_main:
-        print(f"grpo-run: interrupted after step {run.step}; checkpoint {folder}\n"
+        print(f"grpo-run: interrupted after {steps_of(stage, stage.step)}; checkpoint {folder}\n"
               f"  resume with: {loaded.command('--resume')}", file=sys.stderr)
 
 
@@ -280,33 +295,6 @@ def _disk_full(run: Run, loaded: LoadedSpec, exc: OSError) -> str:
     return f"no space left on the device{where} ({exc}); the run folder is {run.output_dir}, and {then}"
 
 
-def _resume(run: Run, resume: str | None) -> str | None:
-    """Restore the run from a checkpoint; return the tracker run id to continue. The actor gets
-    the restored weights when the feed starts."""
-    if resume is None:
-        return None
-    sft = run.sft
-    if sft is not None and resume not in (None, "latest") and Path(resume).resolve().parent == \
-            sft.checkpoint_dir.resolve():
-        return sft.resume(run, resume)
-    found = ckpt.find_resumable(run.checkpoint_dir, resume, map_location=run.dist.device)
-    if found is None and sft is not None:
-        return sft.resume(run, None)
-    if found is None:
-        raise RunError(
-            f"--resume: no usable checkpoint in {run.checkpoint_dir}; run without --resume to start afresh"
-        )
-    run.restore(found)
-    if sft is not None:  # a GRPO step was checkpointed: the SFT stage is over
-        sft.done = True
-        sft.reload_reference(run)
-    if run.dist.is_main:
-        print(f"grpo-run: resuming from {found.folder} (step {run.step})", file=sys.stderr)
-        print("".join(f"grpo-run: --resume: {note}\n" for note in ckpt.overridden_on_resume(found.state, run.spec)),
-              end="", file=sys.stderr)
-    return found.state.get("run_id")
-
-
 def _start_logging(run: Run, loaded: LoadedSpec, resume_id: str | None) -> None:
     """Open the tracker run (the checkpoint's when resuming); a new run logs the resolved
     spec as params and artifacts."""
@@ -320,25 +308,13 @@ def _start_logging(run: Run, loaded: LoadedSpec, resume_id: str | None) -> None:
             run.log.log_artifact(loaded.path)
 
 
-def _finish(run: Run, stop: StopSignal) -> tuple[str, int]:
-    """The final evaluation, checkpoint, save and exports (the feed stopped); the tracker
+def _finish(run: Run, stop: StopSignal, end: _End) -> tuple[str, int]:
+    """The run's end, after its last stage: the final model and the exports; the tracker
     status and exit code. Called under the signal handler: a signal here lets them finish (a
     second one stops at once), then the run exits with the signal's code."""
-    spec = run.spec
-    unranked = None
-    if spec.eval.at_end and run.has_eval:
-        run.last_eval = evaluate_run(run)
-        run.log.log_metrics(run.last_eval, run.step)
-        run.hooks.on_eval(run.step, run.last_eval)
-        try:
-            run.after_eval()
-        except MissingMetric as exc:  # checkpointed; the final model is written before the run fails
-            unranked = exc
-    if spec.checkpoint.every or spec.checkpoint.every_minutes:
-        run.save_checkpoint()
     final = _save_final(run)
-    if unranked is not None:
-        raise unranked.keeping(f"the final model {final}")
+    if end.unranked is not None:
+        raise end.unranked.keeping(f"the final model {final}")
     exported = finish_exports(run, final)
     if run.dist.is_main:
         _summary(run, final, run.last_eval)
@@ -352,27 +328,19 @@ def _save_final(run: Run) -> Path:
     if best is not None:  # checkpoint.final: best; training is over, so the live weights may go
         ckpt.load_model_weights(run.model, best, run.learner.strategy.load_model_state)
         if run.dist.is_main:
-            value = run.best.entries[0][0]
+            value = run.stages[-1].best.entries[0][0]
             print(f"grpo-run: the final model is {best.name} ({run.spec.checkpoint.best_metric} = {value:.4g})",
                   file=sys.stderr)
     return run.save_model(final)
 
 
-def _progress(run: Run, start: int):
+def _progress(run: Run, stage: Stage):
     if not run.spec.train.progress or not run.dist.is_main:
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(
-        total=run.spec.train.steps, initial=start, desc="grpo", unit="step", file=sys.stderr, dynamic_ncols=True
-    )
-
-
-def _postfix(metrics: dict[str, float], last_eval: dict[str, float]) -> dict[str, str]:
-    shown = {"reward": metrics.get("reward"), "kl": metrics.get("kl"), "len": metrics.get("completions/mean_length")}
-    evals = {k: v for k, v in last_eval.items() if k.startswith("eval/rewards/")}
-    shown.update({k.replace("eval/rewards/", "eval_"): v for k, v in evals.items()})
-    return {k: f"{v:.3g}" for k, v in shown.items() if v is not None and math.isfinite(v)}
+    return tqdm(total=stage.steps, initial=stage.step, desc=stage.name, unit="step", file=sys.stderr,
+                dynamic_ncols=True)
 
 
 def _summary(run: Run, final: Path, last_eval: dict[str, float]) -> None:

@@ -1,5 +1,7 @@
 """The SFT stage (spec section ``sft``): supervised steps on demonstrations before the GRPO
-steps of the same run, then the hand-over.
+steps of the same run, then the hand-over. A :class:`~grpo_core.train.loop.stage.Stage`: the
+loop of :mod:`grpo_core.train.loop.run` drives it, checkpoints it and resumes it as it does
+the GRPO stage.
 
 :class:`SftStage` trains the run's policy (its model, LoRA adapter, parallel strategy, mixed
 precision and packing) with an optimizer of its own (``sft.lr``, ``sft.schedule``) on
@@ -8,39 +10,37 @@ precision and packing) with an optimizer of its own (``sft.lr``, ``sft.schedule`
 trackers, and ``sft/metrics.jsonl``) and checkpoints under ``<run>/sft/checkpoints``
 (weights, its optimizer and schedule, the RNG states, the position in the demonstrations).
 After its last step it checkpoints once more, then hands over: the weights of the last (or
-best by held-out loss) step, saved to ``<run>/sft/final``; the KL's reference copy reset to
-them; the RNGs seeded with ``train.seed``, so the GRPO steps start from the same state
-whether the run went through or was resumed from any SFT checkpoint. A GRPO checkpoint
-records that the stage is done (the run's ``sft`` component); resuming from it reloads the
-reference from ``<run>/sft/final``.
+best by held-out loss, ranked by the loop) step, saved to ``<run>/sft/final``; the KL's
+reference copy reset to them; the RNGs seeded with ``train.seed``, so the GRPO steps start
+from the same state whether the run went through or was resumed from any SFT checkpoint.
+Resuming from a GRPO checkpoint reloads the reference from ``<run>/sft/final``.
 """
 
 from __future__ import annotations
 
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from grpo_core import checkpoint as ckpt
 from grpo_core.errors import RunError
 from grpo_core.spec import Spec
-from grpo_core.tracking import RunLog
-from grpo_core.train.learner.optim import make_optimizer
+from grpo_core.train.learner.optim import Optimization, make_optimizer
 from grpo_core.train.learner.sft import SftSettings, demo_batch, heldout_loss, sft_update
+from grpo_core.train.loop.best import BestCheckpoints
 from grpo_core.train.loop.demonstrations import Demo, Demonstrations
 from grpo_core.train.loop.evaluate import EvalSet, evaluate_sets
+from grpo_core.train.loop.stage import BaseStage, Cadence, StepRecord
 from grpo_core.train.seeds import seed_everything
 
-#: The run (:class:`grpo_core.train.loop.state.Run`, which holds this stage: not imported here).
-Run = Any
-
+if TYPE_CHECKING:
+    from grpo_core.train.loop.state import Run
 
 @dataclass
-class SftStage:
+class SftStage(BaseStage):
     """The stage's data, state and files; see the module doc."""
 
     spec: Spec
@@ -48,50 +48,49 @@ class SftStage:
     heldout: list[Demo]
     folder: Path  # <run>/sft
     step: int = 0
-    done: bool = False  # handed over to GRPO
-    best: tuple[float, int] | None = None  # (held-out loss, step) of the best evaluated step
-    optimizer: Any = None
-    scheduler: Any = None
-    scaler: Any = None
-    trajectory: str = field(default_factory=ckpt.new_trajectory)
-    saved_step: int | None = None
-    saved_at: float = field(default_factory=time.monotonic)
+    opt: Optimization | None = None  # made on first use, dropped at the hand-over
+    best: BestCheckpoints | None = None  # the best step by held-out loss, under start_from: best
+    cadence: Cadence = field(init=False)
+    _begun: dict[str, Any] | None = field(default=None, repr=False)  # the data position before the step under way
+
+    name = "sft"
+    label = "SFT"
+
+    def __post_init__(self) -> None:
+        s = self.section
+        self.cadence = Cadence.of_checkpoint(self.spec.checkpoint, eval_every=s.eval_every,
+                                             eval_at_start=bool(s.eval_every), eval_with_last=True)
+        if s.start_from == "best" and self.heldout:
+            self.best = BestCheckpoints("sft/eval_loss", "min", 1)
 
     @property
     def section(self):
         return self.spec.sft
 
     @property
-    def checkpoint_dir(self) -> Path:
-        return self.folder / "checkpoints"
+    def steps(self) -> int:
+        return self.section.steps
 
     @property
     def final_dir(self) -> Path:
         return self.folder / "final"
 
-    # ----------------------------------------------------------------- GRPO checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        """What a GRPO checkpoint records of the stage (it is done by then)."""
-        return {"done": self.done, "step": self.step}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.done = bool(state.get("done", True))
-        self.step = int(state.get("step", self.section.steps))
-
-    # ----------------------------------------------------------------- running
     def settings(self, run: Run) -> SftSettings:
         return SftSettings(self.section.micro_batch_size, self.spec.train.micro_batch_tokens,
                            run.learner.trains_packed, self.spec.train.max_grad_norm)
 
-    def _optimizer(self, run: Run) -> None:
-        if self.optimizer is not None:
-            return
-        s = self.section
-        train = self.spec.train.model_copy(update={
-            "lr": s.lr, "weight_decay": s.weight_decay, "warmup_steps": s.warmup_steps, "schedule": s.schedule})
-        self.optimizer, self.scheduler = make_optimizer(run.model, train, s.steps)
-        if self.spec.train.mixed_precision == "fp16":
-            self.scaler = torch.amp.GradScaler(run.dist.device.type)
+    def optimization(self, run: Run) -> Optimization:
+        if self.opt is None:
+            s = self.section
+            train = self.spec.train.model_copy(update={
+                "lr": s.lr, "weight_decay": s.weight_decay, "warmup_steps": s.warmup_steps, "schedule": s.schedule})
+            optimizer, scheduler = make_optimizer(run.model, train, s.steps)
+            scaler = torch.amp.GradScaler(run.dist.device.type) if self.spec.train.mixed_precision == "fp16" else None
+            self.opt = Optimization(optimizer, scheduler, scaler)
+        return self.opt
+
+    def prepare(self, run: Run) -> None:
+        self.optimization(run)
 
     def _mine(self, demos: list[Demo], run: Run) -> list[Demo]:
         """This process's share of a batch: every world-th demonstration from its rank."""
@@ -102,72 +101,38 @@ class SftStage:
         return demo_batch([d.prompt for d in demos], [d.completion for d in demos], [d.mask for d in demos], pad,
                           run.dist.device)
 
-    def run(self, run: Run, stop, loaded) -> bool:
-        """Train the remaining SFT steps, then hand over to GRPO; False when a signal (``stop``)
-        ended it early (checkpointed)."""
-        if self.done:
-            return True
-        self._optimizer(run)
-        log = RunLog(run.log.trackers, self.folder, enabled=run.dist.is_main)
-        s = self.section
-        bar = _progress(run, self.step, s.steps)
-        try:
-            if self.step == 0 and s.eval_every:  # the starting point: the weights before any SFT step
-                log.log_metrics(self.evaluate(run), 0)
-            while self.step < s.steps:
-                if run.dist.any(stop.signum is not None):
-                    folder = self.save(run)
-                    if run.dist.is_main:
-                        print(f"grpo-run: stopped at SFT step {self.step}; checkpoint {folder}\n"
-                              f"  resume with: {loaded.command('--resume')}", file=sys.stderr)
-                    return False
-                metrics = self._one_step(run)
-                last = self.step == s.steps
-                if (s.eval_every and self.step % s.eval_every == 0) or last:
-                    metrics.update(self.evaluate(run))
-                log.log_metrics(metrics, self.step)
-                if bar is not None:
-                    bar.set_postfix({"loss": f"{metrics['sft/loss']:.3g}"}, refresh=False)
-                    bar.update(1)
-                c = self.spec.checkpoint
-                due = ckpt.due(self.step, c.every, c.every_minutes, self.saved_at)
-                if last or (run.dist.any(due) if c.every_minutes else due):  # clocks differ between processes
-                    self.save(run)
-        finally:
-            if bar is not None:
-                bar.close()
-        self.hand_over(run)
-        return True
-
-    def _one_step(self, run: Run) -> dict[str, float]:
+    def train_step(self, run: Run) -> StepRecord:
         s = self.section
         if s.batch_size % run.dist.world:
             raise RunError(f"sft.batch_size ({s.batch_size}) must be a multiple of the process count "
                            f"({run.dist.world}): each process trains an equal share of every batch")
+        self._begun = self.train.state_dict()
         demos = self._mine(self.train.next(s.batch_size), run)
         batch = self._batch(demos, run)
-        metrics = sft_update(run.model, self.optimizer, self.scheduler, batch, self.settings(run),
-                             run.learner.strategy, run.learner.autocast, self.scaler)
+        opt = self.optimization(run)
+        metrics = sft_update(run.model, opt.optimizer, opt.scheduler, batch, self.settings(run),
+                             run.learner.strategy, run.learner.autocast, opt.scaler)
         self.step += 1
+        self._begun = None
         metrics["sft/epoch"] = float(self.train.source.epoch)
         metrics["sft/truncated"] = float(self.train.truncated)
-        return metrics
+        return StepRecord(metrics)
+
+    def rest(self, run: Run) -> None:
+        """A step that failed before its update gives its demonstrations back."""
+        if self._begun is not None:
+            self.train.load_state_dict(self._begun)
+            self._begun = None
 
     def evaluate(self, run: Run) -> dict[str, float]:
-        """The held-out loss (and with ``eval_rewards`` the GRPO evaluation) of the weights now;
-        a new lowest loss checkpoints the step as the best."""
+        """The held-out loss (and with ``eval_rewards`` the GRPO evaluation) of the weights now."""
         out: dict[str, float] = {}
         if self.heldout:
             rows = self._mine(self.heldout, run)
             batch = self._batch(rows, run) if rows else _empty(self._batch(self.heldout[:1], run))
             nll, tokens = heldout_loss(run.model, batch, self.settings(run), run.learner.strategy,
                                        run.learner.autocast)
-            loss = nll / max(tokens, 1.0)
-            out["sft/eval_loss"] = loss
-            if self.best is None or loss < self.best[0]:
-                self.best = (loss, self.step)
-                if self.section.start_from == "best":
-                    self.save(run)
+            out["sft/eval_loss"] = nll / max(tokens, 1.0)
         if self.section.eval_rewards and run.has_eval:
             run.actor.receive(run.model, 0)
             sets = [EvalSet("eval/", run.eval_prompts, self.spec.data.prompt_column), *run.eval_sets.values()]
@@ -178,24 +143,23 @@ class SftStage:
     def hand_over(self, run: Run) -> None:
         """The GRPO steps start here: best or last weights, the reference reset, RNGs seeded."""
         if self.section.start_from == "best":
-            if self.best is None:
+            if self.best is None or self.best.best_step is None:
                 raise RunError("sft.start_from: best ranks the SFT steps by held-out loss, but the demonstrations "
                                "have no eval split rows: add some (e.g. the dataset's eval_size) or use last")
-            folder = ckpt.step_folder(self.checkpoint_dir, self.best[1])
+            step, loss = self.best.best_step, self.best.entries[0][0]
+            folder = ckpt.step_folder(self.folder / "checkpoints", step)
             ckpt.load_model_weights(run.model, folder, run.learner.strategy.load_model_state)
             if run.dist.is_main:
-                print(f"grpo-run: GRPO starts from SFT step {self.best[1]} (held-out loss {self.best[0]:.4g})",
-                      file=sys.stderr)
+                print(f"grpo-run: GRPO starts from SFT step {step} (held-out loss {loss:.4g})", file=sys.stderr)
         run.save_model(self.final_dir)
         reference = run.learner.kl.reference if run.learner.kl is not None else None
         if reference is not None:
             reference.reset_to(run.model)
-        self.optimizer = self.scheduler = self.scaler = None  # its memory is GRPO's now
-        self.done = True
+        self.opt = None  # its memory is GRPO's now
         run.actor.receive(run.model, 0)
         seed_everything(self.spec.train.seed)
 
-    def reload_reference(self, run: Run) -> None:
+    def resumed_past(self, run: Run) -> None:
         """On resuming GRPO: the KL's reference copy is the SFT result (``<run>/sft/final``)."""
         reference = run.learner.kl.reference if run.learner.kl is not None else None
         if reference is None or reference.model is None:
@@ -211,72 +175,21 @@ class SftStage:
             state.update(load_file(str(f)))
         run.learner.strategy.load_model_state(reference.model, state)
 
-    # ----------------------------------------------------------------- SFT checkpoints
-    def save(self, run: Run) -> Path:
-        folder = ckpt.step_folder(self.checkpoint_dir, self.step)
-        if self.saved_step == self.step and folder.is_dir():
-            return folder
-        strategy = run.learner.strategy
-        weights = strategy.model_state(run.model)
-        state = None
-        if strategy.sharded or run.dist.is_main:
-            optimizer, fmt = strategy.optimizer_state(run.model, self.optimizer)
-            state = {
-                "sft_step": self.step, "trajectory": self.trajectory, "run_id": run.log.run_id,
-                "optimizer": optimizer, "optimizer_format": fmt, "scheduler": self.scheduler.state_dict(),
-                "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-                "rng": ckpt.rng_state(), "data": self.train.state_dict(),
-                "best": list(self.best) if self.best is not None else None,
-            }
-        if run.dist.is_main:
-            protect = {self.best[1]} if self.best is not None and self.section.start_from == "best" else set()
-            folder = ckpt.write_checkpoint(self.checkpoint_dir, self.step, run.model, state,
-                                           self.spec.checkpoint.keep, self.trajectory, weights=weights,
-                                           protect=protect)
-        run.dist.barrier()
-        self.saved_step = self.step
-        self.saved_at = time.monotonic()
-        return folder
+    def state_dict(self, run: Run) -> dict[str, Any]:
+        return {"data": self.train.state_dict()}
 
-    def resume(self, run: Run, explicit: str | None) -> str | None:
-        """Continue from the newest SFT checkpoint (or ``explicit``); its tracker run id, or
-        RunError when there is none."""
-        found = ckpt.find_resumable(self.checkpoint_dir, explicit, map_location=run.dist.device)
-        if found is None:
-            raise RunError(f"--resume: no usable checkpoint in {run.checkpoint_dir} nor in {self.checkpoint_dir}; "
-                           "run without --resume to start afresh")
-        state = found.state
-        ckpt.load_model_weights(run.model, found.folder, run.learner.strategy.load_model_state)
-        self._optimizer(run)
-        run.learner.strategy.load_optimizer_state(run.model, self.optimizer, state["optimizer"],
-                                                  state.get("optimizer_format", "native"))
-        self.scheduler.load_state_dict(state["scheduler"])
-        if self.scaler is not None and state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
-        self.step = int(state["sft_step"])
+    def load_state_dict(self, run: Run, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
         self.train.load_state_dict(state["data"])
-        self.best = tuple(state["best"]) if state.get("best") else None
-        ckpt.set_rng_state(state["rng"])
-        self.trajectory = ckpt.trajectory_after_resume(self.checkpoint_dir, found)
-        self.saved_step = self.step
-        RunLog({}, self.folder, enabled=run.dist.is_main).rewind(self.step)
-        if run.dist.is_main:
-            print(f"grpo-run: resuming the SFT stage from {found.folder} (SFT step {self.step})", file=sys.stderr)
-        return state.get("run_id")
+
+    def postfix(self, metrics: dict[str, float], last_eval: dict[str, float]) -> dict[str, str]:
+        return {"loss": f"{metrics['sft/loss']:.3g}"}
 
 
 def _empty(batch):
     """``batch`` with nothing trained: a process without held-out rows still joins the forwards."""
     batch.mask = torch.zeros_like(batch.mask)
     return batch
-
-
-def _progress(run: Run, start: int, total: int):
-    if not run.spec.train.progress or not run.dist.is_main:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, initial=start, desc="sft", unit="step", file=sys.stderr, dynamic_ncols=True)
 
 
 def build_sft(spec: Spec, tokenizer, output_dir: Path, rows: tuple[list[dict], list[dict]] | None,
