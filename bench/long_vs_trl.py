@@ -104,15 +104,16 @@ class Log:
 
 def grpo_worker(a, model: str, log: Log) -> None:
     from grpo_core.train.loop.assemble import build_run
-    from grpo_core.train.loop.run import _step_and_record
+    from grpo_core.train.loop.run import _step_and_record, _StepStart
 
     folder = tempfile.mkdtemp(prefix="grpo-long-")
     dtype = [f"rollout.dtype={a.gen_dtype}"]
     run = build_run(load(a.spec, model, a.seed, a.steps, [*a.grpo_set, *dtype, f"train.output_dir={folder}"]))
     _, eval_rows = task_rows(a.eval_size)
     log.write(0, {"eval/accuracy": greedy_accuracy(run.model, run.tokenizer, eval_rows, a.tokens, dtype=a.gen_dtype)})
+    grpo = run.stages[-1]
     while run.step < a.stop_at:
-        metrics = _step_and_record(run)
+        metrics = _step_and_record(run, grpo, _StepStart.of(run, grpo))
         if run.step % a.eval_every == 0 or run.step == a.stop_at:
             metrics["eval/accuracy"] = greedy_accuracy(run.model, run.tokenizer, eval_rows, a.tokens, dtype=a.gen_dtype)
         log.write(run.step, metrics)
