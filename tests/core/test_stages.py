@@ -21,7 +21,7 @@ from grpo_core.train.learner.sft import SftSettings, demo_batch, heldout_loss, s
 from grpo_core.train.loop.assemble import build_run
 from grpo_core.train.loop.best import BestCheckpoints
 from grpo_core.train.loop.run import run_loop
-from grpo_core.train.loop.stage import BaseStage, Cadence, StepRecord
+from grpo_core.train.loop.state import BaseStage, Cadence, StepRecord
 
 torch.set_num_threads(1)
 SPECS = Path(__file__).resolve().parents[2] / "specs"

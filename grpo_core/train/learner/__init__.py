@@ -14,7 +14,8 @@ It never imports the actor (:mod:`grpo_core.train.actor`); it reads an
 - ``kl``: the reference model and the KL penalty, in the loss or in the reward.
 - ``correction``: importance weights for the sampler/trainer mismatch.
 - ``teacher``: the teacher's log-probs for on-policy distillation.
-- ``optim``: AdamW and the learning-rate schedule.
+- ``optim``: AdamW, the learning-rate schedule, and :func:`optimizer_step`, the one optimizer step
+  of every objective (the policy loss of ``update``, the cross-entropy of ``sft``).
 - ``lean_adamw``: AdamW with bfloat16 moments.
 - ``parallel``: the parallel strategy, one object per run (one process, DDP, FSDP2).
 - ``sharding``: FSDP2's ``fully_shard`` of the policy and the reference.

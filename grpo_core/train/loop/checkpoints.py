@@ -1,45 +1,27 @@
 """A stage's checkpoints, written and read the same way for every stage: what the loop keeps of
-each stage (:class:`Books`), writing a checkpoint (:func:`save`), ranking an evaluated step
+each stage (:class:`~grpo_core.train.loop.state.Books`), writing a checkpoint (:func:`save`), ranking an evaluated step
 among the best (:func:`rank`) and resuming a run (:func:`resume`).
 
 A checkpoint of a stage is ``<stage folder>/checkpoints/step-NNNNNN``: the weights (through the
 parallel strategy, which gathers or shards them) and one state: the stage's name and step, its
 line of steps (trajectory), the tracker run id, the optimizer, schedule and fp16 scaler of the
 stage's :class:`~grpo_core.train.learner.optim.Optimization`, the RNG states, its best ranking
-and last evaluation, and what the stage adds (:meth:`~grpo_core.train.loop.stage.Stage.state_dict`).
+and last evaluation, and what the stage adds (:meth:`~grpo_core.train.loop.state.Stage.state_dict`).
 Resuming finds the newest usable checkpoint of the latest stage that has one; the stages
-before it are over (:meth:`~grpo_core.train.loop.stage.Stage.resumed_past`).
+before it are over (:meth:`~grpo_core.train.loop.state.Stage.resumed_past`).
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from grpo_core import checkpoint as ckpt
 from grpo_core.errors import RunError
-from grpo_core.tracking import RunLog
 from grpo_core.train.loop.best import MissingMetric
-from grpo_core.train.loop.stage import Stage
-
-if TYPE_CHECKING:
-    from grpo_core.train.loop.state import Run
-
-
-@dataclass
-class Books:
-    """What the loop keeps of one stage: its metrics log, its checkpoint folder, the line of
-    steps its checkpoints belong to, the step it last saved and when, its last evaluation."""
-
-    log: RunLog
-    checkpoint_dir: Path
-    trajectory: str = field(default_factory=ckpt.new_trajectory)
-    saved_step: int | None = None
-    saved_at: float = field(default_factory=time.monotonic)  # when it was written (or the run began)
-    last_eval: dict[str, float] = field(default_factory=dict)
+from grpo_core.train.loop.state import Run, Stage
 
 
 def steps_of(stage: Stage, n: int) -> str:

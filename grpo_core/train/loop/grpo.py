@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from grpo_core import checkpoint as ckpt
 from grpo_core.contracts import Stateful
@@ -23,11 +23,8 @@ from grpo_core.train.learner.optim import Optimization
 from grpo_core.train.loop.best import BestCheckpoints
 from grpo_core.train.loop.evaluate import EvalSet, evaluate_sets
 from grpo_core.train.loop.iterative import IterativeRefresh
-from grpo_core.train.loop.stage import BaseStage, Cadence, StepRecord
+from grpo_core.train.loop.state import BaseStage, Cadence, Run, StepRecord
 from grpo_core.train.loop.step import train_step
-
-if TYPE_CHECKING:
-    from grpo_core.train.loop.state import Run
 
 
 class GrpoStage(BaseStage):

@@ -1,4 +1,4 @@
-"""The training loop: one loop over a run's stages (:class:`~grpo_core.train.loop.stage.Stage`:
+"""The training loop: one loop over a run's stages (:class:`~grpo_core.train.loop.state.Stage`:
 an SFT stage, then the GRPO steps, or stages of your own), with held-out evaluation, logging,
 checkpoints, the best checkpoints, the progress bar, the stops around them and resume, all
 written once here and in :mod:`~grpo_core.train.loop.checkpoints` for every stage. The run it
@@ -33,8 +33,7 @@ from grpo_core.train.loop.assemble import build_run
 from grpo_core.train.loop.best import MissingMetric
 from grpo_core.train.loop.checkpoints import steps_of
 from grpo_core.train.loop.grpo import evaluate_run
-from grpo_core.train.loop.stage import Stage
-from grpo_core.train.loop.state import Hooks, Run
+from grpo_core.train.loop.state import Hooks, Run, Stage
 from grpo_core.train.signals import StopSignal
 
 __all__ = ["Outcome", "evaluate_run", "run_loop", "train"]

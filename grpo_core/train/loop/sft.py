@@ -1,5 +1,5 @@
 """The SFT stage (spec section ``sft``): supervised steps on demonstrations before the GRPO
-steps of the same run, then the hand-over. A :class:`~grpo_core.train.loop.stage.Stage`: the
+steps of the same run, then the hand-over. A :class:`~grpo_core.train.loop.state.Stage`: the
 loop of :mod:`grpo_core.train.loop.run` drives it, checkpoints it and resumes it as it does
 the GRPO stage.
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -33,11 +33,9 @@ from grpo_core.train.learner.sft import SftSettings, demo_batch, heldout_loss, s
 from grpo_core.train.loop.best import BestCheckpoints
 from grpo_core.train.loop.demonstrations import Demo, Demonstrations
 from grpo_core.train.loop.evaluate import EvalSet, evaluate_sets
-from grpo_core.train.loop.stage import BaseStage, Cadence, StepRecord
+from grpo_core.train.loop.state import BaseStage, Cadence, Run, StepRecord
 from grpo_core.train.seeds import seed_everything
 
-if TYPE_CHECKING:
-    from grpo_core.train.loop.state import Run
 
 @dataclass
 class SftStage(BaseStage):
