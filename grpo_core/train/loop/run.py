@@ -74,7 +74,7 @@ def run_loop(run: Run, loaded: LoadedSpec, resume: str | None = None, hooks: Hoo
                 break
         if outcome is None:
             end.status, code = _finish(run, stop, end)
-            short = any(s.step < s.steps for s in run.stages)
+            short = stage is not run.stages[-1] or stage.step < stage.steps
             outcome = Outcome(end.status, code, "callback" if run.stop_asked and short else None)
     if outcome.stopped_by != "interrupt":
         close_process_group()  # every process got here: the run ended, not failed

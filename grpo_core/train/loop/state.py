@@ -208,8 +208,9 @@ class Books:
 
 @dataclass
 class Hooks:
-    """What a caller of the loop watches (the Python trainer's callbacks), on every process
-    with the same values: ``on_step(step, metrics)`` after each step's metrics are logged,
+    """What a caller of the loop watches (the Python trainer's callbacks) of the stages that are
+    ``watched`` (GRPO's), on every process with the same values: ``on_step(step, metrics)``
+    after each step's metrics are logged,
     ``on_eval(step, metrics)`` after each held-out evaluation, ``on_save(step, folder)`` after
     each checkpoint. ``on_step`` and ``on_eval`` return True to stop the run after this step
     (it then ends as a finished run does: final evaluation, checkpoint, model)."""
