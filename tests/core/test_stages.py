@@ -123,3 +123,43 @@ def test_a_stage_of_ones_own_trains_and_resumes_through_the_same_loop(tmp_path, 
 
     assert timeless(broken / "warmup" / "metrics.jsonl") == timeless(out / "warmup" / "metrics.jsonl")
     assert timeless(broken / "metrics.jsonl") == timeless(out / "metrics.jsonl")
+
+
+SFT_THEN_GRPO = {
+    "sft": {"data": {"name": "arithmetic", "train_size": 32, "eval_size": 0, "solutions": True},
+            "completion_column": "solution", "steps": 4, "batch_size": 4, "lr": 1.0e-2, "eval_every": 0},
+    "train": {"steps": 1}, "checkpoint": {"every": 0},
+}
+
+
+def test_an_sft_step_that_fails_before_its_update_is_checkpointed_and_resumes_exactly(
+        tmp_path, write_spec, kit, monkeypatch, capfd):
+    """The loop's failed-step checkpoint, for the SFT stage: its demonstrations drawn for the
+    failed step are given back, so the resumed run ends bit for bit as the straight one."""
+    from grpo_core.cli import main
+    from grpo_core.train.loop import sft as sft_stage
+
+    straight = write_spec(tmp_path / "straight", **SFT_THEN_GRPO)
+    assert main([str(straight)]) == 0
+    spec = write_spec(tmp_path / "broken", **SFT_THEN_GRPO)
+    real, calls = sft_stage.sft_update, []
+
+    def fails_third(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("the third SFT update failed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sft_stage, "sft_update", fails_third)
+    capfd.readouterr()
+    assert main([str(spec)]) != 0
+    err = capfd.readouterr().err
+    assert "SFT step 3 failed before its update; checkpoint of SFT step 2" in err, err
+    out = tmp_path / "broken" / "out"
+    assert [p.name for p in (out / "sft" / "checkpoints").glob("step-*")] == ["step-000002"]
+    monkeypatch.setattr(sft_stage, "sft_update", real)
+    assert main([str(spec), "--resume"]) == 0
+    assert "resuming the SFT stage from" in capfd.readouterr().err
+    for folder in ("sft/final", "final"):
+        want, got = kit.load_weights(tmp_path / "straight" / "out" / folder), kit.load_weights(out / folder)
+        assert [k for k in want if not torch.equal(want[k], got[k])] == [], folder
