@@ -5,13 +5,14 @@ run (:mod:`grpo_core.train.actor.drivers.agents`), and ``/v1/responses``
 its own (HTTP/1.1, keep-alive, chunked bodies), as vLLM and SGLang serve theirs.
 
 Each request names its episode by its key (``Authorization: Bearer <key>``, the
-``api_key`` of an OpenAI client). The endpoint turns the request into the prompt token ids
-the policy continues, and never re-tokenizes what the policy wrote: an episode's history is
-the tokens of its first prompt, then, per call, the tokens the policy sampled and the
-tokens of the messages the agent added after them (tool results, user turns, rendered by the
-chat template as an in-process environment's observations are,
-:class:`~grpo_core.train.actor.drivers.episodes.TurnRenderer`). A request whose messages do not extend that
-history (the agent edited or dropped a message) fails its episode.
+``api_key`` of an OpenAI client). The endpoint parses and checks it and hands it to its
+``handle`` function (the agent driver's), which turns it into the prompt token ids the policy
+continues and never re-tokenizes what the policy wrote: an episode's history is the tokens of
+its first prompt, then, per call, the tokens the policy sampled and the tokens of the messages
+the agent added after them (tool results, user turns, rendered by the chat template as an
+in-process environment's observations are). A request whose messages do not extend that
+history (the agent edited or dropped a message) starts a new training sample or fails its
+episode (``rollout.agent.history``).
 
 What a request may set: ``messages`` (or ``prompt``), ``tools``, ``max_tokens`` /
 ``max_completion_tokens``, ``stop``, ``n``, ``logprobs``; ``temperature``, ``top_p`` and
