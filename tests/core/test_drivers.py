@@ -98,3 +98,14 @@ def test_the_contributing_driver_runs_a_training_step(write_spec, tmp_path, kit)
     assert len(calls) == 2  # one rollout per step, both through the plugin's driver
     assert all(c == {"prompts": 2, "g": 4, "rows": 8, "prefixed": True} for c in calls), calls
     assert [r["step"] for r in kit.read_metrics(tmp_path / "out" / "metrics.jsonl") if "reward" in r] == [1, 2]
+
+
+def test_process_supervision_on_a_multi_turn_driver_is_refused(write_spec, tmp_path, capsys):
+    """A driver that declares ``multi_turn`` (here ``environment``) gets no step scores: the run
+    stops before training, naming the driver and what to use."""
+    spec = write_spec(tmp_path, rollout={"environment": TOOLS}, algorithm={"advantage": {"name": "process"}},
+                      train={"steps": 1})
+    assert main([str(spec)]) != 0
+    err = capsys.readouterr().err
+    assert "episode driver 'environment': process supervision (step scores) is not supported" in err, err[-2000:]
+    assert "use outcome rewards" in err
