@@ -3,7 +3,7 @@ second and the endpoint's overhead.
 
 Two rollouts of the same prompts, run alternately ``--repeats`` times in one process: the
 ``tools`` environment in process, and an OpenAI-client agent with the same calculator through
-the endpoint (``grpo_core.train.actor.agents``). With ``--backend scripted`` the policy is a rule
+the endpoint (``grpo_core.train.actor.drivers.agents``). With ``--backend scripted`` the policy is a rule
 (no model: a calculator call, then an answer), so the difference is the endpoint's own cost
 (HTTP, JSON, chat-template rendering, batching waits) per episode; with ``--backend hf`` the
 tiny random model generates, as in training.

@@ -8,6 +8,8 @@ The engine's rooms:
 
 - the doors: ``cli/`` (``grpo-run``), ``trainer`` (:class:`Trainer`), ``trl/`` (TRL's arguments);
 - the training engine: ``train/`` (the actor, the learner, the loop, and what lies between);
+- the agent server: ``endpoint/``, the OpenAI-compatible HTTP server agent programs talk to
+  during rollouts (it imports nothing of training);
 - the plugin machinery: ``hookspecs`` (one hook per kind), ``kinds``, ``registry``,
   ``plugin_manager``, ``commands`` (plugins' ``grpo-run`` commands), ``contracts/`` (what flows
   between the engine and its plugins), ``groups`` and ``options`` (helpers plugins share);

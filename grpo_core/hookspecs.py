@@ -159,6 +159,19 @@ def register_launchers(register: Registrar) -> None:
 
 
 @hookspec
+def register_episode_drivers(register: Registrar) -> None:
+    """Register episode drivers; called once when the registry is built. A driver runs a
+    prompt's ``G`` episodes with the rollout backend and returns the group's rollouts
+    (:class:`~grpo_core.contracts.EpisodeDriver`); the built-ins are ``single-turn``,
+    ``environment``, ``agent`` and ``routing``. Register it with an options model (an empty
+    :class:`~grpo_core.options.Options` will do): each spec slot that selects it then builds a
+    driver of its own. Selected by ``rollout.driver.name``, which defaults to the driver of
+    the spec's episode source; a route's by ``rollout.routing.routes.<route>.driver.name``.
+    Added in 0.2.
+    """
+
+
+@hookspec
 def register_commands(register: CommandRegistrar) -> None:
     """Register ``grpo-run`` subcommands; called once each time the plugins are loaded
     (:func:`grpo_core.plugin_manager.load_plugins`, which also fills the registry). ``grpo-run``

@@ -48,4 +48,5 @@ KINDS: dict[str, Kind] = {
     "environment": Kind("register_environments", "environment", "Environment"),
     "agent": Kind("register_agents", "agent", "Agent"),
     "launcher": Kind("register_launchers", "launcher", "Launcher"),
+    "episode_driver": Kind("register_episode_drivers", "episode driver", "EpisodeDriver"),
 }

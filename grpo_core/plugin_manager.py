@@ -77,6 +77,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "grpo_plugins.trackers.tensorboard",
     "grpo_plugins.environments.tools",
     "grpo_plugins.agents.verifiers",
+    "grpo_plugins.drivers",
 )
 
 

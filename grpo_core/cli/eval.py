@@ -115,8 +115,8 @@ def build_eval_run(loaded: LoadedSpec, model_dir: str | None = None) -> EvalRun:
     model = model.to(dist.device).eval()
     processor = _processor(spec, loaded.base_dir, folder)
     scorer = build_scorer(spec, rewards, splitter)
-    episodes = build_episodes(spec, model, tokenizer, scorer)
-    tools = prompt_tools(episodes)
+    driver = build_episodes(spec, model, tokenizer, scorer)
+    tools = prompt_tools(driver)
     max_prompt = prompt_budget(spec, model)
     eval_prompts = held_out_prompts(spec, rows, tokenizer, max_prompt, tools, processor)
     eval_sets = load_eval_sets(spec, tokenizer, max_prompt, required, tools, processor)
@@ -129,7 +129,7 @@ def build_eval_run(loaded: LoadedSpec, model_dir: str | None = None) -> EvalRun:
         backend.processor = processor
     backend.setup(model, tokenizer)
     sets = [EvalSet("eval/", eval_prompts, spec.data.prompt_column), *eval_sets.values()]
-    actor = build_actor(spec, backend, scorer, dist, episodes, weights=nullcontext, greedy_baseline=False)
+    actor = build_actor(spec, backend, scorer, dist, driver, weights=nullcontext, greedy_baseline=False)
     return EvalRun(spec, actor, sets)
 
 

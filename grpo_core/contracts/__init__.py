@@ -11,6 +11,7 @@ Rows are ordered prompt-major: rows ``p*G .. p*G+G-1`` are the group of prompt `
 
 One module per part of the flow (:mod:`~grpo_core.contracts.algorithms`,
 :mod:`~grpo_core.contracts.rollout`, :mod:`~grpo_core.contracts.episodes`,
+:mod:`~grpo_core.contracts.drivers`,
 :mod:`~grpo_core.contracts.rewards`, :mod:`~grpo_core.contracts.components`,
 :mod:`~grpo_core.contracts.images`, :mod:`~grpo_core.contracts.launch`); import every name from
 here.
@@ -31,6 +32,7 @@ from grpo_core.contracts.algorithms import (
     masked_fill_zero,
 )
 from grpo_core.contracts.components import Dataset, PromptSampler, RowStream, Stateful, Tracker
+from grpo_core.contracts.drivers import DriverSetup, EpisodeDriver
 from grpo_core.contracts.episodes import Agent, AgentEpisode, Environment, Episodes, Observation
 from grpo_core.contracts.images import PromptImages, image_inputs, repeat_rows
 from grpo_core.contracts.launch import Launcher, RunArguments
@@ -90,6 +92,8 @@ __all__ = [
     "Episodes",
     "Agent",
     "AgentEpisode",
+    "EpisodeDriver",
+    "DriverSetup",
     "completion_text",
     "masked_fill_zero",
     "check_request",

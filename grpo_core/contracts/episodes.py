@@ -1,5 +1,6 @@
 """The multi-turn contracts: what an environment answers to a model turn, an agent program
-that talks to the policy through an OpenAI-compatible endpoint, and the episodes of a rollout."""
+that talks to the policy through an OpenAI-compatible endpoint, and the episodes of a rollout
+(the driver that runs them: :mod:`~grpo_core.contracts.drivers`)."""
 
 from __future__ import annotations
 
@@ -161,3 +162,4 @@ class Episodes:
         if self.splits is None:
             return torch.ones(len(self.messages), dtype=torch.long)
         return torch.tensor([1 + len(s) for s in self.splits], dtype=torch.long)
+

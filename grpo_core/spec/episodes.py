@@ -1,8 +1,9 @@
-"""The slots of multi-turn episodes: an in-process environment, or an agent program."""
+"""The slots of episodes: an in-process environment, an agent program, per-row routes, and
+the episode driver that runs them (:class:`DriverSlot`)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -69,16 +70,30 @@ class AgentSlot(Slot):
     )
 
 
+class DriverSlot(Slot):
+    """The episode driver: how a prompt's G episodes run (grpo_core.contracts.EpisodeDriver).
+    Unset, it is the driver of the episode source that is set: single-turn (none), environment,
+    agent or routing."""
+
+    kind = "episode_driver"
+    name: str = Field(description="Episode driver plugin (registered with register_episode_drivers).")
+
+
 class RouteSection(Section):
     """Where the rows of one route run: an environment or an agent."""
 
     environment: EnvironmentSlot | None = Field(None, description="An in-process environment for these rows.")
     agent: AgentSlot | None = Field(None, description="An agent for these rows.")
+    driver: DriverSlot | None = Field(
+        None, description="The episode driver of these rows; default: the route's source's (environment or agent).",
+    )
 
     @model_validator(mode="after")
     def _one_source(self):
         if (self.environment is None) == (self.agent is None):
             raise ValueError("a route runs its rows with an environment or an agent: set exactly one")
+        if self.driver is None:
+            self.driver = DriverSlot(name=self.source.kind)
         return self
 
     @property
@@ -91,6 +106,7 @@ class RoutingSection(Section):
     route runs its rows with its own environment or agent (tools shown in a row's prompt are
     its route's)."""
 
+    kind: ClassVar[str] = "routing"  # what the routing episode driver runs
     column: str = Field("environment", description="The dataset column whose value names a row's route.")
     routes: dict[str, RouteSection] = Field(
         min_length=1, description="Route name -> {environment: {...}} or {agent: {...}}; a row whose column "

@@ -6,14 +6,14 @@ Every field has a description: ``grpo-run schema`` and the docs are made from th
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from grpo_core.options import Seconds
 from grpo_core.spec.algorithm import AlgorithmSection
 from grpo_core.spec.data import DataSlot
-from grpo_core.spec.episodes import AgentSlot, EnvironmentSlot, RoutingSection
+from grpo_core.spec.episodes import AgentSlot, DriverSlot, EnvironmentSlot, RoutingSection
 from grpo_core.spec.export import ExportSection
 from grpo_core.spec.iterative import IterativeSection
 from grpo_core.spec.optimizer import OptimizerSection
@@ -132,6 +132,11 @@ class RolloutSlot(Slot):
         None, description="Episodes that differ per row: a column names each row's route, each route an "
         "environment or agent (instead of environment and agent).",
     )
+    driver: DriverSlot | None = Field(
+        None, description="The episode driver: how a prompt's G episodes run (an episode driver plugin and its "
+        "options). Default: the driver of the episode source that is set: single-turn when none is, else "
+        "environment, agent or routing.",
+    )
     max_staleness: int = Field(
         0, ge=0, description="Asynchronous rollouts: the actor generates the batches of the next k steps while the "
         "learner trains, and the batch of step t is sampled with the policy after max(r, t - k) updates (r: the last "
@@ -161,7 +166,17 @@ class RolloutSlot(Slot):
         if self.partial_rollouts and given:
             raise ValueError(f"rollout.partial_rollouts: multi-turn episodes (rollout.{given[0]}) are not "
                              "interruptible yet; drop rollout.partial_rollouts or rollout." + given[0])
+        if self.driver is None:
+            self.driver = DriverSlot(name=self.episode_source[0])
         return self
+
+    @property
+    def episode_source(self) -> tuple[str, Any]:
+        """The episode source that is set, as ``(its built-in driver's name, the section)``:
+        ``("routing", rollout.routing)``, ``("environment", ...)``, ``("agent", ...)``, or
+        ``("single-turn", None)``."""
+        return next(((k, getattr(self, k)) for k in ("routing", "environment", "agent") if getattr(self, k)),
+                    ("single-turn", None))
 
     @property
     def episode_tokens(self) -> int:

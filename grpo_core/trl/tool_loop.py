@@ -12,7 +12,7 @@ class has it, scores the rollout.
 grpo-core runs the same loop as an agent (:class:`TRLToolLoop`) against the endpoint it
 serves during rollouts: the chat template shows the tools (their JSON schemas, read off the
 functions' signatures and docstrings as TRL reads them) and the tool messages, the endpoint
-parses the calls per model family (:mod:`grpo_core.train.actor.toolcalls`), and what trains is
+parses the calls per model family (:mod:`grpo_core.endpoint.toolcalls`), and what trains is
 the tokens the policy sampled. The environment's ``get_reward()`` is the agent's return value,
 which reaches the rewards as ``env_reward``.
 """

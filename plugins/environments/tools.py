@@ -5,7 +5,7 @@ transformers' chat templates accept them (``apply_chat_template(..., tools=[fn])
 JSON schema comes from ``transformers.utils.get_json_schema``. The model calls a tool by
 writing ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (the format of the
 Qwen/Hermes tool templates; models whose template has no tool support are shown the same
-format in the system prompt, see :mod:`grpo_core.train.actor.episodes`). A model turn ends at
+format in the system prompt, see :mod:`grpo_core.train.actor.drivers.episodes`). A model turn ends at
 ``</tool_call>``; every call in it runs, and each result comes back as a ``tool`` message.
 A turn without a tool call ends the episode.
 

@@ -76,6 +76,12 @@ class NoLaunchLauncher:
     def start(self, run, spec): ...
 
 
+class NoRunDriver:
+    def setup(self, run): ...
+
+    def tools_for(self, row): return []
+
+
 NOT_CALLABLE = object()
 
 #: kind -> (a component missing a member, the member named in the refusal)
@@ -93,6 +99,7 @@ BROKEN = {
     "environment": (NoStepEnvironment(), "step"),
     "agent": (NOT_CALLABLE, "__call__"),
     "launcher": (NoLaunchLauncher(), "launch"),
+    "episode_driver": (NoRunDriver(), "run"),
 }
 
 
@@ -211,7 +218,8 @@ def test_a_flag_of_the_wrong_type_is_refused():
 
 # --------------------------------------------------------------------------- layering
 PUBLIC_SURFACE = {"grpo_core", "grpo_core.contracts", "grpo_core.options", "grpo_core.errors",
-                  "grpo_core.groups", "grpo_core.spec", "grpo_core.launching"}
+                  "grpo_core.groups", "grpo_core.spec", "grpo_core.launching",
+                  "grpo_core.train.actor.drivers"}  # the built-in episode drivers' classes, by name
 
 
 def test_plugins_import_only_the_public_engine_surface():

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from grpo_core.train.actor.endpoint import Endpoint, EndpointError
+from grpo_core.endpoint.server import Endpoint, EndpointError
 
 SAMPLING = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0)
 

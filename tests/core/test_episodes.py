@@ -1,4 +1,4 @@
-"""Multi-turn episodes (grpo_core.train.actor.episodes): the mask with holes, the limits, tool
+"""Multi-turn episodes (grpo_core.train.actor.drivers.environment): the mask with holes, the limits, tool
 faults seen by the model, and the gradient over model tokens only.
 
 The hand-built episodes use :class:`Scripted`, a rollout backend that writes fixed turns
@@ -23,7 +23,8 @@ from grpo_core.contracts import Observation, RolloutBatch, SamplingParams, speci
 from grpo_core.plugin_manager import load_plugins
 from grpo_core.testing import build_model, build_tokenizer
 from grpo_core.train.actor.data import Prompt
-from grpo_core.train.actor.episodes import EpisodeRunner, episode_metrics, with_tools
+from grpo_core.train.actor.drivers.environment import EpisodeRunner
+from grpo_core.train.actor.drivers.episodes import episode_metrics, with_tools
 from grpo_core.train.learner.batch import TrainBatch
 from grpo_core.train.learner.learner import Learner, UpdateSettings
 from grpo_core.train.learner.parallel import forward_of

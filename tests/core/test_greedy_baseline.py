@@ -18,6 +18,7 @@ from grpo_core.contracts import SamplingParams
 from grpo_core.testing import build_model, build_tokenizer
 from grpo_core.train.actor.baseline import greedy_baseline_scores
 from grpo_core.train.actor.data import Prompt
+from grpo_core.train.actor.drivers.single_turn import SingleTurn
 from grpo_core.train.actor.rollout import Scorer, score_rollout
 from grpo_core.train.actor.scoring import RewardFn
 
@@ -42,7 +43,7 @@ def test_greedy_baseline_is_the_score_of_each_prompts_argmax_completion():
     scorer = Scorer([RewardFn.of("parity", 1.0, parity)], "prompt")
     sampling = SamplingParams(max_new_tokens=7, temperature=1.7, top_k=5, seed=3)  # greedy must override them
 
-    got = greedy_baseline_scores(backend, lambda p, r: score_rollout(scorer, p, r), prompts, 4, sampling)
+    got = greedy_baseline_scores(backend, lambda p, r: score_rollout(scorer, p, r), prompts, 4, sampling, SingleTurn())
 
     expected = []
     for p in prompts:  # each prompt alone, transformers' own argmax decoding

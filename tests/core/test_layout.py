@@ -1,14 +1,19 @@
 """The engine's layout rules, read off the source by folder: the actor and the learner never
 import each other, the ground beneath them imports neither nor the loop, nothing below the loop
-imports it, nothing in the engine imports the command line, the import graph has no circle,
-every package's docstring names its modules, and the engine reaches the built-in plugins only
-by registering them."""
+imports it, nothing in the engine imports the command line, the agent server (``endpoint/``)
+imports nothing of the engine but its errors, the import graph has no circle, every package's
+docstring names its modules, and the engine reaches the built-in plugins only by registering
+them."""
 
 from __future__ import annotations
 
 import ast
 import inspect
+import json
 import re
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -93,6 +98,47 @@ def test_the_engine_modules_below_the_loop_except_the_front_never_import_it():
     reaching = {m for m, deps in GRAPH.items() if role(m) == "engine" and m not in doors
                 and any(role(d) == "loop" for d in deps)}
     assert reaching == set()
+
+
+def test_the_agent_server_imports_nothing_of_training():
+    """The OpenAI-compatible server is a package of its own: its modules import one another and
+    the engine's errors, nothing else of the engine (no training module, no contract)."""
+    server = {m: deps for m, deps in GRAPH.items() if m == "grpo_core.endpoint" or m.startswith("grpo_core.endpoint.")}
+    assert set(server) >= {"grpo_core.endpoint.server", "grpo_core.endpoint.streaming",
+                           "grpo_core.endpoint.responses_api", "grpo_core.endpoint.toolcalls"}
+    allowed = set(server) | {"grpo_core", "grpo_core.errors"}
+    assert {m: sorted(deps - allowed) for m, deps in server.items() if deps - allowed} == {}
+
+
+def test_the_agent_server_runs_with_no_training_module_loaded():
+    """Importing the server and serving a request loads no module of ``grpo_core.train`` and no
+    torch: it can be tested, and reused, on its own."""
+    program = textwrap.dedent("""
+        import json, sys, urllib.request
+        from types import SimpleNamespace
+        from grpo_core.endpoint.server import Endpoint
+
+        def handle(request):
+            choice = {"text": "hi", "ids": [1], "logp": [-0.5], "finish": "stop",
+                      "message": {"role": "assistant", "content": "hi"}}
+            return [choice], 3
+
+        sampling = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0)
+        endpoint = Endpoint(handle, lambda key, error: None, sampling, 1_000_000, 4)
+        try:
+            body = json.dumps({"model": "policy", "messages": [{"role": "user", "content": "x"}]}).encode()
+            request = urllib.request.Request(endpoint.base_url + "/chat/completions", body,
+                                             {"Authorization": "Bearer k", "Content-Type": "application/json"})
+            answer = json.load(urllib.request.urlopen(request, timeout=30))
+        finally:
+            endpoint.close()
+        assert answer["choices"][0]["message"]["content"] == "hi", answer
+        loaded = sorted(m for m in sys.modules if m.startswith("grpo_core.train") or m == "torch")
+        print(json.dumps(loaded))
+    """)
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []
 
 
 def test_the_import_graph_has_no_circle():

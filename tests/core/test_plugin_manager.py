@@ -75,6 +75,7 @@ def test_builtins_register_like_any_plugin():
                             "seq-mean-token-sum-norm", "token-sum"],
         "rollout_backend": ["hf"],
         "tracker": ["mlflow", "console"],
+        "episode_driver": ["single-turn", "environment", "agent", "routing"],
     }
     for kind, names in required.items():
         for name in names:

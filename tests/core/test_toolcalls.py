@@ -12,7 +12,7 @@ import pytest
 from grpo_plugins.environments.calculator import calculator
 
 from grpo_core import Trainer
-from grpo_core.train.actor.toolcalls import (
+from grpo_core.endpoint.toolcalls import (
     parse_hermes,
     parse_llama3,
     parse_mistral,

@@ -1,8 +1,9 @@
 """The actor: prompts in, scored rollouts out.
 
-An :class:`Actor` holds what generates and scores (the rollout backend, the multi-turn
-environment's runner, the reward functions, the sampling settings and the random streams
-they draw from, :mod:`grpo_core.train.seeds`) and the prompt stream. Its one product is an
+An :class:`Actor` holds what generates and scores (the rollout backend, the episode driver
+that runs a prompt's episodes with it, :mod:`grpo_core.train.actor.drivers`, the reward
+functions, the sampling settings and the random streams they draw from,
+:mod:`grpo_core.train.seeds`) and the prompt stream. Its one product is an
 :class:`~grpo_core.train.experience.Experience`: the scored groups of a step, with the
 sampler's log-probs when the backend gives them, the sampling temperature and the policy
 version they were sampled with. That value is all the learner (:mod:`grpo_core.train.learner.learner`)
@@ -24,16 +25,15 @@ from typing import Any
 
 import torch
 
-from grpo_core.contracts import RolloutBackend, SamplingParams
+from grpo_core.contracts import EpisodeDriver, RolloutBackend, SamplingParams
 from grpo_core.errors import RunError
 from grpo_core.train import seeds
 from grpo_core.train.actor.baseline import greedy_baseline_scores
 from grpo_core.train.actor.data import Prompt, PromptSource
-from grpo_core.train.actor.episodes import EpisodeRunner
+from grpo_core.train.actor.drivers.single_turn import SingleTurn
 from grpo_core.train.actor.rollout import (
     Scorer,
     concat_scored,
-    generate_rollout,
     score_rollout,
     select_groups,
     zero_spread_groups,
@@ -74,7 +74,7 @@ class Actor:
     source: PromptSource | None = None  # the training prompts (None for an evaluation-only actor)
     dist: Dist = field(default_factory=Dist)
     autocast: Callable = nullcontext  # () -> the mixed-precision context of generation
-    episodes: EpisodeRunner | None = None  # multi-turn episodes (rollout.environment), or None
+    driver: EpisodeDriver = field(default_factory=SingleTurn)  # how a prompt's G episodes run
     weights: Callable[[], Any] = nullcontext  # () -> the context of a rollout phase (see the module doc)
     greedy_baseline: bool = False  # also score one greedy completion per prompt (needs_greedy_baseline)
     version: int = 0  # the policy version of the backend's weights
@@ -92,7 +92,7 @@ class Actor:
         """``group_size`` completions (or episodes) of each prompt, scored by ``scorer``
         (default the actor's). The caller holds :attr:`weights`."""
         with self.autocast():
-            rollout = generate_rollout(self.backend, prompts, group_size, sampling, self.episodes)
+            rollout = self.driver.run(self.backend, prompts, group_size, sampling)
         return score_rollout(scorer or self.scorer, prompts, rollout)
 
     def collect(self, step: int) -> Experience:
@@ -113,7 +113,7 @@ class Actor:
                 with timer("baseline"):
                     baseline = greedy_baseline_scores(
                         self.backend, self._score_everywhere, scored.prompts, self.settings.group_size,
-                        self.settings.sampling, self.autocast, self.episodes,
+                        self.settings.sampling, self.driver, self.autocast,
                     )
         pushed = getattr(self.backend, "last_push", None) or {}  # the push these rollouts sampled after
         metrics = {**metrics, **{f"sync/push_{k}": float(v) for k, v in pushed.items()}}
@@ -133,8 +133,7 @@ class Actor:
             prompts = prompts[first:stop]  # this process's groups (all of them with one process)
         seed = seeds.rollout(s.seed, step, first, round_=round_, prompts_per_step=s.prompts_per_step)
         with timer("generate"), self.autocast():
-            rollout = generate_rollout(self.backend, prompts, s.group_size, replace(s.sampling, seed=seed),
-                                       self.episodes)
+            rollout = self.driver.run(self.backend, prompts, s.group_size, replace(s.sampling, seed=seed))
         with timer("score"):
             scored = self._score_everywhere(prompts, rollout)
         sampler = getattr(self.source, "sampler", None)

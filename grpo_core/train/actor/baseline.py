@@ -11,9 +11,8 @@ from typing import Any
 
 import torch
 
-from grpo_core.contracts import RolloutBatch, SamplingParams
+from grpo_core.contracts import EpisodeDriver, RolloutBatch, SamplingParams
 from grpo_core.train.actor.data import Prompt
-from grpo_core.train.actor.rollout import generate_rollout
 from grpo_core.train.experience import Scored
 
 
@@ -23,21 +22,21 @@ def greedy_baseline_scores(
     prompts: list[Prompt],
     group_size: int,
     sampling: SamplingParams,
+    driver: EpisodeDriver,
     autocast: Callable = nullcontext,
-    episodes: Any = None,
 ) -> torch.Tensor:
     """``float (P*G,)``: the total score of one greedy completion of each of the ``P``
     ``prompts``, repeated for the ``G = group_size`` rows of its group (prompt-major, as the
     step's rows); ``NaN`` where a reward function could not score it.
 
-    The completion comes from ``backend.generate(..., group_size=1, sampling')`` with
+    The completion comes from ``driver.run(backend, prompts, 1, sampling')`` with
     ``sampling' = sampling`` but ``greedy=True`` (argmax decoding; the same length limit
-    and stop strings), or from ``episodes`` (multi-turn) the same way; ``score`` is the
+    and stop strings) run by the step's episode ``driver`` (single turn or multi-turn); ``score`` is the
     step's scoring of a rollout (the same reward functions, weights and error policy).
     """
     greedy = replace(sampling, greedy=True)
     with autocast():
-        rollout = generate_rollout(backend, prompts, 1, greedy, episodes)
+        rollout = driver.run(backend, prompts, 1, greedy)
     if rollout.completion_ids.shape[0] != len(prompts):
         raise RuntimeError(
             f"greedy baseline: the rollout backend returned {rollout.completion_ids.shape[0]} completions for "

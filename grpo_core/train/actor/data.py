@@ -10,7 +10,7 @@ import numpy as np
 
 from grpo_core.errors import RunError
 from grpo_core.spec.data import DataSlot
-from grpo_core.train.actor.episodes import with_tools
+from grpo_core.train.actor.drivers.episodes import with_tools
 from grpo_core.train.actor.images import load_row_images, render_images
 from grpo_core.train.experience import Prompt
 from grpo_core.train.model import check_processor

@@ -1,16 +1,16 @@
-"""Rollout then score: the one path from prompts to scored completions, used by the
-training step, the held-out evaluation and the iteration start of iterative GRPO."""
+"""Rolled-out completions scored (the one path from an episode driver's rollout to scored
+completions, used by the training step, the held-out evaluation and the iteration start of
+iterative GRPO), and rollouts selected and concatenated by group."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from grpo_core.contracts import Episodes, RolloutBatch, SamplingParams
+from grpo_core.contracts import Episodes, RolloutBatch
 from grpo_core.train.actor.data import Prompt
 from grpo_core.train.actor.scoring import RewardFn, score
 from grpo_core.train.experience import Scored, Scores
@@ -78,21 +78,6 @@ def score_rollout(scorer: Scorer, prompts: list[Prompt], rollout: RolloutBatch) 
     steps = layout.texts if layout is not None else None
     scores = score(scorer.rewards, row_prompts, completions, columns, ids, scorer.on_error, steps)
     return Scored(prompts, rollout, scores, layout)
-
-
-def generate_rollout(
-    backend: Any, prompts: list[Prompt], group_size: int, sampling: SamplingParams, episodes: Any = None
-) -> RolloutBatch:
-    """``group_size`` completions of each prompt; multi-turn episodes when ``episodes``
-    (an :class:`~grpo_core.train.actor.episodes.EpisodeRunner`) is given."""
-    if episodes is not None:
-        return episodes.run(backend, prompts, group_size, sampling)
-    images = [p.images for p in prompts]
-    if all(i is None for i in images):
-        return backend.generate([p.ids for p in prompts], group_size, sampling)
-    rollout = backend.generate([p.ids for p in prompts], group_size, sampling, images=images)
-    rollout.prompt_images = images
-    return rollout
 
 
 def reward_means(scores: Scores, prefix: str = "", suffix: str = "") -> dict[str, float]:

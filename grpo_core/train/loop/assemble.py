@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from grpo_core import checkpoint as ckpt
-from grpo_core.contracts import RowStream, Tracker, policy_copy, special_ids
+from grpo_core.contracts import DriverSetup, EpisodeDriver, RowStream, Tracker, policy_copy, special_ids
 from grpo_core.errors import RunError
 from grpo_core.spec import LoadedSpec, Spec
 from grpo_core.spec.metrics import reward_labels
@@ -24,11 +24,8 @@ from grpo_core.spec.parallel import parallel_conflicts
 from grpo_core.tracking import RunLog
 from grpo_core.train import model as modeling
 from grpo_core.train.actor.actor import Actor, RolloutSettings
-from grpo_core.train.actor.agents import AgentRunner
 from grpo_core.train.actor.data import Prompt, PromptSource, check_columns
-from grpo_core.train.actor.episodes import EpisodeRunner
 from grpo_core.train.actor.rollout import Scorer
-from grpo_core.train.actor.routes import RoutedRunner
 from grpo_core.train.actor.scoring import RewardFn
 from grpo_core.train.actor.stream import StreamingPromptSource
 from grpo_core.train.distributed import Dist, check_layout, parallel_from_launcher
@@ -160,28 +157,18 @@ def check_routed_columns(rows: list[dict], rewards: list[RewardFn], split: str) 
                           f"{split} rows of source {sorted(allowed)}")
 
 
-def build_episodes(spec: Spec, model, tokenizer, scorer: Scorer) -> EpisodeRunner | AgentRunner | RoutedRunner | None:
-    """The multi-turn runner of ``rollout.environment``, ``rollout.agent`` or
-    ``rollout.routing``, or None."""
+def build_episodes(spec: Spec, model, tokenizer, scorer: Scorer) -> EpisodeDriver:
+    """The episode driver ``rollout.driver`` names (by default the one of the episode source the
+    spec sets: single-turn, environment, agent or routing), set up for this run."""
     r = spec.rollout
-    if r.environment is None and r.agent is None and r.routing is None:
-        return None
-    where = "rollout.environment" if r.environment else "rollout.agent" if r.agent else "rollout.routing"
-    if scorer.with_steps or any(fn.takes_steps for fn in scorer.rewards):
-        raise RunError(f"{where}: process supervision (step scores) is not supported on "
+    driver = r.driver.build()
+    if driver.multi_turn and (scorer.with_steps or any(fn.takes_steps for fn in scorer.rewards)):
+        raise RunError(f"episode driver '{r.driver.name}': process supervision (step scores) is not supported on "
                        "multi-turn episodes; use outcome rewards")
-    eos_ids, pad_id = special_ids(model, tokenizer, where.split(".")[1])
-
-    def runner(slot):
-        if slot.kind == "agent":
-            return AgentRunner(slot.build(), slot, tokenizer, eos_ids=eos_ids, pad_id=pad_id, max_n=r.group_size,
-                               chat_template_kwargs=dict(spec.data.chat_template_kwargs))
-        return EpisodeRunner(slot.build(), tokenizer, max_turns=slot.max_turns,
-                             max_total_tokens=slot.max_total_tokens, eos_ids=eos_ids, pad_id=pad_id)
-
-    if r.routing is not None:
-        return RoutedRunner(r.routing.column, {name: runner(route.source) for name, route in r.routing.routes.items()})
-    return runner(r.environment or r.agent)
+    eos_ids, pad_id = special_ids(model, tokenizer, r.driver.name)
+    driver.setup(DriverSetup(tokenizer, eos_ids, pad_id, r.group_size, r.episode_source[1],
+                             dict(spec.data.chat_template_kwargs)))
+    return driver
 
 
 def check_routes(spec: Spec, rows: list[dict]) -> None:
@@ -201,11 +188,9 @@ def check_routes(spec: Spec, rows: list[dict]) -> None:
                        f"routes: {', '.join(routing.routes)}")
 
 
-def prompt_tools(episodes) -> Any:
-    """What the prompts show as tools: a routed runner's per row, an environment's, or none."""
-    if episodes is None:
-        return None
-    return getattr(episodes, "tools_for", None) or episodes.tools
+def prompt_tools(driver: EpisodeDriver) -> Any:
+    """What the prompts show as tools: the driver's, per row."""
+    return driver.tools_for
 
 
 def prompt_budget(spec: Spec, model) -> int:
@@ -250,12 +235,12 @@ def build_learner(spec: Spec, model, tokenizer, strategy: Strategy) -> Learner:
     return learner
 
 
-def build_actor(spec: Spec, backend, scorer: Scorer, dist: Dist, episodes: EpisodeRunner | None, weights,
+def build_actor(spec: Spec, backend, scorer: Scorer, dist: Dist, driver: EpisodeDriver, weights,
                 greedy_baseline: bool) -> Actor:
     """The actor of the spec's rollout settings, with no prompt source yet."""
     return Actor(
         backend=backend, scorer=scorer, settings=RolloutSettings.from_spec(spec), dist=dist,
-        autocast=partial(modeling.autocast, spec.train.mixed_precision, dist.device), episodes=episodes,
+        autocast=partial(modeling.autocast, spec.train.mixed_precision, dist.device), driver=driver,
         weights=weights, greedy_baseline=greedy_baseline,
     )
 
@@ -392,7 +377,7 @@ def build_run(loaded: LoadedSpec, dist: Dist | None = None, *, model=None, token
     actor, feed = _actor_and_feed(spec, model, tokenizer, backend, learner, scorer, snapshot, sampler)
 
     max_prompt = prompt_budget(spec, model)
-    tools = prompt_tools(actor.episodes)
+    tools = prompt_tools(actor.driver)
     sampler_slot = spec.data.sampler
     if stream is not None:
         actor.source = StreamingPromptSource(stream, tokenizer, spec.data, seed=spec.train.seed, max_tokens=max_prompt,

@@ -16,7 +16,7 @@ from grpo_core.errors import RunError
 from grpo_core.train import seeds
 from grpo_core.train.actor.actor import Actor
 from grpo_core.train.actor.data import Prompt, PromptSource, check_columns
-from grpo_core.train.actor.episodes import episode_metrics
+from grpo_core.train.actor.drivers.episodes import episode_metrics
 from grpo_core.train.actor.rollout import Scorer, reward_means
 from grpo_core.train.actor.scoring import Scores
 from grpo_core.train.loop.passk import mean_at_n, mean_pass_at_k
@@ -31,7 +31,7 @@ def evaluate(
 
     With several processes each evaluates every N-th prompt and the scores are gathered,
     so the figures are those of all held-out prompts. With multi-turn ``episodes`` the
-    ``eval/env/...`` metrics of :func:`~grpo_core.train.actor.episodes.episode_metrics` are
+    ``eval/env/...`` metrics of :func:`~grpo_core.train.actor.drivers.episodes.episode_metrics` are
     added (those of this process's prompts)."""
     if not prompts:
         return {}

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from grpo_core.contracts import RolloutBatch
-from grpo_core.train.actor.episodes import episode_metrics
+from grpo_core.train.actor.drivers.episodes import episode_metrics
 from grpo_core.train.actor.rollout import reward_means, shown_completion, zero_spread_groups
 from grpo_core.train.experience import Experience, Scored, Timer
 from grpo_core.train.feed import Feed

@@ -10,7 +10,7 @@ from grpo_core.contracts import completion_text
 from grpo_core.errors import PluginError, RunError
 from grpo_core.plugin_manager import load_plugins
 from grpo_core.testing import build_tokenizer
-from grpo_core.train.actor.episodes import TOOL_PROMPT, template_renders_tools, with_tools
+from grpo_core.train.actor.drivers.episodes import TOOL_PROMPT, template_renders_tools, with_tools
 
 
 def add(a: int, b: int) -> int:

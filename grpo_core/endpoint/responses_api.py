@@ -10,9 +10,9 @@ reasoning out), ``function`` tools become chat tools and ``max_output_tokens`` t
 The episode's history is then extended and recorded as a chat request's is. The answer is a
 ``response`` object whose ``output`` holds a ``message`` item (the text) and a
 ``function_call`` item per tool call (after a ``reasoning`` item when the policy's thinking
-was split out, :mod:`grpo_core.train.actor.toolcalls`), or, with ``stream: true``, the Responses API's events
+was split out, :mod:`grpo_core.endpoint.toolcalls`), or, with ``stream: true``, the Responses API's events
 (``response.created`` ... ``response.completed``), written once the batch's generate returned
-(:mod:`grpo_core.train.actor.streaming`).
+(:mod:`grpo_core.endpoint.streaming`).
 
 Not served, each a 400 naming it: stored state (``previous_response_id``, ``conversation``,
 ``item_reference`` items, ``background``; ``store`` is accepted and nothing is stored), built-in
@@ -27,7 +27,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from grpo_core.train.actor.streaming import event
+from grpo_core.endpoint.streaming import event
 
 #: The text content parts an input message may hold.
 TEXT_PARTS = ("input_text", "output_text", "text")

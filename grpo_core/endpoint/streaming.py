@@ -2,7 +2,7 @@
 of the OpenAI API: ``chat.completion.chunk`` and ``text_completion`` chunks, then a ``usage``
 chunk when ``stream_options.include_usage`` asks for it, then ``data: [DONE]``.
 
-Generation is batched across the agents of a rollout (:mod:`grpo_core.train.actor.agents`):
+Generation is batched across the agents of a rollout (:mod:`grpo_core.train.actor.drivers.agents`):
 a request's tokens exist once its batch's ``generate`` returned, so the chunks of an answer
 are written together after it, one per token (or per few tokens, where one token alone is
 not whole UTF-8 text), never before. What a client assembles from them is, character for

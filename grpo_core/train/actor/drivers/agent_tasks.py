@@ -3,7 +3,7 @@ its own, at most ``concurrency`` episodes at once, each bounded by its timeout, 
 agent's failure (an exception, a timeout, a reward that is not a finite float32, ``sys.exit``,
 a ``KeyboardInterrupt`` raised in its code, a stopped loop) failing its own episode only. The
 runner that serves their requests and records their tokens is
-:class:`~grpo_core.train.actor.agents.AgentRunner`.
+:class:`~grpo_core.train.actor.drivers.agents.AgentRunner`.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import inspect
 import logging
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from grpo_core.contracts import AgentEpisode
@@ -140,3 +141,47 @@ async def _contained(call: Any) -> Any:
 def _settle(future: asyncio.Future, value: Any, error: BaseException | None) -> None:
     if not future.done():
         future.set_exception(error) if error is not None else future.set_result(value)
+
+
+@dataclass
+class Job:
+    """A request waiting for the policy: the context ids, the tokens it may take, its stop
+    strings and choices; filled with the choices by the runner."""
+
+    episode: Any  # the runner's live episode
+    prompt: list[int]
+    want: int
+    stop: tuple[str, ...]
+    n: int
+    choices: list[dict[str, Any]] | None = None
+    error: str | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class JobQueue:
+    """Requests from the endpoint's threads to the runner's, with the wait for more."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.jobs: list[Job] = []
+
+    def submit(self, job: Job) -> None:
+        with self.cond:
+            self.jobs.append(job)
+            self.cond.notify_all()
+
+    def poke(self) -> None:
+        with self.cond:
+            self.cond.notify_all()
+
+    def take(self, window: float, running, over) -> list[Job]:
+        """The waiting requests, once every running episode waits or ``window`` seconds after
+        the first; empty when ``over()`` (nothing will come) or after a second of quiet."""
+        with self.cond:
+            self.cond.wait_for(lambda: self.jobs or over(), timeout=1.0)
+            if not self.jobs:
+                return []
+            first = time.monotonic()
+            self.cond.wait_for(lambda: len(self.jobs) >= running(), timeout=max(0.0, first + window - time.monotonic()))
+            jobs, self.jobs = self.jobs, []
+            return jobs

@@ -1,7 +1,7 @@
 """Agent episodes: programs that talk to the policy through an OpenAI-compatible endpoint.
 
 For each rollout, :class:`AgentRunner` serves an endpoint on 127.0.0.1
-(:mod:`grpo_core.train.actor.endpoint`), runs ``G`` episodes of each prompt with the spec's agent
+(:mod:`grpo_core.endpoint.server`), runs ``G`` episodes of each prompt with the spec's agent
 (``rollout.agent``: a function or coroutine function, :class:`~grpo_core.contracts.Agent`),
 at most ``concurrency`` at once, each within ``timeout_s``, and answers their requests with
 the run's rollout backend from the calling thread: requests that arrive together (every
@@ -13,7 +13,7 @@ What trains is what the endpoint recorded: per episode, one sequence of the firs
 tokens, then each call's sampled tokens (in the loss mask, with the sampler's log-probs when
 the backend gives them) and the tokens of the messages the agent added (context). A request
 that does not extend the episode so far starts a new training sample of it, or fails it
-(``rollout.agent.history``, :mod:`grpo_core.train.actor.histories`). The ``G`` episodes of a
+(``rollout.agent.history``, :mod:`grpo_core.train.actor.drivers.histories`). The ``G`` episodes of a
 prompt share the longest common prefix of their samples' prompts as the group's prompt; the
 rest of each prompt is context. An episode whose agent raised, timed out,
 edited its history (under ``history: refuse``) or broke a limit is failed: no reward, no token
@@ -34,20 +34,27 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import torch
-
-from grpo_core.contracts import RolloutBatch, SamplingParams
-from grpo_core.errors import RunError, fault_text
-from grpo_core.train.actor.agent_tasks import AgentTasks
-from grpo_core.train.actor.endpoint import (
+from grpo_core.contracts import DriverSetup, RolloutBatch, SamplingParams
+from grpo_core.endpoint.server import (
     Endpoint,
     EndpointError,
     Request,
     plain,
     same_message,
 )
-from grpo_core.train.actor.episodes import EpisodeRecord, TurnRenderer, episodes_batch, with_tools
-from grpo_core.train.actor.histories import (
+from grpo_core.endpoint.streaming import pieces
+from grpo_core.endpoint.toolcalls import tool_format
+from grpo_core.errors import RunError, fault_text
+from grpo_core.train.actor.drivers.agent_tasks import AgentTasks, Job, JobQueue
+from grpo_core.train.actor.drivers.episodes import (
+    EpisodeRecord,
+    TurnRenderer,
+    device_of,
+    episodes_batch,
+    source_of,
+    with_tools,
+)
+from grpo_core.train.actor.drivers.histories import (
     NotExtended,
     Sample,
     episode_row,
@@ -55,8 +62,6 @@ from grpo_core.train.actor.histories import (
     shared_messages,
     template_message,
 )
-from grpo_core.train.actor.streaming import pieces
-from grpo_core.train.actor.toolcalls import tool_format
 
 log = logging.getLogger("grpo.agents")
 
@@ -90,50 +95,6 @@ class _Live:
 
 
 @dataclass
-class _Job:
-    """A request waiting for the policy: the context ids, the tokens it may take, its stop
-    strings and choices; filled with the choices by the runner."""
-
-    episode: _Live
-    prompt: list[int]
-    want: int
-    stop: tuple[str, ...]
-    n: int
-    choices: list[dict[str, Any]] | None = None
-    error: str | None = None
-    done: threading.Event = field(default_factory=threading.Event)
-
-
-class _Queue:
-    """Requests from the endpoint's threads to the runner's, with the wait for more."""
-
-    def __init__(self) -> None:
-        self.cond = threading.Condition()
-        self.jobs: list[_Job] = []
-
-    def submit(self, job: _Job) -> None:
-        with self.cond:
-            self.jobs.append(job)
-            self.cond.notify_all()
-
-    def poke(self) -> None:
-        with self.cond:
-            self.cond.notify_all()
-
-    def take(self, window: float, running, over) -> list[_Job]:
-        """The waiting requests, once every running episode waits or ``window`` seconds after
-        the first; empty when ``over()`` (nothing will come) or after a second of quiet."""
-        with self.cond:
-            self.cond.wait_for(lambda: self.jobs or over(), timeout=1.0)
-            if not self.jobs:
-                return []
-            first = time.monotonic()
-            self.cond.wait_for(lambda: len(self.jobs) >= running(), timeout=max(0.0, first + window - time.monotonic()))
-            jobs, self.jobs = self.jobs, []
-            return jobs
-
-
-@dataclass
 class AgentRunner:
     """Runs agent episodes against an endpoint backed by a rollout backend (module doc)."""
 
@@ -161,7 +122,7 @@ class AgentRunner:
         episodes = [_Live(secrets.token_urlsafe(16), dict(p.row), g, EpisodeRecord([], None))
                     for p in prompts for g in range(group_size)]
         self._episodes = {e.key: e for e in episodes}
-        self._sampling, self._queue, self._with_logp = sampling, _Queue(), True
+        self._sampling, self._queue, self._with_logp = sampling, JobQueue(), True
         endpoint = Endpoint(self._handle, self._refuse, sampling, self.slot.max_request_bytes, self.max_n,
                             self.slot.cut_response)
         tasks = AgentTasks(self.agent, episodes, endpoint.base_url, self.slot.concurrency, self.slot.timeout_s,
@@ -189,14 +150,14 @@ class AgentRunner:
             if not e.closed and now > e.deadline + 1.0:
                 e.fail(f"timed out after {self.slot.timeout_s:g} s (rollout.agent.timeout_s)")
 
-    def _generate(self, backend: Any, jobs: list[_Job], sampling: SamplingParams, calls: list[int]) -> None:
+    def _generate(self, backend: Any, jobs: list[Job], sampling: SamplingParams, calls: list[int]) -> None:
         """The policy's answers to ``jobs``: one ``generate`` per stop set and copies per
         prompt, identical prompts prefilled once."""
-        groups: dict[tuple, dict[tuple, list[_Job]]] = {}
+        groups: dict[tuple, dict[tuple, list[Job]]] = {}
         for job in jobs:
             groups.setdefault((job.stop, job.n), {}).setdefault(tuple(job.prompt), []).append(job)
         for (stop, n), buckets in groups.items():
-            by_size: dict[int, list[tuple[tuple, list[_Job]]]] = {}
+            by_size: dict[int, list[tuple[tuple, list[Job]]]] = {}
             for prompt, same in buckets.items():
                 by_size.setdefault(len(same), []).append((prompt, same))
             for size, entries in by_size.items():
@@ -262,7 +223,7 @@ class AgentRunner:
             want = min(request.max_tokens or self._sampling.max_new_tokens, self._sampling.max_new_tokens, room)
             stop = tuple(dict.fromkeys((*self._sampling.stop, *request.stop,
                                         *(self.format.stop if request.tools else ()))))
-            job = _Job(e, e.first + e.record.ids, want, stop, request.n)
+            job = Job(e, e.first + e.record.ids, want, stop, request.n)
             e.busy = True
         self._queue.submit(job)
         finished = job.done.wait(timeout=max(0.0, e.deadline - time.monotonic()))
@@ -450,10 +411,30 @@ class AgentRunner:
             log.warning("%d of %d agent episodes failed (no reward, no token in the loss); the first: %s",
                         len(failures), len(episodes), failures[0])
         with_logp = self._with_logp and any(e.record.turns for e in episodes)
-        device = getattr(backend, "device", None)
         return episodes_batch(group_prompts, [e.record for e in episodes], self.tokenizer, self.pad_id,
-                              torch.device(device) if device is not None else torch.device("cpu"), with_logp,
-                              failed=[e.failure is not None for e in episodes])
+                              device_of(backend), with_logp, failed=[e.failure is not None for e in episodes])
+
+
+class AgentDriver:
+    """The built-in ``agent`` episode driver: each episode an agent program run against the
+    endpoint (``rollout.agent``, or a route's agent), through an :class:`AgentRunner`."""
+
+    multi_turn = True
+
+    def __init__(self, options: Any = None) -> None:
+        self.runner: AgentRunner | None = None
+
+    def setup(self, run: DriverSetup) -> None:
+        slot = source_of(run, "agent", "agent")
+        self.runner = AgentRunner(slot.build(), slot, run.tokenizer, eos_ids=run.eos_ids, pad_id=run.pad_id,
+                                  max_n=run.group_size, chat_template_kwargs=dict(run.chat_template_kwargs))
+
+    def tools_for(self, row: dict[str, Any]) -> list[dict]:
+        """Agents send their tools with their requests: the prompts show none."""
+        return []
+
+    def run(self, backend: Any, prompts: list, group_size: int, sampling: SamplingParams) -> RolloutBatch:
+        return self.runner.run(backend, prompts, group_size, sampling)
 
 
 def _unrenderable(messages: list[dict[str, Any]], exc: BaseException) -> EndpointError:

@@ -1,22 +1,23 @@
 """The OpenAI-compatible endpoint agents talk to: ``/v1/chat/completions``,
 ``/v1/completions`` and ``/v1/models``, served on 127.0.0.1 while a rollout's agent episodes
-run (:mod:`grpo_core.train.actor.agents`), and ``/v1/responses``
-(:mod:`grpo_core.train.actor.responses_api`): starlette routes on a uvicorn server in a thread of
+run (:mod:`grpo_core.train.actor.drivers.agents`), and ``/v1/responses``
+(:mod:`grpo_core.endpoint.responses_api`): starlette routes on a uvicorn server in a thread of
 its own (HTTP/1.1, keep-alive, chunked bodies), as vLLM and SGLang serve theirs.
 
 Each request names its episode by its key (``Authorization: Bearer <key>``, the
-``api_key`` of an OpenAI client). The endpoint turns the request into the prompt token ids
-the policy continues, and never re-tokenizes what the policy wrote: an episode's history is
-the tokens of its first prompt, then, per call, the tokens the policy sampled and the
-tokens of the messages the agent added after them (tool results, user turns, rendered by the
-chat template as an in-process environment's observations are,
-:class:`~grpo_core.train.actor.episodes.TurnRenderer`). A request whose messages do not extend that
-history (the agent edited or dropped a message) fails its episode.
+``api_key`` of an OpenAI client). The endpoint parses and checks it and hands it to its
+``handle`` function (the agent driver's), which turns it into the prompt token ids the policy
+continues and never re-tokenizes what the policy wrote: an episode's history is the tokens of
+its first prompt, then, per call, the tokens the policy sampled and the tokens of the messages
+the agent added after them (tool results, user turns, rendered by the chat template as an
+in-process environment's observations are). A request whose messages do not extend that
+history (the agent edited or dropped a message) starts a new training sample or fails its
+episode (``rollout.agent.history``).
 
 What a request may set: ``messages`` (or ``prompt``), ``tools``, ``max_tokens`` /
 ``max_completion_tokens``, ``stop``, ``n``, ``logprobs``; ``temperature``, ``top_p`` and
 ``top_k`` only at the spec's values (the learner's log-probs assume them); ``stream`` and
-``stream_options.include_usage`` (:mod:`grpo_core.train.actor.streaming`). Every request is
+``stream_options.include_usage`` (:mod:`grpo_core.endpoint.streaming`). Every request is
 bounded: its body (``max_request_bytes``), the episode's calls
 (``max_calls``), tokens (``max_total_tokens``) and time (``timeout_s``).
 """
@@ -41,9 +42,9 @@ from starlette.requests import Request as StarletteRequest
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from grpo_core.endpoint import responses_api
+from grpo_core.endpoint.streaming import chat_events, completion_events
 from grpo_core.errors import fault_text
-from grpo_core.train.actor import responses_api
-from grpo_core.train.actor.streaming import chat_events, completion_events
 
 #: Levels of arrays and objects a request body may nest (a tool's JSON schema takes a few;
 #: the spec's YAML has the same bound).

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from grpo_core.train.actor.endpoint import EndpointError, plain, same_message, tool_calls
+from grpo_core.endpoint.server import EndpointError, plain, same_message, tool_calls
 
 
 class NotExtended(Exception):
@@ -73,7 +73,7 @@ def keeps_turn(tokenizer: Any, text: str, new: list[dict[str, Any]], kwargs: dic
 
 def shared_messages(messages: list[dict[str, Any]], history: list[tuple[dict[str, Any], bool]]) -> int:
     """How many leading ``messages`` are the episode's ``history`` (an answered assistant
-    message compared as :func:`~grpo_core.train.actor.endpoint.same_message` does)."""
+    message compared as :func:`~grpo_core.endpoint.server.same_message` does)."""
     for i, (sent, (had, answered)) in enumerate(zip(messages, history)):
         if not (same_message(sent, had) if answered else plain(sent) == plain(had)):
             return i
