@@ -13,7 +13,7 @@ learner pushes the policy's weights to every server. Nothing here is a new proto
 - a push is vLLM's weight-transfer API (``/start_weight_update``, ``/update_weights``,
   ``/finish_weight_update``) driving the server's ``grpo_torch`` engine, with the tensors
   broadcast over a ``torch.distributed`` group per server (gloo on the CPU, NCCL on GPUs;
-  :mod:`grpo_plugins.vllm.channel`), then ``/reset_prefix_cache``.
+  :mod:`grpo_plugins.rollout.channel`), then ``/reset_prefix_cache``.
 
 The learner needs PyTorch and the standard library, not vLLM: this module imports, registers and
 validates specs without it.
@@ -43,15 +43,25 @@ from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import torch
+from grpo_plugins.rollout.delta import DeltaEncoder
+from grpo_plugins.rollout.outputs import outputs_to_batch, request_seed
+from grpo_plugins.rollout.partial import PartialCompletion, stitched_outputs, versions_tensor
+from grpo_plugins.rollout.pushes import ServerPushes
 from grpo_plugins.vllm.client import Expected, ServerClient, ServerFault
-from grpo_plugins.vllm.delta import DeltaEncoder
-from grpo_plugins.vllm.io import completion_body, outputs_to_batch, repeat_greedy, request_seed
-from grpo_plugins.vllm.partial import PartialCompletion, stitched_outputs, versions_tensor
-from grpo_plugins.vllm.pushes import ServerPushes
+from grpo_plugins.vllm.io import completion_body, repeat_greedy
 from pydantic import AfterValidator, Field, field_validator
 
 from grpo_core import hookimpl
-from grpo_core.contracts import RolloutBatch, SamplingParams, WeightSwitch, check_request, special_ids
+from grpo_core.contracts import (
+    RolloutBatch,
+    RolloutCapabilities,
+    RolloutSetup,
+    SamplingParams,
+    WeightPush,
+    WeightSwitch,
+    check_request,
+    special_ids,
+)
 from grpo_core.errors import RunError
 from grpo_core.options import Options, Seconds
 
@@ -232,15 +242,10 @@ class Failover:
 class VLLMServerRollout(ServerPushes):
     """Generates on vLLM rollout servers; ``sync_weights`` pushes the policy's weights (LoRA
     merged, FSDP2 gathered, or the adapter alone) to every live server every ``push_every``
-    syncs (the pushes: :class:`~grpo_plugins.vllm.pushes.ServerPushes`)."""
+    syncs (the pushes: :class:`~grpo_plugins.rollout.pushes.ServerPushes`)."""
 
     name = NAME
 
-    #: The servers hold their own copy of the weights (pushed by ``sync_weights``).
-    generates_with_policy = False
-    #: Partial rollouts: with ``switch`` set, a weight update pauses the servers mid-generation
-    #: (:meth:`_generate_partial`).
-    interruptible = True
     #: Seconds to wait, after a server's ``/pause`` answered, for the answers of the requests it aborted.
     pause_grace_s = 0.5
 
@@ -259,19 +264,28 @@ class VLLMServerRollout(ServerPushes):
         self.backend = "gloo"
         self.tag = _launch_tag()
         self.encoders: dict[str, DeltaEncoder] = {}  # per server dtype: what the servers hold (delta_push)
-        self.last_push: dict[str, float] = {}  # the last push's push_stats (logged as sync/push_*)
-        #: The run's staleness bound (``rollout.max_staleness``, set by the engine): adapter
-        #: pushes keep ``max_staleness + 1`` versions loaded on each server.
+        #: The run's staleness bound (``RolloutSetup.max_staleness``): adapter pushes keep
+        #: ``max_staleness + 1`` versions loaded on each server.
         self.max_staleness = 0
         self.push = "merged"  # or "adapter": chosen in setup from lora_push
         self.loaded: dict[int, str] = {}  # adapter versions loaded on the servers: version -> LoRA name
         self.serving = ""  # the LoRA name requests sample with (adapter pushes); "": the base model
-        self.switch: WeightSwitch | None = None  # partial rollouts (set by the engine)
+        self.switch: WeightSwitch | None = None  # partial rollouts (RolloutSetup.switch)
+
+    @property
+    def capabilities(self) -> RolloutCapabilities:
+        """The servers hold their own copy of the weights (pushed by ``sync_weights``); the
+        batches are on the policy's device after setup; with a switch, a weight update pauses
+        the servers mid-generation (:meth:`_generate_partial`)."""
+        return RolloutCapabilities(device=self.device, interruptible=True)
 
     # ----------------------------------------------------------------- contract
-    def setup(self, model: Any, tokenizer: Any) -> None:
+    def setup(self, run: RolloutSetup) -> WeightPush | None:
         """Check every server, open the weight channels (the learner's process of rank 0
-        only) and push the policy's weights (weight version 1; each push adds one)."""
+        only) and push the policy's weights (weight version 1; each push adds one): the push
+        returned (an adapter push's: the base weights go first, whole)."""
+        model, tokenizer = run.model, run.tokenizer
+        self.max_staleness, self.switch = run.max_staleness, run.switch
         self.tokenizer = tokenizer
         self.eos_ids, self.pad_id = special_ids(model, tokenizer, NAME)
         self.vocab_size = _vocab_size(model)
@@ -287,11 +301,10 @@ class VLLMServerRollout(ServerPushes):
             self._open_channels()
         if self.push == "adapter":
             self._push_base(model)
-            self._push_adapter(model)
-        else:
-            self._push(model)
+            return self._push_adapter(model)
+        return self._push(model)
 
-    def sync_weights(self, model: Any) -> None:
+    def sync_weights(self, model: Any) -> WeightPush | None:
         """Push the policy's weights to every live server at syncs ``1, 1 + n, 1 + 2n, ...``
         (``n = push_every``): the first sync pushes, so that after a resume (setup, then the
         checkpoint loaded, then one sync) the servers get the resumed weights at once.
@@ -300,10 +313,12 @@ class VLLMServerRollout(ServerPushes):
         raise: the engine calls it after a step's update, and a failure there would lose
         that completed step. The next ``generate`` (the next step, before its update)
         raises the :class:`RunError`, and the engine's failure path checkpoints the last
-        completed step."""
+        completed step. Returns the push (None on the processes that do not push, and at
+        the syncs ``push_every`` skips)."""
         self.syncs += 1
-        if (self.syncs - 1) % self.options.push_every == 0:
-            self._push_adapter(model) if self.push == "adapter" else self._push(model)
+        if (self.syncs - 1) % self.options.push_every:
+            return None
+        return self._push_adapter(model) if self.push == "adapter" else self._push(model)
 
     def generate(self, prompt_ids: list[list[int]], group_size: int, sampling: SamplingParams) -> RolloutBatch:
         """``G = group_size`` completions for each of the ``P`` prompts, spread over the live
@@ -335,7 +350,7 @@ class VLLMServerRollout(ServerPushes):
         with ``finish_reason: "abort"`` and the tokens so far; one that reached it after the
         pause waits in its queue), the weights are pushed (``switch.take()``), the servers
         resume, and each unfinished completion continues as one request from its prefix
-        (:mod:`grpo_plugins.vllm.partial`). An answer that came in before the resume was
+        (:mod:`grpo_plugins.rollout.partial`). An answer that came in before the resume was
         sampled with the old weights; one that comes after it waited in the queue, all of it
         with the new ones, unless the pushes are adapters: it then names, and samples with, the
         old adapter version, which stays loaded (``max_staleness + 1`` are)."""

@@ -450,7 +450,7 @@ class AgentRunner:
             log.warning("%d of %d agent episodes failed (no reward, no token in the loss); the first: %s",
                         len(failures), len(episodes), failures[0])
         with_logp = self._with_logp and any(e.record.turns for e in episodes)
-        device = getattr(backend, "device", None)
+        device = backend.capabilities.device
         return episodes_batch(group_prompts, [e.record for e in episodes], self.tokenizer, self.pad_id,
                               torch.device(device) if device is not None else torch.device("cpu"), with_logp,
                               failed=[e.failure is not None for e in episodes])

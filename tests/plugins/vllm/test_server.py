@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from grpo_core.cli import main
-from grpo_core.contracts import RolloutBackend
+from grpo_core.contracts import RolloutBackend, RolloutSetup
 from grpo_core.errors import RunError
 from grpo_core.plugin_manager import load_plugins
 from grpo_core.testing import build_model, build_tokenizer
@@ -147,7 +147,7 @@ def test_a_plain_openai_server_is_refused_with_what_to_start():
         rollout = VLLMServerRollout(VLLMServerOptions(urls=[url], retries=0, timeout_s=5))
         with pytest.raises(RunError, match=f"no rollout server is left \\({url}: did not answer as a grpo-run"):
             tokenizer = build_tokenizer()
-            rollout.setup(build_model(tokenizer), tokenizer)
+            rollout.setup(RolloutSetup(build_model(tokenizer), tokenizer))
     finally:
         server.shutdown()
         server.server_close()
