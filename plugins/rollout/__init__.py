@@ -11,14 +11,16 @@ server backend would too):
 - delta pushes, only the elements that changed, checksummed (:mod:`~grpo_plugins.rollout.delta`,
   pure torch) and adapter-only LoRA pushes (:mod:`~grpo_plugins.rollout.adapter`);
 - the weight pushes to rollout servers (:mod:`~grpo_plugins.rollout.pushes`: a server backend's
-  base class, which reaches each server through a ``PushTarget`` client);
+  base class, which reaches each server through a ``PushTarget`` client) and what else a backend
+  of servers addressed by URL needs: URLs checked, prompts split, servers failed over
+  (:mod:`~grpo_plugins.rollout.servers`);
 - an engine's answers as plain records and a batch (:mod:`~grpo_plugins.rollout.outputs`) and
   partial rollouts' prefix continuation (:mod:`~grpo_plugins.rollout.partial`).
 
 Imports go one way::
 
     hf -> decode, images    pushes -> channel, delta, adapter, weights    partial -> outputs
-    adapter -> weights    channel -> delta (which imports none)
+    adapter -> weights    channel -> delta (which imports none)    servers (which imports none)
 
 The plugin is ``hf``.
 """

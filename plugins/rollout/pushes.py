@@ -17,7 +17,7 @@ Three kinds, chosen at setup:
 
 The first process of the launch pushes; the others take part in the gathers and wait until
 their servers report the version. A server that fails during a push is dropped (the backend's
-``_each``, through its :class:`~grpo_plugins.vllm.server.Failover`).
+``_each``, through its :class:`~grpo_plugins.rollout.servers.Failover`).
 
 :class:`ServerPushes` is the backend's base class: it reads the backend's ``name``,
 ``options`` (``lora_push``, ``timeout_s``, ``delta_push``, ``weight_port``, ``weight_host``),

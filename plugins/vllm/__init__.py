@@ -12,15 +12,16 @@ inside the server only: it imports vLLM). What both backends send vLLM is
 What any engine's backend would share is :mod:`grpo_plugins.rollout`'s, engine-neutral: the
 policy's weights (``weights``), the weight channel (``channel``), delta and adapter-only pushes
 (``delta``, ``adapter``), the pushes to servers (``pushes``: the server backend's base class, on
-the client as a ``PushTarget``), an engine's answers as a batch (``outputs``) and partial
-rollouts' prefix continuation (``partial``).
+the client as a ``PushTarget``), servers addressed by URL split and failed over (``servers``),
+an engine's answers as a batch (``outputs``) and partial rollouts' prefix continuation
+(``partial``).
 
 Imports go one way, from the backends down to the leaves, and vLLM itself is imported only
 inside the functions that need it (and by ``worker``)::
 
     colocated -> engine, io, rollout.{weights, adapter, outputs, partial}
-    server -> client, io, rollout.{pushes, delta, outputs, partial}
-    client -> rollout.{channel, outputs}    worker -> rollout.{channel, delta, adapter}
+    server -> client, io, rollout.{pushes, servers, delta, outputs, partial}
+    client -> rollout.{channel, outputs, servers}    worker -> rollout.{channel, delta, adapter}
     serve -> guard (which imports none)
 
 The plugins are ``colocated``, ``server`` and ``serve``.

@@ -28,6 +28,7 @@ from typing import Any
 
 from grpo_plugins.rollout.channel import delta_info, local_address, open_group, send_deltas, send_tensors, update_info
 from grpo_plugins.rollout.outputs import Completion, Output
+from grpo_plugins.rollout.servers import ServerFault
 from torch import Tensor
 
 from grpo_core.http import BadAnswer, HTTPClient, HTTPFailure, StatusError, TooLarge
@@ -40,11 +41,6 @@ SMALL_ANSWER_BYTES = 1 << 20
 #: What a ``/v1/completions`` answer may hold per token of each completion (its id, log-prob,
 #: text and vLLM's extras, generously), on top of :data:`SMALL_ANSWER_BYTES`.
 BYTES_PER_TOKEN = 512
-
-
-class ServerFault(Exception):
-    """A server did not answer (refused, timed out, an HTTP error, a broken weight channel) or
-    answered what the request cannot have produced."""
 
 
 class InvalidAnswer(ValueError):

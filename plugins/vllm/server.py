@@ -38,16 +38,15 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
-import uuid
 from typing import Annotated, Any, Literal
-from urllib.parse import urlsplit
 
 import torch
 from grpo_plugins.rollout.delta import DeltaEncoder
 from grpo_plugins.rollout.outputs import outputs_to_batch, request_seed
 from grpo_plugins.rollout.partial import PartialCompletion, stitched_outputs, versions_tensor
 from grpo_plugins.rollout.pushes import ServerPushes
-from grpo_plugins.vllm.client import Expected, ServerClient, ServerFault
+from grpo_plugins.rollout.servers import Failover, ServerFault, assign_prompts, check_url, launch_tag, process_rank
+from grpo_plugins.vllm.client import Expected, ServerClient
 from grpo_plugins.vllm.io import completion_body, repeat_greedy
 from pydantic import AfterValidator, Field, field_validator
 
@@ -65,26 +64,10 @@ from grpo_core.contracts import (
 from grpo_core.errors import RunError
 from grpo_core.options import Options, Seconds
 
-__all__ = ["Failover", "VLLMServerOptions", "VLLMServerRollout", "assign_prompts", "check_url"]
+__all__ = ["VLLMServerOptions", "VLLMServerRollout"]
 
 log = logging.getLogger("grpo.rollout.vllm-server")
 NAME = "vllm-server"
-
-
-def check_url(url: str) -> str:
-    """``url`` without a trailing slash, if it is ``http(s)://host:port`` (a path prefix is
-    kept, as behind a proxy); else a ``ValueError`` saying what is valid."""
-    parts = urlsplit(url)
-    try:
-        port = parts.port
-    except ValueError:
-        port = None
-    if parts.scheme not in ("http", "https") or not parts.hostname or port is None or parts.query:
-        raise ValueError(
-            f"{url!r} is not a server URL: write http://HOST:PORT (e.g. http://127.0.0.1:8000, "
-            "the address grpo-run serve prints)"
-        )
-    return url.rstrip("/")
 
 
 #: One server's URL in the options, checked item by item (every bad one is reported).
@@ -195,49 +178,6 @@ class VLLMServerOptions(Options):
         return urls
 
 
-# --------------------------------------------------------------------------- pure pieces
-def assign_prompts(n_prompts: int, n_servers: int) -> list[int]:
-    """The server index of each of ``n_prompts`` prompts: contiguous parts whose sizes differ
-    by at most one, the larger ones first (prompt ``i`` goes to ``floor(i * S / P)`` with
-    the remainder spread)."""
-    if n_servers < 1:
-        raise ValueError("assign_prompts: needs at least one server")
-    base, extra = divmod(n_prompts, n_servers)
-    owners: list[int] = []
-    for s in range(n_servers):
-        owners += [s] * (base + (s < extra))
-    return owners
-
-
-class Failover:
-    """Which servers are live, why the others were dropped, and where a dropped server's
-    prompts go: to the live servers in turn, in URL order."""
-
-    def __init__(self, urls: list[str]):
-        self.urls = list(urls)
-        self.dropped: dict[str, str] = {}
-
-    def live(self) -> list[str]:
-        return [u for u in self.urls if u not in self.dropped]
-
-    def drop(self, url: str, why: str) -> None:
-        if url not in self.dropped:
-            self.dropped[url] = why
-            log.warning("vllm-server rollout: dropping %s for the rest of the run: %s", url, why)
-
-    def reassign(self, prompts: list[int]) -> dict[int, str]:
-        """``prompts`` (indices) spread over the live servers, or a :class:`RunError` when
-        none is left, naming every server and what failed."""
-        live = self.live()
-        if not live:
-            raise RunError(self.failure())
-        return {p: live[k % len(live)] for k, p in enumerate(prompts)}
-
-    def failure(self) -> str:
-        lines = "; ".join(f"{u}: {self.dropped.get(u, 'live')}" for u in self.urls)
-        return f"vllm-server rollout: no rollout server is left ({lines})"
-
-
 # --------------------------------------------------------------------------- backend
 class VLLMServerRollout(ServerPushes):
     """Generates on vLLM rollout servers; ``sync_weights`` pushes the policy's weights (LoRA
@@ -251,7 +191,7 @@ class VLLMServerRollout(ServerPushes):
 
     def __init__(self, options: VLLMServerOptions):
         self.options = options
-        self.failover = Failover(options.urls)
+        self.failover = Failover(options.urls, NAME)
         secret = os.environ.get(options.secret_env) or None
         self.clients = {u: ServerClient(u, options.timeout_s, options.retries, secret=secret,
                                         secret_env=options.secret_env) for u in options.urls}
@@ -262,7 +202,7 @@ class VLLMServerRollout(ServerPushes):
         self.version = 0
         self.pusher = True
         self.backend = "gloo"
-        self.tag = _launch_tag()
+        self.tag = launch_tag()
         self.encoders: dict[str, DeltaEncoder] = {}  # per server dtype: what the servers hold (delta_push)
         #: The run's staleness bound (``RolloutSetup.max_staleness``): adapter pushes keep
         #: ``max_staleness + 1`` versions loaded on each server.
@@ -293,7 +233,7 @@ class VLLMServerRollout(ServerPushes):
         self.backend = self.options.weight_backend
         if self.backend == "auto":
             self.backend = "nccl" if self.device.type == "cuda" else "gloo"
-        self.pusher = _rank() == 0
+        self.pusher = process_rank() == 0
         self._each(lambda c: c.connect(), "did not answer as a grpo-run serve server")
         if hasattr(model, "peft_config"):
             self._choose_push(model)
@@ -498,22 +438,6 @@ def _vocab_size(model: Any) -> int:
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     rows = getattr(embeddings, "num_embeddings", None)
     return int(rows if rows is not None else model.config.vocab_size)
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _launch_tag() -> str:
-    """A prefix of the weight versions pushed, the same in every process of one launch and
-    new at the next (a server may still hold the previous run's versions): the launcher's
-    rendezvous address and run id, or a random one for a single process."""
-    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
-        keys = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
-        return ":".join(os.environ.get(k, "") for k in keys) + "/"
-    return uuid.uuid4().hex[:12] + "/"
 
 
 @hookimpl
