@@ -19,10 +19,11 @@ The first process of the launch pushes; the others take part in the gathers and 
 their servers report the version. A server that fails during a push is dropped (the backend's
 ``_each``, through its :class:`~grpo_plugins.rollout.servers.Failover`).
 
-:class:`ServerPushes` is the backend's base class: it reads the backend's ``name``,
-``options`` (``lora_push``, ``timeout_s``, ``delta_push``, ``weight_port``, ``weight_host``),
-``clients``, ``failover``, ``tag``, ``pusher``, ``backend``, ``syncs`` and ``max_staleness``,
-and ``_each`` and ``_guard``, and keeps ``version``, ``push``, ``loaded``, ``serving`` and
+:class:`ServerPushes` is the backend's base class, beside
+:class:`~grpo_plugins.rollout.servers.ServerPool` (whose ``_each`` and ``_guard`` it calls): it
+reads the backend's ``name``, ``options`` (``lora_push``, ``timeout_s``, ``delta_push``,
+``weight_port``, ``weight_host``), ``clients``, ``failover``, ``tag``, ``pusher``, ``backend``,
+``syncs`` and ``max_staleness``, and keeps ``version``, ``push``, ``loaded``, ``serving`` and
 ``encoders``. Every push returns its :class:`~grpo_core.contracts.WeightPush` (bytes to one
 server, seconds, a delta push's figures) on the process that pushes, None on the others.
 """

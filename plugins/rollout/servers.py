@@ -3,19 +3,23 @@
 split over the servers (:func:`assign_prompts`), which servers are live and where a dropped
 one's prompts go (:class:`Failover`), what a failing server raises (:class:`ServerFault`), this
 process's rank (:func:`process_rank`) and the launch's prefix of weight versions
-(:func:`launch_tag`). Standard library only.
+(:func:`launch_tag`), and the base class of such a backend (:class:`ServerPool`): requests
+spread over the live servers, an action on every server at once, a failing one dropped.
+Standard library only.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import uuid
+from typing import Any
 from urllib.parse import urlsplit
 
 from grpo_core.errors import RunError
 
-__all__ = ["Failover", "ServerFault", "assign_prompts", "check_url", "launch_tag", "process_rank"]
+__all__ = ["Failover", "ServerFault", "ServerPool", "assign_prompts", "check_url", "launch_tag", "process_rank"]
 
 
 class ServerFault(Exception):
@@ -97,3 +101,61 @@ def launch_tag() -> str:
         keys = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
         return ":".join(os.environ.get(k, "") for k in keys) + "/"
     return uuid.uuid4().hex[:12] + "/"
+
+
+class ServerPool:
+    """The servers of a backend addressed by URL (its base class): it reads the backend's
+    ``clients`` (URL -> client, whose ``complete(body, expected)`` answers one request or raises
+    :class:`ServerFault`, and whose ``model`` is the server's model name), ``failover`` and
+    ``serving`` (the model name requests sample with; "" for the server's own)."""
+
+    def _complete(self, requests: list[tuple[dict[str, Any], Any]]) -> list[Any]:
+        """Each request's checked answer, in order; the requests of a server that fails (no
+        answer, or an answer the request cannot have produced, after its retries) move to
+        the live ones."""
+        live = self.failover.live()
+        if not live:
+            raise RunError(self.failover.failure())
+        todo = {i: live[s] for i, s in enumerate(assign_prompts(len(requests), len(live)))}
+        results: list[Any] = [None] * len(requests)
+        while todo:
+            failed: list[int] = []
+            with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(todo), 64)) as pool:
+                futures = {pool.submit(self._ask, url, *requests[i]): (i, url) for i, url in todo.items()}
+                for future in concurrent.futures.as_completed(futures):
+                    i, url = futures[future]
+                    try:
+                        results[i] = future.result()
+                    except ServerFault as exc:
+                        self.failover.drop(url, str(exc))
+                        failed.append(i)
+            todo = self.failover.reassign(sorted(failed)) if failed else {}
+        return results
+
+    def _ask(self, url: str, body: dict[str, Any], expected: Any, serving: str | None = None) -> Any:
+        """``body`` to the server at ``url``, naming ``serving`` (an adapter version), else the
+        one requests name now, else the server's model."""
+        if url in self.failover.dropped:  # dropped while this request waited
+            raise ServerFault(self.failover.dropped[url])
+        client = self.clients[url]
+        return client.complete({**body, "model": serving or self.serving or client.model}, expected)
+
+    def _each(self, action, what: str, *, required: bool = True) -> None:
+        """Run ``action(client)`` on every live server at once; drop those that fail. With
+        none left, a :class:`RunError` if ``required``, else a warning (the error comes
+        with the next rollout)."""
+        live = self.failover.live()
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(live))) as pool:
+            for future in [pool.submit(self._guard, u, action, what) for u in live]:
+                future.result()
+        if not self.failover.live():
+            if required:
+                raise RunError(self.failover.failure())
+            logging.getLogger(f"grpo.rollout.{self.failover.backend}").warning(
+                "%s; the next rollout will fail", self.failover.failure())
+
+    def _guard(self, url: str, action, what: str) -> None:
+        try:
+            action(self.clients[url])
+        except ServerFault as exc:
+            self.failover.drop(url, f"{what}: {exc}")

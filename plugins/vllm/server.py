@@ -45,7 +45,15 @@ from grpo_plugins.rollout.delta import DeltaEncoder
 from grpo_plugins.rollout.outputs import outputs_to_batch, request_seed
 from grpo_plugins.rollout.partial import PartialCompletion, stitched_outputs, versions_tensor
 from grpo_plugins.rollout.pushes import ServerPushes
-from grpo_plugins.rollout.servers import Failover, ServerFault, assign_prompts, check_url, launch_tag, process_rank
+from grpo_plugins.rollout.servers import (
+    Failover,
+    ServerFault,
+    ServerPool,
+    assign_prompts,
+    check_url,
+    launch_tag,
+    process_rank,
+)
 from grpo_plugins.vllm.client import Expected, ServerClient
 from grpo_plugins.vllm.io import completion_body, repeat_greedy
 from pydantic import AfterValidator, Field, field_validator
@@ -179,7 +187,7 @@ class VLLMServerOptions(Options):
 
 
 # --------------------------------------------------------------------------- backend
-class VLLMServerRollout(ServerPushes):
+class VLLMServerRollout(ServerPushes, ServerPool):
     """Generates on vLLM rollout servers; ``sync_weights`` pushes the policy's weights (LoRA
     merged, FSDP2 gathered, or the adapter alone) to every live server every ``push_every``
     syncs (the pushes: :class:`~grpo_plugins.rollout.pushes.ServerPushes`)."""
@@ -379,57 +387,6 @@ class VLLMServerRollout(ServerPushes):
         self.switch.take()
         self._each(lambda c: c.call("POST", "/resume", retries=0), "did not resume after a weight update")
         return version
-
-    # ----------------------------------------------------------------- internals
-    def _complete(self, requests: list[tuple[dict[str, Any], Expected]]) -> list[Any]:
-        """Each request's checked answer, in order; the requests of a server that fails (no
-        answer, or an answer the request cannot have produced, after its retries) move to
-        the live ones."""
-        live = self.failover.live()
-        if not live:
-            raise RunError(self.failover.failure())
-        todo = {i: live[s] for i, s in enumerate(assign_prompts(len(requests), len(live)))}
-        results: list[Any] = [None] * len(requests)
-        while todo:
-            failed: list[int] = []
-            with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(todo), 64)) as pool:
-                futures = {pool.submit(self._ask, url, *requests[i]): (i, url) for i, url in todo.items()}
-                for future in concurrent.futures.as_completed(futures):
-                    i, url = futures[future]
-                    try:
-                        results[i] = future.result()
-                    except ServerFault as exc:
-                        self.failover.drop(url, str(exc))
-                        failed.append(i)
-            todo = self.failover.reassign(sorted(failed)) if failed else {}
-        return results
-
-    def _ask(self, url: str, body: dict[str, Any], expected: Expected, serving: str | None = None) -> Any:
-        """``body`` to the server at ``url``, naming ``serving`` (an adapter version), else the
-        one requests name now, else the server's model."""
-        if url in self.failover.dropped:  # dropped while this request waited
-            raise ServerFault(self.failover.dropped[url])
-        client = self.clients[url]
-        return client.complete({**body, "model": serving or self.serving or client.model}, expected)
-
-    def _each(self, action, what: str, *, required: bool = True) -> None:
-        """Run ``action(client)`` on every live server at once; drop those that fail. With
-        none left, a :class:`RunError` if ``required``, else a warning (the error comes
-        with the next rollout)."""
-        live = self.failover.live()
-        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(live))) as pool:
-            for future in [pool.submit(self._guard, u, action, what) for u in live]:
-                future.result()
-        if not self.failover.live():
-            if required:
-                raise RunError(self.failover.failure())
-            log.warning("%s; the next rollout will fail", self.failover.failure())
-
-    def _guard(self, url: str, action, what: str) -> None:
-        try:
-            action(self.clients[url])
-        except ServerFault as exc:
-            self.failover.drop(url, f"{what}: {exc}")
 
 
 def _vocab_size(model: Any) -> int:
