@@ -6,10 +6,10 @@ learner trains, the servers generate, and after each update (or every ``push_eve
 learner pushes the policy's weights to every server. Nothing here is a new protocol:
 
 - generation is vLLM's OpenAI-compatible ``/v1/completions``, one request per prompt with
-  ``n = G`` samples and that prompt's seed (:func:`~grpo_plugins.vllm.io.request_seed`, the
+  ``n = G`` samples and that prompt's seed (:func:`~grpo_plugins.rollout.outputs.request_seed`, the
   colocated ``vllm`` backend's), token ids in and out and the sampler's log-probs, made
   into the same :class:`~grpo_core.contracts.RolloutBatch` by
-  :func:`~grpo_plugins.vllm.io.outputs_to_batch`;
+  :func:`~grpo_plugins.rollout.outputs.outputs_to_batch`;
 - a push is vLLM's weight-transfer API (``/start_weight_update``, ``/update_weights``,
   ``/finish_weight_update``) driving the server's ``grpo_torch`` engine, with the tensors
   broadcast over a ``torch.distributed`` group per server (gloo on the CPU, NCCL on GPUs;
@@ -19,7 +19,7 @@ The learner needs PyTorch and the standard library, not vLLM: this module import
 validates specs without it.
 
 Several URLs are data-parallel generation: a step's prompts are split into contiguous,
-near-equal parts (:func:`assign_prompts`). Every request goes through the project's one HTTP
+near-equal parts (:func:`~grpo_plugins.rollout.servers.assign_prompts`). Every request goes through the project's one HTTP
 client (:mod:`grpo_core.http`): a deadline of ``timeout_s`` per attempt however slowly a server
 answers, a cap on the answer's size, no redirects. Every answer is checked against its request
 before it enters a batch (:func:`~grpo_plugins.vllm.client.to_outputs`: ``G`` completions, token
@@ -27,7 +27,8 @@ ids within the policy's vocabulary, one finite log-prob ``<= 0`` per token): a b
 that server's fault, like a failed connection. Faults: a request is retried ``retries``
 times; a server that still fails (refused, timed out, an error, a bad answer, a broken
 weight channel) is dropped for the rest of the run and its unfinished prompts go to the
-live ones (:class:`Failover`). Each prompt's seed travels with it, so
+live ones (:class:`~grpo_plugins.rollout.servers.Failover`, through the backend's base
+:class:`~grpo_plugins.rollout.servers.ServerPool`). Each prompt's seed travels with it, so
 the batch is the same whichever server samples it. With no server left the rollout raises
 a :class:`~grpo_core.errors.RunError` naming every URL and what failed: the run stops with
 exit 1 and the engine's failure path keeps the last completed step's checkpoint.
