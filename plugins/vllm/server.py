@@ -19,19 +19,20 @@ The learner needs PyTorch and the standard library, not vLLM: this module import
 validates specs without it.
 
 Several URLs are data-parallel generation: a step's prompts are split into contiguous,
-near-equal parts (:func:`~grpo_plugins.rollout.servers.assign_prompts`). Every request goes through the project's one HTTP
-client (:mod:`grpo_core.http`): a deadline of ``timeout_s`` per attempt however slowly a server
-answers, a cap on the answer's size, no redirects. Every answer is checked against its request
-before it enters a batch (:func:`~grpo_plugins.vllm.client.to_outputs`: ``G`` completions, token
-ids within the policy's vocabulary, one finite log-prob ``<= 0`` per token): a bad answer is
-that server's fault, like a failed connection. Faults: a request is retried ``retries``
-times; a server that still fails (refused, timed out, an error, a bad answer, a broken
-weight channel) is dropped for the rest of the run and its unfinished prompts go to the
-live ones (:class:`~grpo_plugins.rollout.servers.Failover`, through the backend's base
-:class:`~grpo_plugins.rollout.servers.ServerPool`). Each prompt's seed travels with it, so
-the batch is the same whichever server samples it. With no server left the rollout raises
-a :class:`~grpo_core.errors.RunError` naming every URL and what failed: the run stops with
-exit 1 and the engine's failure path keeps the last completed step's checkpoint.
+near-equal parts (:func:`~grpo_plugins.rollout.servers.assign_prompts`). Every request goes
+through the project's one HTTP client (:mod:`grpo_core.http`): a deadline of ``timeout_s`` per
+attempt however slowly a server answers, a cap on the answer's size, no redirects. Every answer
+is checked against its request before it enters a batch
+(:func:`~grpo_plugins.vllm.client.to_outputs`: ``G`` completions, token ids within the policy's
+vocabulary, one finite log-prob ``<= 0`` per token): a bad answer is that server's fault, like a
+failed connection. Faults: a request is retried ``retries`` times; a server that still fails
+(refused, timed out, an error, a bad answer, a broken weight channel) is dropped for the rest of
+the run and its unfinished prompts go to the live ones
+(:class:`~grpo_plugins.rollout.servers.Failover`, through the backend's base
+:class:`~grpo_plugins.rollout.servers.ServerPool`). Each prompt's seed travels with it, so the
+batch is the same whichever server samples it. With no server left the rollout raises a
+:class:`~grpo_core.errors.RunError` naming every URL and what failed: the run stops with exit 1
+and the engine's failure path keeps the last completed step's checkpoint.
 """
 
 from __future__ import annotations
