@@ -234,7 +234,9 @@ def main(argv: list[str] | None = None) -> int:
         dtype = ("bfloat16" if bf16 else None) if dtype == "precision" else dtype
         options = {"sampler": sampler} if decode == "lean" else {}
         made = HFRollout(HFRolloutOptions(dtype=dtype, decode=decode, **options))
-        made.setup(model, tokenizer)
+        from grpo_core.contracts import RolloutSetup
+
+        made.setup(RolloutSetup(model, tokenizer))
         return made
 
     backend = backend_for("lean")

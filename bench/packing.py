@@ -163,7 +163,9 @@ def build_batch(name: str, model, tokenizer, prompts: list[list[int]], group: in
         from grpo_core.contracts import SamplingParams
 
         backend = HFRollout(HFRolloutOptions(dtype=None))
-        backend.setup(model, tokenizer)
+        from grpo_core.contracts import RolloutSetup
+
+        backend.setup(RolloutSetup(model, tokenizer))
         rollout = backend.generate(prompts, group, SamplingParams(max_new_tokens=32, seed=seed))
         p_ids, p_mask = rollout.prompt_ids, rollout.prompt_mask.bool()
         c_ids, c_mask = rollout.completion_ids, rollout.completion_mask.bool()

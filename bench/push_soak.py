@@ -71,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(args.model)
         backend = VLLMServerRollout(VLLMServerOptions(urls=[server.url]))
-        backend.setup(model, tokenizer)
+        from grpo_core.contracts import RolloutSetup
+
+        backend.setup(RolloutSetup(model, tokenizer))
         prompts = [tokenizer(f"Question {i}: what is {i} + {i + 7}?")["input_ids"] for i in range(args.prompts)]
         sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, seed=0)
         for pushes in range(args.pushes + 1):

@@ -53,7 +53,9 @@ def main(argv: list[str] | None = None) -> int:
              for r in rows[: args.prompts]]
     prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     backend = HFRollout()
-    backend.setup(policy, tokenizer)
+    from grpo_core.contracts import RolloutSetup
+
+    backend.setup(RolloutSetup(policy, tokenizer))
     out = backend.generate(prompts, args.group, SamplingParams(max_new_tokens=args.tokens, seed=0))
     mask = out.completion_mask.bool()
     batch = TrainBatch(out.prompt_ids, out.prompt_mask.bool(), out.completion_ids, mask, torch.zeros(mask.shape))

@@ -167,7 +167,9 @@ def run(args) -> dict[str, Any]:
         enforce_eager=args.enforce_eager, enable_sleep_mode=args.sleep_mode, seed=args.seed,
     )
     backend = VLLMRollout(options)
-    _, setup_s = _timed(lambda: backend.setup(model, tokenizer))
+    from grpo_core.contracts import RolloutSetup
+
+    _, setup_s = _timed(lambda: backend.setup(RolloutSetup(model, tokenizer)))
     results: dict[str, Any] = {"device": _device(), "setup_s": setup_s, "used_after_setup_gib": _used_gib()}
     engine_dtype = getattr(getattr(getattr(backend.llm, "llm_engine", None), "model_config", None), "dtype", None)
     results["vllm_dtype"] = str(engine_dtype)

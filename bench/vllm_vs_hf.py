@@ -89,7 +89,9 @@ def run(args) -> dict[str, Any]:
     model, tokenizer = _load(load)
     backend = _backend(args)
     start = time.perf_counter()
-    backend.setup(model, tokenizer)
+    from grpo_core.contracts import RolloutSetup
+
+    backend.setup(RolloutSetup(model, tokenizer))
     setup_s = time.perf_counter() - start
     prompts = _prompts(tokenizer, args.prompts, args.seed)
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, seed=args.seed)

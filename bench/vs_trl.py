@@ -124,7 +124,9 @@ def greedy_accuracy(model, tokenizer, rows, max_new_tokens: int, batch: int = 25
     from grpo_core.contracts import SamplingParams
 
     backend = HFRollout(HFRolloutOptions(dtype=dtype))
-    backend.setup(model, tokenizer)
+    from grpo_core.contracts import RolloutSetup
+
+    backend.setup(RolloutSetup(model, tokenizer))
     reward = accuracy_reward()
     correct = 0
     for start in range(0, len(rows), batch):

@@ -3,6 +3,7 @@ of every built component against its kind's contract (:func:`conform`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,6 +60,8 @@ def contract_members(protocol: type) -> tuple[list[str], dict[str, Any]]:
 
 
 def _check_flag(where: str, flag: str, value: Any, default: Any) -> None:
+    if dataclasses.is_dataclass(default) and not isinstance(value, type(default)):
+        raise PluginError(f"{where}: {flag} must be a {type(default).__name__} (grpo_core.contracts), got {value!r}")
     if isinstance(default, bool) and not isinstance(value, bool):
         raise PluginError(f"{where}: {flag} must be True or False, got {value!r}")
     if isinstance(default, tuple) and (

@@ -11,12 +11,15 @@
   ``sandbox.py`` / ``sandbox_child.py`` with ``code_harness.py``, or on a server through
   ``fusion.py``; shared: ``common.py``);
 - ``step_splitters.py``: step splitters for process supervision;
-- ``rollout/``: the ``hf`` rollout backend (``hf.py``, ``decode.py``, ``images.py``) and the
-  policy's weights for backends with their own copy (``weights.py``);
-- ``vllm/``: the ``vllm`` backend (``colocated.py``, ``engine.py``, ``adapter.py``: adapter-only
-  LoRA pushes), the ``vllm-server`` backend (``server.py``, its weight pushes ``pushes.py``,
-  ``client.py``, ``channel.py``), the ``grpo-run serve`` command (``serve.py``, ``worker.py``,
-  ``guard.py``) and what they share (``io.py``, ``delta.py``: delta weight pushes; ``partial.py``: partial rollouts);
+- ``rollout/``: the rollout family, engine-neutral: the ``hf`` rollout backend (``hf.py``,
+  ``decode.py``, ``images.py``) and what every backend with its own copy of the weights shares:
+  the policy's weights (``weights.py``), the weight channel (``channel.py``), delta and
+  adapter-only pushes (``delta.py``, ``adapter.py``), the pushes to servers (``pushes.py``) and
+  their split and failover (``servers.py``), an engine's answers (``outputs.py``) and partial
+  rollouts' prefix continuation (``partial.py``);
+- ``vllm/``: what only vLLM needs: the ``vllm`` backend (``colocated.py``, ``engine.py``), the
+  ``vllm-server`` backend (``server.py``, ``client.py``), the ``grpo-run serve`` command
+  (``serve.py``, ``worker.py``, ``guard.py``) and what both send vLLM (``io.py``);
 - ``datasets.py``: datasets; ``shapes.py``: a visual counting dataset that draws its images;
   ``samplers.py``: prompt samplers;
 - ``trackers/``: trackers (``mlflow.py``, ``console.py``, ``wandb.py``, ``tensorboard.py``; shared:

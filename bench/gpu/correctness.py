@@ -169,7 +169,7 @@ def sampler_check(model, tok, device: torch.device) -> dict[str, Any]:
     from grpo_plugins.rollout.hf import HFRollout, HFRolloutOptions
     from transformers import DynamicCache
 
-    from grpo_core.contracts import SamplingParams, left_pad, special_ids
+    from grpo_core.contracts import RolloutSetup, SamplingParams, left_pad, special_ids
     from grpo_core.train.learner.correction import rollout_correction
     from grpo_core.train.learner.logprobs import completion_logprobs
 
@@ -193,7 +193,7 @@ def sampler_check(model, tok, device: torch.device) -> dict[str, Any]:
                               "self_logp_diff_max": float(diff.max())}
 
     backend = HFRollout(HFRolloutOptions(dtype="bfloat16"))
-    backend.setup(policy, tok)
+    backend.setup(RolloutSetup(policy, tok))
     batch = backend.generate(prompts, 4, sampling)
     with torch.no_grad():
         trainer16, _ = completion_logprobs(policy, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,

@@ -1,7 +1,7 @@
 """Part 4, the collective paths, each in a process group of this one process (one GPU):
 
 - ``nccl`` (:func:`run_channel`): the ``vllm-server`` backend's weight channel
-  (``grpo_plugins.vllm.channel``: ``open_group``, ``update_info``, ``send_tensors``) opens its
+  (``grpo_plugins.rollout.channel``: ``open_group``, ``update_info``, ``send_tensors``) opens its
   own process group over a TCPStore (NCCL on a GPU, gloo on the CPU) and broadcasts the tiny
   policy's weights, as ``sync_weights`` does to a server's workers; vLLM itself is not needed.
   With one member nothing crosses a wire, but NCCL makes its communicator and runs its kernels.
@@ -63,7 +63,7 @@ def _weights(device: torch.device) -> list[tuple[str, torch.Tensor]]:
 def _one_member(device: torch.device, backend: str) -> dict[str, Any]:
     import time
 
-    from grpo_plugins.vllm.channel import open_group, send_tensors, update_info
+    from grpo_plugins.rollout.channel import open_group, send_tensors, update_info
 
     weights = _weights(device)
     before = [t.clone() for _, t in weights]
@@ -84,7 +84,7 @@ def _one_member(device: torch.device, backend: str) -> dict[str, Any]:
 
 
 def _two_members(device: torch.device, backend: str) -> dict[str, Any]:
-    from grpo_plugins.vllm.channel import open_group, receive_tensors, send_tensors, update_info
+    from grpo_plugins.rollout.channel import open_group, receive_tensors, send_tensors, update_info
 
     if device.type == "cuda" and torch.cuda.device_count() < 2:
         return {"status": "skipped", "reason": "NCCL needs one GPU per member and this machine has one"}
@@ -200,7 +200,9 @@ def _generate_gathered(device: torch.device) -> dict[str, Any]:
     outs = []
     for model in (plain, sharded):
         backend = HFRollout(HFRolloutOptions(dtype=None))
-        backend.setup(model, tok)
+        from grpo_core.contracts import RolloutSetup
+
+        backend.setup(RolloutSetup(model, tok))
         with strategy.rollout_weights(backend):  # gathers the sharded policy; nothing for the plain one
             outs.append(backend.generate(prompts, 2, sampling).completion_ids.cpu())
     same = torch.equal(outs[0], outs[1])

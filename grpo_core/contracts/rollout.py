@@ -4,8 +4,8 @@ and the checks and helpers every backend shares."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -78,12 +78,13 @@ class RolloutBatch:
 
 class WeightSwitch(Protocol):
     """Partial rollouts (``rollout.partial_rollouts``): what an interruptible backend (one
-    with ``interruptible = True``) asks while it generates, between engine steps, when the
-    engine sets its ``switch`` attribute. ``version``: the policy version of the backend's
-    weights now; ``pending()``: whether newer weights wait; ``take()``: put them into the
-    backend now (through its ``sync_weights``) and return their version. The backend stops
-    its unfinished completions before ``take`` and continues each from its prefix after it,
-    recording every token's version in :attr:`RolloutBatch.token_versions`."""
+    whose :class:`RolloutCapabilities` say ``interruptible``) asks while it generates, between
+    engine steps, when the engine hands it one (:attr:`RolloutSetup.switch`). ``version``: the
+    policy version of the backend's weights now; ``pending()``: whether newer weights wait;
+    ``take()``: put them into the backend now (through its ``sync_weights``) and return their
+    version. The backend stops its unfinished completions before ``take`` and continues each
+    from its prefix after it, recording every token's version in
+    :attr:`RolloutBatch.token_versions`."""
 
     version: int
 
@@ -167,49 +168,116 @@ def cut_after_stop(text: str, stop: Sequence[str]) -> str:
     return text[: min(ends)] if ends else text
 
 
-@runtime_checkable
-class RolloutBackend(Protocol):
-    """Generates completions and keeps its copy of the weights in step with the policy.
-
-    ``setup(model, tokenizer)`` is called once before the first rollout, with the policy
-    model (unwrapped) and its tokenizer. ``generate`` samples ``group_size`` completions
-    for each prompt. ``sync_weights(model)`` is called once per training step, after all of
-    the step's optimizer steps (``algorithm.mu`` times ``train.mini_batches`` of them), and
-    once after a resume, by every process (a sharded model is gathered while it runs); a
-    backend that generates with the training model itself makes it a no-op.
+@dataclass(frozen=True)
+class RolloutCapabilities:
+    """What a rollout backend can do: its ``capabilities`` attribute (a class attribute, or a
+    property where a value is known only after ``setup``). The engine reads nothing else of
+    a backend beyond :class:`RolloutBackend`'s methods; a backend that declares none gets
+    this record's defaults (a plain backend with its own copy of the weights, on the CPU).
 
     Attributes:
         generates_with_policy: True for a backend that runs the policy module it was given
             (the ``hf`` backend): the engine then makes a sharded (FSDP2) policy whole
-            around each rollout phase. Default False (a backend with its own copy).
+            around each rollout phase, and an asynchronous run gives it a copy of the policy
+            of its own (:attr:`RolloutSetup.model`). False: a backend with its own copy.
         device: the device of the tensors ``generate`` returns, or None for the CPU. The
-            engine builds the tensors of multi-turn episodes there.
+            engine builds the tensors of multi-turn episodes there. Read after ``setup``.
         accepts_images: True for a backend whose ``generate`` takes ``images=``: one
             :class:`~grpo_core.contracts.PromptImages` (or None) per prompt, passed only when
-            the prompts have images (``data.image_column``); the prompt ids then hold the
-            processor's image tokens. Default False: the engine refuses image prompts for it.
-            Before ``setup`` the engine sets such a backend's ``processor`` attribute to the
-            model's processor. Optional (read with a default, not part of the runtime check).
-        last_push: figures of the backend's last weight push (``{"bytes": ..., ...}``), logged
-            with the next training step as ``sync/push_<key>`` (the push that gave that step's
-            rollouts their weights). Optional: a backend without it logs none.
+            the prompts have images (``data.image_column``), with the model's processor in
+            :attr:`RolloutSetup.processor`; the prompt ids then hold the processor's image
+            tokens. False: the engine refuses image prompts for it.
         interruptible: True for a backend that can take new weights mid-generation
-            (``rollout.partial_rollouts``): the engine then sets its ``switch`` attribute to a
+            (``rollout.partial_rollouts``): :attr:`RolloutSetup.switch` is then a
             :class:`WeightSwitch`, which ``generate`` polls while it runs, and it returns
-            :attr:`RolloutBatch.token_versions`. Optional (default False: the option is
-            refused for it).
+            :attr:`RolloutBatch.token_versions`. False: the option is refused for it.
     """
 
     generates_with_policy: bool = False
     device: Any = None
+    accepts_images: bool = False
+    interruptible: bool = False
 
-    def setup(self, model: Any, tokenizer: Any) -> None: ...
+
+@dataclass(frozen=True)
+class RolloutSetup:
+    """What the engine hands a rollout backend once, before the first rollout
+    (:meth:`RolloutBackend.setup`).
+
+    Attributes:
+        model: the policy model (unwrapped), or for an asynchronous run of a backend that
+            ``generates_with_policy`` the actor's own copy of it.
+        tokenizer: the policy's tokenizer.
+        processor: the model's processor when the prompts have images (``data.image_column``,
+            only for a backend that ``accepts_images``), else None.
+        max_staleness: the run's staleness bound (``rollout.max_staleness``, 0 for a
+            synchronous run): a backend that keeps past policy versions loaded (``vllm``'s
+            adapter pushes) keeps ``max_staleness + 1`` of them, as rollouts in flight may
+            still sample with the oldest.
+        switch: with ``rollout.partial_rollouts`` (an ``interruptible`` backend), the
+            :class:`WeightSwitch` that ``generate`` polls; else None.
+    """
+
+    model: Any
+    tokenizer: Any
+    processor: Any = None
+    max_staleness: int = 0
+    switch: WeightSwitch | None = None
+
+
+@dataclass(frozen=True)
+class WeightPush:
+    """What one push of the policy's weights into a backend's copy sent, returned by
+    ``sync_weights`` (and by ``setup`` for the first): None when nothing went anywhere (a
+    backend that generates with the policy module, a push skipped). Logged with each training
+    step whose rollouts sampled after that push, as ``sync/push_bytes``, ``sync/push_seconds``
+    and ``sync/push_<key>`` for each of ``figures`` (:meth:`metrics`).
+
+    Attributes:
+        bytes: the bytes sent to one copy of the weights (one server, one engine).
+        seconds: the push's wall-clock time, gathers and transfers included.
+        figures: more figures of the push by name (a delta push's ``full_bytes``,
+            ``elements_sent``, ``tensors_whole``).
+    """
+
+    bytes: float
+    seconds: float
+    figures: Mapping[str, float] = field(default_factory=dict)
+
+    def metrics(self) -> dict[str, float]:
+        """The push as ``sync/push_*`` metrics."""
+        named = {"bytes": self.bytes, "seconds": self.seconds, **self.figures}
+        return {f"sync/push_{k}": float(v) for k, v in named.items()}
+
+
+@runtime_checkable
+class RolloutBackend(Protocol):
+    """Generates completions and keeps its copy of the weights in step with the policy.
+
+    ``setup(run)`` is called once before the first rollout with a :class:`RolloutSetup` (the
+    policy model and its tokenizer, and the processor, staleness bound and weight switch the
+    run gives it); a backend that loads the weights into a copy of its own returns that push
+    (a :class:`WeightPush`, logged with the first step), else None. ``generate`` samples
+    ``group_size`` completions for each prompt. ``sync_weights(model)`` is called once per
+    training step, after all of the step's optimizer steps (``algorithm.mu`` times
+    ``train.mini_batches`` of them), and once after a resume, by every process (a sharded
+    model is gathered while it runs); it returns the :class:`WeightPush` it made, or None (a
+    backend that generates with the training model itself makes it a no-op).
+
+    Attributes:
+        capabilities: what the backend can do (:class:`RolloutCapabilities`); optional, the
+            defaults when absent. The engine reads no other attribute of a backend.
+    """
+
+    capabilities: RolloutCapabilities = RolloutCapabilities()
+
+    def setup(self, run: RolloutSetup) -> WeightPush | None: ...
 
     def generate(
         self, prompt_ids: list[list[int]], group_size: int, sampling: SamplingParams
     ) -> RolloutBatch: ...
 
-    def sync_weights(self, model: Any) -> None: ...
+    def sync_weights(self, model: Any) -> WeightPush | None: ...
 
 
 def policy_copy(model: Any, *, dtype: torch.dtype | None = None, weights: bool = True) -> Any:

@@ -59,7 +59,7 @@ from typing import Any
 
 import torch
 
-from grpo_core.contracts import oldest_versions, token_staleness
+from grpo_core.contracts import WeightSwitch, oldest_versions, token_staleness
 from grpo_core.train.experience import Experience
 from grpo_core.train.feed import Collector, kept_position
 from grpo_core.train.signals import leave_running
@@ -106,7 +106,7 @@ class Pipeline:
     snapshot: Any  # a whole, unsharded copy of the policy: the weights that cross from the learner
     sampler: Any = None  # the actor's own copy of the policy, for a backend that generates with the policy
     behaviour: Callable[[Any, Experience], torch.Tensor] | None = None  # (sampler, experience) -> log-probs
-    interruptible: Any = None  # with partial rollouts: the backend, whose ``switch`` the pipeline sets
+    interruptible: bool = False  # partial rollouts: the backend polls :attr:`switch` while it generates
     _cond: threading.Condition = field(default_factory=threading.Condition)
     _queue: deque = field(default_factory=deque)
     _data_before: dict[int, Any] = field(default_factory=dict)  # step -> prompt position before its batch
@@ -123,8 +123,12 @@ class Pipeline:
     def __post_init__(self) -> None:
         if self.max_staleness < 1:
             raise ValueError(f"a pipeline needs max_staleness >= 1 (0: the synchronous loop), got {self.max_staleness}")
-        if self.interruptible is not None:
-            self.interruptible.switch = _Switch(self)
+
+    @property
+    def switch(self) -> WeightSwitch | None:
+        """With partial rollouts, the :class:`~grpo_core.contracts.WeightSwitch` the backend is
+        set up with (:class:`~grpo_core.contracts.RolloutSetup`); else None."""
+        return _Switch(self) if self.interruptible else None
 
     # ----------------------------------------------------------------- lifecycle
     def start(self, model: Any, version: int) -> None:
@@ -231,7 +235,7 @@ class Pipeline:
             "time/learner_wait": time.perf_counter() - t0,
             "time/actor_wait": stats.actor_wait,
         }
-        if self.interruptible is not None:
+        if self.interruptible:
             metrics.update(partial)  # and the batch's own async/switches, in its metrics
         return experience, metrics
 
@@ -297,7 +301,7 @@ class Pipeline:
                         self._cond.notify_all()
                 self._switches = 0
                 experience = self.actor.collect(step)
-                if self.interruptible is not None:  # weight updates this batch took mid-generation
+                if self.interruptible:  # weight updates this batch took mid-generation
                     experience.metrics["async/switches"] = float(self._switches)
                 self._behaviour_logprobs(experience)
                 with self._cond:

@@ -23,6 +23,8 @@ from grpo_core import hookimpl
 from grpo_core.contracts import (
     PromptImages,
     RolloutBatch,
+    RolloutCapabilities,
+    RolloutSetup,
     SamplingParams,
     check_request,
     cut_after_stop,
@@ -194,12 +196,6 @@ class HFRollout:
     ``options.dtype``: cast from the training weights for each call and freed after, or kept
     resident and refreshed by ``sync_weights`` after each training step (``keep_copy``)."""
 
-    #: The engine gathers a sharded (fsdp2) policy whole around each rollout phase (generation
-    #: and scoring) for this backend, and frees the gathered copy after.
-    generates_with_policy = True
-    #: Prompts with images (``data.image_column``) are generated with their image inputs.
-    accepts_images = True
-
     def __init__(self, options: HFRolloutOptions | None = None):
         self.options = options or HFRolloutOptions()
         self.model: Any = None
@@ -208,16 +204,21 @@ class HFRollout:
         self._stop_criteria: dict[tuple[str, ...], Any] = {}
 
     @property
-    def device(self) -> Any:
-        """Where ``generate``'s tensors are: the generating model's device (None before setup)."""
-        return None if self.model is None else self.model.device
+    def capabilities(self) -> RolloutCapabilities:
+        """Generates with the policy module (the engine gathers a sharded fsdp2 policy whole
+        around each rollout phase, generation and scoring, and frees the gathered copy
+        after); prompts with images (``data.image_column``) are generated with their image
+        inputs; ``generate``'s tensors are on the generating model's device (None before setup)."""
+        return RolloutCapabilities(generates_with_policy=True, accepts_images=True,
+                                   device=None if self.model is None else self.model.device)
 
     # ----------------------------------------------------------------- contract
-    def setup(self, model: Any, tokenizer: Any) -> None:
+    def setup(self, run: RolloutSetup) -> None:
         """Keep the policy model (or make the generation copy) and tokenizer; find the pad
         and EOS ids."""
         from grpo_plugins.rollout.decode import auto_dtype, use_decode_attention
 
+        model, tokenizer = run.model, run.tokenizer
         self.model, self.tokenizer, self._source = model, tokenizer, model
         if self.options.dtype == "auto":
             dtype = auto_dtype(model, self.options.decode)
@@ -299,7 +300,7 @@ class HFRollout:
         prompts with images: :meth:`_generate_part_images` then generates each part.
         """
         if self.model is None:
-            raise RuntimeError("hf rollout: setup(model, tokenizer) must be called before generate")
+            raise RuntimeError("hf rollout: setup must be called before generate")
         check_request(prompt_ids, group_size, sampling, "hf")
         device = self.model.device
         ids, mask = (t.to(device) for t in left_pad(prompt_ids, self.pad_id))

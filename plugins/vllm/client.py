@@ -1,7 +1,7 @@
 """The learner's side of one vLLM rollout server (``grpo-run serve``): vLLM's own HTTP
 routes, called through the project's one HTTP client (:mod:`grpo_core.http`: no redirects, a
 cap on every answer, a deadline per attempt), and the weight channel of
-:mod:`grpo_plugins.vllm.channel`. The requests it sends are made by
+:mod:`grpo_plugins.rollout.channel`. The requests it sends are made by
 :func:`grpo_plugins.vllm.io.completion_body`; every answer to one is checked against it
 (:func:`to_outputs`) before it reaches a batch.
 
@@ -26,8 +26,9 @@ import threading
 import time
 from typing import Any
 
-from grpo_plugins.vllm.channel import delta_info, local_address, open_group, send_deltas, send_tensors, update_info
-from grpo_plugins.vllm.io import Completion, Output
+from grpo_plugins.rollout.channel import delta_info, local_address, open_group, send_deltas, send_tensors, update_info
+from grpo_plugins.rollout.outputs import Completion, Output
+from grpo_plugins.rollout.servers import ServerFault
 from torch import Tensor
 
 from grpo_core.http import BadAnswer, HTTPClient, HTTPFailure, StatusError, TooLarge
@@ -40,11 +41,6 @@ SMALL_ANSWER_BYTES = 1 << 20
 #: What a ``/v1/completions`` answer may hold per token of each completion (its id, log-prob,
 #: text and vLLM's extras, generously), on top of :data:`SMALL_ANSWER_BYTES`.
 BYTES_PER_TOKEN = 512
-
-
-class ServerFault(Exception):
-    """A server did not answer (refused, timed out, an HTTP error, a broken weight channel) or
-    answered what the request cannot have produced."""
 
 
 class InvalidAnswer(ValueError):
@@ -249,7 +245,7 @@ class ServerClient:
         self.call("POST", "/reset_prefix_cache")
 
     def push_deltas(self, deltas: list, version: str, timeout_s: float) -> None:
-        """:meth:`push` of a delta push (:mod:`grpo_plugins.vllm.delta`): only the changed
+        """:meth:`push` of a delta push (:mod:`grpo_plugins.rollout.delta`): only the changed
         elements of each tensor (or the whole tensor) are broadcast, and the server's
         workers rebuild each tensor from their copy and check its checksum."""
         self.call("POST", "/start_weight_update", retries=0)

@@ -5,7 +5,7 @@ vLLM is imported lazily: this module imports, registers and validates specs with
 Building the engine: :meth:`VLLMRollout.setup` (its arguments: :func:`engine_kwargs`; the
 engine in this process: :mod:`grpo_plugins.vllm.engine`); sampling and seeding, outputs and
 ``sampling_logp``: :mod:`grpo_plugins.vllm.io`; weight sync (a LoRA policy's adapter alone or
-merged, ``lora_push``: :mod:`grpo_plugins.vllm.adapter`): :meth:`VLLMRollout.sync_weights`;
+merged, ``lora_push``: :mod:`grpo_plugins.rollout.adapter`): :meth:`VLLMRollout.sync_weights`;
 sleep mode: ``enable_sleep_mode``.
 """
 
@@ -18,12 +18,15 @@ import inspect
 import itertools
 import logging
 import tempfile
+import time
 from collections.abc import Iterable
 from typing import Any, Literal
 
 import torch
+from grpo_plugins.rollout.adapter import AdapterVersions, base_weights, choose_push, engine_rank
+from grpo_plugins.rollout.outputs import outputs_to_batch, request_seed
+from grpo_plugins.rollout.partial import PartialCompletion, stitched_outputs, versions_tensor
 from grpo_plugins.rollout.weights import cast_weights, policy_weights
-from grpo_plugins.vllm.adapter import AdapterVersions, base_weights, choose_push, engine_rank
 from grpo_plugins.vllm.engine import (
     engine_dtype,
     keep_torch_threads,
@@ -33,15 +36,7 @@ from grpo_plugins.vllm.engine import (
     unlink_shared_memory,
     write_model_files,
 )
-from grpo_plugins.vllm.io import (
-    check_expansion,
-    engine_prompts,
-    outputs_to_batch,
-    repeat_greedy,
-    request_seed,
-    sampling_kwargs,
-)
-from grpo_plugins.vllm.partial import PartialCompletion, stitched_outputs, versions_tensor
+from grpo_plugins.vllm.io import check_expansion, engine_prompts, repeat_greedy, sampling_kwargs
 from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
@@ -49,7 +44,10 @@ from grpo_core import hookimpl
 from grpo_core.contracts import (
     PromptImages,
     RolloutBatch,
+    RolloutCapabilities,
+    RolloutSetup,
     SamplingParams,
+    WeightPush,
     WeightSwitch,
     check_request,
     special_ids,
@@ -240,37 +238,37 @@ class VLLMRollout:
     """Generates with a vLLM engine colocated on the training GPU; ``sync_weights`` pushes
     the policy's weights (LoRA merged) into it after every optimizer step."""
 
-    #: The engine holds its own copy of the weights (pushed by ``sync_weights``).
-    generates_with_policy = False
-    #: Prompts with images go to vLLM with their images as multimodal data.
-    accepts_images = True
-    #: Partial rollouts: with ``switch`` set, a weight update stops and continues generation.
-    interruptible = True
-
     def __init__(self, options: VLLMRolloutOptions | None = None):
         # model_construct: the defaults without the install check, which setup repeats.
         self.options = options or VLLMRolloutOptions.model_construct()
         self.llm: Any = None
         self.tokenizer: Any = None
-        self.processor: Any = None  # the model's, set by the engine for prompts with images
+        self.processor: Any = None  # the model's, for prompts with images (RolloutSetup.processor)
         self.device = torch.device("cpu")
         self._folder: tempfile.TemporaryDirectory | None = None
         self._tp_group: Any = None
         self._asleep: set[str] = set()
-        #: The run's staleness bound (``rollout.max_staleness``, set by the engine): adapter
-        #: pushes keep ``max_staleness + 1`` versions.
+        #: The run's staleness bound (``RolloutSetup.max_staleness``): adapter pushes keep
+        #: ``max_staleness + 1`` versions.
         self.max_staleness = 0
         self.push = "merged"  # or "adapter": chosen in setup from lora_push
         self.lora_request: Any = None  # the adapter version generate samples with
         self._versions: AdapterVersions | None = None
-        self.last_push: dict[str, float] = {}  # logged as sync/push_* with the next step
-        #: Partial rollouts (set by the engine): polled between engine steps (:meth:`_generate_partial`).
+        #: Partial rollouts (``RolloutSetup.switch``): polled between engine steps (:meth:`_generate_partial`).
         self.switch: WeightSwitch | None = None
         self._request_ids = itertools.count()
 
+    @property
+    def capabilities(self) -> RolloutCapabilities:
+        """An engine with its own copy of the weights (pushed by ``sync_weights``), on the
+        policy's device after setup; prompts with images go to vLLM with their images as
+        multimodal data; with a switch, a weight update stops and continues generation."""
+        return RolloutCapabilities(device=self.device, accepts_images=True, interruptible=True)
+
     # ----------------------------------------------------------------- contract
-    def setup(self, model: Any, tokenizer: Any) -> None:
-        """Build the engine from the policy's config and tokenizer, then push its weights.
+    def setup(self, run: RolloutSetup) -> WeightPush | None:
+        """Build the engine from the policy's config and tokenizer, then push its weights
+        (the push returned).
 
         The config (``architectures`` set) and tokenizer go to a temporary folder and the
         engine loads them with ``load_format="dummy"``: no weights are read from disk,
@@ -281,6 +279,8 @@ class VLLMRollout:
         """
         if not vllm_installed():
             raise RuntimeError(MISSING_VLLM)
+        model, tokenizer = run.model, run.tokenizer
+        self.processor, self.max_staleness, self.switch = run.processor, run.max_staleness, run.switch
         from vllm import LLM
         from vllm.engine.arg_utils import EngineArgs
         from vllm.platforms import current_platform
@@ -335,24 +335,28 @@ class VLLMRollout:
             atexit.register(unlink_shared_memory, made)
         if self.push == "adapter":
             self._load(base_weights(model))
-        self.sync_weights(model)
+        pushed = self.sync_weights(model)
         self._sleep()
+        return pushed
 
-    def sync_weights(self, model: Any) -> None:
+    def sync_weights(self, model: Any) -> WeightPush:
         """Push the policy's weights (LoRA merged by :func:`grpo_plugins.rollout.weights.merge_lora`,
         peft names stripped), cast to the engine's dtype, into the engine's model on every
         worker (:func:`~grpo_plugins.vllm.engine.load_on_worker`, through ``llm.collective_rpc``); then reset its
         prefix cache, whose entries were computed with the old weights. The training model
-        is untouched."""
+        is untouched. Returns the push: its bytes (the adapter's alone for an adapter push)
+        and seconds."""
         if self.llm is None:
-            raise RuntimeError("vllm rollout: setup(model, tokenizer) must be called before sync_weights")
+            raise RuntimeError("vllm rollout: setup must be called before sync_weights")
         self._wake("weights")
+        start = time.perf_counter()
         if self.push == "adapter":
-            self._push_adapter(model)
+            size = self._push_adapter(model)
         else:
-            self.last_push = {"bytes": float(self._load(policy_weights(model)))}
+            size = self._load(policy_weights(model))
         if hasattr(self.llm, "reset_prefix_cache"):
             self.llm.reset_prefix_cache()
+        return WeightPush(bytes=float(size), seconds=time.perf_counter() - start)
 
     def _load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Load ``weights`` into the engine's model on every worker; their bytes."""
@@ -361,9 +365,9 @@ class VLLMRollout:
             self.llm.collective_rpc(load_on_worker, args=(weights,))
         return sum(t.numel() * t.element_size() for _, t in weights)
 
-    def _push_adapter(self, model: Any) -> None:
+    def _push_adapter(self, model: Any) -> int:
         """Save the adapter as the next version, add it to the engine (dropping the versions
-        beyond ``max_staleness + 1``) and sample with it from now on."""
+        beyond ``max_staleness + 1``) and sample with it from now on; its bytes."""
         from vllm.lora.request import LoRARequest
 
         version, path, size, dropped = self._versions.save(model)
@@ -372,7 +376,7 @@ class VLLMRollout:
             engine.remove_lora(old)
         self.lora_request = LoRARequest(f"policy-v{version}", version, path)
         engine.add_lora(self.lora_request)
-        self.last_push = {"bytes": float(size)}
+        return size
 
     def generate(
         self, prompt_ids: list[list[int]], group_size: int, sampling: SamplingParams,
@@ -394,7 +398,7 @@ class VLLMRollout:
         processor's.
         """
         if self.llm is None:
-            raise RuntimeError("vllm rollout: setup(model, tokenizer) must be called before generate")
+            raise RuntimeError("vllm rollout: setup must be called before generate")
         check_request(prompt_ids, group_size, sampling, "vllm")
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
@@ -444,7 +448,7 @@ class VLLMRollout:
         (``llm.enqueue``, then ``llm_engine.step``), their outputs cumulative; between steps,
         when :attr:`switch` has newer weights, the unfinished requests are aborted
         (``llm_engine.abort_request``), the weights taken and each unfinished completion
-        continues as one request from its prefix (:mod:`grpo_plugins.vllm.partial`). Without
+        continues as one request from its prefix (:mod:`grpo_plugins.rollout.partial`). Without
         an interruption the requests, seeds and tokens are those of one ``llm.generate``."""
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt

@@ -6,31 +6,33 @@ learner trains, the servers generate, and after each update (or every ``push_eve
 learner pushes the policy's weights to every server. Nothing here is a new protocol:
 
 - generation is vLLM's OpenAI-compatible ``/v1/completions``, one request per prompt with
-  ``n = G`` samples and that prompt's seed (:func:`~grpo_plugins.vllm.io.request_seed`, the
+  ``n = G`` samples and that prompt's seed (:func:`~grpo_plugins.rollout.outputs.request_seed`, the
   colocated ``vllm`` backend's), token ids in and out and the sampler's log-probs, made
   into the same :class:`~grpo_core.contracts.RolloutBatch` by
-  :func:`~grpo_plugins.vllm.io.outputs_to_batch`;
+  :func:`~grpo_plugins.rollout.outputs.outputs_to_batch`;
 - a push is vLLM's weight-transfer API (``/start_weight_update``, ``/update_weights``,
   ``/finish_weight_update``) driving the server's ``grpo_torch`` engine, with the tensors
   broadcast over a ``torch.distributed`` group per server (gloo on the CPU, NCCL on GPUs;
-  :mod:`grpo_plugins.vllm.channel`), then ``/reset_prefix_cache``.
+  :mod:`grpo_plugins.rollout.channel`), then ``/reset_prefix_cache``.
 
 The learner needs PyTorch and the standard library, not vLLM: this module imports, registers and
 validates specs without it.
 
 Several URLs are data-parallel generation: a step's prompts are split into contiguous,
-near-equal parts (:func:`assign_prompts`). Every request goes through the project's one HTTP
-client (:mod:`grpo_core.http`): a deadline of ``timeout_s`` per attempt however slowly a server
-answers, a cap on the answer's size, no redirects. Every answer is checked against its request
-before it enters a batch (:func:`~grpo_plugins.vllm.client.to_outputs`: ``G`` completions, token
-ids within the policy's vocabulary, one finite log-prob ``<= 0`` per token): a bad answer is
-that server's fault, like a failed connection. Faults: a request is retried ``retries``
-times; a server that still fails (refused, timed out, an error, a bad answer, a broken
-weight channel) is dropped for the rest of the run and its unfinished prompts go to the
-live ones (:class:`Failover`). Each prompt's seed travels with it, so
-the batch is the same whichever server samples it. With no server left the rollout raises
-a :class:`~grpo_core.errors.RunError` naming every URL and what failed: the run stops with
-exit 1 and the engine's failure path keeps the last completed step's checkpoint.
+near-equal parts (:func:`~grpo_plugins.rollout.servers.assign_prompts`). Every request goes
+through the project's one HTTP client (:mod:`grpo_core.http`): a deadline of ``timeout_s`` per
+attempt however slowly a server answers, a cap on the answer's size, no redirects. Every answer
+is checked against its request before it enters a batch
+(:func:`~grpo_plugins.vllm.client.to_outputs`: ``G`` completions, token ids within the policy's
+vocabulary, one finite log-prob ``<= 0`` per token): a bad answer is that server's fault, like a
+failed connection. Faults: a request is retried ``retries`` times; a server that still fails
+(refused, timed out, an error, a bad answer, a broken weight channel) is dropped for the rest of
+the run and its unfinished prompts go to the live ones
+(:class:`~grpo_plugins.rollout.servers.Failover`, through the backend's base
+:class:`~grpo_plugins.rollout.servers.ServerPool`). Each prompt's seed travels with it, so the
+batch is the same whichever server samples it. With no server left the rollout raises a
+:class:`~grpo_core.errors.RunError` naming every URL and what failed: the run stops with exit 1
+and the engine's failure path keeps the last completed step's checkpoint.
 """
 
 from __future__ import annotations
@@ -38,43 +40,44 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
-import uuid
 from typing import Annotated, Any, Literal
-from urllib.parse import urlsplit
 
 import torch
-from grpo_plugins.vllm.client import Expected, ServerClient, ServerFault
-from grpo_plugins.vllm.delta import DeltaEncoder
-from grpo_plugins.vllm.io import completion_body, outputs_to_batch, repeat_greedy, request_seed
-from grpo_plugins.vllm.partial import PartialCompletion, stitched_outputs, versions_tensor
-from grpo_plugins.vllm.pushes import ServerPushes
+from grpo_plugins.rollout.delta import DeltaEncoder
+from grpo_plugins.rollout.outputs import outputs_to_batch, request_seed
+from grpo_plugins.rollout.partial import PartialCompletion, stitched_outputs, versions_tensor
+from grpo_plugins.rollout.pushes import ServerPushes
+from grpo_plugins.rollout.servers import (
+    Failover,
+    ServerFault,
+    ServerPool,
+    assign_prompts,
+    check_url,
+    launch_tag,
+    process_rank,
+)
+from grpo_plugins.vllm.client import Expected, ServerClient
+from grpo_plugins.vllm.io import completion_body, repeat_greedy
 from pydantic import AfterValidator, Field, field_validator
 
 from grpo_core import hookimpl
-from grpo_core.contracts import RolloutBatch, SamplingParams, WeightSwitch, check_request, special_ids
+from grpo_core.contracts import (
+    RolloutBatch,
+    RolloutCapabilities,
+    RolloutSetup,
+    SamplingParams,
+    WeightPush,
+    WeightSwitch,
+    check_request,
+    special_ids,
+)
 from grpo_core.errors import RunError
 from grpo_core.options import Options, Seconds
 
-__all__ = ["Failover", "VLLMServerOptions", "VLLMServerRollout", "assign_prompts", "check_url"]
+__all__ = ["VLLMServerOptions", "VLLMServerRollout"]
 
 log = logging.getLogger("grpo.rollout.vllm-server")
 NAME = "vllm-server"
-
-
-def check_url(url: str) -> str:
-    """``url`` without a trailing slash, if it is ``http(s)://host:port`` (a path prefix is
-    kept, as behind a proxy); else a ``ValueError`` saying what is valid."""
-    parts = urlsplit(url)
-    try:
-        port = parts.port
-    except ValueError:
-        port = None
-    if parts.scheme not in ("http", "https") or not parts.hostname or port is None or parts.query:
-        raise ValueError(
-            f"{url!r} is not a server URL: write http://HOST:PORT (e.g. http://127.0.0.1:8000, "
-            "the address grpo-run serve prints)"
-        )
-    return url.rstrip("/")
 
 
 #: One server's URL in the options, checked item by item (every bad one is reported).
@@ -185,68 +188,20 @@ class VLLMServerOptions(Options):
         return urls
 
 
-# --------------------------------------------------------------------------- pure pieces
-def assign_prompts(n_prompts: int, n_servers: int) -> list[int]:
-    """The server index of each of ``n_prompts`` prompts: contiguous parts whose sizes differ
-    by at most one, the larger ones first (prompt ``i`` goes to ``floor(i * S / P)`` with
-    the remainder spread)."""
-    if n_servers < 1:
-        raise ValueError("assign_prompts: needs at least one server")
-    base, extra = divmod(n_prompts, n_servers)
-    owners: list[int] = []
-    for s in range(n_servers):
-        owners += [s] * (base + (s < extra))
-    return owners
-
-
-class Failover:
-    """Which servers are live, why the others were dropped, and where a dropped server's
-    prompts go: to the live servers in turn, in URL order."""
-
-    def __init__(self, urls: list[str]):
-        self.urls = list(urls)
-        self.dropped: dict[str, str] = {}
-
-    def live(self) -> list[str]:
-        return [u for u in self.urls if u not in self.dropped]
-
-    def drop(self, url: str, why: str) -> None:
-        if url not in self.dropped:
-            self.dropped[url] = why
-            log.warning("vllm-server rollout: dropping %s for the rest of the run: %s", url, why)
-
-    def reassign(self, prompts: list[int]) -> dict[int, str]:
-        """``prompts`` (indices) spread over the live servers, or a :class:`RunError` when
-        none is left, naming every server and what failed."""
-        live = self.live()
-        if not live:
-            raise RunError(self.failure())
-        return {p: live[k % len(live)] for k, p in enumerate(prompts)}
-
-    def failure(self) -> str:
-        lines = "; ".join(f"{u}: {self.dropped.get(u, 'live')}" for u in self.urls)
-        return f"vllm-server rollout: no rollout server is left ({lines})"
-
-
 # --------------------------------------------------------------------------- backend
-class VLLMServerRollout(ServerPushes):
+class VLLMServerRollout(ServerPushes, ServerPool):
     """Generates on vLLM rollout servers; ``sync_weights`` pushes the policy's weights (LoRA
     merged, FSDP2 gathered, or the adapter alone) to every live server every ``push_every``
-    syncs (the pushes: :class:`~grpo_plugins.vllm.pushes.ServerPushes`)."""
+    syncs (the pushes: :class:`~grpo_plugins.rollout.pushes.ServerPushes`)."""
 
     name = NAME
 
-    #: The servers hold their own copy of the weights (pushed by ``sync_weights``).
-    generates_with_policy = False
-    #: Partial rollouts: with ``switch`` set, a weight update pauses the servers mid-generation
-    #: (:meth:`_generate_partial`).
-    interruptible = True
     #: Seconds to wait, after a server's ``/pause`` answered, for the answers of the requests it aborted.
     pause_grace_s = 0.5
 
     def __init__(self, options: VLLMServerOptions):
         self.options = options
-        self.failover = Failover(options.urls)
+        self.failover = Failover(options.urls, NAME)
         secret = os.environ.get(options.secret_env) or None
         self.clients = {u: ServerClient(u, options.timeout_s, options.retries, secret=secret,
                                         secret_env=options.secret_env) for u in options.urls}
@@ -257,21 +212,30 @@ class VLLMServerRollout(ServerPushes):
         self.version = 0
         self.pusher = True
         self.backend = "gloo"
-        self.tag = _launch_tag()
+        self.tag = launch_tag()
         self.encoders: dict[str, DeltaEncoder] = {}  # per server dtype: what the servers hold (delta_push)
-        self.last_push: dict[str, float] = {}  # the last push's push_stats (logged as sync/push_*)
-        #: The run's staleness bound (``rollout.max_staleness``, set by the engine): adapter
-        #: pushes keep ``max_staleness + 1`` versions loaded on each server.
+        #: The run's staleness bound (``RolloutSetup.max_staleness``): adapter pushes keep
+        #: ``max_staleness + 1`` versions loaded on each server.
         self.max_staleness = 0
         self.push = "merged"  # or "adapter": chosen in setup from lora_push
         self.loaded: dict[int, str] = {}  # adapter versions loaded on the servers: version -> LoRA name
         self.serving = ""  # the LoRA name requests sample with (adapter pushes); "": the base model
-        self.switch: WeightSwitch | None = None  # partial rollouts (set by the engine)
+        self.switch: WeightSwitch | None = None  # partial rollouts (RolloutSetup.switch)
+
+    @property
+    def capabilities(self) -> RolloutCapabilities:
+        """The servers hold their own copy of the weights (pushed by ``sync_weights``); the
+        batches are on the policy's device after setup; with a switch, a weight update pauses
+        the servers mid-generation (:meth:`_generate_partial`)."""
+        return RolloutCapabilities(device=self.device, interruptible=True)
 
     # ----------------------------------------------------------------- contract
-    def setup(self, model: Any, tokenizer: Any) -> None:
+    def setup(self, run: RolloutSetup) -> WeightPush | None:
         """Check every server, open the weight channels (the learner's process of rank 0
-        only) and push the policy's weights (weight version 1; each push adds one)."""
+        only) and push the policy's weights (weight version 1; each push adds one): the push
+        returned (an adapter push's: the base weights go first, whole)."""
+        model, tokenizer = run.model, run.tokenizer
+        self.max_staleness, self.switch = run.max_staleness, run.switch
         self.tokenizer = tokenizer
         self.eos_ids, self.pad_id = special_ids(model, tokenizer, NAME)
         self.vocab_size = _vocab_size(model)
@@ -279,7 +243,7 @@ class VLLMServerRollout(ServerPushes):
         self.backend = self.options.weight_backend
         if self.backend == "auto":
             self.backend = "nccl" if self.device.type == "cuda" else "gloo"
-        self.pusher = _rank() == 0
+        self.pusher = process_rank() == 0
         self._each(lambda c: c.connect(), "did not answer as a grpo-run serve server")
         if hasattr(model, "peft_config"):
             self._choose_push(model)
@@ -287,11 +251,10 @@ class VLLMServerRollout(ServerPushes):
             self._open_channels()
         if self.push == "adapter":
             self._push_base(model)
-            self._push_adapter(model)
-        else:
-            self._push(model)
+            return self._push_adapter(model)
+        return self._push(model)
 
-    def sync_weights(self, model: Any) -> None:
+    def sync_weights(self, model: Any) -> WeightPush | None:
         """Push the policy's weights to every live server at syncs ``1, 1 + n, 1 + 2n, ...``
         (``n = push_every``): the first sync pushes, so that after a resume (setup, then the
         checkpoint loaded, then one sync) the servers get the resumed weights at once.
@@ -300,10 +263,12 @@ class VLLMServerRollout(ServerPushes):
         raise: the engine calls it after a step's update, and a failure there would lose
         that completed step. The next ``generate`` (the next step, before its update)
         raises the :class:`RunError`, and the engine's failure path checkpoints the last
-        completed step."""
+        completed step. Returns the push (None on the processes that do not push, and at
+        the syncs ``push_every`` skips)."""
         self.syncs += 1
-        if (self.syncs - 1) % self.options.push_every == 0:
-            self._push_adapter(model) if self.push == "adapter" else self._push(model)
+        if (self.syncs - 1) % self.options.push_every:
+            return None
+        return self._push_adapter(model) if self.push == "adapter" else self._push(model)
 
     def generate(self, prompt_ids: list[list[int]], group_size: int, sampling: SamplingParams) -> RolloutBatch:
         """``G = group_size`` completions for each of the ``P`` prompts, spread over the live
@@ -335,7 +300,7 @@ class VLLMServerRollout(ServerPushes):
         with ``finish_reason: "abort"`` and the tokens so far; one that reached it after the
         pause waits in its queue), the weights are pushed (``switch.take()``), the servers
         resume, and each unfinished completion continues as one request from its prefix
-        (:mod:`grpo_plugins.vllm.partial`). An answer that came in before the resume was
+        (:mod:`grpo_plugins.rollout.partial`). An answer that came in before the resume was
         sampled with the old weights; one that comes after it waited in the queue, all of it
         with the new ones, unless the pushes are adapters: it then names, and samples with, the
         old adapter version, which stays loaded (``max_staleness + 1`` are)."""
@@ -425,57 +390,6 @@ class VLLMServerRollout(ServerPushes):
         self._each(lambda c: c.call("POST", "/resume", retries=0), "did not resume after a weight update")
         return version
 
-    # ----------------------------------------------------------------- internals
-    def _complete(self, requests: list[tuple[dict[str, Any], Expected]]) -> list[Any]:
-        """Each request's checked answer, in order; the requests of a server that fails (no
-        answer, or an answer the request cannot have produced, after its retries) move to
-        the live ones."""
-        live = self.failover.live()
-        if not live:
-            raise RunError(self.failover.failure())
-        todo = {i: live[s] for i, s in enumerate(assign_prompts(len(requests), len(live)))}
-        results: list[Any] = [None] * len(requests)
-        while todo:
-            failed: list[int] = []
-            with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(todo), 64)) as pool:
-                futures = {pool.submit(self._ask, url, *requests[i]): (i, url) for i, url in todo.items()}
-                for future in concurrent.futures.as_completed(futures):
-                    i, url = futures[future]
-                    try:
-                        results[i] = future.result()
-                    except ServerFault as exc:
-                        self.failover.drop(url, str(exc))
-                        failed.append(i)
-            todo = self.failover.reassign(sorted(failed)) if failed else {}
-        return results
-
-    def _ask(self, url: str, body: dict[str, Any], expected: Expected, serving: str | None = None) -> Any:
-        """``body`` to the server at ``url``, naming ``serving`` (an adapter version), else the
-        one requests name now, else the server's model."""
-        if url in self.failover.dropped:  # dropped while this request waited
-            raise ServerFault(self.failover.dropped[url])
-        client = self.clients[url]
-        return client.complete({**body, "model": serving or self.serving or client.model}, expected)
-
-    def _each(self, action, what: str, *, required: bool = True) -> None:
-        """Run ``action(client)`` on every live server at once; drop those that fail. With
-        none left, a :class:`RunError` if ``required``, else a warning (the error comes
-        with the next rollout)."""
-        live = self.failover.live()
-        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(live))) as pool:
-            for future in [pool.submit(self._guard, u, action, what) for u in live]:
-                future.result()
-        if not self.failover.live():
-            if required:
-                raise RunError(self.failover.failure())
-            log.warning("%s; the next rollout will fail", self.failover.failure())
-
-    def _guard(self, url: str, action, what: str) -> None:
-        try:
-            action(self.clients[url])
-        except ServerFault as exc:
-            self.failover.drop(url, f"{what}: {exc}")
-
 
 def _vocab_size(model: Any) -> int:
     """Rows of the policy's input embedding: the token ids it can take (a server's answer
@@ -483,22 +397,6 @@ def _vocab_size(model: Any) -> int:
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     rows = getattr(embeddings, "num_embeddings", None)
     return int(rows if rows is not None else model.config.vocab_size)
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _launch_tag() -> str:
-    """A prefix of the weight versions pushed, the same in every process of one launch and
-    new at the next (a server may still hold the previous run's versions): the launcher's
-    rendezvous address and run id, or a random one for a single process."""
-    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
-        keys = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
-        return ":".join(os.environ.get(k, "") for k in keys) + "/"
-    return uuid.uuid4().hex[:12] + "/"
 
 
 @hookimpl

@@ -9,7 +9,7 @@ vLLM 0.32 has an API for trainers that update a server's weights: the routes
 Its built-in engines are CUDA-only (``nccl`` builds vLLM's PyNccl communicator; ``ipc``
 shares CUDA memory), so this module registers one more, ``grpo_torch``
 (:class:`TorchWeightTransferEngine`), that receives over a plain ``torch.distributed``
-group (:mod:`grpo_plugins.vllm.channel`: gloo on the CPU, NCCL on GPUs), which the
+group (:mod:`grpo_plugins.rollout.channel`: gloo on the CPU, NCCL on GPUs), which the
 learner can join with PyTorch alone. Loading follows vLLM's own NCCL engine: checkpoint-
 format weights through the model's ``load_weights`` between vLLM's layerwise-reload
 ``initialize`` and ``finalize``, so the post-processing vLLM applies after loading (its CPU
@@ -18,7 +18,7 @@ kernels repack every linear weight) is redone.
 Adapter-only LoRA pushes (``lora_push``) take the same channel: the learner calls
 :meth:`WeightChannelExtension.grpo_receive_adapter` through ``/collective_rpc`` and broadcasts
 the adapter's tensors; each worker writes them in peft's format to a folder of its machine
-(:func:`grpo_plugins.vllm.adapter.write_adapter`) and the learner loads that folder with vLLM's
+(:func:`grpo_plugins.rollout.adapter.write_adapter`) and the learner loads that folder with vLLM's
 own ``/v1/load_lora_adapter``. The adapter goes through the channel rather than a path the
 learner writes because a server on another machine cannot read the learner's disk.
 
@@ -36,9 +36,9 @@ import shutil
 from typing import Any
 
 import torch
-from grpo_plugins.vllm.adapter import adapter_root, write_adapter
-from grpo_plugins.vllm.channel import BACKENDS, open_group, receive_deltas, receive_tensors
-from grpo_plugins.vllm.delta import DeltaDecoder
+from grpo_plugins.rollout.adapter import adapter_root, write_adapter
+from grpo_plugins.rollout.channel import BACKENDS, open_group, receive_deltas, receive_tensors
+from grpo_plugins.rollout.delta import DeltaDecoder
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
@@ -71,7 +71,7 @@ class TorchInitInfo(WeightTransferInitInfo):
 @dataclasses.dataclass
 class TorchUpdateInfo(WeightTransferUpdateInfo):
     """One push: the names, dtype names and shapes of the tensors broadcast, in order; for a
-    delta push (:func:`grpo_plugins.vllm.channel.delta_info`) also each tensor's count of
+    delta push (:func:`grpo_plugins.rollout.channel.delta_info`) also each tensor's count of
     changed elements sent (-1: whole), index dtype and checksum."""
 
     names: list[str]
@@ -163,7 +163,7 @@ class TorchWeightTransferEngine(WeightTransferEngine[TorchInitInfo, TorchUpdateI
             raise failure
 
     def receive_adapter(self, info: dict[str, Any]) -> str:
-        """Receive one adapter version (``info``: :func:`~grpo_plugins.vllm.channel.update_info`'s
+        """Receive one adapter version (``info``: :func:`~grpo_plugins.rollout.channel.update_info`'s
         payload plus ``version``, ``config``, the adapter's ``adapter_config.json``, and ``drop``,
         the versions the learner no longer keeps), write it to ``<adapters>/v<version>``, remove
         the dropped versions' folders; the folder written."""

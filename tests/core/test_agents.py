@@ -50,12 +50,10 @@ class Scripted:
     same episodes see the same sampled tokens: a calculator call while the prompt holds no
     tool result, then a final answer ending with EOS. It counts its generate calls."""
 
-    generates_with_policy = False
-    device = None
     call, answer = CALL, "The answer is 5."  # what it writes before and after a tool result
 
-    def setup(self, model, tokenizer):
-        self.tokenizer, self.calls, self.rows = tokenizer, 0, 0
+    def setup(self, run):  # declares no capabilities: the contract's defaults
+        self.tokenizer, self.calls, self.rows = run.tokenizer, 0, 0
 
     def sync_weights(self, model):
         pass

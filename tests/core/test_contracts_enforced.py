@@ -14,7 +14,7 @@ import torch
 
 from grpo_core import hookimpl
 from grpo_core.cli import main
-from grpo_core.contracts import AdvantageInputs
+from grpo_core.contracts import AdvantageInputs, RolloutCapabilities
 from grpo_core.errors import PluginError
 from grpo_core.kinds import KINDS
 from grpo_core.plugin_manager import load_plugins
@@ -24,7 +24,7 @@ from grpo_core.registry import conform, contract_members
 class NoSyncBackend:
     """A rollout backend without sync_weights."""
 
-    def setup(self, model, tokenizer): ...
+    def setup(self, run): ...
 
     def generate(self, prompt_ids, group_size, sampling): ...
 
@@ -149,7 +149,7 @@ def test_the_run_refuses_a_backend_without_sync_weights_with_exit_2(tmp_path, wr
         from grpo_core import hookimpl
 
         class NoSync:
-            def setup(self, model, tokenizer): ...
+            def setup(self, run): ...
             def generate(self, prompt_ids, group_size, sampling): ...
 
         @hookimpl
@@ -254,16 +254,42 @@ class MinimalBackend(NoSyncBackend):
 
 def test_the_members_the_engine_reads_of_trackers_and_backends_are_declared_with_defaults():
     """The engine reads a tracker's run_id, tracking_uri and log_model and a backend's
-    generates_with_policy and device: each is in its contract, and a component that does
-    not set one gets the contract's default."""
+    capabilities: each is in its contract, and a component that does not set one gets the
+    contract's default (a backend that declares nothing: no images, no interruption, its own
+    copy of the weights, on the CPU)."""
     tracker = conform("tracker", MinimalTracker(), "tracker 'minimal'")
     assert (tracker.run_id, tracker.tracking_uri, tracker.log_model) == (None, None, None)
     backend = conform("rollout_backend", MinimalBackend(), "rollout backend 'minimal'")
-    assert backend.generates_with_policy is False and backend.device is None
+    assert backend.capabilities == RolloutCapabilities()
+    can = backend.capabilities
+    assert (can.generates_with_policy, can.device, can.accepts_images, can.interruptible) == (False, None, False, False)
     _, tracker_flags = contract_members(KINDS["tracker"].protocol)
     _, backend_flags = contract_members(KINDS["rollout_backend"].protocol)
     assert {"run_id", "tracking_uri", "log_model"} <= set(tracker_flags)
-    assert {"generates_with_policy", "device"} <= set(backend_flags)
+    assert backend_flags == {"capabilities": RolloutCapabilities()}  # the one attribute the engine reads
+
+
+def test_a_backend_declaring_its_capabilities_in_another_shape_is_refused():
+    """Capabilities are one record: a dict (or the old loose flags' values) is refused by name."""
+    backend = type("Loose", (MinimalBackend,), {"capabilities": {"interruptible": True}})()
+    with pytest.raises(PluginError, match=r"rollout backend 'loose' \(plugin 'p'\): capabilities must be a "
+                                          r"RolloutCapabilities"):
+        conform("rollout_backend", backend, "rollout backend 'loose' (plugin 'p')")
+    declared = type("Declared", (MinimalBackend,), {"capabilities": RolloutCapabilities(interruptible=True)})()
+    assert conform("rollout_backend", declared, "rollout backend 'declared'").capabilities.interruptible is True
+
+
+def test_the_engine_probes_no_backend_attribute():
+    """Everything the engine reads of a rollout backend goes through its contract: no
+    getattr/hasattr on a backend anywhere in the engine (its capabilities are declared)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "grpo_core"
+    probe = re.compile(r"(get|has|set)attr\([a-z_.]*backend")
+    found = [f"{path.relative_to(root)}:{n}" for path in sorted(root.rglob("*.py"))
+             for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if probe.search(line)]
+    assert found == []
 
 
 @pytest.mark.parametrize("has", ["state_dict", "load_state_dict"])

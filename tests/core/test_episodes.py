@@ -19,7 +19,14 @@ import torch
 from grpo_plugins.environments import ToolsOptions, tools_environment
 from grpo_plugins.rollout.hf import HFRollout
 
-from grpo_core.contracts import Observation, RolloutBatch, SamplingParams, special_ids
+from grpo_core.contracts import (
+    Observation,
+    RolloutBatch,
+    RolloutCapabilities,
+    RolloutSetup,
+    SamplingParams,
+    special_ids,
+)
 from grpo_core.plugin_manager import load_plugins
 from grpo_core.testing import build_model, build_tokenizer
 from grpo_core.train.actor.data import Prompt
@@ -44,6 +51,8 @@ def tok():
 class Scripted:
     """A rollout backend whose every row writes ``turns[k]`` at its k-th call (the last
     one repeats); it records the token ids it was asked to continue."""
+
+    capabilities = RolloutCapabilities()  # used without the registry, which fills in the defaults
 
     def __init__(self, tokenizer, turns: list[str]):
         self.tokenizer, self.turns, self.calls = tokenizer, turns, []
@@ -348,7 +357,7 @@ class Chatty:
 def test_episodes_with_the_hf_backend_have_holes_where_the_environment_spoke(tok):
     model = build_model(tok)
     backend = HFRollout()
-    backend.setup(model, tok)
+    backend.setup(RolloutSetup(model, tok))
     eos, pad = special_ids(model, tok, "test")
     run = EpisodeRunner(Chatty(), tok, max_turns=3, max_total_tokens=200, eos_ids=eos, pad_id=pad)
     out = run.run(backend, [prompt_of(tok), prompt_of(tok, "What is 1 + 2?")], 2,

@@ -14,7 +14,7 @@ import torch
 from grpo_plugins.rollout.hf import HFRollout, HFRolloutOptions
 
 from grpo_core.cli import main
-from grpo_core.contracts import SamplingParams
+from grpo_core.contracts import RolloutSetup, SamplingParams
 from grpo_core.testing import build_model, build_tokenizer
 from grpo_core.train.actor.baseline import greedy_baseline_scores
 from grpo_core.train.actor.data import Prompt
@@ -38,7 +38,7 @@ def test_greedy_baseline_is_the_score_of_each_prompts_argmax_completion():
     tokenizer = build_tokenizer()
     model = build_model(tokenizer)
     backend = HFRollout(HFRolloutOptions())
-    backend.setup(model, tokenizer)
+    backend.setup(RolloutSetup(model, tokenizer))
     prompts = [Prompt({"prompt": t}, t, t, tokenizer(t)["input_ids"]) for t in TEXTS]
     scorer = Scorer([RewardFn.of("parity", 1.0, parity)], "prompt")
     sampling = SamplingParams(max_new_tokens=7, temperature=1.7, top_k=5, seed=3)  # greedy must override them

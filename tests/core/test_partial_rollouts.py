@@ -124,25 +124,24 @@ BACKEND = textwrap.dedent('''
     import copy, time
     import torch
     from grpo_core import hookimpl
-    from grpo_core.contracts import RolloutBatch, left_pad, special_ids
+    from grpo_core.contracts import RolloutBatch, RolloutCapabilities, left_pad, special_ids
 
     CUT, WAIT = 3, 60.0
 
     class Stepwise:
         """Token-by-token sampling, interruptible at token CUT."""
 
-        generates_with_policy = False
-        interruptible = True
+        capabilities = RolloutCapabilities(interruptible=True)
 
         def __init__(self):
             self.switch = None
             self.model = None
             self.log = []  # per batch: (start version, versions of its tokens)
 
-        def setup(self, model, tokenizer):
-            self.model = copy.deepcopy(model).float().eval()
-            self.tokenizer = tokenizer
-            self.eos, self.pad = special_ids(model, tokenizer, "stepwise")
+        def setup(self, run):
+            self.model = copy.deepcopy(run.model).float().eval()
+            self.tokenizer, self.switch = run.tokenizer, run.switch
+            self.eos, self.pad = special_ids(run.model, run.tokenizer, "stepwise")
 
         def sync_weights(self, model):
             with torch.no_grad():
@@ -220,7 +219,7 @@ def test_newer_weights_reach_a_batch_mid_generation_and_each_token_keeps_its_ver
 
     run = _run(stepwise, tmp_path / "a", "rollout.partial_rollouts=true", "train.steps=4")
     backend, pipeline = run.actor.backend, run.feed
-    assert backend.switch is not None and pipeline.interruptible is backend
+    assert backend.switch is not None and pipeline.interruptible is True
     taken = []
     original = pipeline.actor.collect
 
@@ -252,7 +251,7 @@ def test_newer_weights_reach_a_batch_mid_generation_and_each_token_keeps_its_ver
 
     # the option off: the backend gets no switch, and the pipeline logs what it always did
     off = _run(stepwise, tmp_path / "b", "train.steps=2")
-    assert off.actor.backend.switch is None and off.feed.interruptible is None
+    assert off.actor.backend.switch is None and off.feed.interruptible is False
 
 
 def test_a_resumed_run_with_partial_rollouts_trains_on_exactly_what_the_uninterrupted_run_did(

@@ -13,6 +13,7 @@ import torch
 
 from grpo_core import checkpoint as ckpt
 from grpo_core.cli import main
+from grpo_core.contracts import RolloutSetup
 from grpo_core.errors import SpecError
 from grpo_core.spec import load_spec
 
@@ -170,7 +171,7 @@ def test_the_hf_backend_generates_with_a_4bit_policy_itself(tiny_model_dir, monk
     bf16 = torch.bfloat16 if decode.native_bf16(torch.device("cpu")) else None
     assert decode.auto_dtype(plain, "lean") == bf16 and decode.auto_dtype(qlora, "lean") is None
     backend = HFRollout(HFRolloutOptions())
-    backend.setup(qlora, tokenizer)
+    backend.setup(RolloutSetup(qlora, tokenizer))
     assert backend.model is qlora
     with pytest.raises(RuntimeError, match=r"quantized \(model.quantization.*drop rollout.options.dtype"):
-        HFRollout(HFRolloutOptions(dtype="bfloat16")).setup(qlora, tokenizer)
+        HFRollout(HFRolloutOptions(dtype="bfloat16")).setup(RolloutSetup(qlora, tokenizer))

@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
-from grpo_core.contracts import SamplingParams, left_pad
+from grpo_core.contracts import RolloutSetup, SamplingParams, left_pad
 from grpo_core.errors import RunError
 from grpo_core.plugin_manager import load_plugins
 from grpo_core.spec.data import DataSlot
@@ -197,7 +197,7 @@ def test_hf_generation_with_images_equals_transformers_generate(kind, shared):
     model = build_vision_model(processor, kind=kind).eval()
     prompts = image_prompts(processor, ROWS)
     backend = HFRollout(HFRolloutOptions(share_prompt_prefill=shared))
-    backend.setup(model, processor.tokenizer)
+    backend.setup(RolloutSetup(model, processor.tokenizer))
     out = backend.generate([p.ids for p in prompts], G, SamplingParams(max_new_tokens=8, greedy=True),
                            images=[p.images for p in prompts])
     assert out.completion_ids.shape[0] == len(prompts) * G

@@ -41,7 +41,7 @@ import json, os, time
 from pathlib import Path
 
 from grpo_core import hookimpl
-from grpo_plugins.vllm.channel import local_address
+from grpo_plugins.rollout.channel import local_address
 
 calls = 0
 

@@ -1,4 +1,4 @@
-"""The weight channel of the ``vllm-server`` backend (:mod:`grpo_plugins.vllm.channel`) between
+"""The weight channel of the ``vllm-server`` backend (:mod:`grpo_plugins.rollout.channel`) between
 a learner on host 0 and a rollout server's worker on host 2, by their network addresses: the
 server's side is the calls its ``grpo_torch`` engine makes (``open_group`` as rank 1 at the
 address the learner advertised, then ``receive_tensors``), without vLLM (tests/vllm runs a
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 from grpo_plugins.rollout.weights import cast_weights, policy_weights
-from grpo_plugins.vllm.channel import local_address, open_group, send_tensors, update_info
+from grpo_plugins.rollout.channel import local_address, open_group, send_tensors, update_info
 from safetensors.torch import save_file
 
 from grpo_core.testing import build_model, build_tokenizer
@@ -56,7 +56,7 @@ SERVER_WORKER = '''
 import json, sys, time
 from pathlib import Path
 
-from grpo_plugins.vllm.channel import local_address, open_group, receive_tensors
+from grpo_plugins.rollout.channel import local_address, open_group, receive_tensors
 from safetensors.torch import save_file
 
 folder, timeout_s = Path(sys.argv[1]), float(sys.argv[2])

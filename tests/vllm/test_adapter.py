@@ -17,7 +17,7 @@ import torch
 from grpo_plugins.vllm.colocated import VLLMRollout
 from peft import LoraConfig, get_peft_model
 
-from grpo_core.contracts import SamplingParams
+from grpo_core.contracts import RolloutSetup, SamplingParams
 from grpo_core.testing import build_model
 
 from .conftest import HIDDEN
@@ -54,11 +54,10 @@ def policy(tokenizer):
 def test_adapter_pushes_give_the_merged_pushes_log_probs_over_several_steps(policy, tokenizer, prompts, caplog):
     with caplog.at_level(logging.INFO, logger="grpo.rollout.vllm"):
         adapter = VLLMRollout(engine_options(lora_push="auto"))
-        adapter.max_staleness = 1  # as the engine sets it from rollout.max_staleness
-        adapter.setup(policy, tokenizer)
+        pushes = {"adapter": adapter.setup(RolloutSetup(policy, tokenizer, max_staleness=1))}
     assert "LoRA weight sync pushes the adapter alone (lora_push: auto)" in caplog.text
     merged = VLLMRollout(engine_options(lora_push="merged"))
-    merged.setup(policy, tokenizer)
+    pushes["merged"] = merged.setup(RolloutSetup(policy, tokenizer))
     assert adapter.push == "adapter" and merged.push == "merged" and merged.lora_request is None
 
     ids = tokenizer(FIXED)["input_ids"]
@@ -72,8 +71,7 @@ def test_adapter_pushes_give_the_merged_pushes_log_probs_over_several_steps(poli
             optimizer.step()
             optimizer.zero_grad()
             policy.eval()
-            adapter.sync_weights(policy)
-            merged.sync_weights(policy)
+            pushes = {"adapter": adapter.sync_weights(policy), "merged": merged.sync_weights(policy)}
         own = policy_logps(policy, ids)
         got, want = engine_logps(adapter, ids), engine_logps(merged, ids)
         assert (got - want).abs().max() <= TOL, step
@@ -84,6 +82,7 @@ def test_adapter_pushes_give_the_merged_pushes_log_probs_over_several_steps(poli
         assert (a.sampling_logp - m.sampling_logp)[mask].abs().max() <= TOL, step
         # the engine holds the last max_staleness + 1 = 2 versions
         assert adapter.llm.llm_engine.list_loras() == set(range(max(1, step), step + 2)), step
-        assert adapter.last_push["bytes"] < merged.last_push["bytes"] / 10
-    print(f"bytes per push: adapter {adapter.last_push['bytes']:.0f}, merged {merged.last_push['bytes']:.0f}")
+        assert pushes["adapter"].bytes < pushes["merged"].bytes / 10
+        assert pushes["adapter"].seconds > 0 and pushes["merged"].seconds > 0  # each kind measured
+    print(f"bytes per push: adapter {pushes['adapter'].bytes:.0f}, merged {pushes['merged'].bytes:.0f}")
     assert own.sub(engine_logps(merged, ids)).abs().max() <= TOL

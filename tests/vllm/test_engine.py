@@ -17,7 +17,7 @@ import torch
 from grpo_plugins.rollout.hf import HFRollout
 from grpo_plugins.vllm.colocated import VLLMRollout, VLLMRolloutOptions
 
-from grpo_core.contracts import SamplingParams
+from grpo_core.contracts import RolloutSetup, SamplingParams
 from grpo_core.testing import build_model
 from grpo_core.train.learner.logprobs import completion_logprobs
 
@@ -42,7 +42,7 @@ def policy(tokenizer):
 @pytest.fixture(scope="module")
 def engine(policy, tokenizer):
     backend = VLLMRollout(engine_options())
-    backend.setup(policy, tokenizer)
+    backend.setup(RolloutSetup(policy, tokenizer))
     return backend
 
 
@@ -79,7 +79,7 @@ def trainer_logps(model, batch, temperature: float = 1.0) -> torch.Tensor:
 def test_greedy_tokens_equal_the_hf_backends(engine, policy, tokenizer, prompts):
     sampling = SamplingParams(max_new_tokens=12, greedy=True)
     hf = HFRollout()
-    hf.setup(policy, tokenizer)
+    hf.setup(RolloutSetup(policy, tokenizer))
     want = hf.generate(prompts, 2, sampling)
     got = engine.generate(prompts, 2, sampling)
     assert got.completion_ids.shape == want.completion_ids.shape
@@ -192,7 +192,7 @@ def test_the_thread_setting_stays_the_users(engine):
 def test_sleep_mode_is_refused_on_cpu_naming_the_option(policy, tokenizer):
     backend = VLLMRollout(engine_options(enable_sleep_mode=True))
     with pytest.raises(RuntimeError, match="enable_sleep_mode is not supported on vLLM's CPU platform"):
-        backend.setup(policy, tokenizer)
+        backend.setup(RolloutSetup(policy, tokenizer))
     assert backend.llm is None
 
 

@@ -10,7 +10,7 @@ import torch
 from grpo_plugins.vllm.colocated import VLLMRollout, VLLMRolloutOptions
 from PIL import Image, ImageDraw
 
-from grpo_core.contracts import SamplingParams
+from grpo_core.contracts import RolloutSetup, SamplingParams
 from grpo_core.contracts.images import without_placeholders
 from grpo_core.spec.data import DataSlot
 from grpo_core.testing import build_vision_model, build_vision_processor
@@ -42,8 +42,7 @@ def policy(processor):
 def engine(policy, processor):
     backend = VLLMRollout(VLLMRolloutOptions(dtype="float32", enforce_eager=True, max_model_len=256,
                                              max_num_seqs=16))
-    backend.processor = processor  # what the engine sets for a run with images
-    backend.setup(policy, processor.tokenizer)
+    backend.setup(RolloutSetup(policy, processor.tokenizer, processor=processor))  # as the engine, for images
     return backend
 
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 from grpo_plugins.vllm.colocated import VLLMRollout
 
-from grpo_core.contracts import SamplingParams
+from grpo_core.contracts import RolloutSetup, SamplingParams
 from grpo_core.testing import build_model
 
 from .conftest import HIDDEN
@@ -58,7 +58,7 @@ def policy(tokenizer):
 @pytest.fixture(scope="module")
 def engine(policy, tokenizer):
     backend = VLLMRollout(engine_options())
-    backend.setup(policy, tokenizer)
+    backend.setup(RolloutSetup(policy, tokenizer))
     return backend
 
 
@@ -152,7 +152,7 @@ def test_a_push_mid_generation_on_a_server_keeps_the_prefix_and_samples_the_rest
     _nudge(new, seed=5)
     sampling = SamplingParams(max_new_tokens=64, temperature=1.0, seed=9)
     rollout = backend([server.url], timeout_s=60)
-    rollout.setup(model, tokenizer)
+    rollout.setup(RolloutSetup(model, tokenizer))
     rollout.switch = StepSwitch(rollout, None, after=0)
     plain = in_thread(rollout.generate, prompts, 4, sampling)
     switch = StepSwitch(rollout, new, after=3)  # 3 polls: about 60 ms into the batch

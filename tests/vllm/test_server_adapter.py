@@ -25,7 +25,7 @@ import torch
 from grpo_plugins.rollout.weights import policy_weights
 from peft import LoraConfig, get_peft_model
 
-from grpo_core.contracts import SamplingParams
+from grpo_core.contracts import RolloutSetup, SamplingParams
 from grpo_core.testing import build_model, save_tiny_model
 
 from .conftest import HIDDEN
@@ -101,13 +101,12 @@ def test_adapter_pushes_give_the_merged_pushes_log_probs_over_steps_and_a_resume
     ids = tokenizer(SEQ)["input_ids"]
     with caplog.at_level(logging.INFO, logger="grpo.rollout.vllm-server"):
         adapter = backend([first.url], lora_push="auto", timeout_s=60)
-        adapter.max_staleness = 1  # as the engine sets it from rollout.max_staleness
-        adapter.setup(policy, tokenizer)
+        pushed = adapter.setup(RolloutSetup(policy, tokenizer, max_staleness=1))
     assert "LoRA weight pushes send the adapter alone (lora_push: auto)" in caplog.text
     client = adapter.clients[first.url]
     assert client.lora == {"max_lora_rank": 8, "max_loras": 2, "runtime_updates": True}
     merged = backend([second.url], lora_push="merged", timeout_s=60)
-    merged.setup(policy, tokenizer)
+    merged.setup(RolloutSetup(policy, tokenizer))
     assert adapter.push == "adapter" and merged.push == "merged" and merged.serving == ""
 
     full_bytes = sum(t.numel() * t.element_size() for _, t in policy_weights(policy))  # a merged push's
@@ -118,7 +117,7 @@ def test_adapter_pushes_give_the_merged_pushes_log_probs_over_steps_and_a_resume
         if step:
             train_step(policy, ids, optimizer)
             start = time.perf_counter()
-            in_thread(adapter.sync_weights, policy)  # as the actor thread of asynchronous training calls it
+            pushed = in_thread(adapter.sync_weights, policy)  # as the actor thread of asynchronous training calls it
             seconds["adapter"].append(time.perf_counter() - start)
             start = time.perf_counter()
             in_thread(merged.sync_weights, policy)
@@ -133,16 +132,15 @@ def test_adapter_pushes_give_the_merged_pushes_log_probs_over_steps_and_a_resume
         # the server holds the last max_staleness + 1 = 2 versions
         assert sorted(client.adapters()) == sorted(adapter.loaded.values()), step
         assert len(adapter.loaded) == min(step + 1, 2), (step, adapter.loaded)
-        assert 0 < adapter.last_push["bytes"] < full_bytes / 10, (step, adapter.last_push)
+        assert 0 < pushed.bytes < full_bytes / 10 and pushed.seconds > 0, (step, pushed)
     assert adapter.failover.dropped == {}
-    print(f"bytes per push: adapter {adapter.last_push['bytes']:.0f}, merged {full_bytes}; seconds per push: "
+    print(f"bytes per push: adapter {pushed.bytes:.0f}, merged {full_bytes}; seconds per push: "
           f"adapter {sorted(seconds['adapter'])}, merged {sorted(seconds['merged'])}")
 
     # A resumed learner: a new backend (setup pushes the base, then the adapter as its version 1)
     # and the previous learner's versions unloaded.
     resumed = backend([first.url], lora_push="auto", timeout_s=60)
-    resumed.max_staleness = 1
-    resumed.setup(policy, tokenizer)
+    resumed.setup(RolloutSetup(policy, tokenizer, max_staleness=1))
     assert client.adapters() == [resumed.serving]
     got = server_logps(first, ids, resumed.serving)
     assert (got - server_logps(second, ids)).abs().max() <= TOL

@@ -27,7 +27,7 @@ import pytest
 import requests
 import torch
 
-from grpo_core.contracts import SamplingParams
+from grpo_core.contracts import RolloutSetup, SamplingParams
 from grpo_core.testing import build_model, save_tiny_model
 
 from .conftest import HIDDEN
@@ -190,7 +190,7 @@ def test_a_learner_without_the_secret_is_refused_naming_the_variable(servers, to
     monkeypatch.delenv("GRPO_SERVE_SECRET")
     model = build_model(tokenizer, seed=1, hidden_size=HIDDEN).float()
     with pytest.raises(RunError, match="set GRPO_SERVE_SECRET in the learner's environment"):
-        backend([servers[0].url], retries=0, timeout_s=30).setup(model, tokenizer)
+        backend([servers[0].url], retries=0, timeout_s=30).setup(RolloutSetup(model, tokenizer))
 
 
 def test_the_judge_reward_grades_through_a_real_vllm_server(servers, model_dir, monkeypatch):
@@ -225,18 +225,24 @@ def test_pushes_reach_every_server(servers, tokenizer):
     """Each server's log-probs of a fixed sequence differ from the learner's before a push
     (it serves other weights) and equal them to 1e-4 (float32) after each push; with
     push_every 2, syncs 1 and 3 push (the first: a resumed run's) and sync 2 leaves the
-    servers one update behind."""
+    servers one update behind. Every full push (setup's too) reports its bytes, a whole
+    float32 copy of the model, and its seconds; the skipped one reports none."""
     seq = tokenizer("Think step by step. What is 12 * 7?")["input_ids"]
     model = build_model(tokenizer, seed=1, hidden_size=HIDDEN).float()
+    from grpo_plugins.rollout.weights import policy_weights
+
+    full_bytes = sum(t.numel() * 4 for _, t in policy_weights(model))  # the servers compute in float32
     assert all(gap(s, model, seq) > 1e-2 for s in servers)
     rollout = backend([s.url for s in servers], push_every=2, timeout_s=60)
-    rollout.setup(model, tokenizer)
+    first = rollout.setup(RolloutSetup(model, tokenizer))
+    assert first.bytes == full_bytes and first.seconds > 0, first
     assert all(gap(s, model, seq) <= GAP for s in servers)
     for sync, pushed in ((1, True), (2, False), (3, True)):
         perturb(model, sync)
-        in_thread(rollout.sync_weights, model)  # as the actor thread of asynchronous training calls it
+        push = in_thread(rollout.sync_weights, model)  # as the actor thread of asynchronous training calls it
         gaps = [gap(s, model, seq) for s in servers]
         assert all(g <= GAP for g in gaps) if pushed else all(g > 1e-2 for g in gaps), (sync, gaps)
+        assert (push.bytes == full_bytes and push.seconds > 0) if pushed else push is None, (sync, push)
     assert rollout.failover.dropped == {}
 
 
@@ -260,24 +266,24 @@ def test_delta_pushes_leave_the_servers_where_full_pushes_do_and_a_drifted_copy_
     model = build_model(tokenizer, seed=3, hidden_size=HIDDEN).float()
     urls = [s.url for s in servers]
     rollout = backend(urls, delta_push=True, timeout_s=60)
-    rollout.setup(model, tokenizer)
+    rollout.setup(RolloutSetup(model, tokenizer))
     sent = []
     for sync in range(1, 5):
         sparse_step(model, sync)
-        in_thread(rollout.sync_weights, model)
-        sent.append(rollout.last_push)
+        sent.append(in_thread(rollout.sync_weights, model).metrics())
         assert all(gap(s, model, seq) <= GAP for s in servers), sync
     assert rollout.failover.dropped == {}
-    assert sent[0]["bytes"] == sent[0]["full_bytes"]  # the first sync: whole (a resumed run's weights)
-    assert all(0 < p["bytes"] < 0.2 * p["full_bytes"] for p in sent[1:]), sent
+    # the first sync: whole (a resumed run's weights)
+    assert sent[0]["sync/push_bytes"] == sent[0]["sync/push_full_bytes"] and sent[0]["sync/push_seconds"] > 0
+    assert all(0 < p["sync/push_bytes"] < 0.2 * p["sync/push_full_bytes"] for p in sent[1:]), sent
     after_deltas = [s.logprobs(seq) for s in servers]
-    backend(urls, timeout_s=60).setup(model, tokenizer)  # a full push of the same weights
+    backend(urls, timeout_s=60).setup(RolloutSetup(model, tokenizer))  # a full push of the same weights
     after_full = [s.logprobs(seq) for s in servers]
     assert all(torch.equal(a, b) for a, b in zip(after_deltas, after_full, strict=True))
 
     # The negative control, on the first server.
     drifted = backend(urls[:1], delta_push=True, timeout_s=60)
-    drifted.setup(model, tokenizer)
+    drifted.setup(RolloutSetup(model, tokenizer))
     in_thread(drifted.sync_weights, model)  # the first sync (whole)
     name, weight = "model.layers.0.mlp.down_proj.weight", model.model.layers[0].mlp.down_proj.weight
     with torch.no_grad():
@@ -285,7 +291,7 @@ def test_delta_pushes_leave_the_servers_where_full_pushes_do_and_a_drifted_copy_
     drifted.encoders["float32"].held[name].view(-1)[7] = weight.view(-1)[7]  # believed already there
     in_thread(drifted.sync_weights, model)
     assert "checksum" in drifted.failover.dropped.get(urls[0], ""), drifted.failover.dropped
-    backend(urls[:1], timeout_s=60).setup(model, tokenizer)
+    backend(urls[:1], timeout_s=60).setup(RolloutSetup(model, tokenizer))
     assert gap(servers[0], model, seq) <= GAP
 
 
@@ -295,13 +301,13 @@ def test_two_servers_split_a_batch_and_sample_what_one_would(servers, tokenizer,
     batch is generated in another thread, as asynchronous training's actor does."""
     model = build_model(tokenizer, seed=2, hidden_size=HIDDEN).float()
     both = backend([s.url for s in servers])
-    both.setup(model, tokenizer)
+    both.setup(RolloutSetup(model, tokenizer))
     sampling = SamplingParams(max_new_tokens=6, seed=11)
     before = [s.finished_requests() for s in servers]
     split = in_thread(both.generate, prompts, 3, sampling)
     assert all(s.finished_requests() > b for s, b in zip(servers, before, strict=True))
     alone = backend([servers[0].url])
-    alone.setup(model, tokenizer)
+    alone.setup(RolloutSetup(model, tokenizer))
     single = alone.generate(prompts, 3, sampling)
     assert split.completion_ids.shape[0] == 3 * len(prompts)
     assert torch.equal(split.completion_ids, single.completion_ids)
@@ -368,6 +374,8 @@ def test_a_run_trains_on_two_servers(servers, model_dir, tmp_path, case, args, c
     steps = changes["train"]["steps"]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert all(r["rollout_correction/logp_diff/max"] <= GAP for r in rows), rows
+    # merged pushes (the LoRA merged, or plain full weights) are measured at every step
+    assert all(r["sync/push_bytes"] > 0 and r["sync/push_seconds"] > 0 for r in rows), rows
     if case.startswith("lora"):  # servers without --enable-lora: auto merges, saying so
         assert ("full merged weights (lora_push: auto, and the server http://127.0.0.1:"
                 in done.stderr and "was not started with LoRA" in done.stderr), done.stderr[-4000:]
@@ -388,8 +396,11 @@ def test_push_every_two_lags_one_step_and_a_resume_pushes_the_resumed_weights(se
     assert done.returncode == 0, done.stderr[-4000:]
     done = run([spec, "--set", "train.steps=4", "--resume"], tmp_path)
     assert done.returncode == 0 and "(step 3)" in done.stderr, done.stderr[-4000:]
-    gaps = {r["step"]: r["rollout_correction/logp_diff/max"] for r in step_rows(tmp_path / "out")}
+    rows = step_rows(tmp_path / "out")
+    gaps = {r["step"]: r["rollout_correction/logp_diff/max"] for r in rows}
     assert sorted(gaps) == [1, 2, 3, 4]
+    # every step logs the plain full push its rollouts sampled after (step 3: step 1's, skipped since)
+    assert len({r["sync/push_bytes"] for r in rows}) == 1 and all(r["sync/push_seconds"] > 0 for r in rows), rows
     assert gaps[1] <= GAP and gaps[2] <= GAP and gaps[4] <= GAP, gaps
     assert gaps[3] > 10 * GAP, gaps  # sampled with the weights of step 1's update, trained from step 2's
 
@@ -440,7 +451,7 @@ def test_a_hung_server_is_failed_over_with_the_same_batch(servers, tokenizer, pr
     to the other; the batch is the one both would have given. Pushes then skip it."""
     model = build_model(tokenizer, seed=3, hidden_size=HIDDEN).float()
     rollout = backend([s.url for s in servers], timeout_s=5, retries=0)
-    rollout.setup(model, tokenizer)
+    rollout.setup(RolloutSetup(model, tokenizer))
     sampling = SamplingParams(max_new_tokens=6, seed=5)
     healthy = rollout.generate(prompts, 2, sampling)
     servers[1].signal(signal.SIGSTOP)

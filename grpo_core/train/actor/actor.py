@@ -11,9 +11,9 @@ sees of the actor, and it is defined on neither side, so a queue or a process bo
 stand between the two: a :mod:`feed <grpo_core.train.feed>` hands it over.
 
 The actor generates with the weights it was last given (:meth:`Actor.receive`), or, for a
-backend that generates with the policy module itself (``generates_with_policy``), with the
-learner's live model: ``weights`` is then the context that makes that model whole (FSDP2
-gathers it; one process needs nothing).
+backend that generates with the policy module itself (its capabilities say
+``generates_with_policy``), with the learner's live model: ``weights`` is then the context
+that makes that model whole (FSDP2 gathers it; one process needs nothing).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from grpo_core.contracts import EpisodeDriver, RolloutBackend, SamplingParams
+from grpo_core.contracts import EpisodeDriver, RolloutBackend, SamplingParams, WeightPush
 from grpo_core.errors import RunError
 from grpo_core.train import seeds
 from grpo_core.train.actor.baseline import greedy_baseline_scores
@@ -78,12 +78,15 @@ class Actor:
     weights: Callable[[], Any] = nullcontext  # () -> the context of a rollout phase (see the module doc)
     greedy_baseline: bool = False  # also score one greedy completion per prompt (needs_greedy_baseline)
     version: int = 0  # the policy version of the backend's weights
+    pushed: WeightPush | None = None  # the last push (setup's, then sync_weights'): sync/push_* of each step
 
     # ----------------------------------------------------------------- weights
     def receive(self, model: Any, version: int) -> None:
         """The learner's weights after ``version`` updates, for the next rollouts (every
         process calls it: a sharded model is gathered for the push)."""
-        self.backend.sync_weights(model)
+        pushed = self.backend.sync_weights(model)
+        if pushed is not None:  # the push these rollouts sample after (a skipped one keeps the last)
+            self.pushed = pushed
         self.version = version
 
     # ----------------------------------------------------------------- sampling
@@ -115,8 +118,8 @@ class Actor:
                         self.backend, self._score_everywhere, scored.prompts, self.settings.group_size,
                         self.settings.sampling, self.driver, self.autocast,
                     )
-        pushed = getattr(self.backend, "last_push", None) or {}  # the push these rollouts sampled after
-        metrics = {**metrics, **{f"sync/push_{k}": float(v) for k, v in pushed.items()}}
+        if self.pushed is not None:  # the push these rollouts sampled after
+            metrics = {**metrics, **self.pushed.metrics()}
         return Experience(step, scored, started, self.settings.sampling.temperature, metrics, timer.phases,
                           baseline)
 

@@ -209,7 +209,7 @@ class FSDP2(OneProcess):
         itself (``generates_with_policy``, the ``hf`` backend), entered once by every process
         however many ``generate`` calls each then makes (multi-turn episodes differ). Nested
         uses are free."""
-        if self._gathered or not getattr(backend, "generates_with_policy", False):
+        if self._gathered or not backend.capabilities.generates_with_policy:
             yield
             return
         self._gathered = True

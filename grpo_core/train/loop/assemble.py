@@ -16,7 +16,16 @@ from typing import Any
 import torch
 
 from grpo_core import checkpoint as ckpt
-from grpo_core.contracts import DriverSetup, EpisodeDriver, RowStream, Tracker, policy_copy, special_ids
+from grpo_core.contracts import (
+    DriverSetup,
+    EpisodeDriver,
+    RolloutBackend,
+    RolloutSetup,
+    RowStream,
+    Tracker,
+    policy_copy,
+    special_ids,
+)
 from grpo_core.errors import RunError
 from grpo_core.spec import LoadedSpec, Spec
 from grpo_core.spec.metrics import reward_labels
@@ -245,45 +254,48 @@ def build_actor(spec: Spec, backend, scorer: Scorer, dist: Dist, driver: Episode
     )
 
 
-def _actor_and_feed(spec: Spec, model, tokenizer, backend, learner: Learner, scorer: Scorer, snapshot, sampler
-                    ) -> tuple[Actor, Feed]:
-    """The actor, set up on the policy (or on the ``sampler`` copy of an asynchronous run whose
-    backend generates with the policy module), and the feed that hands its experience over:
-    synchronous, or the pipeline when ``rollout.max_staleness > 0`` (then the actor's
-    collectives get a process group of their own: they run in its thread)."""
+def _actor_and_feed(spec: Spec, model, tokenizer, processor, backend, learner: Learner, scorer: Scorer, snapshot,
+                    sampler) -> tuple[Actor, Feed]:
+    """The actor and the feed that hands its experience over: synchronous, or the pipeline
+    when ``rollout.max_staleness > 0`` (then the actor's collectives get a process group of
+    their own: they run in its thread); the backend set up on the policy (or on the
+    ``sampler`` copy of an asynchronous run whose backend generates with the policy module),
+    with the pipeline's weight switch under partial rollouts."""
     strategy, k = learner.strategy, spec.rollout.max_staleness
-    backend.setup(model if sampler is None else sampler, tokenizer)
     actor = build_actor(
         spec, backend, scorer, strategy.dist.side_group() if k else strategy.dist,
         build_episodes(spec, model, tokenizer, scorer),
         partial(strategy.rollout_weights, backend) if sampler is None else contextlib.nullcontext,
         learner.estimator.needs_greedy_baseline,
     )
-    if not k:
-        return actor, SyncFeed(actor)
-    return actor, Pipeline(actor, k, snapshot, sampler=sampler,
-                           behaviour=learner.sampler_logprobs if sampler is not None else None,
-                           interruptible=interruptible_backend(spec, backend, strategy.dist.world))
+    feed = SyncFeed(actor) if not k else Pipeline(
+        actor, k, snapshot, sampler=sampler, behaviour=learner.sampler_logprobs if sampler is not None else None,
+        interruptible=interruptible_backend(spec, backend, strategy.dist.world))
+    actor.pushed = backend.setup(RolloutSetup(model if sampler is None else sampler, tokenizer, processor=processor,
+                                              max_staleness=k, switch=feed.switch if k else None))
+    return actor, feed
 
 
-def interruptible_backend(spec: Spec, backend: Any, world: int) -> Any:
-    """The backend (or its registered class), when ``rollout.partial_rollouts`` is on and it
-    can stop mid-generation (``interruptible``); None when the option is off. Refused, naming what to change, for a
-    backend that cannot, and for several processes (each would take new weights at its own
-    moment, and their weight gathers and pushes are collectives that must pair up)."""
+def interruptible_backend(spec: Spec, backend: RolloutBackend, world: int) -> bool:
+    """Whether the run has partial rollouts: ``rollout.partial_rollouts`` is on and the
+    backend can stop mid-generation (its capabilities say ``interruptible``). Refused, naming
+    what to change, for a backend that cannot, and for several processes (each would take new
+    weights at its own moment, and their weight gathers and pushes are collectives that must
+    pair up)."""
     if not spec.rollout.partial_rollouts:
-        return None
-    if not getattr(backend, "interruptible", False):
+        return False
+    can = backend.capabilities
+    if not can.interruptible:
         raise RunError(f"rollout.partial_rollouts: rollout backend '{spec.rollout.name}' cannot stop mid-generation; "
                        "use rollout.name: vllm or vllm-server, or partial_rollouts: false")
-    if getattr(backend, "generates_with_policy", False):
+    if can.generates_with_policy:
         raise RunError(f"rollout.partial_rollouts: rollout backend '{spec.rollout.name}' generates with the policy "
                        "module, whose sampler log-probs the pipeline computes after the batch with one version; "
                        "partial rollouts need a backend that returns each token's own (vllm, vllm-server)")
     if world > 1:
         raise RunError(f"rollout.partial_rollouts: runs in one process only (this run has {world}); "
                        "set partial_rollouts: false or run one process")
-    return backend
+    return True
 
 
 def load_processing(loaded: LoadedSpec, given: Any = None) -> tuple[Any, Any]:
@@ -308,11 +320,11 @@ def load_processing(loaded: LoadedSpec, given: Any = None) -> tuple[Any, Any]:
     return processor, tokenizer
 
 
-def check_image_run(spec: Spec, backend: Any, model: Any) -> None:
+def check_image_run(spec: Spec, backend: RolloutBackend, model: Any) -> None:
     """Refuse what prompts with images cannot run with yet, naming the setting (``train.packing:
     true`` before the first step: :func:`~grpo_core.train.learner.packing.resolve_packing`)."""
     resolve_packing(spec.train.packing, model)
-    if not getattr(backend, "accepts_images", False):
+    if not backend.capabilities.accepts_images:
         raise RunError(f"data.image_column: rollout backend '{spec.rollout.name}' does not take images; "
                        "use rollout.name: hf or vllm")
     if getattr(spec.algorithm.advantage.options, "teacher", None) is not None:
@@ -330,7 +342,8 @@ def build_run(loaded: LoadedSpec, dist: Dist | None = None, *, model=None, token
     spec = loaded.spec
     dist = dist or Dist.from_env(spec.train.device, spec.train.parallel.timeout_s)
     check_layout(spec, dist.world)
-    interruptible_backend(spec, spec.rollout.component.impl, dist.world)  # refused before anything loads
+    backend = spec.rollout.build()  # built (not set up) to refuse what it cannot do before anything loads
+    interruptible_backend(spec, backend, dist.world)
     parallel = parallel_from_launcher(spec.train.parallel)
     if parallel_conflicts(spec, parallel):
         raise RunError("accelerate's FSDP config selects fsdp2, but " + "; ".join(parallel_conflicts(spec, parallel)))
@@ -364,17 +377,14 @@ def build_run(loaded: LoadedSpec, dist: Dist | None = None, *, model=None, token
     # Asynchronous rollouts: whole copies of the policy, made before the strategy shards it: the
     # snapshot the learner's weights cross in, and for a backend that generates with the policy
     # module, the weights the actor samples from while the learner's move.
-    backend, k = spec.rollout.build(), spec.rollout.max_staleness
-    if hasattr(backend, "max_staleness"):  # a backend that keeps past policy versions (vllm's adapters)
-        backend.max_staleness = k
+    k = spec.rollout.max_staleness
     if processor is not None:
         check_image_run(spec, backend, model)
-        backend.processor = processor
     snapshot = policy_copy(model) if k else None
-    sampler = policy_copy(model) if k and backend.generates_with_policy else None
+    sampler = policy_copy(model) if k and backend.capabilities.generates_with_policy else None
     learner = build_learner(spec, model, tokenizer, strategy_for(dist, parallel))
     scorer = build_scorer(spec, rewards, splitter, with_steps=learner.estimator.needs_step_scores)
-    actor, feed = _actor_and_feed(spec, model, tokenizer, backend, learner, scorer, snapshot, sampler)
+    actor, feed = _actor_and_feed(spec, model, tokenizer, processor, backend, learner, scorer, snapshot, sampler)
 
     max_prompt = prompt_budget(spec, model)
     tools = prompt_tools(actor.driver)

@@ -14,7 +14,7 @@ import torch
 from grpo_plugins.rollout.hf import HFRollout, HFRolloutOptions
 from pydantic import ValidationError
 
-from grpo_core.contracts import SamplingParams
+from grpo_core.contracts import RolloutSetup, SamplingParams
 from grpo_core.testing import build_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tokenizer, prompts: tests/plugins/conftest.py
@@ -41,7 +41,7 @@ def _generate(model, tokenizer, prompts, decode, sampling, group=6, **options):
     ``options`` say otherwise: the lean loop against ``generate`` token for token."""
     options = {"dtype": None, "sampler": "multinomial", **options} if decode == "lean" else {"dtype": None, **options}
     backend = HFRollout(HFRolloutOptions(decode=decode, **options))
-    backend.setup(model, tokenizer)
+    backend.setup(RolloutSetup(model, tokenizer))
     return backend.generate(prompts, group, sampling)
 
 

@@ -30,7 +30,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from grpo_core.cli import main
-from grpo_core.contracts import SamplingParams
+from grpo_core.contracts import RolloutSetup, SamplingParams
 from grpo_core.testing import build_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -85,7 +85,7 @@ def test_a_model_on_decode_attention_gives_the_same_logits(policy, tok, prompts)
     out = {}
     for name, model in (("sdpa", policy), ("decode", fast)):
         backend = HFRollout(HFRolloutOptions(dtype=None))
-        backend.setup(model, tok)
+        backend.setup(RolloutSetup(model, tok))
         out[name] = backend.generate(prompts, 3, sampling)
     assert torch.equal(out["sdpa"].completion_ids, out["decode"].completion_ids)
     full = torch.cat([out["sdpa"].prompt_ids.repeat_interleave(3, 0), out["sdpa"].completion_ids], dim=1)
@@ -210,7 +210,7 @@ def test_a_bf16_copy_reports_its_log_probs_and_the_policy_itself_does_not(policy
 
     sampling = SamplingParams(max_new_tokens=8, seed=4)
     copied = HFRollout(HFRolloutOptions(dtype="bfloat16"))
-    copied.setup(policy, tok)
+    copied.setup(RolloutSetup(policy, tok))
     batch = copied.generate(prompts, 4, sampling)
     assert batch.sampling_logp is not None and batch.sampling_logp.shape == batch.completion_ids.shape
     assert batch.sampling_logp.dtype == torch.float32
@@ -223,7 +223,7 @@ def test_a_bf16_copy_reports_its_log_probs_and_the_policy_itself_does_not(policy
     assert float(gap.mean()) < 0.05 and float(gap.max()) < 0.5, gap  # bf16 rounding, not another model
     assert float(gap.max()) > 0  # and they are the copy's, not the policy's
     plain = HFRollout(HFRolloutOptions(dtype=None))
-    plain.setup(policy, tok)
+    plain.setup(RolloutSetup(policy, tok))
     assert plain.generate(prompts, 2, sampling).sampling_logp is None
 
 
@@ -253,7 +253,7 @@ def test_auto_generates_with_a_bf16_copy_on_decode_attention(monkeypatch, policy
     monkeypatch.setattr(decode_module, "native_bf16", lambda device: True)
     monkeypatch.setattr(decode_module, "AUTO_MIN_PARAMETERS", 0)
     backend = HFRollout()  # the defaults
-    backend.setup(policy, tok)
+    backend.setup(RolloutSetup(policy, tok))
     assert backend.model is not policy and next(backend.model.parameters()).dtype == torch.bfloat16
     assert backend.model.config._attn_implementation == DECODE_ATTENTION
     assert backend.options.sampler == "inverse-cdf"
@@ -308,7 +308,7 @@ import json
 import torch
 from grpo_plugins.rollout.decode import packed_linears
 from grpo_plugins.rollout.hf import HFRollout, HFRolloutOptions
-from grpo_core.contracts import SamplingParams
+from grpo_core.contracts import RolloutSetup, SamplingParams
 from grpo_core.testing import build_model, build_tokenizer
 
 tok = build_tokenizer()
@@ -317,7 +317,7 @@ model = policy.to(torch.bfloat16)
 with packed_linears(model, 3):
     packed = [n for n, m in model.named_modules() if hasattr(m, "_grpo_packed")]
 backend = HFRollout(HFRolloutOptions(dtype="bfloat16"))
-backend.setup(build_model(tok), tok)
+backend.setup(RolloutSetup(build_model(tok), tok))
 batch = backend.generate([tok("What is 3 + 4?")["input_ids"]], 2, SamplingParams(max_new_tokens=4, seed=1))
 print(json.dumps({"packed": packed, "oneDNN bf16": torch.ops.mkldnn._is_mkldnn_bf16_supported(),
                   "shape": list(batch.completion_ids.shape)}))

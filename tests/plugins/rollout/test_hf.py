@@ -9,7 +9,7 @@ import torch
 from grpo_plugins.rollout.hf import HFRollout, HFRolloutOptions
 from pydantic import ValidationError
 
-from grpo_core.contracts import RolloutBackend, SamplingParams
+from grpo_core.contracts import RolloutBackend, RolloutSetup, SamplingParams
 from grpo_core.plugin_manager import load_plugins
 from grpo_core.testing import build_model, build_tokenizer
 from grpo_core.train.learner.logprobs import completion_logprobs
@@ -26,7 +26,7 @@ def model(tokenizer):
 
 def _backend(model, tokenizer, **options) -> HFRollout:
     backend = HFRollout(HFRolloutOptions(**options))
-    backend.setup(model, tokenizer)
+    backend.setup(RolloutSetup(model, tokenizer))
     return backend
 
 
@@ -218,7 +218,7 @@ def test_registered_as_hf_and_built_from_options(model, tokenizer, prompts):
     assert isinstance(backend, HFRollout) and isinstance(backend, RolloutBackend)
     assert backend.options.share_prompt_prefill is False
     assert isinstance(component.build(), HFRollout)
-    backend.setup(model, tokenizer)
+    backend.setup(RolloutSetup(model, tokenizer))
     backend.sync_weights(model)  # a no-op
     assert backend.generate(prompts[:1], 2, GREEDY).completion_ids.shape[0] == 2
     with pytest.raises(ValidationError, match="prompts_per_generate"):
@@ -251,7 +251,7 @@ def test_generation_copy_in_another_dtype_follows_the_policy():
     tok = build_tokenizer()
     policy = build_model(tok)
     backend = HFRollout(HFRolloutOptions(dtype="bfloat16", keep_copy=True))
-    backend.setup(policy, tok)
+    backend.setup(RolloutSetup(policy, tok))
     assert backend.model is not policy
     assert next(backend.model.parameters()).dtype == torch.bfloat16
     assert next(policy.parameters()).dtype == torch.float32  # the policy is untouched
@@ -295,8 +295,8 @@ def test_per_call_copy_is_not_resident_and_generates_what_a_resident_copy_does(t
     policy = _policy(tok, tied)
     per_call = HFRollout(HFRolloutOptions(dtype="bfloat16"))
     resident = HFRollout(HFRolloutOptions(dtype="bfloat16", keep_copy=True))
-    per_call.setup(policy, tok)
-    resident.setup(policy, tok)
+    per_call.setup(RolloutSetup(policy, tok))
+    resident.setup(RolloutSetup(policy, tok))
     assert _weight_bytes(per_call.model) == 0
     assert _weight_bytes(resident.model) == _weight_bytes(policy) // 2
     if tied:
@@ -324,8 +324,8 @@ def test_bf16_copy_generates_close_to_the_policy_under_autocast():
     tok = build_tokenizer()
     policy = build_model(tok)
     plain, copied = HFRollout(), HFRollout(HFRolloutOptions(dtype="bfloat16"))
-    plain.setup(policy, tok)
-    copied.setup(policy, tok)
+    plain.setup(RolloutSetup(policy, tok))
+    copied.setup(RolloutSetup(policy, tok))
     prompts = [tok(t)["input_ids"] for t in TEXTS]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         a = plain.generate(prompts, 1, GREEDY)

@@ -68,7 +68,7 @@ class FakeServe:
     def __init__(self, handle=None, secret: str | None = None):
         import threading
 
-        from grpo_plugins.vllm.channel import open_group, receive_tensors
+        from grpo_plugins.rollout.channel import open_group, receive_tensors
 
         self.requests: list[tuple[str, dict]] = []
         self.version: str | None = None

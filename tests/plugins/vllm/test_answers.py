@@ -17,7 +17,7 @@ import time
 import pytest
 from grpo_plugins.vllm.server import VLLMServerOptions, VLLMServerRollout
 
-from grpo_core.contracts import SamplingParams
+from grpo_core.contracts import RolloutSetup, SamplingParams
 from grpo_core.errors import RunError
 
 from .conftest import good_answer
@@ -31,7 +31,7 @@ def rollout_on(urls: list[str], model, tokenizer, **options) -> VLLMServerRollou
     rollout = VLLMServerRollout(VLLMServerOptions(urls=urls, **{**defaults, **options}))
     for client in rollout.clients.values():
         client.backoff_s = 0.01
-    rollout.setup(model, tokenizer)
+    rollout.setup(RolloutSetup(model, tokenizer))
     return rollout
 
 

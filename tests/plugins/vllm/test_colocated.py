@@ -19,7 +19,7 @@ from grpo_plugins.vllm.colocated import MISSING_VLLM, VLLMRollout, VLLMRolloutOp
 from pydantic import ValidationError
 
 from grpo_core.cli import main
-from grpo_core.contracts import RolloutBackend, SamplingParams
+from grpo_core.contracts import RolloutBackend, RolloutSetup, SamplingParams
 from grpo_core.kinds import KINDS
 from grpo_core.plugin_manager import load_plugins
 
@@ -196,14 +196,14 @@ def test_invalid_sampling_is_refused_before_vllm_is_needed(sampling, message):
 
 def test_generate_and_sync_before_setup_say_so():
     backend = VLLMRollout()
-    with pytest.raises(RuntimeError, match=r"setup\(model, tokenizer\) must be called before generate"):
+    with pytest.raises(RuntimeError, match=r"setup must be called before generate"):
         backend.generate([[1, 2]], 2, SamplingParams(max_new_tokens=4))
-    with pytest.raises(RuntimeError, match=r"setup\(model, tokenizer\) must be called before sync_weights"):
+    with pytest.raises(RuntimeError, match=r"setup must be called before sync_weights"):
         backend.sync_weights(torch.nn.Linear(2, 2))
 
 
 @without_vllm
 def test_setup_without_vllm_says_how_to_install_it(tokenizer, model):
     with pytest.raises(RuntimeError) as info:
-        VLLMRollout().setup(model, tokenizer)
+        VLLMRollout().setup(RolloutSetup(model, tokenizer))
     assert str(info.value) == MISSING_VLLM

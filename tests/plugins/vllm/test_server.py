@@ -1,6 +1,6 @@
 """The ``vllm-server`` rollout backend's pure pieces, in the main environment (no vLLM):
-registration and options, the split of a step's prompts over servers, the failover bookkeeping
-and its error, and a server that is not a ``grpo-run serve`` one.
+registration and options, and a server that is not a ``grpo-run serve`` one (the split of a
+step's prompts over servers and the failover bookkeeping: tests/plugins/rollout/test_servers.py).
 
 The servers themselves (vLLM, the weight push, failover of a real server, a run) are tested in
 ``tests/vllm/test_servers.py`` (marker ``vllm``)."""
@@ -15,13 +15,11 @@ import threading
 
 import pytest
 from grpo_plugins.vllm.client import ServerClient, ServerFault
-from grpo_plugins.vllm.server import Failover, VLLMServerOptions, VLLMServerRollout, assign_prompts, check_url
-from hypothesis import given
-from hypothesis import strategies as st
+from grpo_plugins.vllm.server import VLLMServerOptions, VLLMServerRollout
 from pydantic import ValidationError
 
 from grpo_core.cli import main
-from grpo_core.contracts import RolloutBackend
+from grpo_core.contracts import RolloutBackend, RolloutSetup
 from grpo_core.errors import RunError
 from grpo_core.plugin_manager import load_plugins
 from grpo_core.testing import build_model, build_tokenizer
@@ -87,12 +85,6 @@ def test_every_bad_url_is_reported():
         (("urls", 0), True), (("urls", 2), True)]
 
 
-def test_check_url_keeps_a_path_prefix_and_refuses_a_query():
-    assert check_url("https://h.example:443/vllm/") == "https://h.example:443/vllm"
-    with pytest.raises(ValueError, match="write http://HOST:PORT"):
-        check_url("http://h:80/?x=1")
-
-
 def test_cli_validate_reports_the_yaml_path(tmp_path):
     spec = tmp_path / "spec.yaml"
     spec.write_text("model: {path: some/model}\nrewards: [{name: accuracy}]\n"
@@ -100,38 +92,6 @@ def test_cli_validate_reports_the_yaml_path(tmp_path):
     code, out, err = cli("validate", spec)
     assert code == 2 and out == ""
     assert "spec.rollout.urls" in err and "write http://HOST:PORT" in err, err
-
-
-@given(st.integers(0, 200), st.integers(1, 17))
-def test_assign_prompts_gives_contiguous_near_equal_parts(n_prompts, n_servers):
-    owners = assign_prompts(n_prompts, n_servers)
-    assert len(owners) == n_prompts
-    assert owners == sorted(owners)  # contiguous, in server order
-    sizes = [owners.count(s) for s in range(n_servers)]
-    assert max(sizes) - min(sizes) <= 1
-    assert sizes == sorted(sizes, reverse=True)  # the larger parts first
-
-
-def test_assign_prompts_exact_case():
-    assert assign_prompts(7, 3) == [0, 0, 0, 1, 1, 2, 2]
-    with pytest.raises(ValueError, match="at least one server"):
-        assign_prompts(3, 0)
-
-
-def test_failover_moves_a_dropped_servers_prompts_to_the_live_ones_in_turn():
-    urls = ["http://a:1", "http://b:2", "http://c:3"]
-    failover = Failover(urls)
-    failover.drop("http://b:2", "ConnectTimeout: refused")
-    failover.drop("http://b:2", "a second reason is not recorded")
-    assert failover.live() == ["http://a:1", "http://c:3"]
-    assert failover.reassign([4, 5, 6]) == {4: "http://a:1", 5: "http://c:3", 6: "http://a:1"}
-    failover.drop("http://a:1", "HTTP 500")
-    failover.drop("http://c:3", "timed out")
-    with pytest.raises(RunError) as info:
-        failover.reassign([4])
-    message = str(info.value)
-    assert message == ("vllm-server rollout: no rollout server is left (http://a:1: HTTP 500; "
-                       "http://b:2: ConnectTimeout: refused; http://c:3: timed out)")
 
 
 def test_a_plain_openai_server_is_refused_with_what_to_start():
@@ -147,7 +107,7 @@ def test_a_plain_openai_server_is_refused_with_what_to_start():
         rollout = VLLMServerRollout(VLLMServerOptions(urls=[url], retries=0, timeout_s=5))
         with pytest.raises(RunError, match=f"no rollout server is left \\({url}: did not answer as a grpo-run"):
             tokenizer = build_tokenizer()
-            rollout.setup(build_model(tokenizer), tokenizer)
+            rollout.setup(RolloutSetup(build_model(tokenizer), tokenizer))
     finally:
         server.shutdown()
         server.server_close()

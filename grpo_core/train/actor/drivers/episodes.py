@@ -147,9 +147,8 @@ def episodes_batch(prompts: list[list[int]], episodes: list[EpisodeRecord], toke
 
 
 def device_of(backend: Any) -> torch.device:
-    """Where the backend's rollouts live: its ``device`` (declared by the RolloutBackend
-    contract; absent or None is the CPU)."""
-    device = getattr(backend, "device", None)
+    """Where the backend's rollouts live: its capabilities' ``device`` (None is the CPU)."""
+    device = backend.capabilities.device
     return torch.device(device) if device is not None else torch.device("cpu")
 
 

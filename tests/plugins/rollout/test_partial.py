@@ -1,13 +1,13 @@
-"""What the vLLM backends keep of a completion a weight update interrupts, and how it continues
-(:mod:`grpo_plugins.vllm.partial`), on hand-made outputs with vLLM's attributes (no engine)."""
+"""What the server and colocated backends keep of a completion a weight update interrupts, and how it continues
+(:mod:`grpo_plugins.rollout.partial`), on hand-made outputs with vLLM's attributes (no engine)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import torch
-from grpo_plugins.vllm.io import outputs_to_batch, request_seed
-from grpo_plugins.vllm.partial import PartialCompletion, continuation_seed, stitched_outputs, versions_tensor
+from grpo_plugins.rollout.outputs import outputs_to_batch, request_seed
+from grpo_plugins.rollout.partial import PartialCompletion, continuation_seed, stitched_outputs, versions_tensor
 
 
 def output(ids, logps, finish=None):

@@ -6,11 +6,12 @@ hosts: ``tests/multihost/test_weight_channel.py``."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 
 import pytest
 import torch
-from grpo_plugins.vllm.channel import (
+from grpo_plugins.rollout.channel import (
     delta_info,
     gloo_devices,
     local_address,
@@ -21,9 +22,13 @@ from grpo_plugins.vllm.channel import (
     send_tensors,
     update_info,
 )
-from grpo_plugins.vllm.delta import DeltaDecoder, DeltaEncoder, bits
+from grpo_plugins.rollout.delta import DeltaDecoder, DeltaEncoder, bits
 
-from .conftest import free_port
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 @pytest.mark.parametrize("interface", [None, "lo"])

@@ -1,5 +1,6 @@
-"""Partial rollouts on vLLM (``rollout.partial_rollouts``): what the ``vllm`` and ``vllm-server``
-backends keep of each completion while a weight update interrupts it, and how it continues.
+"""Partial rollouts (``rollout.partial_rollouts``), engine-neutral: what a backend whose engine
+continues a request from a prefix (``vllm``, ``vllm-server``) keeps of each completion while a
+weight update interrupts it, and how it continues.
 
 A completion is a list of segments, each sampled with one policy version. When newer weights
 wait (:class:`~grpo_core.contracts.WeightSwitch`), the backend stops every unfinished
@@ -29,7 +30,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from grpo_plugins.vllm.io import Completion, Output, request_seed
+from grpo_plugins.rollout.outputs import Completion, Output, request_seed
 
 __all__ = ["Completion", "PartialCompletion", "continuation_seed", "stitched_outputs", "versions_tensor"]
 

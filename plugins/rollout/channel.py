@@ -30,7 +30,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-from grpo_plugins.vllm.delta import TensorDelta
+from grpo_plugins.rollout.delta import TensorDelta
 from torch import Tensor
 
 __all__ = ["BACKENDS", "delta_info", "gloo_devices", "local_address", "open_group", "receive_deltas", "receive_tensors",
@@ -123,7 +123,7 @@ def receive_tensors(group: Any, info: dict[str, list], device: torch.device | st
 
 # --------------------------------------------------------------------------- delta pushes
 def delta_info(deltas: Iterable[TensorDelta]) -> dict[str, list]:
-    """The payload of a delta push (:mod:`grpo_plugins.vllm.delta`): :func:`update_info`'s
+    """The payload of a delta push (:mod:`grpo_plugins.rollout.delta`): :func:`update_info`'s
     ``names``, ``dtype_names`` and ``shapes`` (of the whole tensors), plus per tensor its
     ``counts`` (changed elements sent; -1: sent whole), ``index_dtypes`` and ``checksums``."""
     deltas = list(deltas)

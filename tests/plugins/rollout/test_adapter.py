@@ -13,8 +13,7 @@ import os
 
 import pytest
 import torch
-from grpo_plugins.rollout.weights import policy_weights
-from grpo_plugins.vllm.adapter import (
+from grpo_plugins.rollout.adapter import (
     AdapterVersions,
     adapter_config,
     adapter_obstacle,
@@ -26,6 +25,7 @@ from grpo_plugins.vllm.adapter import (
     server_obstacle,
     write_adapter,
 )
+from grpo_plugins.rollout.weights import policy_weights
 from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
 from safetensors.torch import load_file
 

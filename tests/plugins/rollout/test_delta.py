@@ -1,4 +1,4 @@
-"""Delta weight pushes as pure functions (grpo_plugins.vllm.delta): after any number of pushes
+"""Delta weight pushes as pure functions (grpo_plugins.rollout.delta): after any number of pushes
 the receiver's copy is bitwise the sender's latest tensors (as a full push leaves it), a push
 sends a tensor whole when that is smaller, and a receiver whose copy drifted by one element
 is caught by the checksum, naming the tensor."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from grpo_plugins.vllm.delta import (
+from grpo_plugins.rollout.delta import (
     DeltaDecoder,
     DeltaEncoder,
     DeltaMismatch,
