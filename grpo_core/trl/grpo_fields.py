@@ -482,7 +482,7 @@ FIELDS: list[TRLField] = [
     # ----- vLLM
     mapped("use_vllm", False, ("rollout.name", "rollout.dtype"),
            "False: hf with rollout.dtype null; True: vllm (vllm_mode='colocate') or vllm-server ('server')", _backend,
-           note="TRL without vLLM generates with the training model (model.generate), so the door sets the hf "
+           note="TRL without vLLM generates with the training model (its generate method), so the door sets the hf "
            "backend's dtype to null: no bfloat16 sampling copy, no sampler/trainer gap. grpo-core's faster bf16 "
            "copy is one override away: overrides={'rollout.dtype': 'auto'}.",
            examples=((True, {"rollout.name": "vllm"}),)),
