@@ -219,6 +219,7 @@ def test_luspo_at_token_level_is_taken_with_trls_warning(tmp_path, tiny_model_di
     assert [r.getMessage() for r in caplog.records] == [
         "When using `'luspo'` loss, `importance_sampling_level` should be set to `'sequence'` to mirror the "
         "paper's setup."]
+    assert trainer.train().status == "finished"
     caplog.clear()
     with caplog.at_level("WARNING", logger="grpo.trl"):
         trainer = _door(tmp_path, tiny_model_dir, loss_type="luspo", importance_sampling_level="sequence",
