@@ -87,11 +87,12 @@ def decode_step_seconds(model, rows: int, context: int, reps: int) -> float:
     """One forward of ``rows`` single tokens against a KV cache of ``context`` positions."""
     from transformers import DynamicCache
 
-    ids = torch.randint(100, 1000, (rows, context))
+    high = min(1000, model.config.vocab_size)  # token ids any model's vocabulary holds
+    ids = torch.randint(high // 10, high, (rows, context))
     cache = DynamicCache(config=model.config)
     with torch.inference_mode():
         model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        step = torch.randint(100, 1000, (rows, 1))
+        step = torch.randint(high // 10, high, (rows, 1))
         mask = torch.ones((rows, context + 1), dtype=torch.long)
 
         def one():
@@ -209,17 +210,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-variants", action="store_true", help="generate with a dynamic vs static cache")
     parser.add_argument("--compile", action="store_true", help="with --cache-variants: also static + torch.compile")
     parser.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "grpo-bench-smollm2"))
+    parser.add_argument("--tiny", action="store_true", help="grpo_core.testing's tiny random model (a smoke run)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
     from grpo_plugins.rollout.hf import HFRollout, HFRolloutOptions
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from vs_trl import prepare_model, task_rows
+    from vs_trl import bench_model, task_rows
 
     from grpo_core.contracts import SamplingParams
     from grpo_core.train.learner.logprobs import completion_logprobs
 
-    folder = prepare_model(Path(args.model_dir))
+    folder = bench_model(Path(args.model_dir), args.tiny)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     bf16 = args.precision == "bf16"
@@ -230,17 +232,20 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     P, G, T = args.prompts, args.group, args.tokens
 
-    def backend_for(decode: str, sampler: str = "inverse-cdf", dtype: str | None = "precision") -> HFRollout:
+    def backend_for(decode: str, sampler: str = "inverse-cdf", dtype: str | None = "precision",
+                    keep_copy: bool = False) -> HFRollout:
         dtype = ("bfloat16" if bf16 else None) if dtype == "precision" else dtype
         options = {"sampler": sampler} if decode == "lean" else {}
-        made = HFRollout(HFRolloutOptions(dtype=dtype, decode=decode, **options))
+        made = HFRollout(HFRolloutOptions(dtype=dtype, decode=decode, keep_copy=keep_copy, **options))
         from grpo_core.contracts import RolloutSetup
 
         made.setup(RolloutSetup(model, tokenizer))
         return made
 
     backend = backend_for("lean")
-    gen_model = backend.model
+    # What the floors and transformers' generate run on: the policy, or with bf16 a resident
+    # bfloat16 copy (the backend's own copy holds weights only inside its generate calls).
+    gen_model = backend_for("lean", keep_copy=True).model
     sampling = SamplingParams(max_new_tokens=T, seed=0)
     batch = backend.generate(prompts, G, sampling)
 
@@ -306,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         "no-grad forward (one padded forward)": timed(lambda: reference_forward(False), args.reps),
         "optimizer (fused AdamW)": timed(optimizer_step, args.reps),
     }
-    print(f"SmolLM2-135M-Instruct, {args.precision}, {args.threads} threads, median of {args.reps}")
+    print(f"{'tiny model' if args.tiny else 'SmolLM2-135M-Instruct'}, {args.precision}, {args.threads} threads, "
+          f"median of {args.reps}")
     for name, seconds in results.items():
         print(f"  {name:58s} {seconds:7.2f} s")
     return 0

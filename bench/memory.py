@@ -126,6 +126,7 @@ def main() -> int:
     parser.add_argument("--lean", action="store_true", help="add vs_trl.py's lean settings (--grpo-lean)")
     parser.add_argument("--set", action="append", default=[], dest="sets", help="extra spec override")
     parser.add_argument("--model-dir", default=None)
+    parser.add_argument("--tiny", action="store_true", help="grpo_core.testing's tiny random model (a smoke run)")
     a = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(a.threads))
     warnings.filterwarnings("ignore", message=".*optimizer.step.*")  # our label wrapper, not a misuse
@@ -143,7 +144,7 @@ def main() -> int:
         instrument(sampler, held)
         model_dir = Path(a.model_dir) if a.model_dir else Path(vs_trl.default_model_dir())
         with sampler.phase("prepare the float32 copy"):
-            model = str(vs_trl.prepare_model(model_dir))
+            model = str(vs_trl.bench_model(model_dir, a.tiny))
         overrides = vs_trl.grpo_overrides(model, "bf16", a.steps, a.threads) + (vs_trl.LEAN if a.lean else []) + a.sets
         with sampler.phase("load"):
             run = build_run(load_spec(vs_trl.DEFAULT_SPEC, overrides))

@@ -408,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true", help="also the packed update with compiled MLPs")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "grpo-bench-smollm2"))
+    parser.add_argument("--tiny", action="store_true", help="grpo_core.testing's tiny random model (a smoke run)")
     args = parser.parse_args(argv)
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") != MMAP_THRESHOLD:
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD})
@@ -415,9 +416,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from vs_trl import prepare_model, task_rows
+    from vs_trl import bench_model, task_rows
 
-    folder = prepare_model(Path(args.model_dir))
+    folder = bench_model(Path(args.model_dir), args.tiny)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).train()
     variants = {}

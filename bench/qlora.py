@@ -36,14 +36,18 @@ SETTINGS = {
 }
 
 
-def write_model(folder: Path) -> None:
+def write_model(folder: Path, tiny: bool = False) -> None:
+    """SmolLM2-135M's shape with random weights; ``tiny``: two layers of width 64 (a smoke run)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from grpo_core.testing import build_tokenizer
 
-    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2) if tiny else dict(hidden_size=576, intermediate_size=1536,
+                                                           num_hidden_layers=30, num_attention_heads=9,
+                                                           num_key_value_heads=3)
+    config = LlamaConfig(vocab_size=49152, tie_word_embeddings=True, **shape)
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(folder)
     build_tokenizer().save_pretrained(folder)
@@ -79,6 +83,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=None, help="also write the results as JSON here")
+    parser.add_argument("--tiny", action="store_true", help="a two-layer model of width 64 (a smoke run)")
     parser.add_argument("--one", nargs=2, metavar=("FOLDER", "SETTING"), help=argparse.SUPPRESS)
     a = parser.parse_args()
     if a.one:
@@ -87,7 +92,7 @@ def main() -> int:
     results = []
     with tempfile.TemporaryDirectory(prefix="grpo-qlora-bench-") as scratch:
         folder = Path(scratch) / "model"
-        write_model(folder)
+        write_model(folder, a.tiny)
         for setting in SETTINGS:
             done = subprocess.run([sys.executable, __file__, "--one", str(folder), setting, "--threads",
                                    str(a.threads), "--repeats", str(a.repeats)], capture_output=True, text=True)

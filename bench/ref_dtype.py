@@ -32,20 +32,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "grpo-bench-smollm2"))
+    parser.add_argument("--tiny", action="store_true", help="grpo_core.testing's tiny random model (a smoke run)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
     from floor import timed
     from grpo_plugins.rollout.hf import HFRollout
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from vs_trl import prepare_model, task_rows
+    from vs_trl import bench_model, task_rows
 
     from grpo_core.contracts import SamplingParams
     from grpo_core.train.learner.batch import TrainBatch, batch_logprobs
     from grpo_core.train.learner.kl import Reference
     from grpo_core.train.learner.parallel import forward_of
 
-    folder = prepare_model(Path(args.model_dir))
+    folder = bench_model(Path(args.model_dir), args.tiny)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     policy = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     rows, _ = task_rows(10)

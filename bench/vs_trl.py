@@ -98,6 +98,18 @@ def prepare_model(folder: Path) -> Path:
     return folder
 
 
+def bench_model(folder: Path, tiny: bool = False) -> Path:
+    """The benchmark's model folder: SmolLM2-135M-Instruct (:func:`prepare_model`), or with
+    ``tiny`` grpo_core.testing's tiny random Llama, written once to ``folder``/tiny (seconds, no
+    download: what the test run uses to keep every script running)."""
+    if not tiny:
+        return prepare_model(folder)
+    from grpo_core.testing import save_tiny_model
+
+    tiny_folder = folder / "tiny"
+    return tiny_folder if (tiny_folder / "config.json").exists() else save_tiny_model(tiny_folder)
+
+
 def task_rows(eval_size: int):
     from grpo_core.plugin_manager import load_plugins
 

@@ -14,7 +14,9 @@ class Dataset(Protocol):
     ``load(split)`` returns the rows of ``"train"`` or ``"eval"`` (an empty list when the
     task has no held-out split). Relative paths in its options are resolved by the spec. The
     training split may instead be a :class:`RowStream` (or a ``datasets.IterableDataset``):
-    it is then read through a seeded shuffle buffer, each process reading its share.
+    it is then read through a seeded shuffle buffer, each process reading its share. A dataset
+    whose options model has a ``streaming`` field says so with it (true: ``load("train")``
+    streams), so that the spec refuses at validation what a stream cannot take.
     """
 
     def load(self, split: str) -> list[dict[str, Any]]: ...

@@ -6,7 +6,9 @@
   ``iterative``, ``optimizer``, ``parallel``, ``sft``;
 - ``loader``: safe YAML, ``--set`` overrides, plugin files, validation of everything at once;
 - ``schema``: the spec's JSON Schema with every registered component's options;
-- ``metrics``: the metric names an evaluation of a spec logs (what ``checkpoint.best_metric`` may name).
+- ``metrics``: the metric names an evaluation of a spec logs (what ``checkpoint.best_metric`` may name);
+- ``resolved``: checks that read the components the slots resolved to (what a streamed training
+  split cannot take, partial rollouts' backend and process count).
 """
 
 from grpo_core.spec.loader import LoadedSpec, dump_spec, load_spec

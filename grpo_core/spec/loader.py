@@ -17,6 +17,7 @@ from grpo_core.errors import GrpoError, SpecError, did_you_mean
 from grpo_core.plugin_manager import Plugins, load_plugins
 from grpo_core.spec.metrics import best_metric_problems
 from grpo_core.spec.models import Spec
+from grpo_core.spec.resolved import resolved_problems
 from grpo_core.spec.slots import field_types, format_path, resolve_slot, resolve_slots, slot_locations
 
 
@@ -400,7 +401,10 @@ def load_spec(
     except ValidationError as exc:
         problems = _pydantic_problems(exc) + _raw_slot_problems(data, plugins, context)
         raise SpecError(_format(problems, lines, overridden), label) from None
-    problems = resolve_slots(spec, plugins.registry, context) + best_metric_problems(spec)
+    problems = resolve_slots(spec, plugins.registry, context)
+    if not problems:  # these read the resolved components
+        problems = resolved_problems(spec)
+    problems += best_metric_problems(spec)
     if problems:
         raise SpecError(_format(problems, lines, overridden) + _python_objects_hint(base_dir, problems), label)
     return LoadedSpec(spec, plugins, path, base_dir, tuple(overrides))

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
-from grpo_core.errors import RunError
+from grpo_core.errors import RunError, SpecError
 
 T = TypeVar("T")
 
@@ -272,6 +272,11 @@ def check_layout(spec, world: int) -> None:
     """Refuse, before anything loads, a spec that cannot run on ``world`` processes."""
     if world <= 1:
         return
+    from grpo_core.spec.resolved import world_problems
+
+    problems = world_problems(spec, world)
+    if problems:  # the spec asks what this many processes cannot do: a spec error, before anything starts
+        raise SpecError(problems)
     Dist(0, world).shard_bounds(spec.train.prompts_per_step)
     if spec.iterative is not None:
         raise RunError(

@@ -30,6 +30,7 @@ from grpo_core.trl.table import (
 #: optimizer step: ``grpo`` and ``sapo`` average each sequence's token mean, ``dr_grpo``
 #: divides the token sum by rows x max_completion_length, ``dapo``, ``cispo`` and ``vespo``
 #: divide by the tokens of the whole optimizer step, ``luspo`` averages each sequence's token sum.
+#: ``importance_sampling_level="sequence"`` turns ``clip`` into ``gspo`` (:func:`policy_loss`).
 LOSS_TYPES: dict[str, tuple[str, str]] = {
     "grpo": ("clip", "seq-mean-token-mean"),
     "dr_grpo": ("clip", "seq-mean-token-sum-norm"),
@@ -37,7 +38,7 @@ LOSS_TYPES: dict[str, tuple[str, str]] = {
     "bnpo": ("clip", "token-mean"),
     "cispo": ("cispo", "token-mean"),
     "sapo": ("sapo", "seq-mean-token-mean"),
-    "luspo": ("gspo", "seq-mean-token-sum"),
+    "luspo": ("clip", "seq-mean-token-sum"),
     "vespo": ("vespo", "token-mean"),
 }
 #: The TRL losses whose ratio is PPO's clip (``epsilon``, ``epsilon_high``, ``delta``).
@@ -56,6 +57,26 @@ def policy_loss(ctx: Context) -> str:
     return "opsm" if name == "clip" and ctx["off_policy_mask_threshold"] is not None else name
 
 
+def trl_warnings(values: Mapping[str, Any]) -> list[str]:
+    """What TRL 1.16's ``GRPOTrainer.__init__`` logs as a warning for these field ``values``
+    (the loss settings it takes, but not as their papers set them), in TRL's words."""
+    loss_type, level = values["loss_type"], values["importance_sampling_level"]
+    out = []
+    if loss_type == "luspo" and level != "sequence":
+        out.append("When using `'luspo'` loss, `importance_sampling_level` should be set to `'sequence'` to mirror "
+                   "the paper's setup.")
+    if loss_type == "vespo" and level != "token":
+        out.append("VESPO computes sequence-level importance weights internally. `importance_sampling_level` should "
+                   "be set to `'token'` (the default).")
+    if level == "sequence" and loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+        out.append(f"When using `importance_sampling_level='sequence'`, the `'{loss_type}'` loss sums per-token "
+                   "contributions, which effectively weights each sequence by its completion length instead of "
+                   "optimizing the per-sequence objective. To reproduce the GSPO paper's setup, set "
+                   "`loss_type='grpo'` (see https://huggingface.co/docs/trl/main/en/paper_index"
+                   "#group-sequence-policy-optimization).")
+    return out
+
+
 # --------------------------------------------------------------------------- converters
 def _loss_type(value: Any, ctx: Context) -> dict[str, Any]:
     level = ctx["importance_sampling_level"]
@@ -68,9 +89,6 @@ def _loss_type(value: Any, ctx: Context) -> dict[str, Any]:
                       "after it: another weight", "vllm_importance_sampling_correction=False, or without vLLM")
     if level not in ("token", "sequence"):
         raise Refusal("importance_sampling_level", level, "TRL knows 'token' and 'sequence'", "one of them")
-    if value == "luspo" and level != "sequence":
-        raise Refusal("loss_type", value, "TRL's luspo needs importance_sampling_level='sequence' (TRL refuses "
-                      "it too)", "importance_sampling_level='sequence'")
     if value in ("cispo", "sapo") and level == "sequence":
         raise Refusal("importance_sampling_level", level, f"TRL's {value} on a sequence-level ratio has no grpo-core "
                       "equivalent (grpo-core's sequence-level loss is gspo, PPO's clip)",
@@ -142,8 +160,8 @@ def _off_policy_mask(value: Any, ctx: Context) -> dict[str, Any]:
     if policy_loss(ctx) != "opsm":
         raise Refusal("off_policy_mask_threshold", value, f"TRL masks whatever loss loss_type="
                       f"{ctx['loss_type']!r} (importance_sampling_level={ctx['importance_sampling_level']!r}) "
-                      "computes; grpo-core's opsm masks PPO's token-level clip only (loss_type grpo, dr_grpo, dapo "
-                      "or bnpo at importance_sampling_level='token')", "one of those, or None")
+                      "computes; grpo-core's opsm masks PPO's token-level clip only (loss_type grpo, dr_grpo, dapo, "
+                      "bnpo or luspo at importance_sampling_level='token')", "one of those, or None")
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
         raise Refusal("off_policy_mask_threshold", value, "grpo-core's opsm threshold (delta) is a positive mean "
                       "log-ratio", "a positive number (algorithm.policy_loss.delta)")
@@ -482,7 +500,7 @@ FIELDS: list[TRLField] = [
     # ----- vLLM
     mapped("use_vllm", False, ("rollout.name", "rollout.dtype"),
            "False: hf with rollout.dtype null; True: vllm (vllm_mode='colocate') or vllm-server ('server')", _backend,
-           note="TRL without vLLM generates with the training model (model.generate), so the door sets the hf "
+           note="TRL without vLLM generates with the training model (its generate method), so the door sets the hf "
            "backend's dtype to null: no bfloat16 sampling copy, no sampler/trainer gap. grpo-core's faster bf16 "
            "copy is one override away: overrides={'rollout.dtype': 'auto'}.",
            examples=((True, {"rollout.name": "vllm"}),)),
@@ -579,15 +597,19 @@ FIELDS: list[TRLField] = [
     mapped("loss_type", "dapo", ("algorithm.policy_loss.name", "algorithm.aggregation.name"),
            "grpo: clip + seq-mean-token-mean; dr_grpo: clip + seq-mean-token-sum-norm; dapo: clip + token-mean; "
            "bnpo: clip + token-mean (gradient_accumulation_steps=1, one process); cispo: cispo + token-mean; sapo: "
-           "sapo + seq-mean-token-mean; luspo: gspo + seq-mean-token-sum; vespo: vespo + token-mean (without vLLM's "
-           "importance-sampling correction). The ratio's log_ratio_clamp is null, but for vespo "
-           "(TRL clamps nothing)", _loss_type,
+           "sapo + seq-mean-token-mean; luspo: clip + seq-mean-token-sum (gspo at importance_sampling_level="
+           "'sequence', the paper's setup); vespo: vespo + token-mean (without vLLM's importance-sampling "
+           "correction). The ratio's log_ratio_clamp is null, but for vespo (TRL clamps nothing)", _loss_type,
+           note="luspo at TRL's default importance_sampling_level='token' is taken as TRL takes it, with TRL's "
+           "warning: PPO's token-level clip, each sequence's token sum averaged over the sequences.",
            examples=(("grpo", {"algorithm.aggregation.name": "seq-mean-token-mean"}),
                      ("dr_grpo", {"algorithm.aggregation.name": "seq-mean-token-sum-norm"}),
                      ("sapo", {"algorithm.policy_loss.name": "sapo"}),
                      ("luspo", {"algorithm.policy_loss.name": "gspo", "algorithm.aggregation.name":
                                 "seq-mean-token-sum"}, {"importance_sampling_level": "sequence",
                                                         "use_bias_correction_kl": False}),
+                     ("luspo", {"algorithm.policy_loss.name": "clip", "algorithm.aggregation.name":
+                                "seq-mean-token-sum"}),
                      ("vespo", {"algorithm.policy_loss.name": "vespo", "algorithm.aggregation.name": "token-mean"})),
            refusals=(("vespo", "vllm_importance_sampling_correction=False", {"use_vllm": True}),
                      ("grpo_v2", "one of them"))),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,8 +19,10 @@ from typing import Any
 from grpo_core.errors import SpecError, UsageError
 from grpo_core.trainer import Trainer, TrainResult, as_rows
 from grpo_core.trl.config import BY_NAME, FIELDS, GRPOConfig, TRLConfigError
-from grpo_core.trl.grpo_fields import init_kwargs, quantization_keys
+from grpo_core.trl.grpo_fields import init_kwargs, quantization_keys, trl_warnings
 from grpo_core.trl.table import Refusal
+
+log = logging.getLogger("grpo.trl")
 
 #: How TRL 1.16's tool loop (``GRPOTrainer._tool_call_loop``) differs from grpo-core's ``tools``
 #: environment in what the model reads: why ``tools=`` and ``environment_factory`` are refused.
@@ -460,6 +463,8 @@ class GRPOTrainer:
         if loop is not None:
             data.setdefault("rollout", {})["agent"] = {"max_total_tokens": args.max_completion_length,
                                                        **_max_calls(args.max_tool_calling_iterations)}
+        for warning in trl_warnings(args.to_dict()):  # TRL's GRPOTrainer logs these too
+            log.warning(warning)
         self.per_step = args.context(rows=counted).layout.per_step
         try:
             self.trainer = Trainer(data, overrides, model=model if model_object else None, tokenizer=processing_class,

@@ -226,12 +226,12 @@ class HFRollout:
             dtype = _DTYPES.get(self.options.dtype) if self.options.dtype else None
         if dtype is not None and dtype != next(model.parameters()).dtype:
             if any(hasattr(p, "full_tensor") for p in model.parameters()):  # DTensor shards (fsdp2)
-                raise RuntimeError("hf rollout: options.dtype makes a whole copy of the policy, which a "
-                                   "sharded (fsdp2) run does not keep; drop rollout.options.dtype")
+                raise RuntimeError("hf rollout: rollout.dtype makes a whole copy of the policy, which a "
+                                   "sharded (fsdp2) run does not keep; drop rollout.dtype")
             if any(not p.is_floating_point() for p in model.parameters()):
-                raise RuntimeError("hf rollout: options.dtype makes a copy of the policy cast to it, but the policy's "
+                raise RuntimeError("hf rollout: rollout.dtype makes a copy of the policy cast to it, but the policy's "
                                    "base is quantized (model.quantization: 4-bit weights cannot be cast); drop "
-                                   "rollout.options.dtype (it generates with the policy itself)")
+                                   "rollout.dtype (it generates with the policy itself)")
             self.model = policy_copy(model, dtype=dtype, weights=False)
             if dtype != torch.float32:
                 use_decode_attention(self.model)

@@ -306,7 +306,7 @@ class VLLMServerRollout(ServerPushes, ServerPool):
         old adapter version, which stays loaded (``max_staleness + 1`` are)."""
         if self.options.push_every != 1:
             raise RunError(f"rollout.partial_rollouts: every weight update must reach the servers mid-generation; set "
-                           f"rollout.options.push_every: 1 (it is {self.options.push_every})")
+                           f"rollout.push_every: 1 (it is {self.options.push_every})")
         parts: list[list[PartialCompletion]] = []
         todo: list[tuple[dict[str, Any], Expected, list[PartialCompletion]]] = []
         for i, prompt in enumerate(prompt_ids):

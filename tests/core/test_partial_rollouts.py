@@ -16,7 +16,7 @@ import torch
 
 from grpo_core.cli import main
 from grpo_core.contracts import RolloutBatch, oldest_versions, token_staleness
-from grpo_core.errors import RunError
+from grpo_core.errors import SpecError
 from grpo_core.spec import load_spec
 from grpo_core.train.actor.rollout import concat_rollouts, select_rollout
 from grpo_core.train.experience import Experience, Scored, Scores
@@ -107,12 +107,28 @@ def test_partial_rollouts_with_multi_turn_episodes_is_refused_naming_both_keys()
               "rollout.environment={name: calculator}")
 
 
-def test_a_backend_that_cannot_stop_mid_generation_is_refused_naming_those_that_can(tmp_path):
-    """Before anything loads: the model folder here does not even exist."""
-    spec = _spec("rollout.partial_rollouts=true", "rollout.max_staleness=1", f"train.output_dir={tmp_path}",
-                 f"model.path={tmp_path / 'not-loaded'}")
-    with pytest.raises(RunError, match=r"rollout backend 'hf' cannot stop mid-generation; use rollout.name: vllm"):
-        build_run(spec)
+def test_a_backend_that_cannot_stop_mid_generation_is_refused_at_validation(tmp_path, capsys):
+    """A spec error (``grpo-run validate`` exits 2) at rollout.partial_rollouts, naming the backends that can."""
+    with pytest.raises(SpecError, match=r"spec.rollout.partial_rollouts \(--set\): rollout backend 'hf' cannot stop "
+                                        r"mid-generation; use rollout.name: vllm"):
+        _spec("rollout.partial_rollouts=true", "rollout.max_staleness=1")
+    args = ["validate", str(SPECS / "tiny.yaml"), "--set", "rollout.partial_rollouts=true", "--set",
+            "rollout.max_staleness=1"]
+    assert main(args) == 2
+    assert "rollout backend 'hf' cannot stop mid-generation" in capsys.readouterr().err
+
+
+def test_partial_rollouts_on_several_processes_are_a_spec_error_before_any_starts(stepwise, tmp_path, capsys):
+    """``--nproc 2`` is known before the launcher starts a process: exit 2, naming the key."""
+    plugin, model = stepwise
+    args = [str(SPECS / "tiny.yaml"), "--nproc", "2"] + [a for o in (
+        f"model.path={model}", "tracking=[]", f"train.output_dir={tmp_path / 'out'}", f"plugins=[{plugin}]",
+        "rollout.name=stepwise", "rollout.max_staleness=1", "rollout.partial_rollouts=true") for a in ("--set", o)]
+    assert main(["validate", *[a for a in args if a not in ("--nproc", "2")]]) == 0  # one process: valid
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "spec.rollout.partial_rollouts: runs in one process only (2 were asked for)" in err
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
 # ----------------------------------------------------------------------------- the pipeline

@@ -156,7 +156,7 @@ def test_importing_bitsandbytes_after_grpo_core_prints_no_warning_about_a_kernel
 def test_the_hf_backend_generates_with_a_4bit_policy_itself(tiny_model_dir, monkeypatch):
     """rollout dtype auto (a bfloat16 copy where the hardware has bf16, for models above a size)
     would cast the 4-bit packed weights: a quantized policy generates itself, and an explicit
-    rollout.options.dtype is refused naming why."""
+    rollout.dtype is refused naming why."""
     from grpo_plugins.rollout import decode
     from grpo_plugins.rollout.hf import HFRollout, HFRolloutOptions
     from transformers import AutoTokenizer
@@ -173,5 +173,5 @@ def test_the_hf_backend_generates_with_a_4bit_policy_itself(tiny_model_dir, monk
     backend = HFRollout(HFRolloutOptions())
     backend.setup(RolloutSetup(qlora, tokenizer))
     assert backend.model is qlora
-    with pytest.raises(RuntimeError, match=r"quantized \(model.quantization.*drop rollout.options.dtype"):
+    with pytest.raises(RuntimeError, match=r"quantized \(model.quantization.*drop rollout.dtype \(it"):
         HFRollout(HFRolloutOptions(dtype="bfloat16")).setup(RolloutSetup(qlora, tokenizer))

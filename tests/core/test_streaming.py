@@ -5,6 +5,7 @@ buffer, and a resume continues from the exact row."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 
 import pytest
@@ -13,7 +14,8 @@ import yaml
 
 from grpo_core import checkpoint as ckpt
 from grpo_core.contracts import RowStream
-from grpo_core.errors import RunError
+from grpo_core.errors import RunError, SpecError
+from grpo_core.spec import load_spec
 from grpo_core.spec.data import DataSlot
 from grpo_core.testing import build_tokenizer
 from grpo_core.train.actor.stream import StreamingPromptSource
@@ -153,18 +155,25 @@ def test_a_streamed_run_resumes_at_the_exact_row(tmp_path, write_spec, child, ki
     assert got == want
 
 
-def test_a_streamed_split_refuses_a_sampler_by_name(tmp_path, write_spec):
+def test_a_streamed_split_refuses_a_sampler_by_name_at_validation(tmp_path, write_spec, capsys):
+    """``grpo-run validate`` refuses it (exit 2, a spec error at its path), as the run would."""
+    from grpo_core.cli import main
+
     _saved_dataset(tmp_path)
     spec = write_spec(tmp_path, **{**STREAMED, "data": {**STREAMED["data"], "sampler": {"name": "curriculum"}}})
-    with pytest.raises(RunError, match="data.sampler 'curriculum' .*draws rows by index"):
-        _build(spec)  # refused before the model loads
+    assert main(["validate", str(spec)]) == 2
+    assert re.search(r"spec\.data\.sampler \(line \d+\): dataset 'hf' streams its training rows.*data.sampler "
+                     r"'curriculum' draws rows by index.*set data.streaming: false", capsys.readouterr().err)
 
 
-def _build(spec):
-    from grpo_core.spec import load_spec
-    from grpo_core.train.loop.assemble import build_run
-
-    build_run(load_spec(spec))
+def test_a_streamed_split_refuses_a_mixture_at_validation(tmp_path, write_spec):
+    _saved_dataset(tmp_path)
+    more = {"name": "arithmetic", "source": "sums"}
+    spec = write_spec(tmp_path, **{**STREAMED, "data": {**STREAMED["data"], "more_sources": [more],
+                                                        "source_column": "source", "source": "saved"}})
+    with pytest.raises(SpecError, match=r"spec.data.more_sources .*a mixture \(data.more_sources\) joins rows in "
+                                        r"memory: drop data.more_sources, or set data.streaming: false"):
+        load_spec(spec)
 
 
 def test_the_python_trainer_streams_an_iterable_dataset(tmp_path, write_spec):
@@ -247,8 +256,8 @@ def test_a_streamed_file_refuses_a_sampler_naming_its_streaming_option(tmp_path,
     spec = write_spec(tmp_path, data={"name": "file", "train": "train.jsonl", "streaming": True,
                                       "sampler": {"name": "curriculum"}, "train_size": None, "eval_size": None},
                       rewards=[{"name": "accuracy"}])
-    with pytest.raises(RunError, match="data.sampler 'curriculum' .*draws rows by index.*data.streaming: false"):
-        _build(spec)  # refused before the model loads
+    with pytest.raises(SpecError, match="data.sampler 'curriculum' draws rows by index.*data.streaming: false"):
+        load_spec(spec)  # refused at validation
 
 
 def test_a_run_streaming_a_file_resumes_at_the_exact_row(tmp_path, write_spec, kit):
@@ -281,5 +290,6 @@ def test_a_streamed_file_in_a_mixture_is_refused_by_its_place(tmp_path, write_sp
     spec = write_spec(tmp_path, data={"more_sources": [more], "source_column": "source", "source": "sums",
                                       "sampler": {"name": "mixture", "weights": {"sums": 1, "files": 1}}},
                       rewards=[{"name": "accuracy"}])
-    with pytest.raises(RunError, match=r"data.more_sources\[0\]: dataset 'file' streams .*set its streaming: false"):
-        _build(spec)
+    with pytest.raises(SpecError, match=r"spec.data.more_sources.0.streaming \(line \d+\): dataset 'file' would "
+                                        r"stream .*set its streaming: false"):
+        load_spec(spec)

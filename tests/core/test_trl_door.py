@@ -207,6 +207,26 @@ def test_a_misspelt_field_is_refused_with_a_did_you_mean():
     assert args.num_generations == 4 and args.learning_rate == 1e-6
 
 
+def test_luspo_at_token_level_is_taken_with_trls_warning(tmp_path, tiny_model_dir, caplog):
+    """TRL 1.16 takes loss_type='luspo' at its default importance_sampling_level='token': its
+    GRPOTrainer logs a warning and trains PPO's token-level clip, each sequence's token sum averaged
+    (tests/plugins/peers/test_trl.py checks the loss against TRL's). The door does the same; at
+    'sequence' (the paper's setup) it trains gspo and says nothing."""
+    with caplog.at_level("WARNING", logger="grpo.trl"):
+        trainer = _door(tmp_path, tiny_model_dir, loss_type="luspo", **SMALL)
+    algorithm = _spec(trainer)["algorithm"]
+    assert (algorithm["policy_loss"]["name"], algorithm["aggregation"]["name"]) == ("clip", "seq-mean-token-sum")
+    assert [r.getMessage() for r in caplog.records] == [
+        "When using `'luspo'` loss, `importance_sampling_level` should be set to `'sequence'` to mirror the "
+        "paper's setup."]
+    assert trainer.train().status == "finished"
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="grpo.trl"):
+        trainer = _door(tmp_path, tiny_model_dir, loss_type="luspo", importance_sampling_level="sequence",
+                        use_bias_correction_kl=False, **SMALL)
+    assert _spec(trainer)["algorithm"]["policy_loss"]["name"] == "gspo" and not caplog.records
+
+
 def test_trainer_arguments_grpo_core_cannot_take_are_refused(tmp_path, tiny_model_dir):
     from datasets import Dataset
     from transformers import TrainerCallback

@@ -213,14 +213,20 @@ DOOR_LOSSES = [  # TRL's GRPOConfig fields; the same fields as _compute_loss's k
      {"loss_type": "grpo", "off_policy_mask_threshold": 0.05}),
     ({"loss_type": "dapo", "off_policy_mask_threshold": 0.3, "epsilon_high": 0.28},
      {"loss_type": "dapo", "off_policy_mask_threshold": 0.3, "epsilon_high": 0.28}),
+    ({"loss_type": "luspo"}, {"loss_type": "luspo"}),  # TRL's default token level: TRL warns and trains
+    ({"loss_type": "luspo", "epsilon_high": 0.28, "off_policy_mask_threshold": 0.1},
+     {"loss_type": "luspo", "epsilon_high": 0.28, "off_policy_mask_threshold": 0.1}),
+    ({"loss_type": "luspo", "importance_sampling_level": "sequence", "use_bias_correction_kl": False},
+     {"loss_type": "luspo", "importance_sampling_level": "sequence"}),
 ]
 
 
 @FAST
 @given(groups(spread=0.5), st.sampled_from(range(len(DOOR_LOSSES))), st.booleans())
-def test_the_doors_vespo_and_off_policy_mask_are_trls(batch, case, with_sampler):
+def test_the_doors_vespo_luspo_and_off_policy_mask_are_trls(batch, case, with_sampler):
     """The policy loss and aggregator the TRL door writes for ``loss_type="vespo"`` (with its
-    ``vespo_*``; ``importance_sampling_level``, which vespo does not read) and for
+    ``vespo_*``; ``importance_sampling_level``, which vespo does not read), for ``loss_type="luspo"``
+    at either ``importance_sampling_level`` (TRL warns at its default, ``"token"``, and trains) and for
     ``off_policy_mask_threshold`` = TRL's ``_compute_loss`` with those arguments, with and without
     the sampler's log-probs (vLLM's, with its importance-sampling correction off)."""
     _, _, mask, logp, old, adv = batch
