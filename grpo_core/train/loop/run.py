@@ -5,8 +5,9 @@ around them. The run it drives is built by :mod:`grpo_core.train.loop.assemble`;
 One loop for both modes: the run's feed (:mod:`grpo_core.train.feed`) hands over each step's
 experience and takes the new weights, synchronously or from an actor thread running ahead.
 Where the actor must be idle with the current weights (an evaluation, a checkpoint, the start
-of an iterative-GRPO iteration), the loop says so with ``run.at_rest()``: an asynchronous feed
-drops the batches it generated ahead and rewinds the prompt stream there.
+of an iterative-GRPO iteration), the loop says so with ``run.at_rest()``; the feed knows where
+those rests and the last step are (``run.next_rest``), so an asynchronous one generates nothing
+past them that it would drop there.
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ def _grpo(run: Run, loaded: LoadedSpec, hooks: Hooks, bar, end: _End, stop: Stop
         run.log.log_metrics(run.last_eval, run.step)
         hooks.on_eval(run.step, run.last_eval)
         run.after_eval()
-    run.feed.start(run.model, run.step)
+    # the feed generates no batch that a rest (a checkpoint, an evaluation) would drop, or that no step trains
+    run.feed.start(run.model, run.step, run.next_rest, lambda: stop.signum is not None or run.stop_asked)
     # With several processes, a signal or a hook seen by any stops all of them at the same step.
     while run.step < spec.train.steps and not run.dist.any(stop.signum is not None or run.stop_asked):
         start = _StepStart.of(run)

@@ -83,6 +83,24 @@ class Run:
         evaluations, checkpoints and the start of an iteration."""
         return self.feed.at_rest(self.model, self.step)
 
+    def next_rest(self, step: int) -> int:
+        """The step before whose batch the loop next holds the actor at rest, for a feed
+        (re)started at the batch of ``step``: ``step`` itself while an iteration of iterative
+        GRPO is still to begin there, else the first later step after an evaluation
+        (``eval.every``), a checkpoint by step count (``checkpoint.every``) or an iteration
+        start, or ``train.steps`` (no batch past the last step). A checkpoint by time
+        (``checkpoint.every_minutes``), a stop or a failure cannot be foreseen."""
+        spec, iterative = self.spec, self.iterative
+        ahead = [max(spec.train.steps, step)]
+        for every in (spec.eval.every, spec.checkpoint.every):
+            if every:
+                ahead.append((step // every + 1) * every)
+        if iterative is not None and iterative.iteration < iterative.section.iterations:
+            begins = iterative.iteration * iterative.section.steps_per_iteration  # the next one to begin
+            if begins >= step:
+                ahead.append(begins)
+        return min(ahead)
+
     def save_model(self, folder: Path) -> Path:
         """The policy as it is now (a LoRA adapter under LoRA) and its tokenizer or processor,
         saved to ``folder`` in the Hugging Face layout by the main process, every process
