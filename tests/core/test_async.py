@@ -382,10 +382,10 @@ def test_the_actor_scores_no_batch_that_no_step_trains(tmp_path, write_spec, kit
                                                         evaluate):
     """Issue 60, item 4. max_staleness 1, 4 steps: the reward runs once per trained batch, 4
     times, whether checkpoints (and evaluations) come every 2 steps or not at all; the
-    held-out evaluations' calls are their own. Before: 7 calls with a checkpoint every 2
-    steps (the batch of step 3, generated ahead, dropped at the checkpoint and generated
-    again; one of step 5, past the last), 5 without. Staleness restarts at the rest of step 2
-    as it did."""
+    held-out evaluations' calls are their own. Before, in the runs measured: 7 calls with a
+    checkpoint every 2 steps (a batch generated ahead, dropped at the checkpoint and generated
+    again; one past the last step), 5 without, 8 with evaluations too. Staleness restarts at
+    the rest of step 2 as it did."""
     spec = counting_spec(tmp_path, write_spec, rollout={"max_staleness": 1}, train={"steps": 4},
                          checkpoint=checkpoint, eval=evaluate)
     monkeypatch.chdir(tmp_path)
