@@ -25,10 +25,16 @@ default; ``mode: mask`` is AReaL's decoupled PPO objective).
 
 It is the asynchronous :mod:`feed <grpo_core.train.feed>`: evaluation, checkpoints and the
 start of an iterative-GRPO iteration need the actor at rest with the current weights, and the
-loop asks for that with :meth:`Pipeline.at_rest`. The batches generated ahead are dropped
-(``async/dropped_batches`` counts them), the prompt stream is rewound to the first untrained
-batch, and generation resumes from the current weights. A checkpoint is such a point, so a
-run resumed from one trains on exactly what the uninterrupted run trained on.
+loop asks for that with :meth:`Pipeline.at_rest`; generation resumes from the current weights
+at the first untrained batch, on the next :meth:`Pipeline.take`. A checkpoint is such a point,
+so a run resumed from one trains on exactly what the uninterrupted run trained on. The loop
+tells the pipeline where its next rest is (``next_rest``, the step after the last one
+included) and whether it will stop after the current step (``stopping``: a signal, a hook),
+and the actor starts no batch of those steps: nothing is generated and scored that would be
+dropped at the rest or never trained, and the schedule is the one the rests give anyway. A
+rest it was not told of (a checkpoint by time, a failure) drops the batches generated ahead
+(``async/dropped_batches`` counts them) and rewinds the prompt stream to the first untrained
+batch.
 
 Partial rollouts (``rollout.partial_rollouts``): the backend is handed a
 :class:`~grpo_core.contracts.WeightSwitch` (:class:`_Switch`) and asks it between engine

@@ -398,3 +398,36 @@ def test_the_actor_scores_no_batch_that_no_step_trains(tmp_path, write_spec, kit
     restarted = checkpoint["every"] or evaluate["every"]
     assert [r["async/staleness"] for r in trained] == ([0, 1, 0, 1] if restarted else [0, 1, 1, 1])
     assert sum(r["async/dropped_batches"] for r in trained) == 0
+
+
+def test_the_next_rest_is_the_first_evaluation_checkpoint_or_the_end(tiny_model, tmp_path):
+    run = make_run(tiny_model, tmp_path, "rollout.max_staleness=1", "train.steps=10", "eval.every=3",
+                   "checkpoint.every=4")
+    assert [run.next_rest(s) for s in (0, 2, 3, 4, 6, 8, 9, 10)] == [3, 3, 4, 6, 8, 9, 10, 10]
+
+
+def test_an_actor_told_the_run_stops_starts_no_batch_the_learner_has_not_asked_for(tiny_model, tmp_path):
+    """A signal or a hook's stop (here from the start): with k = 2 the actor would run two
+    batches ahead; told the run stops, it starts none the learner has not asked for, yet
+    serves a step asked for after the stop (the learner had passed its check before the
+    signal came)."""
+    run = make_run(tiny_model, tmp_path, "rollout.max_staleness=2", "train.steps=4")
+    collected, original = [], run.actor.collect
+
+    def collect(step):
+        collected.append(step)
+        return original(step)
+
+    run.actor.collect = collect
+    run.feed.start(run.model, 0, run.next_rest, lambda: True)
+    try:
+        train_step(run.feed, run.learner, 0)
+        time.sleep(1.0)
+        assert collected == [0]
+        train_step(run.feed, run.learner, 1)
+        time.sleep(0.5)
+        assert collected == [0, 1]
+        experience, metrics = run.feed.take(2)
+        assert experience.step == 2 and collected == [0, 1, 2] and metrics["async/staleness"] == 2
+    finally:
+        run.feed.close()
