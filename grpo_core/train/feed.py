@@ -11,8 +11,12 @@ The loop (:mod:`grpo_core.train.loop.run`) sees one object, the run's feed, what
   batch of step ``version``): evaluation, checkpoints and the start of an iterative-GRPO
   iteration run inside it. An exception inside leaves the actor at rest (an asynchronous
   feed does not start its thread again) and the prompt stream where it stood;
-- ``start(model, version)`` / ``stop(model, version)`` / ``close(wait)``: before the first
-  step, after the last one (or a failed one), and when the run ends.
+- ``start(model, version, next_rest, stopping)`` / ``stop(model, version)`` /
+  ``close(wait)``: before the first step, after the last one (or a failed one), and when the
+  run ends. ``next_rest(step)`` says where the loop will next want the actor at rest after a
+  (re)start at ``step`` (the step after the last one included), and ``stopping()`` whether it
+  will stop after the step it is on, so that an actor running ahead generates and scores no
+  batch that would be dropped there or never trained.
 
 :class:`SyncFeed` is the synchronous loop: ``take`` collects the batch then and there, with
 the weights of the last ``publish``. :class:`~grpo_core.train.pipeline.Pipeline` is the
@@ -22,6 +26,7 @@ versions ahead. ``k = 0`` is the synchronous feed, bit for bit.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -45,7 +50,8 @@ class Collector(Protocol):
 class Feed(Protocol):
     """What the loop asks of a feed; see the module doc."""
 
-    def start(self, model: Any, version: int) -> None: ...
+    def start(self, model: Any, version: int, next_rest: Callable[[int], int] | None = None,
+              stopping: Callable[[], bool] | None = None) -> None: ...
 
     def take(self, step: int) -> tuple[Experience, dict[str, float]]: ...
 
@@ -68,8 +74,10 @@ class SyncFeed:
     actor: Collector
     _before: tuple[int, dict[str, Any]] | None = None  # (step, prompt position before its batch)
 
-    def start(self, model: Any, version: int) -> None:
-        """Give the actor the learner's weights unless it holds them (a resumed run's)."""
+    def start(self, model: Any, version: int, next_rest: Callable[[int], int] | None = None,
+              stopping: Callable[[], bool] | None = None) -> None:
+        """Give the actor the learner's weights unless it holds them (a resumed run's). It
+        collects nothing ahead, so the rests and stops to come are not its concern."""
         if self.actor.version != version:
             self.actor.receive(model, version)
 

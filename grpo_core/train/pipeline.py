@@ -25,10 +25,16 @@ default; ``mode: mask`` is AReaL's decoupled PPO objective).
 
 It is the asynchronous :mod:`feed <grpo_core.train.feed>`: evaluation, checkpoints and the
 start of an iterative-GRPO iteration need the actor at rest with the current weights, and the
-loop asks for that with :meth:`Pipeline.at_rest`. The batches generated ahead are dropped
-(``async/dropped_batches`` counts them), the prompt stream is rewound to the first untrained
-batch, and generation resumes from the current weights. A checkpoint is such a point, so a
-run resumed from one trains on exactly what the uninterrupted run trained on.
+loop asks for that with :meth:`Pipeline.at_rest`; generation resumes from the current weights
+at the first untrained batch, on the next :meth:`Pipeline.take`. A checkpoint is such a point,
+so a run resumed from one trains on exactly what the uninterrupted run trained on. The loop
+tells the pipeline where its next rest is (``next_rest``, the step after the last one
+included) and whether it will stop after the current step (``stopping``: a signal, a hook),
+and the actor starts no batch of those steps: nothing is generated and scored that would be
+dropped at the rest or never trained, and the schedule is the one the rests give anyway. A
+rest it was not told of (a checkpoint by time, a failure) drops the batches generated ahead
+(``async/dropped_batches`` counts them) and rewinds the prompt stream to the first untrained
+batch.
 
 Partial rollouts (``rollout.partial_rollouts``): the backend is handed a
 :class:`~grpo_core.contracts.WeightSwitch` (:class:`_Switch`) and asks it between engine
@@ -107,6 +113,8 @@ class Pipeline:
     sampler: Any = None  # the actor's own copy of the policy, for a backend that generates with the policy
     behaviour: Callable[[Any, Experience], torch.Tensor] | None = None  # (sampler, experience) -> log-probs
     interruptible: bool = False  # partial rollouts: the backend polls :attr:`switch` while it generates
+    next_rest: Callable[[int], int] | None = None  # the loop's next rest from a (re)start's step; see start
+    stopping: Callable[[], bool] | None = None  # whether the loop will stop after the step it is on
     _cond: threading.Condition = field(default_factory=threading.Condition)
     _queue: deque = field(default_factory=deque)
     _data_before: dict[int, Any] = field(default_factory=dict)  # step -> prompt position before its batch
@@ -116,6 +124,9 @@ class Pipeline:
     _start = 0  # the step (and version) of the last (re)start
     _next = 0  # the next step the actor collects
     _stop = False
+    _limit: int | None = None  # the step of the loop's next rest: no batch of it or later before the rest
+    _asked = -1  # the last step whose batch the learner asked for
+    _pending = False  # paused by at_rest: the thread starts again at the next take
     _error: BaseException | None = None
     _stats: _Stats = field(default_factory=_Stats)
     _switches = 0  # weight updates the batch being collected took mid-generation
@@ -131,8 +142,18 @@ class Pipeline:
         return _Switch(self) if self.interruptible else None
 
     # ----------------------------------------------------------------- lifecycle
-    def start(self, model: Any, version: int) -> None:
-        """Take the learner's weights (``version`` updates) and start collecting at step ``version``."""
+    def start(self, model: Any, version: int, next_rest: Callable[[int], int] | None = None,
+              stopping: Callable[[], bool] | None = None) -> None:
+        """Take the learner's weights (``version`` updates) and start collecting at step
+        ``version``. ``next_rest(step)``: the step of the loop's next rest after a (re)start at
+        ``step`` (``step`` itself if one is still due before its batch), the last step's
+        successor included; the actor generates no batch of that step or later before it.
+        ``stopping()``: True once the loop will stop after the step it is on (a signal, a
+        hook's request); the actor then starts no batch of a later step."""
+        if next_rest is not None:
+            self.next_rest = next_rest
+        if stopping is not None:
+            self.stopping = stopping
         self.pause(model, version)
         self.resume()
 
@@ -142,6 +163,7 @@ class Pipeline:
         rewind the prompt stream to the batch of step ``version``. An actor at rest serves
         evaluation and checkpoints; :meth:`resume` starts it again at step ``version``."""
         self.close()
+        self._pending = False
         with self._cond:
             self._stats.dropped += len(self._queue)
             self._queue.clear()
@@ -149,6 +171,7 @@ class Pipeline:
             self._data_before.clear()
             self._slot = None
             self._start = self._next = version
+            self._asked = version - 1
             self._stop, self._error = False, None
         if first is not None:
             self.actor.source.load_state_dict(first)
@@ -157,26 +180,31 @@ class Pipeline:
     @contextmanager
     def at_rest(self, model: Any, version: int):
         """The actor paused with the learner's weights (``version`` updates) for the duration,
-        then started again at step ``version``; free when it is not running. After an
-        exception inside, the actor stays stopped and the prompt stream is put back."""
-        if not self.running:
-            with kept_position(self.actor):
-                yield
-            return
-        self.pause(model, version)
+        then started again at step ``version`` by the next :meth:`take` (so that rests in a
+        row, an evaluation then a checkpoint, restart it once, with the next rest known);
+        free when it is not running. After an exception inside, the actor stays stopped and
+        the prompt stream is put back."""
+        again = self.running or self._pending
+        if self.running:
+            self.pause(model, version)
+        self._pending = False
         with kept_position(self.actor):
             yield
-        self.resume()  # not after an exception: a failing run leaves with the actor stopped
+        self._pending = again  # not after an exception: a failing run leaves with the actor stopped
 
     def stop(self, model: Any, version: int) -> None:
         """Stop the actor at rest (the batches it generated ahead dropped, the prompts rewound
         to the batch of step ``version``), if it runs."""
+        self._pending = False
         if self.running:
             self.pause(model, version)
 
     def resume(self) -> None:
-        """Start the actor's thread at the step of the last :meth:`pause`."""
+        """Start the actor's thread at the step of the last :meth:`pause`, up to the loop's
+        next rest from there."""
+        self._pending = False
         if self._thread is None:
+            self._limit = None if self.next_rest is None else self.next_rest(self._start)
             self._done = threading.Event()
             self._thread = threading.Thread(target=self._run, args=(self._done,), name="grpo-actor", daemon=True)
             self._thread.start()
@@ -212,8 +240,15 @@ class Pipeline:
         """The batch of ``step`` (waiting for it), with the pipeline's metrics: its staleness,
         the queue depth when it was taken, the seconds the learner waited for it and the
         actor waited for weights since the last take, and the batches dropped by restarts."""
+        if self._pending:
+            self.resume()
+        if self._limit is not None and step >= self._limit:
+            raise RuntimeError(f"pipeline: the batch of step {step} was asked for before the rest due at step "
+                               f"{self._limit}")
         t0 = time.perf_counter()
         with self._cond:
+            self._asked = step
+            self._cond.notify_all()
             while not self._queue and self._error is None:
                 self._cond.wait()
             if self._error is not None:
@@ -242,9 +277,16 @@ class Pipeline:
     def publish(self, model: Any, version: int) -> None:
         """The learner's weights after ``version`` updates, for the batch of step
         ``version + max_staleness``: copied into the snapshot once the actor has taken the
-        previous one."""
+        previous one. Weights no batch before the loop's next rest will take are not copied
+        (the rest gives the actor the learner's own); whether they are is the same on every
+        process, since under FSDP2 the copy is a collective."""
+        if self._limit is not None and (version >= self._limit or (
+                not self.interruptible and version + self.max_staleness >= self._limit)):
+            return
         with self._cond:
-            while self._slot is not None and self._error is None:
+            # with partial rollouts, an actor done with the batches before the rest takes no
+            # more weights: the slot's may be overwritten
+            while self._slot is not None and self._error is None and not self._idle():
                 self._cond.wait()
             if self._error is not None:
                 return  # the actor failed: the next take raises it, before that step's update
@@ -254,6 +296,17 @@ class Pipeline:
             self._cond.notify_all()
 
     # ----------------------------------------------------------------- the actor's side
+    def _idle(self) -> bool:
+        """The actor has collected every batch before the loop's next rest (call under the lock)."""
+        return self._limit is not None and self._next >= self._limit
+
+    def _held(self, step: int) -> bool:
+        """Whether the actor may not start the batch of ``step`` now (call under the lock): it
+        is at or past the loop's next rest, or the loop will stop before asking for it."""
+        if self._limit is not None and step >= self._limit:
+            return True
+        return step > self._asked and self.stopping is not None and bool(self.stopping())
+
     def _apply_now(self, weights: Any, version: int) -> None:
         """Make the actor generate with ``weights`` (the learner's model or a snapshot)."""
         if self.sampler is not None:
@@ -275,16 +328,28 @@ class Pipeline:
             self._switches += 1
             self._cond.notify_all()
 
+    def _wait_for(self, step: int, need: int) -> None:
+        """Wait (under the lock) until the batch of ``step`` may start with weights of version
+        ``need`` at hand, or the pipeline stops: a wait while the actor is held (woken by a
+        take or a pause) is not one for weights."""
+        while not self._stop:
+            while not self._stop and self._held(step):
+                self._cond.wait()
+            waited = time.perf_counter()
+            while (not self._stop and not self._held(step) and self.actor.version < need
+                   and (self._slot is None or self._slot[0] < need)):
+                self._cond.wait()
+            self._stats.actor_wait += time.perf_counter() - waited
+            if not self._held(step):
+                return
+
     def _run(self, done: threading.Event) -> None:
         try:
             while True:
                 with self._cond:
                     step = self._next
                     need = sampled_version(step, self._start, self.max_staleness)
-                    waited = time.perf_counter()
-                    while not self._stop and self.actor.version < need and (self._slot is None or self._slot[0] < need):
-                        self._cond.wait()
-                    self._stats.actor_wait += time.perf_counter() - waited
+                    self._wait_for(step, need)
                     stopping = self._stop
                 # every process's actor starts this batch or none does: their collectives must pair up
                 if self.actor.dist.any(stopping):

@@ -330,3 +330,104 @@ def test_a_failure_in_the_actors_thread_stops_the_run_with_the_last_completed_st
     assert "fails_third" in err
     saved = sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir())
     assert saved and saved[-1].endswith("000002")
+
+
+# ----------------------------------------------------------------------------- nothing generated in vain
+COUNTING_REWARD = """
+import json
+from pathlib import Path
+
+from grpo_core import hookimpl
+
+CALLS = Path(__file__).with_name("calls.jsonl")  # reward calls may run in worker processes
+
+
+def counted(prompts, completions, **kwargs):
+    kinds = sorted({"eval" if "held-out" in str(p) else "train" for p in prompts})
+    with CALLS.open("a") as f:
+        f.write(json.dumps(kinds) + "\\n")
+    return [float(len(str(c)) % 3) for c in completions]
+
+
+@hookimpl
+def register_reward_functions(register):
+    register.add("counted", counted)
+"""
+
+
+def reward_calls(folder: Path) -> tuple[int, int]:
+    """(calls on training batches, calls on held-out prompts) of the counting reward; a call
+    never mixes the two."""
+    calls = [json.loads(line) for line in (folder / "calls.jsonl").read_text().splitlines()]
+    assert all(len(kinds) == 1 for kinds in calls), calls
+    return sum(k == ["train"] for k in calls), sum(k == ["eval"] for k in calls)
+
+
+def counting_spec(folder: Path, write_spec, **sections) -> Path:
+    (folder / "counting.py").write_text(COUNTING_REWARD)
+    (folder / "train.jsonl").write_text("".join(json.dumps({"prompt": f"What is {i} + {i}?"}) + "\n"
+                                                for i in range(16)))
+    (folder / "eval.jsonl").write_text("".join(json.dumps({"prompt": f"A held-out sum: {i} + 1 = ?"}) + "\n"
+                                               for i in range(4)))
+    data = {"name": "file", "train": "train.jsonl", "eval": "eval.jsonl", "train_size": None, "eval_size": None}
+    return write_spec(folder, plugins=["counting.py"], rewards=[{"name": "counted"}], data=data, **sections)
+
+
+@pytest.mark.parametrize(("checkpoint", "evaluate"), [
+    ({"every": 2, "keep": 5}, {"every": 0}),
+    ({"every": 0}, {"every": 0}),
+    ({"every": 2, "keep": 5}, {"every": 2, "at_end": True, "max_prompts": 4}),
+])
+def test_the_actor_scores_no_batch_that_no_step_trains(tmp_path, write_spec, kit, monkeypatch, checkpoint,
+                                                        evaluate):
+    """Issue 60, item 4. max_staleness 1, 4 steps: the reward runs once per trained batch, 4
+    times, whether checkpoints (and evaluations) come every 2 steps or not at all; the
+    held-out evaluations' calls are their own. Before, in the runs measured: 7 calls with a
+    checkpoint every 2 steps (a batch generated ahead, dropped at the checkpoint and generated
+    again; one past the last step), 5 without, 8 with evaluations too. Staleness restarts at
+    the rest of step 2 as it did."""
+    spec = counting_spec(tmp_path, write_spec, rollout={"max_staleness": 1}, train={"steps": 4},
+                         checkpoint=checkpoint, eval=evaluate)
+    monkeypatch.chdir(tmp_path)
+    assert main([str(spec)]) == 0
+    rows = kit.read_metrics(tmp_path / "out" / "metrics.jsonl")
+    trained = [r for r in rows if "loss" in r]
+    evaluations = [r["step"] for r in rows if "eval/reward" in r]
+    assert reward_calls(tmp_path) == (4, len(evaluations))
+    assert evaluations == ([2, 4] if evaluate["every"] else [])
+    restarted = checkpoint["every"] or evaluate["every"]
+    assert [r["async/staleness"] for r in trained] == ([0, 1, 0, 1] if restarted else [0, 1, 1, 1])
+    assert sum(r["async/dropped_batches"] for r in trained) == 0
+
+
+def test_the_next_rest_is_the_first_evaluation_checkpoint_or_the_end(tiny_model, tmp_path):
+    run = make_run(tiny_model, tmp_path, "rollout.max_staleness=1", "train.steps=10", "eval.every=3",
+                   "checkpoint.every=4")
+    assert [run.stages[-1].next_rest(s) for s in (0, 2, 3, 4, 6, 8, 9, 10)] == [3, 3, 4, 6, 8, 9, 10, 10]
+
+
+def test_an_actor_told_the_run_stops_starts_no_batch_the_learner_has_not_asked_for(tiny_model, tmp_path):
+    """A signal or a hook's stop (here from the start): with k = 2 the actor would run two
+    batches ahead; told the run stops, it starts none the learner has not asked for, yet
+    serves a step asked for after the stop (the learner had passed its check before the
+    signal came)."""
+    run = make_run(tiny_model, tmp_path, "rollout.max_staleness=2", "train.steps=4")
+    collected, original = [], run.actor.collect
+
+    def collect(step):
+        collected.append(step)
+        return original(step)
+
+    run.actor.collect = collect
+    run.feed.start(run.model, 0, run.stages[-1].next_rest, lambda: True)
+    try:
+        train_step(run.feed, run.learner, 0)
+        time.sleep(1.0)
+        assert collected == [0]
+        train_step(run.feed, run.learner, 1)
+        time.sleep(0.5)
+        assert collected == [0, 1]
+        experience, metrics = run.feed.take(2)
+        assert experience.step == 2 and collected == [0, 1, 2] and metrics["async/staleness"] == 2
+    finally:
+        run.feed.close()

@@ -433,3 +433,18 @@ def test_reward_model_heldout_accuracy_rises_over_iterations(models, tmp_path):
     base_rate = rm_rows[-1]["rm/heldout_positive_rate"]
     assert accuracy[-1] > max(base_rate, 1 - base_rate) + 0.1  # better than a constant guess
     assert all(r["rm/buffer/historical_frac"] == pytest.approx(0.1, abs=0.02) for r in rm_rows[1:])
+
+
+def test_iterative_grpo_runs_asynchronously_and_generates_nothing_an_iteration_start_drops(models, tmp_path):
+    """max_staleness 1: an iteration start is a rest the loop foresees (before steps 1 and 3,
+    the first before the actor has started), so the actor generates no batch there that the
+    rest would drop, and staleness restarts at each."""
+    from .conftest import read_metrics
+
+    out = tmp_path / "a"
+    assert run_iterative_spec(models, out, "--set", "tracking=[]", "--set", "rollout.max_staleness=1",
+                              "--set", "checkpoint.every=0") == 0
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    assert [r["async/staleness"] for r in rows] == [0, 1, 0, 1]
+    assert [r["async/dropped_batches"] for r in rows] == [0, 0, 0, 0]
+    assert [r["step"] for r in rows if "iterative/iteration" in r] == [1, 3]

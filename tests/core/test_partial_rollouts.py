@@ -328,3 +328,25 @@ def test_a_crash_mid_generation_loses_nothing_already_checkpointed(stepwise, tmp
     rows = [r for r in kit.read_metrics(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert rows[3]["async/switches"] == 0 and rows[3]["async/token_staleness"] == 0  # batch 3 anew, from step 3
+
+
+def test_with_partial_rollouts_the_actor_scores_no_batch_that_no_step_trains(stepwise, tmp_path, kit):
+    """Issue 60, item 4: 6 steps, max_staleness 1, a checkpoint every 3: the reward runs once
+    per trained batch, 6 times. Before: 9 in the run measured, since at each rest (the
+    checkpoint of step 3, the end) the batch generated ahead and the one in flight were
+    dropped, then generated again after the checkpoint."""
+    from .test_async import COUNTING_REWARD, reward_calls
+
+    plugin, model = stepwise
+    (tmp_path / "counting.py").write_text(COUNTING_REWARD, encoding="utf-8")
+    sets = [f"model.path={model}", "tracking=[]", "train.progress=false", "train.threads=1",
+            "eval.every=0", "eval.at_start=false", "eval.at_end=false",
+            f"plugins=[{plugin}, {tmp_path / 'counting.py'}]", "rewards=[{name: counted}]",
+            "rollout.name=stepwise", "rollout.max_staleness=1",
+            "rollout.partial_rollouts=true", "train.steps=6", "checkpoint.every=3", "checkpoint.keep=5",
+            f"train.output_dir={tmp_path / 'out'}"]
+    assert main([str(SPECS / "tiny.yaml"), *[x for s in sets for x in ("--set", s)]]) == 0
+    assert reward_calls(tmp_path) == (6, 0)
+    rows = [r for r in kit.read_metrics(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
+    assert [r["async/switches"] for r in rows] == [0, 1, 1, 0, 1, 1]  # restarted at step 3 as before
+    assert sum(r["async/dropped_batches"] for r in rows) == 0

@@ -263,3 +263,44 @@ def test_a_partial_run_on_the_engine_bounds_every_token_and_resumes_exactly(tmp_
     final = [load_file(str(next((tmp_path / f / "out" / "final").glob("*.safetensors")))) for f in ("whole", "cut")]
     assert final[0].keys() == final[1].keys()
     assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])
+
+
+COUNTING = """
+from pathlib import Path
+from grpo_core import hookimpl
+
+CALLS = Path(__file__).with_name("calls.txt")
+
+def counted(prompts, completions, **kwargs):
+    with CALLS.open("a") as f:
+        f.write(f"{len(completions)}\\n")
+    return [float(len(str(c)) % 3) for c in completions]
+
+@hookimpl
+def register_reward_functions(register):
+    register.add("counted", counted)
+"""
+
+
+def test_a_partial_run_on_the_engine_scores_no_batch_that_no_step_trains(tmp_path):
+    """Issue 60, item 4, on the colocated engine: 6 steps, max_staleness 1, partial rollouts,
+    a checkpoint every 3: the reward runs once per trained batch, 6 times (before: 9, the
+    batch generated ahead of the checkpoint and the one past the last step generated and
+    scored for nothing)."""
+    from grpo_core.testing import save_tiny_model
+
+    from .test_runs import grpo_run, write_spec
+
+    model_dir = save_tiny_model(tmp_path / "model", hidden_size=HIDDEN)
+    (tmp_path / "held_vllm.py").write_text(HELD, encoding="utf-8")
+    (tmp_path / "counting.py").write_text(COUNTING, encoding="utf-8")
+    plugins = [str(tmp_path / "held_vllm.py"), str(tmp_path / "counting.py")]
+    spec = write_spec(tmp_path / "run", model_dir, plugins=plugins, rewards=[{"name": "counted"}],
+                      rollout={"name": "held-vllm", "max_staleness": 1, "partial_rollouts": True, "max_new_tokens": 12},
+                      train={"steps": 6}, checkpoint={"every": 3, "keep": 5})
+    grpo_run([spec], tmp_path / "run", timeout=900)
+    assert (tmp_path / "calls.txt").read_text().split() == ["8"] * 6  # 2 prompts x 4 completions a batch
+    lines = (tmp_path / "run" / "out" / "metrics.jsonl").read_text().splitlines()
+    rows = [r for r in map(json.loads, filter(None, lines)) if "loss" in r]
+    assert [r["async/switches"] for r in rows] == [0, 1, 1, 0, 1, 1]  # restarted at step 3 as before
+    assert sum(r["async/dropped_batches"] for r in rows) == 0

@@ -57,7 +57,26 @@ class GrpoStage(BaseStage):
         return self.learner.optimization
 
     def start(self, run: Run) -> None:
-        run.feed.start(run.model, self.step)
+        # the feed generates no batch that a rest (a checkpoint, an evaluation) would drop, or that no step trains
+        run.feed.start(run.model, self.step, self.next_rest, run.stopping)
+
+    def next_rest(self, step: int) -> int:
+        """The step before whose batch the loop next holds the actor at rest, for a feed
+        (re)started at the batch of ``step``: ``step`` itself while an iteration of iterative
+        GRPO is still to begin there, else the first later step after an evaluation
+        (``eval.every``), a checkpoint by step count (``checkpoint.every``) or an iteration
+        start, or ``train.steps`` (no batch past the last step). A checkpoint by time
+        (``checkpoint.every_minutes``), a stop or a failure cannot be foreseen."""
+        spec, iterations = self.spec, self.iterations
+        ahead = [max(spec.train.steps, step)]
+        for every in (spec.eval.every, spec.checkpoint.every):
+            if every:
+                ahead.append((step // every + 1) * every)
+        if iterations is not None and iterations.iteration < iterations.section.iterations:
+            begins = iterations.iteration * iterations.section.steps_per_iteration  # the next one to begin
+            if begins >= step:
+                ahead.append(begins)
+        return min(ahead)
 
     def rest(self, run: Run) -> None:
         run.feed.stop(run.model, self.step)

@@ -8,8 +8,9 @@ drives is built by :mod:`grpo_core.train.loop.assemble`; a GRPO step is
 One loop for both modes: the run's feed (:mod:`grpo_core.train.feed`) hands over each step's
 experience and takes the new weights, synchronously or from an actor thread running ahead.
 Where the actor must be idle with the current weights (an evaluation, a checkpoint, the start
-of an iterative-GRPO iteration), the stage's ``at_rest`` says so: an asynchronous feed drops
-the batches it generated ahead and rewinds the prompt stream there.
+of an iterative-GRPO iteration), the stage's ``at_rest`` says so. A stage tells the feed where
+those rests and its last step are (GRPO's ``next_rest``), so an asynchronous feed generates
+nothing past them that it would drop there.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ def run_loop(run: Run, loaded: LoadedSpec, resume: str | None = None, hooks: Hoo
     first, run_id = checkpoints.resume(run, resume)
     _start_logging(run, loaded, run_id)
     with _ending(run, loaded) as end, StopSignal() as stop:
+        run.stopping = lambda: stop.signum is not None or run.stop_asked
         outcome = None
         for stage in run.stages[first:]:
             outcome = _drive(run, stage, loaded, end, stop, checkpoint_on_interrupt)

@@ -241,6 +241,8 @@ class Run:
     processor: Any = None  # the model's processor when prompts have images (saved with the weights)
     hooks: Hooks = field(default_factory=lambda: Hooks())
     stop_asked: bool = False  # a hook asked to stop after the current step
+    # whether the loop will stop after the step it is on (a signal or a hook); the loop sets it
+    stopping: Callable[[], bool] = field(default=lambda: False)
     books: dict[str, Books] = field(init=False)
 
     def __post_init__(self) -> None:
