@@ -10,7 +10,9 @@ then holds read no spec value of their own. Copies of the policy are all made wi
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,7 +24,6 @@ from grpo_core.contracts import (
     RolloutBackend,
     RolloutSetup,
     RowStream,
-    Tracker,
     policy_copy,
     special_ids,
 )
@@ -49,7 +50,7 @@ from grpo_core.train.loop.evaluate import load_eval_sets
 from grpo_core.train.loop.grpo import GrpoStage
 from grpo_core.train.loop.iterative import build_iterative
 from grpo_core.train.loop.sft import build_sft
-from grpo_core.train.loop.state import Run
+from grpo_core.train.loop.state import Run, Stage
 from grpo_core.train.pipeline import Pipeline
 from grpo_core.train.reasoning_steps import split_steps
 from grpo_core.train.seeds import seed_everything
@@ -336,13 +337,25 @@ def check_image_run(spec: Spec, backend: RolloutBackend, model: Any) -> None:
                        "images yet")
 
 
-def build_run(loaded: LoadedSpec, dist: Dist | None = None, *, model=None, tokenizer=None) -> Run:
-    """The run of ``loaded``: every component built, nothing trained yet. ``model`` and
-    ``tokenizer``: objects to train instead of loading ``model.path`` (the Python trainer's)."""
+@dataclass
+class _Rows:
+    """The rows a run reads before its model loads: training (the first row of a stream stands
+    for the others in the checks), held-out, and the SFT stage's ``(train, eval)``."""
+
+    train: list[dict]
+    eval: list[dict]
+    stream: RowStream | None
+    sft: tuple[list[dict], list[dict]] | None
+
+
+def _prepare(loaded: LoadedSpec, dist: Dist | None) -> tuple[Dist, Any, RolloutBackend]:
+    """What is settled before anything loads: the processes, the parallel strategy (the
+    launcher's accelerate config checked against the spec), the rollout backend built (not
+    set up) to refuse what it cannot do, the seeds and threads."""
     spec = loaded.spec
     dist = dist or Dist.from_env(spec.train.device, spec.train.parallel.timeout_s)
     check_layout(spec, dist.world)
-    backend = spec.rollout.build()  # built (not set up) to refuse what it cannot do before anything loads
+    backend = spec.rollout.build()
     interruptible_backend(spec, backend, dist.world)
     parallel = parallel_from_launcher(spec.train.parallel)
     if parallel_conflicts(spec, parallel):
@@ -350,11 +363,12 @@ def build_run(loaded: LoadedSpec, dist: Dist | None = None, *, model=None, token
     seed_everything(spec.train.seed)
     if spec.train.threads:
         torch.set_num_threads(spec.train.threads)
-    output_dir = ckpt.run_folder(loaded)
-    output_dir.mkdir(parents=True, exist_ok=True)
+    return dist, parallel, backend
 
-    splitter = spec.algorithm.step_splitter.build()
-    rewards = build_rewards(spec, splitter)
+
+def _read_rows(spec: Spec, rewards: list[RewardFn]) -> _Rows:
+    """The datasets' rows, every column the prompts, routes and reward functions need checked
+    in the training and held-out rows, before the model loads."""
     train_rows, eval_rows = load_rows(spec, "train"), load_rows(spec, "eval")
     stream = train_rows if isinstance(train_rows, RowStream) else None
     if stream is not None:  # its first row stands for the others in the checks
@@ -364,52 +378,79 @@ def build_run(loaded: LoadedSpec, dist: Dist | None = None, *, model=None, token
     if spec.rollout.routing is not None:
         needed[spec.rollout.routing.column] = "rollout.routing.column"
     needed.update({c: who for c, who in required_columns(rewards).items() if c not in needed})
-    check_columns(train_rows, needed, "training")
-    check_columns(eval_rows, needed, "held-out")
-    check_routed_columns(train_rows, rewards, "training")
-    check_routed_columns(eval_rows, rewards, "held-out")
+    for rows, split in ((train_rows, "training"), (eval_rows, "held-out")):
+        check_columns(rows, needed, split)
+        check_routed_columns(rows, rewards, split)
     check_routes(spec, train_rows + eval_rows)
-    sft_rows = load_sft_rows(spec)
+    return _Rows(train_rows, eval_rows, stream, load_sft_rows(spec))
 
+
+def _prompt_source(spec: Spec, rows: _Rows, tokenizer, processor, dist: Dist, max_tokens: int, tools
+                   ) -> PromptSource | StreamingPromptSource:
+    """Where the actor draws its training prompts: the stream, or the rows in memory through
+    ``data.sampler``."""
+    if rows.stream is not None:
+        return StreamingPromptSource(rows.stream, tokenizer, spec.data, seed=spec.train.seed, max_tokens=max_tokens,
+                                     rank=dist.rank, world=dist.world, buffer_size=spec.data.shuffle_buffer,
+                                     tools=tools)
+    sampler = spec.data.sampler.build() if spec.data.sampler is not None else None
+    return PromptSource(rows.train, tokenizer, spec.data, seed=spec.train.seed, max_tokens=max_tokens, tools=tools,
+                        sampler=sampler, processor=processor)
+
+
+def _load_policy(loaded: LoadedSpec, model, tokenizer, dist: Dist) -> tuple[Any, Any, Any]:
+    """``(model, processor, tokenizer)``: the policy loaded from ``model.path`` (or the given
+    object prepared) on this process's device."""
+    spec = loaded.spec
     processor, tokenizer = load_processing(loaded, tokenizer)
     model = (modeling.load_policy(spec.model, loaded.base_dir, tokenizer, dist.device) if model is None
              else modeling.prepare_policy(model, spec.model, tokenizer)).to(dist.device)
+    return model, processor, tokenizer
+
+
+def _stages(spec: Spec, rows: _Rows, learner: Learner, rewards: list[RewardFn], output_dir: Path, eos_id: int
+            ) -> list[Stage]:
+    """The run's stages in order: the SFT stage (spec section ``sft``), then GRPO with
+    iterative GRPO's reward-model refresh as its hook."""
+    reference = learner.kl.reference if learner.kl is not None else None
+    sft = build_sft(spec, learner.tokenizer, output_dir, rows.sft, eos_id)
+    grpo = GrpoStage(spec, learner, output_dir, build_iterative(spec, rewards, reference))
+    return [stage for stage in (sft, grpo) if stage is not None]
+
+
+def build_run(loaded: LoadedSpec, dist: Dist | None = None, *, model=None, tokenizer=None) -> Run:
+    """The run of ``loaded``: every component built, nothing trained yet. ``model`` and
+    ``tokenizer``: objects to train instead of loading ``model.path`` (the Python trainer's)."""
+    spec = loaded.spec
+    dist, parallel, backend = _prepare(loaded, dist)
+    output_dir = ckpt.run_folder(loaded)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    splitter = spec.algorithm.step_splitter.build()
+    rewards = build_rewards(spec, splitter)
+    rows = _read_rows(spec, rewards)
+    model, processor, tokenizer = _load_policy(loaded, model, tokenizer, dist)
+    if processor is not None:
+        check_image_run(spec, backend, model)
     # Asynchronous rollouts: whole copies of the policy, made before the strategy shards it: the
     # snapshot the learner's weights cross in, and for a backend that generates with the policy
     # module, the weights the actor samples from while the learner's move.
     k = spec.rollout.max_staleness
-    if processor is not None:
-        check_image_run(spec, backend, model)
     snapshot = policy_copy(model) if k else None
     sampler = policy_copy(model) if k and backend.capabilities.generates_with_policy else None
     learner = build_learner(spec, model, tokenizer, strategy_for(dist, parallel))
     scorer = build_scorer(spec, rewards, splitter, with_steps=learner.estimator.needs_step_scores)
     actor, feed = _actor_and_feed(spec, model, tokenizer, processor, backend, learner, scorer, snapshot, sampler)
-
-    max_prompt = prompt_budget(spec, model)
-    tools = prompt_tools(actor.driver)
-    sampler_slot = spec.data.sampler
-    if stream is not None:
-        actor.source = StreamingPromptSource(stream, tokenizer, spec.data, seed=spec.train.seed, max_tokens=max_prompt,
-                                             rank=dist.rank, world=dist.world, buffer_size=spec.data.shuffle_buffer,
-                                             tools=tools)
-    else:
-        actor.source = PromptSource(train_rows, tokenizer, spec.data, seed=spec.train.seed, max_tokens=max_prompt,
-                                    tools=tools, sampler=sampler_slot.build() if sampler_slot is not None else None,
-                                    processor=processor)
-    reference = learner.kl.reference if learner.kl is not None else None
-    trackers: dict[str, Tracker] = {slot.name: slot.build() for slot in spec.tracking}
-    sft = build_sft(spec, tokenizer, output_dir, sft_rows, special_ids(model, tokenizer, "sft")[0][0])
-    grpo = GrpoStage(spec, learner, output_dir, build_iterative(spec, rewards, reference))
+    max_prompt, tools = prompt_budget(spec, model), prompt_tools(actor.driver)
+    actor.source = _prompt_source(spec, rows, tokenizer, processor, dist, max_prompt, tools)
     run = Run(
         spec=spec, loaded=loaded, output_dir=output_dir, actor=actor, learner=learner, feed=feed,
-        stages=[stage for stage in (sft, grpo) if stage is not None],
-        eval_prompts=held_out_prompts(spec, eval_rows, tokenizer, max_prompt, tools, processor),
-        log=RunLog(trackers, output_dir, enabled=dist.is_main),
+        stages=_stages(spec, rows, learner, rewards, output_dir, special_ids(model, tokenizer, "sft")[0][0]),
+        eval_prompts=held_out_prompts(spec, rows.eval, tokenizer, max_prompt, tools, processor),
+        log=RunLog({slot.name: slot.build() for slot in spec.tracking}, output_dir, enabled=dist.is_main),
         eval_sets=load_eval_sets(spec, tokenizer, max_prompt, required_columns(rewards), tools, processor),
         processor=processor,
     )
-    if grpo.best is not None and not run.has_eval:
+    if run.stages[-1].best is not None and not run.has_eval:
         raise RunError("checkpoint.best_metric ranks steps by an evaluation, but this run has no held-out "
                        "prompts (data.eval_size, eval.sets): add some or drop best_metric")
     return run
