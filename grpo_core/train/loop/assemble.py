@@ -351,7 +351,7 @@ class _Rows:
 def _prepare(loaded: LoadedSpec, dist: Dist | None) -> tuple[Dist, Any, RolloutBackend]:
     """What is settled before anything loads: the processes, the parallel strategy (the
     launcher's accelerate config checked against the spec), the rollout backend built (not
-    set up) to refuse what it cannot do, the seeds and threads."""
+    set up) to refuse what it cannot do, the random state seeded and the thread count set."""
     spec = loaded.spec
     dist = dist or Dist.from_env(spec.train.device, spec.train.parallel.timeout_s)
     check_layout(spec, dist.world)
