@@ -109,6 +109,8 @@ class Dist:
                 f"could not join the process group at {where} (MASTER_ADDR:MASTER_PORT) within "
                 f"train.parallel.timeout_s = {timeout_s:g} s: {' '.join(str(exc).split())[:300]}"
             ) from exc
+        global _JOINED
+        _JOINED = True
         return cls(state.process_index, state.num_processes, torch.device(state.device), timeout_s=timeout_s)
 
     # ----------------------------------------------------------------- queries
@@ -198,15 +200,22 @@ class Dist:
         return combine_metrics(self.gather(metrics))
 
 
+#: Whether this process joined the launcher's process group (:meth:`Dist.from_env`): the only
+#: default group :func:`close_process_group` destroys. A one-process run's colocated vLLM
+#: engine makes a default group of its own, which its shutdown destroys after its subgroups.
+_JOINED = False
+
+
 def close_process_group() -> None:
-    """Destroy the default process group, if this process joined one, once every process is
-    done with it (the barrier: no process leaves while another still talks to it). A gloo group
-    wrapped by ``DistributedDataParallel`` keeps its threads past this, so a finished process of
-    a multi-process run then leaves without interpreter finalization
+    """Destroy the default process group, if this process joined one (:meth:`Dist.from_env`),
+    once every process is done with it (the barrier: no process leaves while another still
+    talks to it). A group made by someone else (a colocated vLLM engine's) is left to its
+    owner. A gloo group wrapped by ``DistributedDataParallel`` keeps its threads past this, so
+    a finished process of a multi-process run then leaves without interpreter finalization
     (:func:`grpo_core.cli.exit_process`)."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
+    if _JOINED and dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
 
