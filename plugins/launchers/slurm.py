@@ -1,0 +1,1 @@
+"""The ``slurm`` launcher (being written)."""
