@@ -109,3 +109,16 @@ def test_bad_requests_are_refused_naming_what_is_valid():
         plan(1, [Node("a", 1)], strategy="fill", port_on=_ports())
     with pytest.raises(RunError, match="no node"):
         plan(1, [], port_on=_ports())
+
+
+def test_an_srun_task_gets_the_run_variables_from_slurms():
+    from grpo_plugins.launchers.slurm import rank_environment, tasks_per_node
+
+    assert tasks_per_node("2(x3),1") == [2, 2, 2, 1] and tasks_per_node("4") == [4]
+    slurm = {"SLURM_PROCID": "5", "SLURM_NTASKS": "7", "SLURM_LOCALID": "1", "SLURM_NODEID": "3",
+             "SLURM_TASKS_PER_NODE": "2(x3),1", "SLURM_STEP_TASKS_PER_NODE": "2(x3),3", "MASTER_ADDR": "node1",
+             "MASTER_PORT": "20007"}
+    assert rank_environment(slurm) == {"RANK": "5", "WORLD_SIZE": "7", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "3",
+                                       "MASTER_ADDR": "node1", "MASTER_PORT": "20007"}
+    with pytest.raises(RunError, match="cannot read SLURM's per-node count '2x'"):
+        tasks_per_node("2x")
