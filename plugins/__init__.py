@@ -24,7 +24,8 @@
 - ``environments/``: the ``tools`` environment (``tools.py``) and its ``calculator.py``;
 - ``agents/``: agents that run other libraries' environments through the endpoint (``openenv.py``;
   ``verifiers.py``, also registered as the ``verifiers`` agent and dataset);
-- ``launchers.py``: the ``local`` launcher (``grpo-run run --nproc``).
+- ``launchers/``: the launchers, side by side: ``local.py`` (``grpo-run run --nproc``), ``ray.py``
+  and ``slurm.py``, which read one placement plan, ``placement.py``.
 
 Each module that registers something is one plugin, registered on the same plugin manager as
 third-party ones (``grpo_core.plugin_manager.DEFAULT_PLUGINS`` lists them); what the modules of

@@ -63,7 +63,8 @@ class SlurmOptions(BaseModel):
     cpus_per_rank: int = Field(1, ge=1, description="CPUs of each rank (srun --cpus-per-task)")
     gpus_per_rank: int = Field(0, ge=0, description="GPUs of each rank (srun --gpus-per-task)")
     strategy: Literal["pack", "spread"] = Field(
-        "pack", description="sbatch: pack, as few nodes as hold the ranks; spread: one rank per node")
+        "pack", description="sbatch: pack, as few nodes as hold the ranks; spread: the ranks over the "
+        "partition's nodes in turn")
     partition: str | None = Field(None, description="sbatch --partition; default: the cluster's default")
     account: str | None = Field(None, description="sbatch --account")
     time: str | None = Field(None, description="sbatch --time (e.g. 04:00:00)")
