@@ -70,8 +70,8 @@ class RayOptions(BaseModel):
     server_python: str | None = Field(
         None, description="the Python that runs grpo-run serve on the server nodes (e.g. a vLLM environment's); "
         "default: the trainer's")
-    server_args: list[str] = Field(default_factory=list, description="vLLM's own arguments for each server "
-                                   "(what grpo-run serve takes after --)")
+    server_args: list[str] = Field(default_factory=list, description="more arguments of each grpo-run serve: "
+                                   "its own (--dtype ...), then vLLM's after --")
     python: str | None = Field(None, description="the Python of the trainer ranks on every node; default: this one")
     threads: int | None = Field(None, ge=1, description="OMP_NUM_THREADS of each rank; default: its bundle's CPUs")
     wait_s: float = Field(120.0, gt=0, description="longest wait for the placement groups and the servers' health")
@@ -182,7 +182,7 @@ class Ray:
                 model = o.server_model or str(spec.model.path)
                 for bundle, handle in zip(placed.servers, servers):
                     argv = [o.server_python or o.python or sys.executable, "-m", "grpo_core.cli", "serve", model,
-                            "--host", "0.0.0.0", "--port", str(bundle.port), "--", *o.server_args]
+                            "--host", "0.0.0.0", "--port", str(bundle.port), *o.server_args]
                     ray.get(handle.start.remote(argv, {**env, **bundle.env}, cwd))
                     procs.append(RankProcess(handle, ray))
                 _wait_healthy(placed, procs, o.wait_s)

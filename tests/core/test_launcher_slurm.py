@@ -148,6 +148,51 @@ def test_salloc_and_sbatch_take_bitwise_the_steps_of_local(slurm, tmp_path, writ
 
 
 @pytest.mark.slow
+def test_a_rank_killed_under_salloc_ends_the_step_and_leaves_no_process(slurm, tmp_path, write_spec, kit):
+    """SIGKILL to rank 1: srun ends the step (--kill-on-bad-exit), the launcher exits with the
+    failed task's code, and no rank is left."""
+    tag = os.urandom(8).hex()
+    spec = write_spec(tmp_path, **{**SPEC, "train": {"steps": 60, "prompts_per_step": 2, "seed": 7}})
+    env = {**os.environ, **CHILD_ENV, **slurm, "GRPO_TEST_TAG": tag}
+    env.pop("WORLD_SIZE", None)
+    log = (tmp_path / "salloc.log").open("wb")
+    proc = subprocess.Popen(["salloc", "--ntasks=2", *_grpo(spec, "--launcher", "slurm", "--nproc", "2")],
+                            cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while kit.last_step(tmp_path / "out" / "metrics.jsonl") < 1:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "salloc.log").read_text()
+            time.sleep(0.5)
+        ranks = {rank: pid for pid, rank in _tagged(tag).items() if rank >= 0}
+        assert sorted(ranks) == [0, 1], ranks
+        os.kill(ranks[1], signal.SIGKILL)
+        code = proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    output = (tmp_path / "salloc.log").read_text(errors="replace")
+    assert code == 128 + signal.SIGKILL, output[-3000:]
+    assert "task 1: Killed" in output, output[-3000:]
+    assert not _tagged(tag)
+
+
+def _tagged(tag: str) -> dict[int, int]:
+    """pid -> RANK of the live processes whose environment carries ``GRPO_TEST_TAG=tag``
+    (ranks only: the srun task before it becomes the trainer has no RANK yet)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if f"GRPO_TEST_TAG={tag}".encode() in env and stat[stat.rindex(")") + 2] != "Z":
+            found[int(entry.name)] = next((int(e[5:]) for e in env if e.startswith(b"RANK=")), -1)
+    return found
+
+
+@pytest.mark.slow
 def test_a_request_slurm_can_never_hold_is_refused_at_once_with_its_reason(slurm, tmp_path, write_spec):
     spec = write_spec(tmp_path, **SPEC)
     started = time.monotonic()
