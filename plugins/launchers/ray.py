@@ -112,7 +112,9 @@ class _Process:
 
         env = {**os.environ, **env, PARENT_ENV: str(os.getpid())}
         # Own session: only this actor signals it; it dies with the actor (die_with_launcher).
-        self.proc = subprocess.Popen(argv, env=env, cwd=cwd, start_new_session=True)
+        # SIGINT and SIGTERM unblocked and at their defaults: Ray's worker threads block SIGINT,
+        # and a blocked or ignored signal stays so across exec (the trainer would never see it).
+        self.proc = subprocess.Popen(argv, env=env, cwd=cwd, start_new_session=True, preexec_fn=_default_signals)
         return self.proc.pid
 
     def wait(self) -> int:
@@ -121,6 +123,12 @@ class _Process:
     def signal(self, signum: int) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signum)
+
+
+def _default_signals() -> None:
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_DFL)
 
 
 def _free_port() -> int:

@@ -142,6 +142,23 @@ def test_a_rank_killed_on_ray_ends_the_run_naming_it_and_leaves_nothing(ray_head
 
 
 @pytest.mark.slow
+def test_sigint_to_the_ray_driver_reaches_each_rank_once_and_they_checkpoint(ray_head, tmp_path, write_spec, child,
+                                                                            kit):
+    from grpo_core import checkpoint as ckpt
+
+    tag = uuid.uuid4().hex
+    proc = child(["run", write_spec(tmp_path, **LONG), "--launcher", "ray", "--nproc", "2",
+                  "--launcher-option", f"address={ray_head}"], cwd=tmp_path, env={**RAY_ENV, "GRPO_TEST_TAG": tag})
+    proc.wait_for(lambda: kit.last_step(tmp_path / "out" / "metrics.jsonl") >= 1, 300, "step 1")
+    proc.signal(signal.SIGINT)
+    assert proc.wait(120) == 130, proc.output()[-3000:]
+    assert proc.output().count("stopped at step") == 1, proc.output()[-3000:]
+    (folder,) = ckpt.list_checkpoints(tmp_path / "out" / "checkpoints")
+    assert ckpt.verify(folder) is None
+    assert not _tagged(tag)
+
+
+@pytest.mark.slow
 def test_a_request_the_cluster_cannot_hold_fails_within_seconds_naming_it(ray_head, tmp_path, write_spec):
     spec = write_spec(tmp_path, **SPEC)
     started = time.monotonic()
