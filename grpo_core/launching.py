@@ -4,11 +4,11 @@ A launcher (the ``launcher`` plugin kind, :class:`~grpo_core.contracts.Launcher`
 ``grpo-run run SPEC --launcher NAME`` (``local``, the built-in, when ``--nproc N`` asks for more
 than one process). It gets the run as :class:`~grpo_core.contracts.RunArguments` (the command
 line of one process of the run, and the environment of each rank) and starts those processes
-wherever it places them: on this host (``local``), or through Ray or SLURM from a plugin of its
-own. Everything such a plugin needs is public here: :func:`supervise` (stop the others when one
-fails, with the exit code of the first failure), :func:`forwarding_signals` (SIGINT and SIGTERM
-passed on once), :func:`free_port`, and :func:`die_with_launcher`, which each process of a run
-calls when it starts.
+wherever it places them: on this host (``local``), on a Ray cluster (``ray``), through SLURM
+(``slurm``), or wherever a plugin's launcher does. Everything a launcher needs is public here:
+:func:`supervise` (stop the others when one fails, with the exit code of the first failure),
+:func:`forwarding_signals` (SIGINT and SIGTERM passed on once), :func:`free_port`, and
+:func:`die_with_launcher`, which each process of a run calls when it starts.
 
 What the built-in supervision guarantees:
 

@@ -27,7 +27,8 @@
 - ``environments/``: the ``tools`` environment (``tools.py``) and its ``calculator.py``;
 - ``agents/``: agents that run other libraries' environments through the endpoint (``openenv.py``;
   ``verifiers.py``, also registered as the ``verifiers`` agent and dataset);
-- ``launchers.py``: the ``local`` launcher (``grpo-run run --nproc``);
+- ``launchers/``: the launchers, side by side: ``local.py`` (``grpo-run run --nproc``), ``ray.py``
+  and ``slurm.py``, which read one placement plan, ``placement.py``.
 - ``drivers.py``: the episode drivers ``single-turn``, ``environment``, ``agent`` and ``routing``
   (the engine's, :mod:`grpo_core.train.actor.drivers`).
 

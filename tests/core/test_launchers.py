@@ -66,7 +66,7 @@ def test_an_unknown_launcher_is_refused_naming_the_available_ones(tmp_path, writ
     spec = write_spec(tmp_path, **SPEC)
     done = _grpo_run([spec, "--launcher", "slurmm"], tmp_path)
     assert done.returncode == 2
-    assert "unknown launcher 'slurmm'; available: local" in done.stderr
+    assert "unknown launcher 'slurmm'; available: local, ray, slurm" in done.stderr
 
 
 def test_a_launcher_option_it_does_not_take_is_refused_naming_its_options(tmp_path, write_spec):

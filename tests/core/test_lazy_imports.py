@@ -9,7 +9,7 @@ import sys
 import textwrap
 
 #: Installed for the test run, but needed only by the plugins that use them.
-OPTIONAL = ("mlflow", "datasets", "math_verify", "trl", "vllm", "wandb", "tensorboard", "gguf", "peft")
+OPTIONAL = ("mlflow", "datasets", "math_verify", "trl", "vllm", "wandb", "tensorboard", "gguf", "peft", "ray")
 
 PROGRAM = textwrap.dedent("""
     import sys

@@ -1,4 +1,4 @@
-"""The built-in launcher, ``local``: the processes of a run on this host, one per rank
+"""The built-in ``local`` launcher: the processes of a run on this host, one per rank
 (``grpo-run run SPEC --nproc N``), with the environment torchrun would give them.
 
 It is written with the public pieces of :mod:`grpo_core.launching` only, as a Ray or SLURM
