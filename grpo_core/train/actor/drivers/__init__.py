@@ -1,6 +1,6 @@
 """The episode drivers: how a prompt's ``G`` episodes run, each behind the one
 :class:`~grpo_core.contracts.EpisodeDriver` contract, chosen by name from the registry
-(``rollout.driver``; the built-in plugin ``grpo_plugins.drivers`` registers these).
+(``rollout.driver``; the built-in ``drivers`` plugin module, plugins/drivers.py, registers these).
 
 - ``single_turn``: ``single-turn``, one completion per episode (the default).
 - ``environment``: ``environment``, model turns answered by an in-process environment.
@@ -20,7 +20,7 @@ from typing import Any
 
 #: The built-in drivers' classes, by the module that holds each (imported on first use: the
 #: agent driver brings the HTTP server with it). The public surface a plugin registers them
-#: from (``grpo_plugins.drivers``), or wraps one of them with.
+#: from (the built-in ``drivers`` plugin module), or wraps one of them with.
 BUILT_IN = {"SingleTurn": "single_turn", "EnvironmentDriver": "environment", "AgentDriver": "agents",
             "RoutedDriver": "routes"}
 
