@@ -237,3 +237,21 @@ def fake_dist(tmp_path, monkeypatch):
     yield make
     for module in modules:
         sys.modules.pop(module, None)
+
+
+def tagged_processes(tag: str) -> dict[int, int]:
+    """pid -> RANK (-1 before a process has one: an srun task not yet the trainer) of the live
+    processes whose environment carries ``GRPO_TEST_TAG=tag``: what a launcher test finds of a
+    run's processes on this host, zombies left out."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if f"GRPO_TEST_TAG={tag}".encode() in env and stat[stat.rindex(")") + 2] != "Z":
+            found[int(entry.name)] = next((int(e[5:]) for e in env if e.startswith(b"RANK=")), -1)
+    return found

@@ -21,7 +21,7 @@ import torch
 
 from grpo_core.launching import free_port
 
-from .conftest import CHILD_ENV, load_weights
+from .conftest import CHILD_ENV, load_weights, tagged_processes
 
 ray = pytest.importorskip("ray", reason="the ray launcher's tests need Ray (the test extra installs it)")
 
@@ -88,22 +88,6 @@ def _cluster_state(address: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _tagged(tag: str) -> dict[int, int]:
-    """pid -> RANK of the live processes whose environment carries ``GRPO_TEST_TAG=tag``."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            env = (entry / "environ").read_bytes().split(b"\0")
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        if f"GRPO_TEST_TAG={tag}".encode() in env and stat[stat.rindex(")") + 2] != "Z":
-            found[int(entry.name)] = next((int(e[5:]) for e in env if e.startswith(b"RANK=")), -1)
-    return found
-
-
 @pytest.mark.slow
 def test_two_ranks_on_ray_take_bitwise_the_steps_of_two_local_ones(ray_head, tmp_path, write_spec):
     spec = write_spec(tmp_path, **SPEC)
@@ -129,14 +113,14 @@ def test_a_rank_killed_on_ray_ends_the_run_naming_it_and_leaves_nothing(ray_head
                   "--launcher-option", f"address={ray_head}"],
                  cwd=tmp_path, env={**RAY_ENV, "GRPO_TEST_TAG": tag})
     proc.wait_for(lambda: kit.last_step(tmp_path / "out" / "metrics.jsonl") >= 1, 300, "step 1")
-    ranks = {rank: pid for pid, rank in _tagged(tag).items() if rank >= 0}
+    ranks = {rank: pid for pid, rank in tagged_processes(tag).items() if rank >= 0}
     assert sorted(ranks) == [0, 1], ranks
     os.kill(ranks[1], signal.SIGKILL)
     killed_at = time.monotonic()
     assert proc.wait(120) == 128 + signal.SIGKILL, proc.output()[-3000:]
     assert time.monotonic() - killed_at < 5 + 30 + 30  # grace, SIGKILL delay, slack
     assert "grpo-run: process 1 was killed by SIGKILL (out of memory, or killed by hand)" in proc.output()
-    assert not _tagged(tag)
+    assert not tagged_processes(tag)
     state = _cluster_state(ray_head)
     assert set(state["groups"]) == {"REMOVED"} and set(state["actors"]) == {"DEAD"}, state
 
@@ -155,7 +139,7 @@ def test_sigint_to_the_ray_driver_reaches_each_rank_once_and_they_checkpoint(ray
     assert proc.output().count("stopped at step") == 1, proc.output()[-3000:]
     (folder,) = ckpt.list_checkpoints(tmp_path / "out" / "checkpoints")
     assert ckpt.verify(folder) is None
-    assert not _tagged(tag)
+    assert not tagged_processes(tag)
 
 
 @pytest.mark.slow

@@ -24,7 +24,7 @@ import torch
 
 from grpo_core.launching import free_port
 
-from .conftest import CHILD_ENV, load_weights
+from .conftest import CHILD_ENV, load_weights, tagged_processes
 
 PACKAGES = ("slurmctld", "slurmd", "slurm-client")
 SPEC = {
@@ -163,7 +163,7 @@ def test_a_rank_killed_under_salloc_ends_the_step_and_leaves_no_process(slurm, t
         while kit.last_step(tmp_path / "out" / "metrics.jsonl") < 1:
             assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "salloc.log").read_text()
             time.sleep(0.5)
-        ranks = {rank: pid for pid, rank in _tagged(tag).items() if rank >= 0}
+        ranks = {rank: pid for pid, rank in tagged_processes(tag).items() if rank >= 0}
         assert sorted(ranks) == [0, 1], ranks
         os.kill(ranks[1], signal.SIGKILL)
         code = proc.wait(120)
@@ -174,22 +174,7 @@ def test_a_rank_killed_under_salloc_ends_the_step_and_leaves_no_process(slurm, t
     output = (tmp_path / "salloc.log").read_text(errors="replace")
     assert code == 128 + signal.SIGKILL, output[-3000:]
     assert "task 1: Killed" in output, output[-3000:]
-    assert not _tagged(tag)
-
-
-def _tagged(tag: str) -> dict[int, int]:
-    """pid -> RANK of the live processes whose environment carries ``GRPO_TEST_TAG=tag``
-    (ranks only: the srun task before it becomes the trainer has no RANK yet)."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        try:
-            env = (entry / "environ").read_bytes().split(b"\0")
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        if f"GRPO_TEST_TAG={tag}".encode() in env and stat[stat.rindex(")") + 2] != "Z":
-            found[int(entry.name)] = next((int(e[5:]) for e in env if e.startswith(b"RANK=")), -1)
-    return found
+    assert not tagged_processes(tag)
 
 
 @pytest.mark.slow
