@@ -52,6 +52,13 @@ class AgentSlot(Slot):
         "sample of the episode, prompted as the chat template renders its messages (the samples share the episode's "
         "reward and advantage; env/samples_per_episode counts them); refuse: HTTP 400 and the episode fails.",
     )
+    template_check: Literal["warn", "refuse", "off"] = Field(
+        "warn", description="At each chat request that extends an episode, the chat template renders the request's "
+        "messages whole (as a server would, the answers as parsed) and the result is compared with the episode's "
+        "tokens (the sampled ones, which are what trains): warn: a difference is logged once, naming the tool-call "
+        "format and the first differing text (the model is trained on contexts its server renders otherwise); "
+        "refuse: HTTP 400 and the episode fails; off: no check.",
+    )
     max_request_bytes: int = Field(
         1_000_000, ge=1024, description="A request body larger than this is refused (HTTP 413) and fails its episode.",
     )

@@ -57,7 +57,9 @@ from grpo_core.train.actor.drivers.episodes import (
 from grpo_core.train.actor.drivers.histories import (
     NotExtended,
     Sample,
+    called_names,
     episode_row,
+    first_difference,
     keeps_turn,
     shared_messages,
     template_message,
@@ -109,6 +111,7 @@ class AgentRunner:
     def __post_init__(self) -> None:
         self.renderer = TurnRenderer(self.tokenizer, self.eos_ids)
         self.format = tool_format(self.tokenizer.chat_template)  # how this model family writes tool calls
+        self._warned = False  # a template that renders an episode otherwise was logged
 
     @property
     def tools(self) -> list[dict]:
@@ -288,17 +291,43 @@ class AgentRunner:
         if len(messages) < known or not new:
             raise NotExtended(EndpointError(400, "the request adds no message to the episode's history (a retry of "
                                                  "an answered request edits the history)", True))
+        own = self.format.observation([plain(m) for m in new], called_names(e.history, new), e.eos)
         try:
-            ids = self.renderer.observation_ids([plain(m) for m in new], e.eos)
+            ids = self.renderer.observation_ids([plain(m) for m in new], e.eos) if own is None else \
+                self.tokenizer(own, add_special_tokens=False)["input_ids"]
         except RunError as exc:  # nothing of the request is recorded yet: the agent may send others
             raise NotExtended(_unrenderable(new, exc.__cause__ or exc)) from None
-        if self.slot.history == "split" and e.said is not None and not keeps_turn(
+        if own is None and self.slot.history == "split" and e.said is not None and not keeps_turn(
                 self.tokenizer, e.said, new, self.chat_template_kwargs):
             raise NotExtended(EndpointError(400, "the chat template renders the last answer otherwise once "
                                                  "these messages follow it", True))
         self._context(e, ids)
         e.history.extend((m, False) for m in new)
         e.record.messages.extend(plain(m) for m in new)
+        if self.slot.template_check != "off" and not e.exhausted:
+            self._check_rendering(e, request)
+
+    def _check_rendering(self, e: _Live, request: Request) -> None:
+        """Compare the chat template's rendering of the request's messages (the answers as
+        parsed, as a server renders a conversation) with the episode's tokens (the sampled
+        ones): a difference is logged once (``template_check: warn``) or fails the episode
+        (``refuse``), named."""
+        try:
+            fresh = self._rendered(request.messages, request.tools, template_message)
+        except EndpointError as exc:
+            difference = f"the template cannot render the conversation whole ({exc.message})"
+        else:
+            difference = first_difference(self.tokenizer, fresh, e.first + e.record.ids)
+        if difference is None:
+            return
+        what = (f"the chat template renders this episode's conversation otherwise than the tokens the policy sampled "
+                f"and trains on (tool-call format {self.format.name}): {difference}")
+        if self.slot.template_check == "refuse":
+            raise EndpointError(400, f"{what} (rollout.agent.template_check: refuse)", True)
+        if not self._warned:
+            self._warned = True
+            log.warning("%s; the model is trained on contexts its server renders otherwise "
+                        "(rollout.agent.template_check: warn; logged once)", what)
 
     def _extend_text(self, e: _Live, request: Request) -> None:
         """The completions API: the prompt extends the episode's text so far."""
@@ -348,7 +377,8 @@ class AgentRunner:
             if request.chat:
                 raw = self.tokenizer.decode([i for i in choice["ids"] if i not in self.eos_ids]) \
                     if self.format.special else None
-                choice["message"], calls = self.format.message(choice["text"], bool(request.tools), raw)
+                choice["message"], calls = self.format.message(choice["text"], bool(request.tools), raw,
+                                                               request.tools)
                 choice["calls"] = len(choice["message"].get("tool_calls") or [])
                 if calls and choice["finish"] == "stop":
                     choice["finish"] = "tool_calls"

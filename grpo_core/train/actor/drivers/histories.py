@@ -71,6 +71,34 @@ def keeps_turn(tokenizer: Any, text: str, new: list[dict[str, Any]], kwargs: dic
     return full.startswith(base)
 
 
+def called_names(history: list[tuple[dict[str, Any], bool]], new: list[dict[str, Any]]) -> list[str]:
+    """The function name each tool message of ``new`` answers, in order: the call whose id its
+    ``tool_call_id`` names, else the last assistant message's calls in turn (as gpt-oss's
+    template infers it); ``"tool"`` when there is none."""
+    by_id: dict[str, str] = {}
+    last: list[str] = []
+    for message, _ in history:
+        calls = [c for c in message.get("tool_calls") or [] if isinstance(c, dict)]
+        if message.get("role") == "assistant" and calls:
+            last = [str((c.get("function") or {}).get("name")) for c in calls]
+            by_id.update({str(c.get("id")): name for c, name in zip(calls, last)})
+    names, order = [], iter(last)
+    for message in new:
+        if message.get("role") == "tool":
+            names.append(by_id.get(str(message.get("tool_call_id"))) or next(order, "tool"))
+    return names
+
+
+def first_difference(tokenizer: Any, fresh: list[int], recorded: list[int]) -> str | None:
+    """Where a fresh rendering's token ids first differ from an episode's recorded ones, as the
+    texts that follow there (None when they are equal)."""
+    if fresh == recorded:
+        return None
+    at = next((i for i, (a, b) in enumerate(zip(fresh, recorded)) if a != b), min(len(fresh), len(recorded)))
+    rendered, sampled = (tokenizer.decode(ids[at:at + 24]) for ids in (fresh, recorded))
+    return f"at token {at} the template renders {rendered!r}, the episode holds {sampled!r}"
+
+
 def shared_messages(messages: list[dict[str, Any]], history: list[tuple[dict[str, Any], bool]]) -> int:
     """How many leading ``messages`` are the episode's ``history`` (an answered assistant
     message compared as :func:`~grpo_core.endpoint.server.same_message` does)."""
