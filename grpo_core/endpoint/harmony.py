@@ -35,7 +35,7 @@ _OFFLINE = ("openai-harmony could not load its vocabulary file o200k_base.tiktok
 
 
 @functools.cache
-def _harmony() -> tuple[Any, Any]:
+def package() -> tuple[Any, Any]:
     """``(openai_harmony module, its gpt-oss encoding)``, loaded once."""
     try:
         import openai_harmony
@@ -57,7 +57,7 @@ def parse(raw: str) -> tuple[str | None, str, list[tuple[str, Any]]] | None:
     """``(reasoning, content, calls)`` of one assistant turn as the policy wrote it (special
     tokens kept, after the ``<|start|>assistant`` header); None when it is not harmony. Calls
     are ``(name, arguments)``, arguments parsed from JSON (the text as written otherwise)."""
-    harmony, encoding = _harmony()
+    harmony, encoding = package()
     tokens = encoding.encode(raw, allowed_special="all")
     try:
         messages = encoding.parse_messages_from_completion_tokens(tokens, harmony.Role.ASSISTANT, strict=False)
@@ -84,7 +84,7 @@ def observation_text(messages: list[dict[str, Any]], tool_names: list[str]) -> s
     """The harmony text of ``messages`` (tool results, each from ``functions.NAME`` with the
     name of the call it answers, in ``tool_names``' order; user turns) followed by the header
     of the next assistant turn, as openai-harmony renders a conversation for completion."""
-    harmony, encoding = _harmony()
+    harmony, encoding = package()
     rendered, names = [], iter(tool_names)
     for message in messages:
         content = str(message.get("content") or "")

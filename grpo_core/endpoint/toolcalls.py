@@ -269,6 +269,11 @@ class ToolFormat:
         itself; None: the chat template renders it. ``ended``: the turn ended with its stop token."""
         return None
 
+    def keeps(self, answer: dict[str, Any]) -> bool | None:
+        """Whether a conversation rendered again shows the answered turn ``answer`` as the
+        policy wrote it once messages follow, where the family says (None: ask the chat template)."""
+        return None
+
     def _with_calls(self, message: dict[str, Any], content: str, calls: Calls) -> tuple[dict[str, Any], bool]:
         if not calls:
             return message, False
@@ -301,6 +306,11 @@ class HarmonyFormat(ToolFormat):
         """Rendered by openai-harmony (a turn cut before its ``<|call|>``/``<|return|>`` closed
         with ``<|end|>``)."""
         return ("" if ended else "<|end|>") + harmony.observation_text(messages, tool_names)
+
+    def keeps(self, answer: dict[str, Any]) -> bool | None:
+        """A call's turn is kept; a final answer is not: harmony renders it again closed by
+        ``<|end|>`` where the policy wrote ``<|return|>``, and drops its analysis."""
+        return bool(answer.get("tool_calls"))
 
 
 def _harmony_parse(text: str, tools: Sequence[dict] = ()) -> tuple[str, Calls]:

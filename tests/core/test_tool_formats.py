@@ -248,8 +248,10 @@ class FamilyPlugin:
         register.add("family", self.backend)
 
 
-def calculator_loop(replies: list):
-    """The calculator loop written with the openai client: tool calls answered until an answer."""
+def calculator_loop(replies: list, follow_up: bool = True):
+    """The calculator loop written with the openai client: tool calls answered until an answer;
+    then (``follow_up``) a user turn and one more answer, which both families render otherwise
+    than the policy wrote its first answer (past thinking dropped), so the episode splits."""
 
     def agent(episode):
         with openai.OpenAI(base_url=episode.base_url, api_key=episode.api_key, max_retries=0, timeout=60) as client:
@@ -264,6 +266,10 @@ def calculator_loop(replies: list):
                 for call in message.tool_calls:
                     messages.append({"role": "tool", "tool_call_id": call.id,
                                      "content": calculator(**json.loads(call.function.arguments))})
+            if follow_up:
+                messages.append({"role": "user", "content": "Thanks. Once more?"})
+                replies.append(client.chat.completions.create(model=episode.model, messages=messages,
+                                                              tools=TOOLS).choices[0])
         return float(episode.index)  # rewards that differ within a group: the steps train
 
     return agent
@@ -325,9 +331,9 @@ def test_qwen3_xml_calls_parse_as_vllm_parses_them(case):
 def test_harmony_turns_parse_as_openai_harmony_reads_them():
     """The format's message of harmony's documented call and of a final answer: the calls,
     reasoning and content openai-harmony's own parser reads from the same tokens."""
-    import openai_harmony as h
+    from grpo_core.endpoint.harmony import package
 
-    encoding = h.load_harmony_encoding(h.HarmonyEncodingName.HARMONY_GPT_OSS)
+    h, encoding = package()  # the openai_harmony module and its gpt-oss encoding, loaded once
     documented = ('<|channel|>analysis<|message|>Need to use function get_current_weather.<|end|><|start|>assistant'
                   '<|channel|>commentary to=functions.get_current_weather <|constrain|>json<|message|>'
                   '{"location":"San Francisco"}<|call|>')
@@ -352,11 +358,12 @@ def test_an_openai_agent_runs_the_calculator_loop_in_each_family(family_run):
     """The client receives the family's call as a tool call (the reference parser's reading of
     the turn) and its thinking as reasoning_content; the episode goes on to its answer; what is
     trained is exactly the tokens the policy wrote, the tool result between them as context
-    rendered as the family renders it; two training steps change the weights."""
+    rendered as the family renders it; the follow-up user turn starts a second training sample
+    prompted as the chat template renders the conversation; two training steps change the weights."""
     family, model, replies, rollouts, changes, tokenizer, backend, _ = family_run
     calls = [r for r in replies if r.finish_reason == "tool_calls"]
     answers = [r for r in replies if r.finish_reason == "stop"]
-    assert len(calls) == len(answers) == 4  # 2 episodes x 2 steps
+    assert len(calls) == 4 and len(answers) == 8  # 2 episodes x 2 steps
     for reply in calls:
         (call,) = reply.message.tool_calls
         assert (call.function.name, json.loads(call.function.arguments)) == tuple(RECORD["cases"][0]["calls"][0])
@@ -365,21 +372,27 @@ def test_an_openai_agent_runs_the_calculator_loop_in_each_family(family_run):
     reasoning = {(r.message.model_extra or {}).get("reasoning_content") for r in replies}
     assert reasoning == ({"I add 2 and 3.", "Done."} if family == "qwen3_xml" else {"Add 2 and 3.", "It is 5."})
     rollout = rollouts[0]
-    assert not rollout.episodes.failed.any() and rollout.episodes.turns.tolist() == [2, 2]
-    assert rollout.episodes.tool_calls.tolist() == [1, 1]
+    assert not rollout.episodes.failed.any() and rollout.episodes.turns.tolist() == [3, 3]
+    assert rollout.episodes.tool_calls.tolist() == [1, 1] and rollout.episodes.samples.tolist() == [2, 2]
     _, _, _, _, call_text, answer_text = FAMILIES[family]
-    written = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in (call_text, answer_text)]
+    call, answer = (tokenizer(t, add_special_tokens=False)["input_ids"] for t in (call_text, answer_text))
     for row in range(2):
+        (split,) = rollout.episodes.splits[row]
         ids, mask = rollout.completion_ids[row], rollout.completion_mask[row]
-        assert ids[mask].tolist() == written[0] + written[1]  # the sampled tokens, nothing re-tokenized
-        between = ids[len(written[0]): int(mask.nonzero()[-1]) + 1 - len(written[1])]
-        context = tokenizer.decode(between)
+        assert ids[mask].tolist() == call + answer + answer  # the sampled tokens, nothing re-tokenized
+        assert ids[split - len(answer): split].tolist() == answer and mask[split - len(answer): split].all()
+        start = int(mask.nonzero()[0])  # the first sampled token: what leads it is the first prompt's rest
+        assert ids[start: start + len(call)].tolist() == call
+        context = tokenizer.decode(ids[start + len(call): split - len(answer)])
         if family == "harmony":  # openai-harmony's rendering of the result, then the next turn's header
             assert context == "<|start|>functions.calculator to=assistant<|channel|>commentary<|message|>5<|end|>" \
                               "<|start|>assistant"
         else:  # the chat template's: the call's turn closed, the result in a user turn, thinking opened
             assert context == "<|im_end|>\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n" \
                               "<|im_start|>assistant\n<think>\n"
+        second = tokenizer.decode(ids[split: int(rollout.episodes.lengths[row])][~mask[split:
+                                                                                      int(rollout.episodes.lengths[row])]])
+        assert "Thanks. Once more?" in second and "I add 2 and 3." not in second and "Add 2 and 3." not in second
     assert all(change > 0 for change in changes)
 
 

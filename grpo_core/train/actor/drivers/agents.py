@@ -297,8 +297,7 @@ class AgentRunner:
                 self.tokenizer(own, add_special_tokens=False)["input_ids"]
         except RunError as exc:  # nothing of the request is recorded yet: the agent may send others
             raise NotExtended(_unrenderable(new, exc.__cause__ or exc)) from None
-        if own is None and self.slot.history == "split" and e.said is not None and not keeps_turn(
-                self.tokenizer, e.said, new, self.chat_template_kwargs):
+        if self.slot.history == "split" and e.said is not None and not self._keeps(e, new):
             raise NotExtended(EndpointError(400, "the chat template renders the last answer otherwise once "
                                                  "these messages follow it", True))
         self._context(e, ids)
@@ -306,6 +305,13 @@ class AgentRunner:
         e.record.messages.extend(plain(m) for m in new)
         if self.slot.template_check != "off" and not e.exhausted:
             self._check_rendering(e, request)
+
+    def _keeps(self, e: _Live, new: list[dict[str, Any]]) -> bool:
+        """Whether the episode's last answer stays as the policy wrote it once ``new`` follows:
+        the tool-call format's rule where it has one, else the chat template's rendering."""
+        answer = next((m for m, answered in reversed(e.history) if answered), {})
+        kept = self.format.keeps(answer)
+        return keeps_turn(self.tokenizer, e.said, new, self.chat_template_kwargs) if kept is None else kept
 
     def _check_rendering(self, e: _Live, request: Request) -> None:
         """Compare the chat template's rendering of the request's messages (the answers as
