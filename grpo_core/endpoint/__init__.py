@@ -11,4 +11,5 @@ no module of the engine but :mod:`grpo_core.errors` (tests/core/test_layout.py p
 - ``streaming``: the answers as server-sent events (``stream: true``).
 - ``responses_api``: ``/v1/responses`` requests as chat requests, and their answers.
 - ``toolcalls``: tool calls and reasoning in the policy's text, per model family.
+- ``harmony``: gpt-oss's harmony turns, parsed and rendered by the ``openai-harmony`` package.
 """
