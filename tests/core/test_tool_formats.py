@@ -299,7 +299,7 @@ def family_run(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(family)
     model = tiny_family_model(folder / "model", family)
     replies, plugin, warnings = [], FamilyPlugin(family), Warnings()
-    logging.getLogger("grpo.agents").addHandler(warnings)
+    logging.getLogger("grpo.templates").addHandler(warnings)
     try:
         run = Trainer(family_spec(model, folder / "out"), agent=calculator_loop(replies), plugins=[plugin])._build()
         changes, rollouts = [], []
@@ -310,7 +310,7 @@ def family_run(request, tmp_path_factory):
             run.learner.learn(experience)
             changes.append(sum(float((p.detach() - q).abs().sum()) for p, q in zip(run.model.parameters(), before)))
     finally:
-        logging.getLogger("grpo.agents").removeHandler(warnings)
+        logging.getLogger("grpo.templates").removeHandler(warnings)
     return family, model, replies, rollouts, changes, run.tokenizer, plugin.backend, warnings.messages
 
 

@@ -66,6 +66,8 @@ from grpo_core.train.actor.drivers.histories import (
 )
 
 log = logging.getLogger("grpo.agents")
+#: Where a chat template that renders an episode otherwise than it was sampled is named.
+template_log = logging.getLogger("grpo.templates")
 
 
 @dataclass
@@ -332,7 +334,7 @@ class AgentRunner:
             raise EndpointError(400, f"{what} (rollout.agent.template_check: refuse)", True)
         if not self._warned:
             self._warned = True
-            log.warning("%s; the model is trained on contexts its server renders otherwise "
+            template_log.warning("%s; the model is trained on contexts its server renders otherwise "
                         "(rollout.agent.template_check: warn; logged once)", what)
 
     def _extend_text(self, e: _Live, request: Request) -> None:
