@@ -111,11 +111,55 @@ def build_model(
     return model
 
 
+#: The mixture-of-experts families :func:`build_moe_model` builds: transformers' config and model
+#: class names, and the config's name for the number of experts.
+MOE_KINDS = {
+    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "num_experts"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", "num_local_experts"),
+    "gpt-oss": ("GptOssConfig", "GptOssForCausalLM", "num_local_experts"),
+}
+
+
+def build_moe_model(tokenizer, *, kind: str = "qwen3-moe", hidden_size: int = 32, layers: int = 2, experts: int = 8,
+                    top_k: int = 2, seed: int = 0, **config_kwargs):
+    """A tiny randomly initialised mixture-of-experts causal LM of the family ``kind`` (one
+    of :data:`MOE_KINDS`): every layer a sparse block of ``experts`` experts, ``top_k`` per token;
+    its routers' weights drawn at random too (transformers starts some at zero), so that tokens
+    are routed differently. ``config_kwargs`` override the config."""
+    import torch
+    import transformers
+
+    config_name, model_name, experts_key = MOE_KINDS[kind]
+    settings = dict(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=hidden_size * 2,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden_size // 4,
+        max_position_embeddings=512, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None, num_experts_per_tok=top_k, tie_word_embeddings=False, **{experts_key: experts},
+    )
+    if kind == "qwen3-moe":
+        settings.update(moe_intermediate_size=hidden_size, decoder_sparse_step=1, norm_topk_prob=True)
+    settings.update(config_kwargs)
+    config = getattr(transformers, config_name)(**settings)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "router" in name or name.endswith("gate.weight"):
+                param.normal_(0.0, 0.5)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model
+
+
 def save_tiny_model(path: str | Path, *, kind: str = "causal-lm", seed: int = 0, **model_kwargs) -> Path:
-    """Write a tiny model and its tokenizer to ``path`` (``save_pretrained`` format)."""
+    """Write a tiny model and its tokenizer to ``path`` (``save_pretrained`` format); ``kind``
+    one of :func:`build_model`'s, or of :data:`MOE_KINDS` for a mixture-of-experts model."""
     path = Path(path)
     tokenizer = build_tokenizer()
-    model = build_model(tokenizer, kind=kind, seed=seed, **model_kwargs)
+    if kind in MOE_KINDS:
+        model = build_moe_model(tokenizer, kind=kind, seed=seed, **model_kwargs)
+    else:
+        model = build_model(tokenizer, kind=kind, seed=seed, **model_kwargs)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

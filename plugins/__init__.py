@@ -12,11 +12,11 @@
   ``fusion.py``; shared: ``common.py``);
 - ``step_splitters.py``: step splitters for process supervision;
 - ``rollout/``: the rollout family, engine-neutral: the ``hf`` rollout backend (``hf.py``,
-  ``decode.py``, ``images.py``) and what every backend with its own copy of the weights shares:
-  the policy's weights (``weights.py``), the weight channel (``channel.py``), delta and
-  adapter-only pushes (``delta.py``, ``adapter.py``), the pushes to servers (``pushes.py``) and
-  their split and failover (``servers.py``), an engine's answers (``outputs.py``) and partial
-  rollouts' prefix continuation (``partial.py``);
+  ``decode.py``, ``images.py``, and ``routes.py``, its record of expert routes) and what every
+  backend with its own copy of the weights shares: the policy's weights (``weights.py``), the
+  weight channel (``channel.py``), delta and adapter-only pushes (``delta.py``, ``adapter.py``),
+  the pushes to servers (``pushes.py``) and their split and failover (``servers.py``), an engine's
+  answers (``outputs.py``) and partial rollouts' prefix continuation (``partial.py``);
 - ``vllm/``: what only vLLM needs: the ``vllm`` backend (``colocated.py``, ``engine.py``), the
   ``vllm-server`` backend (``server.py``, ``client.py``), the ``grpo-run serve`` command
   (``serve.py``, ``worker.py``, ``guard.py``) and what both send vLLM (``io.py``);

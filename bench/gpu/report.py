@@ -21,6 +21,8 @@ HEADLINES = [
     "mfu", "peak_allocated_gib", "peak_rss_gib", "step_seconds", "generate_seconds", "train_seconds",
     "load_seconds", "parameters", "trl", "bytes_ratio", "adapter_bytes", "merged_bytes", "elements_sent",
     "delta_bytes", "full_bytes", "bitwise_equal", "weight_bytes_ratio", "peak_ratio", "step_time_ratio",
+    "record_overhead", "replay_overhead_padded", "mismatch_tokens_padded", "logp_diff_live_mean_padded",
+    "logp_diff_replayed_mean_padded",
 ]
 
 

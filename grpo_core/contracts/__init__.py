@@ -13,8 +13,8 @@ One module per part of the flow (:mod:`~grpo_core.contracts.algorithms`,
 :mod:`~grpo_core.contracts.rollout`, :mod:`~grpo_core.contracts.episodes`,
 :mod:`~grpo_core.contracts.drivers`,
 :mod:`~grpo_core.contracts.rewards`, :mod:`~grpo_core.contracts.components`,
-:mod:`~grpo_core.contracts.images`, :mod:`~grpo_core.contracts.launch`); import every name from
-here.
+:mod:`~grpo_core.contracts.images`, :mod:`~grpo_core.contracts.launch`,
+:mod:`~grpo_core.contracts.routes`); import every name from here.
 """
 
 from __future__ import annotations
@@ -61,8 +61,12 @@ from grpo_core.contracts.rollout import (
     special_ids,
     token_staleness,
 )
+from grpo_core.contracts.routes import ExpertRoutes, RouteRecorder, moe_routers
 
 __all__ = [
+    "ExpertRoutes",
+    "RouteRecorder",
+    "moe_routers",
     "PromptImages",
     "image_inputs",
     "repeat_rows",

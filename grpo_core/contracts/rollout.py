@@ -14,6 +14,7 @@ from torch import Tensor
 if TYPE_CHECKING:
     from grpo_core.contracts.episodes import Episodes
     from grpo_core.contracts.images import PromptImages
+    from grpo_core.contracts.routes import ExpertRoutes
 
 
 # --------------------------------------------------------------------------- rollouts
@@ -58,6 +59,9 @@ class RolloutBatch:
             sampled with (0 on padding), set by an interruptible backend under partial
             rollouts (:class:`WeightSwitch`); ``None``: every token was sampled with the
             weights the actor held when the batch began.
+        routes: the experts a mixture-of-experts policy routed each token to where it was
+            sampled (:class:`~grpo_core.contracts.routes.ExpertRoutes`), set by a backend that
+            records them when the run asks (:attr:`RolloutSetup.record_routes`); else ``None``.
     """
 
     prompt_ids: Tensor
@@ -70,6 +74,7 @@ class RolloutBatch:
     episodes: Episodes | None = None
     prompt_images: list[PromptImages | None] | None = None
     token_versions: Tensor | None = None
+    routes: ExpertRoutes | None = None
 
     @property
     def group_size(self) -> int:
@@ -191,12 +196,17 @@ class RolloutCapabilities:
             (``rollout.partial_rollouts``): :attr:`RolloutSetup.switch` is then a
             :class:`WeightSwitch`, which ``generate`` polls while it runs, and it returns
             :attr:`RolloutBatch.token_versions`. False: the option is refused for it.
+        records_routes: True for a backend that records the experts a mixture-of-experts
+            policy routed each token to (:attr:`RolloutBatch.routes`) when
+            :attr:`RolloutSetup.record_routes` asks (``algorithm.routing_replay``). False:
+            routing replay is refused for it.
     """
 
     generates_with_policy: bool = False
     device: Any = None
     accepts_images: bool = False
     interruptible: bool = False
+    records_routes: bool = False
 
 
 @dataclass(frozen=True)
@@ -216,6 +226,8 @@ class RolloutSetup:
             still sample with the oldest.
         switch: with ``rollout.partial_rollouts`` (an ``interruptible`` backend), the
             :class:`WeightSwitch` that ``generate`` polls; else None.
+        record_routes: with ``algorithm.routing_replay`` (a backend whose capabilities say
+            ``records_routes``): return every rollout's :attr:`RolloutBatch.routes`.
     """
 
     model: Any
@@ -223,6 +235,7 @@ class RolloutSetup:
     processor: Any = None
     max_staleness: int = 0
     switch: WeightSwitch | None = None
+    record_routes: bool = False
 
 
 @dataclass(frozen=True)

@@ -206,6 +206,14 @@ class AlgorithmSection(Section):
     dynamic_sampling: DynamicSamplingSection | None = Field(
         None, description="Drop zero-spread groups and sample more prompts (DAPO); unset: off."
     )
+    routing_replay: bool = Field(
+        False, description="Routing replay (R3, arXiv:2510.11370) for a mixture-of-experts policy (transformers' "
+        "Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, gpt-oss): the rollout backend records the experts each token was "
+        "routed to where it was sampled, and every learner forward (old and reference log-probs, the update) "
+        "forces them, the gate weights recomputed from the live router's logits so that the router still learns. "
+        "Logged: routing/replay_mismatch_tokens, the share of tokens whose live routing differs. Needs a backend "
+        "that records routes (hf); refused for a dense model.",
+    )
     rollout_correction: RolloutCorrectionSection = Field(
         default_factory=RolloutCorrectionSection,
         description="Truncated importance sampling against sampler/trainer log-prob mismatch "

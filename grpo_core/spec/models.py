@@ -496,6 +496,22 @@ class Spec(Section):
         return self
 
     @model_validator(mode="after")
+    def _routing_replay_fits(self):
+        if not self.algorithm.routing_replay:
+            return self
+        given = [k for k in ("environment", "agent", "routing") if getattr(self.rollout, k) is not None]
+        if given:
+            raise ValueError(f"algorithm.routing_replay records the routes of single-turn rollouts; rollout.{given[0]} "
+                             "builds episodes from several generations: drop one of the two")
+        if self.model.gradient_checkpointing:
+            raise ValueError("algorithm.routing_replay cannot train with model.gradient_checkpointing (the "
+                             "checkpointed layers recompute their routing in backward, after the replayed forward): "
+                             "drop one of the two")
+        if self.data.image_column is not None:
+            raise ValueError("algorithm.routing_replay does not replay prompts with images (data.image_column) yet")
+        return self
+
+    @model_validator(mode="after")
     def _merge_needs_lora(self):
         if self.export.merged and self.model.lora is None:
             raise ValueError(

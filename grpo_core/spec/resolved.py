@@ -8,6 +8,8 @@ refuse once started is a spec error at validation (``grpo-run validate``, exit 2
 - Partial rollouts (``rollout.partial_rollouts``): the rollout backend must be able to stop
   mid-generation and return each token's own sampler log-prob (what its capabilities say),
   and the run must be one process (:func:`world_problems`, once the process count is known).
+- Routing replay (``algorithm.routing_replay``): the rollout backend must record the experts each
+  token was routed to (what its capabilities say).
 """
 
 from __future__ import annotations
@@ -76,9 +78,18 @@ def partial_rollout_problems(spec: Any) -> list[Problem]:
     return []
 
 
+def routing_replay_problems(spec: Any) -> list[Problem]:
+    """``algorithm.routing_replay`` on a backend that does not record the experts each token was
+    routed to (its capabilities' ``records_routes``)."""
+    if not spec.algorithm.routing_replay or _capabilities(spec).records_routes:
+        return []
+    return [(("algorithm", "routing_replay"), f"rollout backend '{spec.rollout.name}' does not record the experts "
+             "each token was routed to; use rollout.name: hf, or routing_replay: false")]
+
+
 def resolved_problems(spec: Any) -> list[Problem]:
     """Every problem of this module's checks that needs no process count."""
-    return streaming_problems(spec) + partial_rollout_problems(spec)
+    return streaming_problems(spec) + partial_rollout_problems(spec) + routing_replay_problems(spec)
 
 
 def world_problems(spec: Any, world: int) -> list[str]:

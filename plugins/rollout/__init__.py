@@ -1,7 +1,8 @@
 """The rollout family, engine-neutral. The ``hf`` backend (:mod:`~grpo_plugins.rollout.hf`:
 transformers on the training model or a generation copy of it), its lean decode loop and
-generation copy (:mod:`~grpo_plugins.rollout.decode`) and its prompts with images
-(:mod:`~grpo_plugins.rollout.images`); and what every backend with a copy of the weights of its
+generation copy (:mod:`~grpo_plugins.rollout.decode`), its prompts with images
+(:mod:`~grpo_plugins.rollout.images`) and its record of a mixture-of-experts model's routes
+(:mod:`~grpo_plugins.rollout.routes`, routing replay); and what every backend with a copy of the weights of its
 own shares, whatever its engine (:mod:`grpo_plugins.vllm`'s backends use them, and a second
 server backend would too):
 
@@ -19,7 +20,7 @@ server backend would too):
 
 Imports go one way::
 
-    hf -> decode, images    pushes -> channel, delta, adapter, weights    partial -> outputs
+    hf -> decode, images, routes    pushes -> channel, delta, adapter, weights    partial -> outputs
     adapter -> weights    channel -> delta (which imports none)    servers (which imports none)
 
 The plugin is ``hf``.

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -138,6 +139,7 @@ def lean_decode(
     stop_criterion: Any | None = None,
     sampler: str = "inverse-cdf",
     with_logp: bool = False,
+    on_forward: Callable[[Tensor, int], None] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """Decode up to ``sampling.max_new_tokens`` tokens for ``B`` left-padded rows.
 
@@ -156,6 +158,9 @@ def lean_decode(
             (generate's draw and the same tokens); see :func:`_pick`.
         with_logp: also return each drawn token's log-prob under the distribution it was
             drawn from (sampling only).
+        on_forward: called as ``on_forward(alive, t)`` after step ``t``'s forward on the rows
+            ``alive`` (``long (b,)``, indices into ``B``): the ``hf`` backend reads the routers
+            of a mixture-of-experts model there (routing replay, :mod:`grpo_plugins.rollout.routes`).
 
     Returns:
         ``(completions, lengths, logp)``: ``long (B, n)`` tokens (``pad_id`` after a row's
@@ -182,6 +187,8 @@ def lean_decode(
     steps = 0
     for t in range(sampling.max_new_tokens):
         logits = _forward(model, step_ids, attn, step_pos, cache, keep_arg)
+        if on_forward is not None:
+            on_forward(alive, t)
         tokens, picked = _pick(logits, alive, batch, processors, seqs, sampler)
         out[alive, t] = tokens
         if logps is not None:

@@ -16,6 +16,7 @@ import contextlib
 from typing import Any, Literal
 
 import torch
+from grpo_plugins.rollout.routes import PartRoutes, assemble_routes
 from pydantic import Field, model_validator
 from torch import Tensor
 
@@ -25,6 +26,7 @@ from grpo_core.contracts import (
     RolloutBatch,
     RolloutCapabilities,
     RolloutSetup,
+    RouteRecorder,
     SamplingParams,
     check_request,
     cut_after_stop,
@@ -32,6 +34,7 @@ from grpo_core.contracts import (
     policy_copy,
     special_ids,
 )
+from grpo_core.errors import RunError
 from grpo_core.options import Options
 
 __all__ = ["HFRolloutOptions", "HFRollout", "register_rollout_backends"]
@@ -202,6 +205,7 @@ class HFRollout:
         self.tokenizer: Any = None
         self._source: Any = None  # the training model
         self._stop_criteria: dict[tuple[str, ...], Any] = {}
+        self._recorder: RouteRecorder | None = None  # with routing replay: hooks on the generating model's routers
 
     @property
     def capabilities(self) -> RolloutCapabilities:
@@ -209,7 +213,7 @@ class HFRollout:
         around each rollout phase, generation and scoring, and frees the gathered copy
         after); prompts with images (``data.image_column``) are generated with their image
         inputs; ``generate``'s tensors are on the generating model's device (None before setup)."""
-        return RolloutCapabilities(generates_with_policy=True, accepts_images=True,
+        return RolloutCapabilities(generates_with_policy=True, accepts_images=True, records_routes=True,
                                    device=None if self.model is None else self.model.device)
 
     # ----------------------------------------------------------------- contract
@@ -238,6 +242,11 @@ class HFRollout:
             if self.options.keep_copy:
                 self._fill()
         self.eos_ids, self.pad_id = special_ids(model, tokenizer, "hf")
+        if run.record_routes:
+            if self._part_fn() != self._generate_part_lean:
+                raise RunError("hf rollout: routing replay records routes in the lean decode loop; set "
+                               "rollout.decode: lean (and no cache_implementation in the model's generation config)")
+            self._recorder = RouteRecorder(self.model)
 
     def sync_weights(self, model: Any) -> None:
         """Copy the policy's weights into a resident generation copy; a no-op without one
@@ -305,13 +314,16 @@ class HFRollout:
         device = self.model.device
         ids, mask = (t.to(device) for t in left_pad(prompt_ids, self.pad_id))
         step = self.options.prompts_per_generate or len(prompt_ids)
-        pieces = []
-        with self._weights(step * group_size), _eval_mode(self.model), torch.inference_mode():
+        pieces, routed = [], [] if self._recorder is not None else None
+        recording = self._recorder if self._recorder is not None and images is None else contextlib.nullcontext()
+        with self._weights(step * group_size), _eval_mode(self.model), torch.inference_mode(), recording:
             for start in range(0, len(prompt_ids), step):
                 part = slice(start, start + step)
                 seed = None if sampling.seed is None else sampling.seed + start
                 with _seeded(seed, device):
-                    if images is None:
+                    if routed is not None:
+                        pieces.append(self._generate_part_lean(ids[part], mask[part], group_size, sampling, routed))
+                    elif images is None:
                         pieces.append(self._part_fn()(ids[part], mask[part], group_size, sampling))
                     else:
                         pieces.append(self._generate_part_images(ids[part], mask[part], group_size, sampling,
@@ -325,6 +337,8 @@ class HFRollout:
             truncated=truncated,
             completions=self._decode(completion_ids, completion_mask, sampling.stop),
             sampling_logp=logp,
+            routes=None if routed is None else assemble_routes(routed, mask, completion_mask.sum(1).tolist(),
+                                                                completion_ids.shape[1]),
         )
 
     @property
@@ -437,18 +451,26 @@ class HFRollout:
         return self._generate_part
 
     def _generate_part_lean(
-        self, ids: Tensor, mask: Tensor, group_size: int, sampling: SamplingParams
+        self, ids: Tensor, mask: Tensor, group_size: int, sampling: SamplingParams,
+        routed: list[PartRoutes] | None = None,
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         """:meth:`_generate_part` with :func:`~grpo_plugins.rollout.decode.lean_decode`:
         the same prefill (shared by the group when allowed), then the lean loop; with the
-        sampled tokens' log-probs when :attr:`_returns_logp`."""
+        sampled tokens' log-probs when :attr:`_returns_logp`. ``routed``: with routing replay,
+        the list the part's routes are appended to (:class:`~grpo_plugins.rollout.routes.PartRoutes`)."""
         from grpo_plugins.rollout.decode import lean_decode
         from transformers import DynamicCache
 
         first = int(mask.any(0).nonzero()[0])  # drop columns that are padding in every row
         ids, mask = ids[:, first:], mask[:, first:]
+        routes = None
+        if routed is not None:
+            routes = PartRoutes(self._recorder, mask, group_size, sampling.max_new_tokens)
+            routed.append(routes)
         if self._can_share(ids, group_size):
             cache = self._prefill(ids, mask, group_size)
+            if routes is not None:
+                routes.prefilled(ids.shape[1] - 1)
         else:
             config = self.model.config
             if hasattr(config, "get_text_config"):
@@ -458,6 +480,7 @@ class HFRollout:
             self.model, ids.repeat_interleave(group_size, 0), mask.repeat_interleave(group_size, 0),
             cache, sampling, self.eos_ids, self.pad_id, self._stop_criterion(sampling.stop),
             sampler=self.options.sampler, with_logp=self._returns_logp,
+            on_forward=None if routes is None else routes.step,
         )
 
     def _assemble(

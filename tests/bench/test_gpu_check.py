@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu" / "run.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-PARTS = ["correctness", "nccl", "fsdp2", "throughput", "onegpu", "trl"]
+PARTS = ["correctness", "nccl", "fsdp2", "throughput", "onegpu", "routing", "trl"]
 
 
 def _check(args: list, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -50,6 +50,10 @@ def test_the_gpu_check_runs_in_its_cpu_mode(tmp_path):
     assert checks["nccl"]["two_members"]["bit_exact"] and checks["nccl"]["one_member"]["backend"] == "gloo"
     assert checks["fsdp2"]["update_float32"]["rel_error_vs_unsharded"] < 1e-5
     assert checks["fsdp2"]["generate_gathered"]["dtensor_parameters"]
+
+    routing = checks["routing"]  # routing replay: recorded while generating, forced in the learner's forwards
+    assert routing["record"]["same_tokens"] and routing["record"]["routes_bytes"] > 0
+    assert routing["replay"]["status"] == "ok" and routing["replay"]["mismatch_tokens_padded"] < 0.05  # same weights
 
     throughput = result["parts"]["throughput"]
     assert checks["throughput"]["generation"]["tokens_per_s"] > 0

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo_core.contracts import Episodes, RolloutBatch
+from grpo_core.contracts import Episodes, ExpertRoutes, RolloutBatch
+from grpo_core.contracts.routes import NOT_ROUTED
 from grpo_core.train.actor.data import Prompt
 from grpo_core.train.actor.scoring import RewardFn, score
 from grpo_core.train.experience import Scored, Scores
@@ -112,7 +113,7 @@ def _pad_right(t: torch.Tensor, width: int, value) -> torch.Tensor:
 def _pad_left(t: torch.Tensor, width: int, value) -> torch.Tensor:
     if t.shape[1] == width:
         return t
-    pad = torch.full((t.shape[0], width - t.shape[1]), value, dtype=t.dtype, device=t.device)
+    pad = torch.full((t.shape[0], width - t.shape[1], *t.shape[2:]), value, dtype=t.dtype, device=t.device)
     return torch.cat([pad, t], dim=1)
 
 
@@ -127,13 +128,14 @@ def select_rollout(r: RolloutBatch, groups: list[int]) -> RolloutBatch:
         None if r.episodes is None else r.episodes.select(rows),
         None if r.prompt_images is None else [r.prompt_images[i] for i in groups],
         None if r.token_versions is None else r.token_versions[idx],
+        None if r.routes is None else r.routes.select(pidx, idx),
     )
 
 
 def concat_rollouts(rs: list[RolloutBatch]) -> RolloutBatch:
     """Several rollouts of one group size as one: prompts left-padded, completions
-    right-padded (padding outside the masks is 0); sampler log-probs and token versions only
-    if every part has them."""
+    right-padded (padding outside the masks is 0); sampler log-probs, token versions and expert
+    routes only if every part has them."""
     if len(rs) == 1:
         return rs[0]
     width_p, width_c = max(r.prompt_ids.shape[1] for r in rs), max(r.completion_ids.shape[1] for r in rs)
@@ -150,7 +152,17 @@ def concat_rollouts(rs: list[RolloutBatch]) -> RolloutBatch:
         _concat_images(rs),
         torch.cat([_pad_right(r.token_versions, width_c, 0) for r in rs])
         if all(r.token_versions is not None for r in rs) else None,
+        _concat_routes(rs, width_p, width_c),
     )
+
+
+def _concat_routes(rs: list[RolloutBatch], width_p: int, width_c: int) -> ExpertRoutes | None:
+    """The parts' expert routes padded as their prompts and completions are (not routed there),
+    or None unless every part has them."""
+    if any(r.routes is None for r in rs):
+        return None
+    return ExpertRoutes(torch.cat([_pad_left(r.routes.prompt, width_p, NOT_ROUTED) for r in rs]),
+                        torch.cat([_pad_right(r.routes.completion, width_c, NOT_ROUTED) for r in rs]))
 
 
 def _concat_images(rs: list[RolloutBatch]) -> list | None:

@@ -11,6 +11,7 @@ It never imports the actor (:mod:`grpo_core.train.actor`); it reads an
 - ``logprobs``: log-probs of sampled tokens under a causal LM (padded or packed).
 - ``head_logprobs``: the output layer's chosen-token log-probs without full-vocabulary copies.
 - ``packing``: the padding-free forward, a micro-batch's rows packed into one sequence.
+- ``routing``: routing replay, the sampler's expert routes forced on a mixture-of-experts policy.
 - ``kl``: the reference model and the KL penalty, in the loss or in the reward.
 - ``correction``: importance weights for the sampler/trainer mismatch.
 - ``teacher``: the teacher's log-probs for on-policy distillation.

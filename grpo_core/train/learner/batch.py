@@ -19,6 +19,7 @@ from grpo_core.train.learner.samples import SampleRows
 
 if TYPE_CHECKING:
     from grpo_core.train.learner.parallel import Forward
+    from grpo_core.train.learner.routing import Replay
 
 @dataclass
 class TrainBatch:
@@ -30,7 +31,9 @@ class TrainBatch:
     ``temperature`` is the one the rows were sampled at: every log-prob of the batch divides
     the logits by it. ``samples``: when agent episodes were split, where each row comes from
     (:mod:`grpo_core.train.learner.samples`): the rows are then training samples, ``G'`` per
-    prompt; None: row ``i`` is the rollout's row ``i``.
+    prompt; None: row ``i`` is the rollout's row ``i``. ``routes``: with routing replay, the
+    experts the sampler routed every token to, which every forward of the batch forces
+    (:mod:`grpo_core.train.learner.routing`).
     """
 
     prompt_ids: Tensor  # long (P, L)
@@ -44,6 +47,7 @@ class TrainBatch:
     temperature: float = 1.0
     prompt_images: list | None = None  # P PromptImages (or None each) when the prompts have images
     samples: SampleRows | None = None  # the rows' episodes when agent episodes were split
+    routes: Replay | None = None  # the sampler's expert routes, forced in every forward (algorithm.routing_replay)
 
     def per_episode(self, t: Tensor, fill: float | bool | int = 0) -> Tensor:
         """A per-row tensor ``(B', T')`` at its rollout rows' places ``(B, T)`` (itself when no
@@ -77,11 +81,15 @@ def forward_logprobs(
     common = {"with_entropy": with_entropy, "temperature": temperature, "share_prompt": share_prompt}
     if packed:
         prompts, index = torch.unique(prompt_of, return_inverse=True)
+        if batch.routes is not None:  # only then: forwards without routes keep their signature
+            common["routes"] = batch.routes.select(prompts, rows)
         return forward(batch.prompt_ids[prompts], batch.prompt_mask[prompts], batch.completion_ids[rows], mask,
                        packed=True, prompt_index=index, **common)
     prompts = torch.unique_consecutive(prompt_of) if shares_prompts(batch, rows) else prompt_of  # else ragged
     if batch.prompt_images is not None:  # only then: text-only forwards keep their signature
         common["images"] = [batch.prompt_images[int(p)] for p in prompts]
+    if batch.routes is not None:
+        common["routes"] = batch.routes.select(prompts, rows)
     return forward(batch.prompt_ids[prompts], batch.prompt_mask[prompts], batch.completion_ids[rows], mask, **common)
 
 

@@ -27,6 +27,7 @@ from grpo_core.train.learner.kl import KLTerm
 from grpo_core.train.learner.optim import Optimization
 from grpo_core.train.learner.packing import resolve_packing
 from grpo_core.train.learner.parallel import OneProcess, Strategy, forward_of
+from grpo_core.train.learner.routing import Replay
 from grpo_core.train.learner.samples import sample_rows
 from grpo_core.train.learner.teacher import check_vocabulary, teacher_logprobs
 from grpo_core.train.learner.update import Objective, update
@@ -47,13 +48,15 @@ class UpdateSettings:
     max_grad_norm: float | None = None
     mask_truncated: bool = False
     packing: bool | str = "auto"  # train.packing: True, False or "auto"
+    routing_replay: bool = False  # algorithm.routing_replay: force the sampler's expert routes in every forward
 
     @classmethod
     def from_spec(cls, spec) -> UpdateSettings:
         t = spec.train
         return cls(mu=spec.algorithm.mu, mini_batches=t.mini_batches, micro_batch_size=t.micro_batch_size,
                    micro_batch_tokens=t.micro_batch_tokens, max_grad_norm=t.max_grad_norm,
-                   mask_truncated=spec.rollout.mask_truncated_completions, packing=t.packing)
+                   mask_truncated=spec.rollout.mask_truncated_completions, packing=t.packing,
+                   routing_replay=spec.algorithm.routing_replay)
 
 
 @dataclass
@@ -111,6 +114,8 @@ class Learner:
         timer = Timer()
         batch, metrics = self.prepare(experience, timer)
         metrics.update(update(self, batch))
+        if batch.routes is not None:
+            metrics.update(batch.routes.tally.metrics(self.strategy.total))
         self.version += 1
         return batch, metrics, timer.phases
 
@@ -121,6 +126,7 @@ class Learner:
         s, kl, scored, teacher = self.settings, self.kl, experience.scored, self.estimator.teacher
         batch = train_batch(scored.rollout, s.mask_truncated, experience.temperature,
                             getattr(getattr(self.model, "module", self.model), "config", None))
+        batch.routes = replay_of(scored.rollout, s.routing_replay)
         micro = self.micro_batches(batch)
         temperature = batch.temperature
         rewards, penalty, metrics = scored.scores.total.to(batch.mask.device), None, {}
@@ -189,9 +195,21 @@ class Learner:
         as the learner computes its own (micro-batches, temperature, mixed precision), zero
         outside the completion masks: the behaviour policy of the rollout correction."""
         batch = train_batch(experience.scored.rollout, False, experience.temperature, getattr(sampler, "config", None))
+        batch.routes = replay_of(experience.scored.rollout, self.settings.routing_replay)
         logp = batch_logprobs(forward_of(sampler), batch, self.micro_batches(batch), batch.temperature, self.autocast,
                               packed=self.packs)
         return batch.per_episode(logp.masked_fill(~batch.mask, 0.0))
+
+
+def replay_of(rollout: RolloutBatch, routing_replay: bool) -> Replay | None:
+    """The rollout's expert routes to force in the batch's forwards when ``routing_replay``
+    (``algorithm.routing_replay``); a RunError when the rollout came without them."""
+    if not routing_replay:
+        return None
+    if rollout.routes is None:
+        raise RunError("algorithm.routing_replay: the rollout came without the experts each token was routed to "
+                       "(RolloutBatch.routes); its backend must record them (RolloutCapabilities.records_routes)")
+    return Replay(rollout.routes)
 
 
 def train_batch(rollout: RolloutBatch, mask_truncated: bool, temperature: float = 1.0, config: Any = None

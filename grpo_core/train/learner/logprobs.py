@@ -20,8 +20,10 @@ import torch
 from torch import Tensor, nn
 
 from grpo_core.contracts.images import generation_positions, image_inputs, repeat_position_state, repeat_rows
+from grpo_core.errors import RunError
 from grpo_core.train.learner.head_logprobs import DEFAULT_CHUNK_SIZE, logit_transform, token_logprobs
 from grpo_core.train.learner.packing import pack_rows, packed_decoder_call, packing_unsupported
+from grpo_core.train.learner.routing import Replay, replayed, route_keys
 
 __all__ = ["token_logprobs", "completion_logprobs", "logit_transform", "DEFAULT_CHUNK_SIZE"]
 
@@ -307,6 +309,26 @@ def _hidden_padded(model, decoder, p_ids, p_mask, c_ids, c_mask, group_size, sha
     return hidden
 
 
+def _hidden_replayed(model, decoder, p_ids, p_mask, c_ids, c_mask, group_size, prompt_index, packed, routes, keys
+                     ) -> Tensor:
+    """The hidden states ``(n, H)`` that predict the masked completion tokens, with the recorded
+    routes forced (:func:`~grpo_core.train.learner.routing.replayed`) in one decoder call: the
+    packed sequence, or the padded block with each row's prompt before it (:func:`_hidden_plain`).
+    ``keys``: the numbers of the (trimmed) prompt and completion tokens
+    (:func:`~grpo_core.train.learner.routing.route_keys`), laid out as the ids are."""
+    p_keys, c_keys = keys
+    if packed and packing_unsupported(model, decoder) is None:
+        layout = pack_rows(p_ids, p_mask, c_ids, c_mask, prompt_index)
+        numbers = pack_rows(p_keys, p_mask, c_keys, c_mask, prompt_index).input_ids
+        with replayed(model, routes.at(numbers), routes.tally):
+            return packed_decoder_call(decoder, layout)[layout.hidden_index[c_mask]]
+    if group_size is None:  # rows that are not whole groups: one prompt row per completion
+        p_ids, p_mask, p_keys, group_size = p_ids[prompt_index], p_mask[prompt_index], p_keys[prompt_index], 1
+    numbers = torch.cat([p_keys.repeat_interleave(group_size, 0), c_keys], dim=1)
+    with replayed(model, routes.at(numbers), routes.tally):
+        return _hidden_plain(decoder, p_ids, p_mask, c_ids, group_size)[c_mask]
+
+
 def completion_logprobs(
     model: Any,
     prompt_ids: Tensor,
@@ -322,6 +344,7 @@ def completion_logprobs(
     packed: bool = False,
     prompt_index: Tensor | None = None,
     images: list | None = None,
+    routes: Replay | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs (and entropies) of completion tokens under a causal LM, ``(B, T)`` each.
 
@@ -369,6 +392,10 @@ def completion_logprobs(
             images: the rows then run through the image-text-to-text model's own body with
             their prompt's image inputs, each prompt encoded once where ``share_prompt`` allows
             (:func:`_hidden_images_shared`, else :func:`_hidden_images`); never packed.
+        routes: for a mixture-of-experts policy, the experts the sampler routed the ``P``
+            prompts' and ``B`` rows' tokens to (routing replay, :mod:`grpo_core.train.learner.routing`),
+            forced in one decoder call (:func:`_hidden_replayed`): the padded path then encodes
+            each row's prompt with it, the packed one each prompt once as ever.
 
     Returns:
         ``(logp, entropy)``: ``float32 (B, T)`` (float64 for a float64 model), exactly 0
@@ -386,7 +413,14 @@ def completion_logprobs(
     if steps == 0:
         return logp, entropy
     decoder = model.get_decoder()
-    if images is not None:
+    if routes is not None:
+        if images is not None:
+            raise RunError("algorithm.routing_replay: prompts with images are not replayed yet")
+        p_keys, c_keys = route_keys(prompt_ids, completion_ids)
+        p_keys, _, c_keys, _, _ = _trim(p_keys, prompt_mask, c_keys, completion_mask)
+        hidden = _hidden_replayed(model, decoder, p_ids, p_mask, c_ids, c_mask, group_size, prompt_index, packed,
+                                  routes, (p_keys, c_keys))
+    elif images is not None:
         hidden = _hidden_with_images(model, decoder, p_ids, p_mask, c_ids, group_size, images, share_prompt,
                                      prompt_index)[c_mask]
     elif packed and packing_unsupported(model, decoder) is None:

@@ -49,7 +49,7 @@ class LogprobModel(nn.Module):
     def forward(
         self, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor,
         with_entropy: bool = False, temperature: float = 1.0, share_prompt: bool = True,
-        packed: bool = False, prompt_index: Tensor | None = None, images: list | None = None,
+        packed: bool = False, prompt_index: Tensor | None = None, images: list | None = None, routes: Any = None,
     ) -> tuple[Tensor, Tensor | None]:
         """:func:`completion_logprobs` of the wrapped model, ``(B, T)`` each. ``share_prompt``:
         encode each prompt once for its completions (two decoder calls) where the rows allow
@@ -58,7 +58,8 @@ class LogprobModel(nn.Module):
         ``packed``: the rows as one padding-free sequence (one decoder call whatever the rows,
         so a process may pack rows of any lengths while another packs others;
         ``train.packing`` is resolved alike on every process), ``prompt_index`` the prompt of
-        each row (:mod:`grpo_core.train.learner.packing`).
+        each row (:mod:`grpo_core.train.learner.packing`); ``routes`` the recorded expert routes
+        to force (:mod:`grpo_core.train.learner.routing`).
 
         A batch with no completion token still runs the model (on its first column, result
         times 0) so that every process joins the same all-gathers and reduce-scatters."""
@@ -72,6 +73,7 @@ class LogprobModel(nn.Module):
             self.model, prompt_ids, prompt_mask, completion_ids, completion_mask,
             with_entropy=with_entropy, temperature=temperature, share_prompt=share_prompt,
             length_buckets=self.length_buckets, packed=packed, prompt_index=prompt_index, images=images,
+            routes=routes,
         )
         if empty:
             logp = logp * 0.0

@@ -45,6 +45,7 @@ from grpo_core.train.learner.learner import Learner, UpdateSettings
 from grpo_core.train.learner.optim import make_optimizer
 from grpo_core.train.learner.packing import resolve_packing
 from grpo_core.train.learner.parallel import Strategy, strategy_for
+from grpo_core.train.learner.routing import check_replayable
 from grpo_core.train.learner.update import Objective
 from grpo_core.train.loop.evaluate import load_eval_sets
 from grpo_core.train.loop.grpo import GrpoStage
@@ -273,7 +274,8 @@ def _actor_and_feed(spec: Spec, model, tokenizer, processor, backend, learner: L
         actor, k, snapshot, sampler=sampler, behaviour=learner.sampler_logprobs if sampler is not None else None,
         interruptible=interruptible_backend(spec, backend, strategy.dist.world))
     actor.pushed = backend.setup(RolloutSetup(model if sampler is None else sampler, tokenizer, processor=processor,
-                                              max_staleness=k, switch=feed.switch if k else None))
+                                              max_staleness=k, switch=feed.switch if k else None,
+                                              record_routes=spec.algorithm.routing_replay))
     return actor, feed
 
 
@@ -431,6 +433,8 @@ def build_run(loaded: LoadedSpec, dist: Dist | None = None, *, model=None, token
     model, processor, tokenizer = _load_policy(loaded, model, tokenizer, dist)
     if processor is not None:
         check_image_run(spec, backend, model)
+    if spec.algorithm.routing_replay:
+        check_replayable(model)
     # Asynchronous rollouts: whole copies of the policy, made before the strategy shards it: the
     # snapshot the learner's weights cross in, and for a backend that generates with the policy
     # module, the weights the actor samples from while the learner's move.
