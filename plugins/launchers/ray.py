@@ -24,6 +24,7 @@ ray --nproc N``; Ray from the ``ray`` extra).
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
 import secrets
@@ -47,7 +48,7 @@ from .placement import Node, Plan, plan
 #: Variables of the driver's environment the processes it starts get on every node (those of
 #: the node's Ray worker otherwise): the run's own, the Hub's, torch's, and the Python path.
 FORWARDED = ("GRPO_", "HF_", "TORCH", "NCCL_", "GLOO_", "PYTHONPATH", "PYTHONUNBUFFERED", "OMP_", "MKL_",
-             "TOKENIZERS_", "WANDB_", "MLFLOW_")
+             "TOKENIZERS_", "WANDB_", "MLFLOW_", "VLLM_")
 
 
 class RayOptions(BaseModel):
@@ -111,10 +112,11 @@ class _Process:
         import subprocess
 
         env = {**os.environ, **env, PARENT_ENV: str(os.getpid())}
-        # Own session: only this actor signals it; it dies with the actor (die_with_launcher).
+        # Own session: only this actor signals it; it gets SIGTERM when the actor dies (a rank
+        # asks again itself, die_with_launcher; a rollout server does not).
         # SIGINT and SIGTERM unblocked and at their defaults: Ray's worker threads block SIGINT,
         # and a blocked or ignored signal stays so across exec (the trainer would never see it).
-        self.proc = subprocess.Popen(argv, env=env, cwd=cwd, start_new_session=True, preexec_fn=_default_signals)
+        self.proc = subprocess.Popen(argv, env=env, cwd=cwd, start_new_session=True, preexec_fn=_child_setup)
         return self.proc.pid
 
     def wait(self) -> int:
@@ -125,10 +127,11 @@ class _Process:
             self.proc.send_signal(signum)
 
 
-def _default_signals() -> None:
+def _child_setup() -> None:  # in the child, before exec
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_DFL)
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG: dies with the actor
 
 
 def _free_port() -> int:
@@ -146,6 +149,8 @@ class Ray:
 
     def __init__(self, options: RayOptions):
         self.options = options
+        #: The servers it places (the Launcher contract's flag): the spec names none of its own.
+        self.rollout_servers = options.servers
 
     def launch(self, run: RunArguments, spec) -> int:
         os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # every rank's lines, not one of each (read at import)
@@ -179,6 +184,7 @@ class Ray:
                       server_cpus=o.server_cpus, server_gpus=o.server_gpus, strategy=o.strategy,
                       port_on=lambda address: ray.get(on(address, _free_port).remote()), secret=secret)
         _check_visible(ray, on, placed, run.run_folder)
+        _check_rank_spec(run, placed)
         actor = ray.remote(_Process)
         servers = self._place(ray, actor, placed.servers, groups, actors, "rollout server")
         learners = self._place(ray, actor, placed.learners, groups, actors, "learner")
@@ -248,6 +254,23 @@ def _check_visible(ray, on, placed: Plan, folder: str) -> None:
     if blind:
         raise RunError(f"the run folder {Path(folder).resolve()} is not visible from node(s) {', '.join(blind)}: "
                        "every node must see it (a shared file system), or the ranks could not write nor resume it")
+
+
+def _check_rank_spec(run: RunArguments, placed: Plan) -> None:
+    """Refuse the run before any process starts when the spec the ranks will validate (with the
+    servers' URLs, secret variable and weight host handed to it) is refused: a rollout backend
+    that takes no server URLs, say."""
+    from grpo_core.errors import SpecError
+    from grpo_core.spec import load_spec
+
+    if not placed.servers:
+        return
+    try:
+        load_spec(run.spec, (*run.overrides, *placed.overrides()))
+    except SpecError as exc:
+        raise RunError(f"--launcher-option servers={len(placed.servers)}: the ranks' spec, with the servers "
+                       f"handed to its rollout backend, is refused (rollout.name: vllm-server takes them):\n{exc}"
+                       ) from None
 
 
 def _wait_healthy(placed: Plan, procs: list[RankProcess], wait_s: float) -> None:
