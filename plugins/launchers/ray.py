@@ -13,7 +13,10 @@ ray --nproc N``; Ray from the ``ray`` extra).
 - Rollout servers (``servers: K``) run ``grpo-run serve`` in their bundles (in ``server_python``,
   e.g. the vLLM environment), bound beyond loopback with a shared secret made for the run; the
   launcher waits for each one's ``/health`` and hands the trainer ranks their URLs, the secret
-  and the weight channel's host as ``--set`` overrides: the user writes no URL.
+  and the weight channel's host as ``--set`` overrides: the user writes no URL (the launcher's
+  ``rollout_servers`` tells the spec's validation so; the ranks' spec, with the overrides, is
+  checked before anything is placed). Once the ranks are done the servers get SIGTERM and up to
+  :data:`~grpo_core.launching.KILL_AFTER_S` to stop; a server dies with its actor in any case.
 - Each process runs in an actor of its bundle that starts the command in a session of its
   own (its output goes to the driver through Ray's log forwarding) and dies with the actor
   (``die_with_launcher``). The supervision is :func:`grpo_core.launching.supervise`'s, across
@@ -41,7 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from grpo_core import hookimpl
 from grpo_core.contracts import RunArguments
 from grpo_core.errors import RunError, UsageError
-from grpo_core.launching import PARENT_ENV, forwarding_signals, supervise
+from grpo_core.launching import KILL_AFTER_S, PARENT_ENV, forwarding_signals, supervise
 
 from .placement import Node, Plan, plan
 
@@ -308,6 +311,9 @@ def _with_servers(procs: list[RankProcess], servers: int) -> int:
     code = supervise(learners)
     for p in procs[:servers]:
         p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + KILL_AFTER_S  # a server's engine stops with it; then its actor goes
+    while any(p.poll() is None for p in procs[:servers]) and time.monotonic() < deadline:
+        time.sleep(0.2)
     return code
 
 
