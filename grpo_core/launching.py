@@ -39,7 +39,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from grpo_core.contracts import RunArguments
+    from grpo_core.contracts import Launcher, RunArguments
     from grpo_core.registry import Registry
     from grpo_core.spec.models import Spec
 
@@ -147,27 +147,36 @@ def forwarding_signals(procs: list[subprocess.Popen]):
             signal.signal(sig, handler)
 
 
-def launch(run: RunArguments, spec: Spec, registry: Registry, name: str, options: dict[str, Any]) -> int:
-    """Start and supervise the processes of ``run`` with the launcher registered as ``name``,
-    its options validated by its own model; returns the run's exit code. A launcher unknown,
-    or options it does not take, is a usage error naming what is valid."""
+def build_launcher(registry: Registry, name: str, options: dict[str, Any]) -> Launcher:
+    """The launcher registered as ``name``, built with ``options`` validated by its own model
+    (before the spec is: a launcher that places rollout servers changes what the spec must
+    name). A launcher unknown, or options it does not take, is a usage error naming what is
+    valid."""
     from pydantic import ValidationError
 
     from grpo_core.errors import UsageError
-    from grpo_core.train.distributed import check_layout
 
-    check_layout(spec, run.nproc)
     if name not in registry.names("launcher"):
         raise UsageError(f"--launcher: unknown launcher {name!r}; available: {', '.join(registry.names('launcher'))}")
     component = registry.get("launcher", name)
     if component.options is None:
         if options:
             raise UsageError(f"--launcher-option: launcher {name!r} takes no options, got {', '.join(options)}")
-        return component.build().launch(run, spec)
+        return component.build()
     try:
         validated = component.options(**options)
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         valid = ", ".join(component.options.model_fields)
         raise UsageError(f"--launcher-option for launcher {name!r}: {problems} (its options: {valid})") from None
-    return component.build(validated).launch(run, spec)
+    return component.build(validated)
+
+
+def launch(run: RunArguments, spec: Spec, launcher: Launcher) -> int:
+    """Start and supervise the processes of ``run`` with ``launcher`` (from
+    :func:`build_launcher`), once the spec is checked to split over ``run.nproc`` processes;
+    returns the run's exit code."""
+    from grpo_core.train.distributed import check_layout
+
+    check_layout(spec, run.nproc)
+    return launcher.launch(run, spec)

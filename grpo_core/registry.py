@@ -64,6 +64,8 @@ def _check_flag(where: str, flag: str, value: Any, default: Any) -> None:
         raise PluginError(f"{where}: {flag} must be a {type(default).__name__} (grpo_core.contracts), got {value!r}")
     if isinstance(default, bool) and not isinstance(value, bool):
         raise PluginError(f"{where}: {flag} must be True or False, got {value!r}")
+    if type(default) is int and (type(value) is not int or value < 0):
+        raise PluginError(f"{where}: {flag} must be a whole number, 0 or more, got {value!r}")
     if isinstance(default, tuple) and (
         isinstance(value, str) or not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value)
     ):

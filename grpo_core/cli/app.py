@@ -231,22 +231,27 @@ def _launcher_options(assignments: list[str]) -> dict:
 def _cmd_run(args) -> int:
     from grpo_core.checkpoint import claim_run_folder, run_folder
     from grpo_core.contracts import RunArguments
-    from grpo_core.launching import PARENT_ENV, die_with_launcher, launch
+    from grpo_core.launching import PARENT_ENV, build_launcher, die_with_launcher, launch
     from grpo_core.runlock import hold_run_folder
     from grpo_core.spec import load_spec
     from grpo_core.train.distributed import world_size_from_env
     from grpo_core.train.loop.run import train
 
     die_with_launcher()
-    loaded = load_spec(args.spec, args.overrides)
     if args.nproc < 1:
         raise UsageError(f"--nproc must be at least 1, got {args.nproc}")
     options = _launcher_options(args.launcher_options)
     if options and args.launcher is None and args.nproc == 1:
         raise UsageError("--launcher-option needs --launcher NAME (or --nproc above 1, for the local launcher)")
+    if args.dry_run and (args.nproc > 1 or args.resume is not None or args.launcher is not None):
+        raise UsageError("--dry-run runs one process from scratch: drop --nproc, --launcher and --resume")
+    # This process launches the run (not a process a launcher started): its launcher is built
+    # before the spec is validated, since the rollout servers it places change what the spec names.
+    launching = (args.launcher is not None or args.nproc > 1) and world_size_from_env() == 1
+    name = args.launcher or "local"
+    loaded = load_spec(args.spec, args.overrides,
+                       launcher=(lambda registry: build_launcher(registry, name, options)) if launching else None)
     if args.dry_run:
-        if args.nproc > 1 or args.resume is not None or args.launcher is not None:
-            raise UsageError("--dry-run runs one process from scratch: drop --nproc, --launcher and --resume")
         from grpo_core.cli.dryrun import dry_run
 
         return dry_run(loaded)
@@ -257,10 +262,10 @@ def _cmd_run(args) -> int:
     with hold_run_folder(folder) if locking else contextlib.nullcontext():
         if args.resume is None:  # every process checks; only the main one moves files aside
             claim_run_folder(folder, args.overwrite, move=main_process)
-        if (args.launcher is not None or args.nproc > 1) and world_size_from_env() == 1:
+        if launching:
             run = RunArguments(spec=args.spec, overrides=tuple(args.overrides), resume=args.resume,
                                nproc=args.nproc, run_folder=str(folder))
-            return launch(run, loaded.spec, loaded.plugins.registry, args.launcher or "local", options)
+            return launch(run, loaded.spec, loaded.launcher)
         return train(loaded, resume=args.resume)
 
 

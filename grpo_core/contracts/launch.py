@@ -61,6 +61,17 @@ class Launcher(Protocol):
     environment, and returns the run's exit code: 0 when every process ended with 0, else the
     code of the first that failed. :mod:`grpo_core.launching` has the supervision the
     built-in ``local`` launcher uses (stop the others when one fails, signals passed on once).
+
+    Optional flag:
+        rollout_servers: how many rollout servers this launcher starts and wires into the run
+            (``ray``'s ``servers``): it hands every rank their URLs, the shared secret's
+            variable and the weight channel's host as the rollout backend's ``urls``,
+            ``secret_env`` and ``weight_host`` (``--set`` overrides of ``run.command()``). The
+            spec is validated knowing it (the validation context's ``rollout_servers``), so a
+            backend of servers addressed by URL takes no ``rollout.urls`` of its own then.
+            0 (the default): the spec names its servers, if any.
     """
+
+    rollout_servers: int = 0
 
     def launch(self, run: RunArguments, spec: Any) -> int: ...

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 import shlex
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,8 @@ class LoadedSpec:
     path: Path | None
     base_dir: Path
     overrides: tuple[str, ...] = ()
+    #: The run's launcher when ``load_spec`` was given one (``grpo-run run --launcher``).
+    launcher: Any = None
 
     @property
     def name(self) -> str:
@@ -351,10 +353,14 @@ def load_spec(
     plugins: Plugins | None = None,
     external_plugins: bool = True,
     base_dir: Path | None = None,
+    launcher: Callable[[Any], Any] | None = None,
 ) -> LoadedSpec:
     """Read, override, resolve and validate a spec; raise :class:`SpecError` listing every
     problem. ``source`` is a path to a YAML file or an already-parsed mapping, whose relative
-    paths resolve from ``base_dir`` (default: the current folder)."""
+    paths resolve from ``base_dir`` (default: the current folder). ``launcher(registry)``,
+    when given, builds the run's launcher once the plugins are loaded, before validation:
+    the rollout servers it places (its ``rollout_servers``) are in the validation context
+    (``rollout_servers``), and it is returned as :attr:`LoadedSpec.launcher`."""
     overrides = tuple(overrides)
     lines: dict[tuple, int] = {}
     if isinstance(source, dict):
@@ -395,6 +401,8 @@ def load_spec(
             plugins = load_plugins([base_dir / f for f in files], external=external_plugins)
         except GrpoError as exc:
             raise SpecError(_format([(("plugins",), str(exc))], lines, overridden), label) from None
+    built = launcher(plugins.registry) if launcher is not None else None
+    context["rollout_servers"] = built.rollout_servers if built is not None else 0
 
     try:
         spec = Spec.model_validate(data, context=context)
@@ -407,7 +415,7 @@ def load_spec(
     problems += best_metric_problems(spec)
     if problems:
         raise SpecError(_format(problems, lines, overridden) + _python_objects_hint(base_dir, problems), label)
-    return LoadedSpec(spec, plugins, path, base_dir, tuple(overrides))
+    return LoadedSpec(spec, plugins, path, base_dir, tuple(overrides), built)
 
 
 #: What a run started from Python records of its in-memory components, beside its resolved spec.

@@ -76,12 +76,14 @@ class Plan:
         return list(dict.fromkeys(b.node for b in (*self.learners, *self.servers)))
 
     def overrides(self) -> tuple[str, ...]:
-        """The ``--set`` assignments that hand the servers to the trainer: their URLs, and the
-        weight channel's host (rank 0's node; its ports chosen free there by the learner)."""
+        """The ``--set`` assignments that hand the servers to the trainer: their URLs, the
+        variable that holds their shared secret (:data:`SECRET_ENV`, set in every process), and
+        the weight channel's host (rank 0's node; its ports chosen free there by the learner,
+        ``weight_port: 0``, as they are known to be free only on that node when it binds them)."""
         if not self.servers:
             return ()
         return (f"rollout.urls={json.dumps([s.url for s in self.servers])}",
-                f"rollout.weight_host={self.master_addr}")
+                f"rollout.secret_env={SECRET_ENV}", f"rollout.weight_host={self.master_addr}")
 
 
 def _describe(cpus: float, gpus: float) -> str:

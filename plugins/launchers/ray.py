@@ -13,7 +13,10 @@ ray --nproc N``; Ray from the ``ray`` extra).
 - Rollout servers (``servers: K``) run ``grpo-run serve`` in their bundles (in ``server_python``,
   e.g. the vLLM environment), bound beyond loopback with a shared secret made for the run; the
   launcher waits for each one's ``/health`` and hands the trainer ranks their URLs, the secret
-  and the weight channel's host as ``--set`` overrides: the user writes no URL.
+  and the weight channel's host as ``--set`` overrides: the user writes no URL (the launcher's
+  ``rollout_servers`` tells the spec's validation so; the ranks' spec, with the overrides, is
+  checked before anything is placed). Once the ranks are done the servers get SIGTERM and up to
+  :data:`~grpo_core.launching.KILL_AFTER_S` to stop; a server dies with its actor in any case.
 - Each process runs in an actor of its bundle that starts the command in a session of its
   own (its output goes to the driver through Ray's log forwarding) and dies with the actor
   (``die_with_launcher``). The supervision is :func:`grpo_core.launching.supervise`'s, across
@@ -24,6 +27,7 @@ ray --nproc N``; Ray from the ``ray`` extra).
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
 import secrets
@@ -40,14 +44,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from grpo_core import hookimpl
 from grpo_core.contracts import RunArguments
 from grpo_core.errors import RunError, UsageError
-from grpo_core.launching import PARENT_ENV, forwarding_signals, supervise
+from grpo_core.launching import KILL_AFTER_S, PARENT_ENV, forwarding_signals, supervise
 
 from .placement import Node, Plan, plan
 
 #: Variables of the driver's environment the processes it starts get on every node (those of
 #: the node's Ray worker otherwise): the run's own, the Hub's, torch's, and the Python path.
 FORWARDED = ("GRPO_", "HF_", "TORCH", "NCCL_", "GLOO_", "PYTHONPATH", "PYTHONUNBUFFERED", "OMP_", "MKL_",
-             "TOKENIZERS_", "WANDB_", "MLFLOW_")
+             "TOKENIZERS_", "WANDB_", "MLFLOW_", "VLLM_")
 
 
 class RayOptions(BaseModel):
@@ -111,10 +115,11 @@ class _Process:
         import subprocess
 
         env = {**os.environ, **env, PARENT_ENV: str(os.getpid())}
-        # Own session: only this actor signals it; it dies with the actor (die_with_launcher).
+        # Own session: only this actor signals it; it gets SIGTERM when the actor dies (a rank
+        # asks again itself, die_with_launcher; a rollout server does not).
         # SIGINT and SIGTERM unblocked and at their defaults: Ray's worker threads block SIGINT,
         # and a blocked or ignored signal stays so across exec (the trainer would never see it).
-        self.proc = subprocess.Popen(argv, env=env, cwd=cwd, start_new_session=True, preexec_fn=_default_signals)
+        self.proc = subprocess.Popen(argv, env=env, cwd=cwd, start_new_session=True, preexec_fn=_child_setup)
         return self.proc.pid
 
     def wait(self) -> int:
@@ -125,10 +130,11 @@ class _Process:
             self.proc.send_signal(signum)
 
 
-def _default_signals() -> None:
+def _child_setup() -> None:  # in the child, before exec
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_DFL)
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG: dies with the actor
 
 
 def _free_port() -> int:
@@ -146,6 +152,8 @@ class Ray:
 
     def __init__(self, options: RayOptions):
         self.options = options
+        #: The servers it places (the Launcher contract's flag): the spec names none of its own.
+        self.rollout_servers = options.servers
 
     def launch(self, run: RunArguments, spec) -> int:
         os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # every rank's lines, not one of each (read at import)
@@ -179,6 +187,7 @@ class Ray:
                       server_cpus=o.server_cpus, server_gpus=o.server_gpus, strategy=o.strategy,
                       port_on=lambda address: ray.get(on(address, _free_port).remote()), secret=secret)
         _check_visible(ray, on, placed, run.run_folder)
+        _check_rank_spec(run, placed)
         actor = ray.remote(_Process)
         servers = self._place(ray, actor, placed.servers, groups, actors, "rollout server")
         learners = self._place(ray, actor, placed.learners, groups, actors, "learner")
@@ -250,6 +259,23 @@ def _check_visible(ray, on, placed: Plan, folder: str) -> None:
                        "every node must see it (a shared file system), or the ranks could not write nor resume it")
 
 
+def _check_rank_spec(run: RunArguments, placed: Plan) -> None:
+    """Refuse the run before any process starts when the spec the ranks will validate (with the
+    servers' URLs, secret variable and weight host handed to it) is refused: a rollout backend
+    that takes no server URLs, say."""
+    from grpo_core.errors import SpecError
+    from grpo_core.spec import load_spec
+
+    if not placed.servers:
+        return
+    try:
+        load_spec(run.spec, (*run.overrides, *placed.overrides()))
+    except SpecError as exc:
+        raise RunError(f"--launcher-option servers={len(placed.servers)}: the ranks' spec, with the servers "
+                       f"handed to its rollout backend, is refused (rollout.name: vllm-server takes them):\n{exc}"
+                       ) from None
+
+
 def _wait_healthy(placed: Plan, procs: list[RankProcess], wait_s: float) -> None:
     deadline = time.monotonic() + wait_s
     for bundle, proc in zip(placed.servers, procs):
@@ -285,6 +311,9 @@ def _with_servers(procs: list[RankProcess], servers: int) -> int:
     code = supervise(learners)
     for p in procs[:servers]:
         p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + KILL_AFTER_S  # a server's engine stops with it; then its actor goes
+    while any(p.poll() is None for p in procs[:servers]) and time.monotonic() < deadline:
+        time.sleep(0.2)
     return code
 
 

@@ -21,7 +21,17 @@ Supervision: SIGINT and SIGTERM are passed on once to the ranks (``scancel --sig
 signals the job's steps); a rank that fails makes ``srun`` end the step
 (``--kill-on-bad-exit``: the others get SIGTERM, SIGKILL after the cluster's ``KillWait``),
 and the exit code is ``srun``'s, the failed task's. ``srun`` dies with the launcher
-(``PR_SET_PDEATHSIG``), and each rank with its ``slurmstepd``.
+(``PR_SET_PDEATHSIG``), and each rank with its ``slurmstepd``; a submitted job is cancelled
+when the launcher is gone, however it ended (SIGKILL included: a watcher process scancels the
+job when the launcher's end of its pipe closes).
+
+The grace period is SLURM's, not ``local``'s 5 s then SIGTERM then 30 s: the others get SIGTERM at
+once, SIGKILL after ``KillWait``. Only ``srun`` sees each task end (the launcher sees the step), and
+srun's own delay (``--wait``) also counts a task that ended well, so it would kill rank 0 while it
+writes the final model after the others are done. SIGTERM at once loses nothing here: a rank's first
+SIGTERM only asks it to stop at the step's end, and one waiting on the failed rank fails on the
+broken connection as under ``local`` (ddp's rank 0 still writes the checkpoint of the last
+completed step); SIGKILL after ``KillWait`` is what ``slurmstepd`` enforces on every step end.
 """
 
 from __future__ import annotations
@@ -48,6 +58,7 @@ from grpo_core.launching import PARENT_ENV, forwarding_signals, free_port, super
 
 from .placement import Node, plan
 
+CANCEL_FLAG = "--cancel-when-gone"
 #: Pending reasons that never pass by waiting: the job is cancelled and the run fails with it.
 HOPELESS = ("PartitionNodeLimit", "PartitionConfig", "PartitionTimeLimit", "BadConstraints", "InvalidAccount",
             "InvalidQOS", "QOSMaxCpuPerJobLimit", "QOSMaxGRESPerJob", "QOSMaxNodePerJobLimit", "AssocMaxJobsLimit",
@@ -204,6 +215,7 @@ class Slurm:
             procs.append(proc)
             proc.job_id = proc.stdout.readline().strip().split(";")[0] or None
             print(f"grpo-run: submitted SLURM job {proc.job_id} ({path})", file=sys.stderr)
+            watcher = _cancel_when_gone(proc.job_id) if proc.job_id else None
             stop = threading.Event()
             copier = threading.Thread(target=_stream, args=(folder / f"job-{proc.job_id}.out", stop), daemon=True)
             copier.start()
@@ -212,6 +224,9 @@ class Slurm:
             finally:
                 stop.set()
                 copier.join(10)
+                if watcher is not None:  # the job has ended, or this launcher gives up on it: cancelled
+                    watcher.stdin.close()
+                    watcher.wait(60)
 
     def _wait(self, proc: _Job, procs: list[_Job]) -> int:
         while proc.poll() is None:
@@ -226,6 +241,14 @@ class Slurm:
             except subprocess.TimeoutExpired:
                 pass
         return supervise(procs)
+
+
+def _cancel_when_gone(job: str) -> subprocess.Popen:
+    """A watcher that cancels ``job`` once this process is gone, however it ends (SIGKILL
+    included): its stdin is a pipe only this process holds, which the kernel closes then. After
+    a job that ended, the ``scancel`` does nothing."""
+    return subprocess.Popen([sys.executable, "-m", __name__, CANCEL_FLAG, job], stdin=subprocess.PIPE,
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def _stream(path: Path, stop: threading.Event) -> None:
@@ -247,7 +270,13 @@ def _stream(path: Path, stop: threading.Event) -> None:
 
 def main(argv: list[str]) -> None:
     """One ``srun`` task: the run's variables from SLURM's, then the trainer's command in place
-    of this process (which dies with its ``slurmstepd``)."""
+    of this process (which dies with its ``slurmstepd``). With ``--cancel-when-gone JOB``: the
+    launcher's watcher (:func:`_cancel_when_gone`), which cancels the job at the end of its stdin."""
+    if argv[:1] == [CANCEL_FLAG]:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        sys.stdin.buffer.read()
+        subprocess.run(["scancel", argv[1]], capture_output=True, timeout=60)
+        return
     env = {**os.environ, **rank_environment(os.environ), PARENT_ENV: str(os.getppid())}
     os.execve(argv[0], argv, env)
 

@@ -58,7 +58,7 @@ from grpo_plugins.rollout.servers import (
 )
 from grpo_plugins.vllm.client import Expected, ServerClient
 from grpo_plugins.vllm.io import completion_body, repeat_greedy
-from pydantic import AfterValidator, Field, field_validator
+from pydantic import AfterValidator, Field, ValidationInfo, field_validator
 
 from grpo_core import hookimpl
 from grpo_core.contracts import (
@@ -89,10 +89,13 @@ class VLLMServerOptions(Options):
     spec's rollout section)."""
 
     urls: list[ServerURL] = Field(
-        min_length=1,
+        default_factory=list,
+        validate_default=True,
         description=(
             "The rollout servers, started with grpo-run serve (http://HOST:PORT each). Several are "
-            "data-parallel generation: each step's prompts are split across them."
+            "data-parallel generation: each step's prompts are split across them. Left out when the "
+            "launcher places the servers (grpo-run run --launcher ray --launcher-option servers=N): it "
+            "hands every rank their URLs, with secret_env and weight_host."
         ),
     )
     timeout_s: Seconds = Field(
@@ -181,10 +184,19 @@ class VLLMServerOptions(Options):
 
     @field_validator("urls")
     @classmethod
-    def _urls(cls, urls: list[str]) -> list[str]:
+    def _urls(cls, urls: list[str], info: ValidationInfo) -> list[str]:
         repeated = sorted({u for u in urls if urls.count(u) > 1})
         if repeated:
             raise ValueError(f"each server once: {', '.join(repeated)} is listed more than once")
+        placed = (info.context or {}).get("rollout_servers", 0)
+        if not urls and not placed:
+            raise ValueError(
+                "no rollout server: list each one's URL here (http://HOST:PORT, printed by grpo-run serve), or let "
+                "the launcher place them: grpo-run run SPEC --launcher ray --launcher-option servers=N")
+        if urls and placed:
+            raise ValueError(
+                f"the launcher places {placed} rollout server(s) of its own and hands their URLs to the run: "
+                f"drop these {len(urls)}, or the launcher's servers option")
         return urls
 
 

@@ -174,6 +174,7 @@ def test_contracts_declare_the_flags_the_engine_reads_with_defaults():
                                             "teacher": None}
     assert flags["policy_loss"] == {"zero_advantage_is_zero_loss": False}
     assert flags["reward_function"] == {"required_columns": ()}
+    assert flags["launcher"] == {"rollout_servers": 0}
     assert contract_members(KINDS["rollout_backend"].protocol)[0] == ["setup", "generate", "sync_weights"]
 
 

@@ -194,3 +194,37 @@ def test_a_request_slurm_can_never_hold_is_refused_at_once_with_its_reason(slurm
     assert time.monotonic() - started < 60
     queue = subprocess.run(["squeue", "-h"], env={**os.environ, **slurm}, capture_output=True, text=True)
     assert queue.stdout.strip() == ""  # nothing left pending
+
+
+@pytest.mark.slow
+def test_a_submitting_grpo_run_killed_by_sigkill_leaves_no_job_and_no_rank(slurm, tmp_path, write_spec, kit):
+    """grpo-run waits for its sbatch job; killed (SIGKILL, nothing of it can run), its watcher
+    cancels the job: SLURM stops the ranks and the queue is empty."""
+    tag = os.urandom(8).hex()
+    spec = write_spec(tmp_path, **{**SPEC, "train": {"steps": 60, "prompts_per_step": 2, "seed": 7}})
+    env = {**os.environ, **CHILD_ENV, **slurm, "GRPO_TEST_TAG": tag}
+    env.pop("WORLD_SIZE", None)
+    log = (tmp_path / "submit.log").open("wb")
+    proc = subprocess.Popen(_grpo(spec, "--launcher", "slurm", "--nproc", "2"), cwd=tmp_path, env=env, stdout=log,
+                            stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while kit.last_step(tmp_path / "out" / "metrics.jsonl") < 1:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "submit.log").read_text()
+            time.sleep(0.5)
+        assert sorted(r for r in tagged_processes(tag).values() if r >= 0) == [0, 1]
+        proc.kill()
+        proc.wait(30)
+        killed_at = time.monotonic()
+        while (tagged_processes(tag) or _queue(slurm)) and time.monotonic() - killed_at < 60:
+            time.sleep(0.5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    assert not _queue(slurm), (tmp_path / "submit.log").read_text()[-3000:]
+    assert not tagged_processes(tag)
+
+
+def _queue(slurm: dict) -> str:
+    return subprocess.run(["squeue", "-h"], env={**os.environ, **slurm}, capture_output=True, text=True).stdout.strip()

@@ -75,7 +75,8 @@ def test_every_plan_fits_its_nodes_and_numbers_ranks_node_by_node(nodes, nproc, 
     if servers:
         urls = json.loads(placed.overrides()[0].split("=", 1)[1])
         assert urls == [f"http://{s.node}:{s.port}" for s in placed.servers]
-        assert placed.overrides()[1] == f"rollout.weight_host={placed.master_addr}"
+        assert placed.overrides()[1:] == (f"rollout.secret_env={SECRET_ENV}",
+                                          f"rollout.weight_host={placed.master_addr}")
     else:
         assert placed.overrides() == () and all(SECRET_ENV not in b.env for b in placed.learners)
 

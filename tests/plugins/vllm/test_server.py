@@ -54,7 +54,8 @@ def test_option_defaults():
 @pytest.mark.parametrize(
     ("values", "field", "says"),
     [
-        ({"urls": []}, "urls", "at least 1"),
+        ({"urls": []}, "urls", "no rollout server: list each one's URL here"),
+        ({}, "urls", "or let the launcher place them: grpo-run run SPEC --launcher ray --launcher-option servers=N"),
         ({"urls": ["localhost:8000"]}, "urls", "write http://HOST:PORT"),
         ({"urls": ["http://127.0.0.1"]}, "urls", "write http://HOST:PORT"),
         ({"urls": ["ftp://127.0.0.1:21"]}, "urls", "write http://HOST:PORT"),
@@ -92,6 +93,42 @@ def test_cli_validate_reports_the_yaml_path(tmp_path):
     code, out, err = cli("validate", spec)
     assert code == 2 and out == ""
     assert "spec.rollout.urls" in err and "write http://HOST:PORT" in err, err
+
+
+def test_the_servers_a_launcher_places_stand_for_rollout_urls(tmp_path):
+    """With a launcher that places rollout servers (ray's servers=N) the spec names no URL, and
+    the ranks get theirs (with the secret's variable and the weight host) as overrides, which
+    the ranks' own validation (no launcher) accepts; URLs in the spec as well are refused, and
+    so, before any process starts, is a backend that takes no server URLs."""
+    from grpo_plugins.launchers.placement import Node, plan
+    from grpo_plugins.launchers.ray import _check_rank_spec
+
+    from grpo_core.contracts import RunArguments
+    from grpo_core.errors import SpecError
+    from grpo_core.launching import build_launcher
+    from grpo_core.spec import load_spec
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("model: {path: some/model}\nrewards: [{name: accuracy}]\nrollout: {name: vllm-server}\n")
+    code, _, err = cli("validate", spec)
+    assert code == 2 and "spec.rollout.urls" in err and "--launcher-option servers=N" in err, err
+    with pytest.raises(SpecError, match="no rollout server"):  # local places none
+        load_spec(spec, launcher=lambda registry: build_launcher(registry, "local", {}))
+    loaded = load_spec(spec, launcher=lambda registry: build_launcher(registry, "ray", {"servers": 2}))
+    assert loaded.launcher.rollout_servers == 2 and loaded.spec.rollout.options.urls == []
+    with pytest.raises(SpecError, match="the launcher places 2 rollout server.s. of its own"):
+        load_spec(spec, ['rollout.urls=["http://a:1"]'],
+                  launcher=lambda registry: build_launcher(registry, "ray", {"servers": 2}))
+    ports = iter(range(8000, 8010))
+    placed = plan(2, [Node("10.0.0.1", 2), Node("10.0.0.2", 2)], servers=2, port_on=lambda _: next(ports), secret="s")
+    run = RunArguments(spec=str(spec), overrides=(), resume=None, nproc=2, run_folder=str(tmp_path / "out"))
+    _check_rank_spec(run, placed)  # what every rank will validate
+    ranks = load_spec(spec, placed.overrides()).spec.rollout.options
+    assert ranks.urls == ["http://10.0.0.2:8001", "http://10.0.0.2:8002"]  # 8000: the rendezvous
+    assert (ranks.secret_env, ranks.weight_host) == ("GRPO_SERVE_SECRET", "10.0.0.1")
+    spec.write_text("model: {path: some/model}\nrewards: [{name: accuracy}]\nrollout: {name: hf}\n")
+    with pytest.raises(RunError, match="servers=2: the ranks' spec, with the servers handed to its rollout backend"):
+        _check_rank_spec(run, placed)
 
 
 def test_a_plain_openai_server_is_refused_with_what_to_start():
