@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from grpo_core.errors import RunError
@@ -198,7 +197,7 @@ def test_a_model_whose_heads_the_group_does_not_divide_is_refused_naming_the_cou
 def test_the_spec_refuses_a_group_size_that_does_not_divide_the_processes(tmp_path, write_spec):
     from grpo_core.spec.resolved import world_problems
 
-    spec = load_spec(write_spec(tmp_path, train={"parallel": {"sequence": 2}}))
+    spec = load_spec(write_spec(tmp_path, train={"parallel": {"sequence": 2}})).spec
     assert world_problems(spec, 4) == [] and world_problems(spec, 2) == []
     (problem,) = world_problems(spec, 3)
     assert "sequence: 2 must divide the number of processes (3)" in problem
