@@ -5,7 +5,7 @@ TRL side by side, and the NCCL and FSDP2 paths; results as JSON in ``--out``, a 
     python3 bench/gpu/run.py --out DIR --device cpu --tiny  # the same on the CPU, tiny sizes (the test run)
     python3 bench/gpu/run.py --dry-run                   # what a GPU run would send, and its command
 
-Parts, in order (``--parts`` picks some): ``correctness``, ``nccl``, ``fsdp2``, ``throughput``,
+Parts, in order (``--parts`` picks some): ``correctness``, ``nccl``, ``fsdp2``, ``sequence``, ``throughput``,
 ``onegpu``, ``routing``, ``trl``; and ``overlap`` (synchronous against asynchronous and partial rollouts on one
 GPU) only when named. This process imports only the standard library: it makes the checkout importable
 (``grpo_plugins`` is the ``plugins`` folder under another name), then runs the parts in a child
@@ -37,6 +37,7 @@ PARTS: dict[str, tuple[str, str, float, float, float]] = {
     "correctness": ("correctness", "run", 45, 20, 180),
     "nccl": ("distributed", "run_channel", 15, 5, 90),
     "fsdp2": ("distributed", "run_fsdp2", 20, 10, 120),
+    "sequence": ("sequence", "run", 60, 20, 240),
     "throughput": ("throughput", "run", 150, 20, 360),
     "onegpu": ("onegpu", "run", 30, 15, 180),
     "routing": ("routing", "run", 25, 10, 120),

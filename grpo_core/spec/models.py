@@ -17,7 +17,7 @@ from grpo_core.spec.episodes import AgentSlot, DriverSlot, EnvironmentSlot, Rout
 from grpo_core.spec.export import ExportSection
 from grpo_core.spec.iterative import IterativeSection
 from grpo_core.spec.optimizer import OptimizerSection
-from grpo_core.spec.parallel import ParallelSection, parallel_conflicts
+from grpo_core.spec.parallel import ParallelSection, parallel_conflicts, sequence_conflicts
 from grpo_core.spec.sft import SftSection
 from grpo_core.spec.slots import Section, Slot, SpecPath
 
@@ -484,6 +484,13 @@ class Spec(Section):
         conflicts = parallel_conflicts(self)
         if conflicts:
             raise ValueError("train.parallel.strategy is fsdp2, but " + "; ".join(conflicts))
+        return self
+
+    @model_validator(mode="after")
+    def _fits_sequence_parallelism(self):
+        conflicts = sequence_conflicts(self)
+        if conflicts:
+            raise ValueError("; ".join(conflicts))
         return self
 
     @model_validator(mode="after")

@@ -5,7 +5,9 @@
 processes with PyTorch's FSDP2 (``torch.distributed.fsdp.fully_shard``, per-parameter
 sharding on DTensor): each process holds ``1/N`` of them at rest and gathers a layer's
 weights only while that layer runs, the memory layout of ZeRO stage 3 (Rajbhandari et al.
-2020, https://arxiv.org/abs/1910.02054).
+2020, https://arxiv.org/abs/1910.02054). ``sequence: N`` splits each sequence of the learner's
+forwards over groups of ``N`` processes (Ulysses sequence parallelism,
+:mod:`grpo_core.train.learner.sequence_parallel`), under either strategy.
 """
 
 from __future__ import annotations
@@ -55,6 +57,17 @@ class ParallelSection(Section):
         description="fsdp2: dtype of the gradient reduce-scatter (MixedPrecisionPolicy.reduce_dtype); "
         "float32 sums bf16 gradients without rounding each process's share. null: param_dtype.",
     )
+    sequence: int = Field(
+        1,
+        ge=1,
+        description="Sequence parallelism (DeepSpeed-Ulysses, arXiv:2309.14509): each forward of the learner "
+        "(old, reference and trained log-probs, SFT) is split over groups of this many consecutive processes, "
+        "each holding 1/N of the sequence's tokens (about 1/N of the activations); attention trades heads for "
+        "positions with an all-to-all so that every process attends over the whole sequence on 1/N of the heads. "
+        "The processes of a group run their micro-batches in turn; ddp or fsdp2 still spans every process. "
+        "Must divide the process count and the model's attention and key/value heads; full-attention text models "
+        "only (those train.packing runs), without model.gradient_checkpointing. 1: off.",
+    )
     timeout_s: float = Field(
         1800.0,
         gt=0,
@@ -66,6 +79,20 @@ class ParallelSection(Section):
         "Long enough for the slowest process's longest lone work: its share of a step, or the main "
         "process writing a checkpoint while the others wait.",
     )
+
+
+def sequence_conflicts(spec) -> list[str]:
+    """What in ``spec`` cannot run with ``train.parallel.sequence > 1``; empty when it is 1."""
+    size = spec.train.parallel.sequence
+    if size == 1:
+        return []
+    out = []
+    if spec.model.gradient_checkpointing:
+        out.append("model.gradient_checkpointing: checkpointed layers recompute attention in backward, outside "
+                   "the split forward; drop it (the split already divides the activations by the group size)")
+    if spec.data.image_column is not None:
+        out.append("data.image_column: prompts with images are not split over processes; set sequence: 1")
+    return [f"train.parallel.sequence = {size}, but {problem}" for problem in out]
 
 
 def parallel_conflicts(spec, parallel: ParallelSection | None = None) -> list[str]:

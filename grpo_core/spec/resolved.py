@@ -97,4 +97,8 @@ def world_problems(spec: Any, world: int) -> list[str]:
     if world > 1 and spec.rollout.partial_rollouts:
         return [f"spec.rollout.partial_rollouts: runs in one process only ({world} were asked for): set "
                 "partial_rollouts: false or run one process"]
+    size = spec.train.parallel.sequence
+    if size > 1 and world % size:
+        return [f"spec.train.parallel.sequence: {size} must divide the number of processes ({world}): each "
+                "sequence is split over that many of them"]
     return []

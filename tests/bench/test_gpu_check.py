@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu" / "run.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-PARTS = ["correctness", "nccl", "fsdp2", "throughput", "onegpu", "routing", "trl"]
+PARTS = ["correctness", "nccl", "fsdp2", "sequence", "throughput", "onegpu", "routing", "trl"]
 
 
 def _check(args: list, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -50,6 +50,9 @@ def test_the_gpu_check_runs_in_its_cpu_mode(tmp_path):
     assert checks["nccl"]["two_members"]["bit_exact"] and checks["nccl"]["one_member"]["backend"] == "gloo"
     assert checks["fsdp2"]["update_float32"]["rel_error_vs_unsharded"] < 1e-5
     assert checks["fsdp2"]["generate_gathered"]["dtensor_parameters"]
+    split = checks["sequence"]  # each sequence split over two processes: the same log-probs, half the activations
+    assert split["split_exact"]["status"] == "ok" and split["split_exact"]["packed_grad_rel_error"] < 1e-5
+    assert split["long_sequence_memory"]["saved_ratio"] < 0.75 and split["long_sequence_memory"]["logp_sum_diff"] < 1e-2
 
     routing = checks["routing"]  # routing replay: recorded while generating, forced in the learner's forwards
     assert routing["record"]["same_tokens"] and routing["record"]["routes_bytes"] > 0

@@ -40,6 +40,7 @@ RUNS: dict[str, list[str]] = {
     "qlora.py": ["--one", MODEL, "nf4", "--repeats", "1"],
     "ref_dtype.py": ["--tiny", "--model-dir", SCRATCH, "--prompts", "1", "--group", "2", "--tokens", "4",
                      "--reps", "1"],
+    "sequence_parallel.py": ["--tiny"],
     "run_spec.py": [SPEC, "--steps", "1", "--set", f"model.path={MODEL}", "--set", "train.threads=1",
                     "--set", "rollout.max_new_tokens=4", "--set", f"train.output_dir={SCRATCH}/run"],
     "vllm_vs_hf.py": ["--backend", "hf", "--model", MODEL, "--prompts", "1", "--group-size", "2",

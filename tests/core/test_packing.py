@@ -249,7 +249,7 @@ def test_an_attention_call_without_the_layout_fails_loudly(llama):
     attend across rows: the packed attention refuses to run without its layout."""
     ids = torch.randint(2, llama.config.vocab_size, (1, 5))
     with pytest.raises(RuntimeError, match="without the packed layout.*train.packing: false"):
-        with packing._attention_switched(llama.get_decoder()):
+        with packing.attention_switched(llama.get_decoder()):
             llama.get_decoder()(input_ids=ids, use_cache=False)
     assert llama.config._attn_implementation != packing.PACKED_ATTENTION  # switched back
 
@@ -494,7 +494,7 @@ def test_the_flex_mask_rule_gives_the_per_segment_gradients(llama):
         p_ids, p_mask, c_ids, c_mask = batch
         layout = pack_rows(p_ids, p_mask, c_ids, c_mask, torch.arange(2).repeat_interleave(4))
         layout.tally.count = 0
-        with packing._attention_switched(llama.get_decoder(), name):
+        with packing.attention_switched(llama.get_decoder(), name):
             hidden = llama.get_decoder()(input_ids=layout.input_ids, position_ids=layout.position_ids,
                                          use_cache=False, **{packing.LAYOUT_KWARG: layout}).last_hidden_state[0]
         assert layout.attention_calls == llama.config.num_hidden_layers

@@ -20,4 +20,5 @@ It never imports the actor (:mod:`grpo_core.train.actor`); it reads an
 - ``lean_adamw``: AdamW with bfloat16 moments.
 - ``parallel``: the parallel strategy, one object per run (one process, DDP, FSDP2).
 - ``sharding``: FSDP2's ``fully_shard`` of the policy and the reference.
+- ``sequence_parallel``: each sequence split over a group of processes (Ulysses attention).
 """

@@ -158,21 +158,23 @@ def batch_logprobs(forward: Forward, batch: TrainBatch, micro: int | list[Tensor
     """Log-probs ``(B, T)`` of every row by the log-prob function ``forward``, without
     gradients (old policy, reference); ``micro``: rows per forward, or the row indices of each
     forward (:func:`micro_batches`); ``packed``: each forward padding-free; ``strategy``: the
-    parallel strategy of a model it shards, whose processes then make as many forwards each
-    (:meth:`grpo_core.train.learner.parallel.OneProcess.no_grad_passes`)."""
+    parallel strategy of a model it shards or splits, whose processes then make as many forwards
+    each, in the order it says (:meth:`grpo_core.train.learner.parallel.OneProcess.no_grad_passes`,
+    :meth:`~grpo_core.train.learner.parallel.OneProcess.interleave`)."""
     out = torch.zeros(batch.completion_ids.shape, dtype=torch.float32, device=batch.completion_ids.device)
     rows = torch.arange(batch.completion_ids.shape[0])
     splits = list(rows.split(micro)) if isinstance(micro, int) else micro
     extra = strategy.no_grad_passes(len(splits)) if strategy is not None else 0  # agreed before any forward
-    for rows_of in splits:
+    plan = strategy.interleave(splits) if strategy is not None else splits
+    # a whole group, so that the padded path encodes its prompt once as the other processes' do
+    idle = rows[: batch.group_size]
+    for rows_of in plan + [None] * extra:
         with autocast():
+            if rows_of is None:  # a pass of another process's: no token of this one's
+                forward_logprobs(forward, batch, idle, with_entropy=False, temperature=temperature,
+                                 mask=torch.zeros_like(batch.mask[idle]), packed=packed)
+                continue
             logp, _ = forward_logprobs(forward, batch, rows_of, with_entropy=False, temperature=temperature,
                                        packed=packed)
         out[rows_of] = logp.float()
-    # a whole group, so that the padded path encodes its prompt once as the other processes' do
-    idle = rows[: batch.group_size]
-    for _ in range(extra):
-        with autocast():
-            forward_logprobs(forward, batch, idle, with_entropy=False, temperature=temperature,
-                             mask=torch.zeros_like(batch.mask[idle]), packed=packed)
     return out

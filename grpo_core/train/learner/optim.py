@@ -107,18 +107,23 @@ def optimizer_step(
     backward (``loss_of(rows, share_prompt) -> (loss, extra sums)``: the objective's share of
     the step's loss, already divided by the step's normalizers; ``extras`` sums of its own,
     such as the importance ratio's, totalled with the loss), the lock-step passes of the
-    parallel ``strategy`` (``idle``, see :func:`zero_gradient_passes`), the sums over
-    processes, then unscale (fp16), clip to ``max_grad_norm``, and step the optimizer and its
-    schedule unless the loss or the gradient is not finite or ``keep(extra)`` refuses.
+    parallel ``strategy`` (``idle``, see :func:`zero_gradient_passes`; the passes in the order
+    of ``strategy.interleave``), the sums over processes, then unscale (fp16), clip to
+    ``max_grad_norm``, and step the optimizer and its schedule unless the loss or the
+    gradient is not finite or ``keep(extra)`` refuses.
     Gradients are freed after it; the scaler is updated (a lower scale after an overflow)."""
     optimizer, scaler = opt.optimizer, opt.scaler
     params = [p for p in model.parameters() if p.requires_grad]
     if scaler is not None:  # its scale is made on first use: a process with no micro-batch has none
         scaler.scale(torch.zeros((), device=params[0].device))
     share = strategy.lockstep(len(micros), shareable, idle)
+    plan = strategy.interleave(micros)  # None: a pass of another process's, joined with no rows
     loss, extra = 0.0, [0.0] * extras
-    for i, micro in enumerate(micros):
-        with strategy.grad_sync(last=i == len(micros) - 1):
+    for i, micro in enumerate(plan):
+        with strategy.grad_sync(last=i == len(plan) - 1):
+            if micro is None:
+                idle(1, share)
+                continue
             part, sums = loss_of(micro, share)
             (scaler.scale(part) if scaler is not None else part).backward()
         loss += float(part.detach())

@@ -57,7 +57,8 @@ from torch import Tensor, nn
 from grpo_core.errors import RunError
 
 __all__ = ["PackedRows", "pack_rows", "segment_attention", "flex_segment_attention", "segment_mask_mod",
-           "packed_decoder_call", "packing_unsupported", "PACKED_ATTENTION", "FLEX_ATTENTION", "ATTENTIONS"]
+           "packed_decoder_call", "packing_unsupported", "attention_switched", "PACKED_ATTENTION", "FLEX_ATTENTION",
+           "ATTENTIONS"]
 
 #: The name :func:`segment_attention` is registered under with transformers.
 PACKED_ATTENTION = "grpo_packed"
@@ -325,7 +326,8 @@ def _attention_configs(decoder: nn.Module) -> list[Any]:
 
 
 @contextlib.contextmanager
-def _attention_switched(decoder: nn.Module, name: str = PACKED_ATTENTION) -> Iterator[None]:
+def attention_switched(decoder: nn.Module, name: str = PACKED_ATTENTION) -> Iterator[None]:
+    """Inside, every attention layer of ``decoder`` runs the registered attention ``name``."""
     _register()
     saved = [(config, config._attn_implementation_internal) for config in _attention_configs(decoder)]
     for config, _ in saved:
@@ -343,7 +345,7 @@ def packed_decoder_call(decoder: nn.Module, layout: PackedRows) -> Tensor:
     RuntimeError when not every layer attended through the packed attention (a layer that
     mixes positions another way, a recurrent or linear-attention one, would mix rows)."""
     layout.tally.count = 0
-    with _attention_switched(decoder, FLEX_ATTENTION if layout.attention == "flex" else PACKED_ATTENTION):
+    with attention_switched(decoder, FLEX_ATTENTION if layout.attention == "flex" else PACKED_ATTENTION):
         out = decoder(input_ids=layout.input_ids, position_ids=layout.position_ids, use_cache=False,
                       **{LAYOUT_KWARG: layout})
     layers = getattr(decoder.config, "num_hidden_layers", None)

@@ -13,6 +13,8 @@ that several processes change about it is a method of the run's strategy:
   part in each collective of a mini-batch, and whether they encode prompts once;
 - ``no_grad_passes``: how many unused no-grad forwards a process adds so that every process
   makes as many calls to a sharded model (old, reference log-probs) as the one with most;
+- ``interleave``: where a process's passes fall among those its sequence-parallel group
+  makes together (None: a pass of another member's that it joins);
 - ``grad_sync``: the context of one micro-batch's backward (DDP sums only on the last);
 - ``rollout_weights``: the context of a rollout phase (FSDP2 gathers the policy for a
   backend that generates with it);
@@ -23,7 +25,9 @@ Strategies: :class:`OneProcess` (one process), :class:`DDP` (every process holds
 model; gradients summed by ``DistributedDataParallel`` during backward) and :class:`FSDP2`
 (each process holds ``1/N`` of every unit, :mod:`grpo_core.train.learner.sharding`). The
 one-process strategy is the base: ``DDP`` and ``FSDP2`` override what several processes
-change, so :data:`Strategy` (any of them) is its type.
+change, so :data:`Strategy` (any of them) is its type. With ``train.parallel.sequence: N > 1``
+either one also splits each sequence over groups of ``N`` processes
+(:class:`SequenceDDP`, :class:`SequenceFSDP2`: :mod:`grpo_core.train.learner.sequence_parallel`).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from torch import nn
 from grpo_core.train.distributed import Dist
 from grpo_core.train.learner import sharding
 from grpo_core.train.learner.logprobs import completion_logprobs
+from grpo_core.train.learner.sequence_parallel import SplitSequences
 
 T = TypeVar("T")
 
@@ -61,10 +66,12 @@ class OneProcess:
     #: Whether weights and optimizer state are DTensor shards (checkpoints gather them).
     sharded = False
 
-    def __init__(self, dist: Dist | None = None):
+    def __init__(self, dist: Dist | None = None, parallel: Any = None):
         self.dist = dist or Dist()
         self._roots: dict[int, tuple[Any, nn.Module]] = {}  # id(model) -> (model, the module that runs it)
         self._policy: Any = None  # the model setup() wrapped or sharded
+        # the log-prob function, completion_logprobs's signature: (model, prompt_ids, ...) -> (logp, entropy)
+        self.logprobs: Callable[..., Any] = completion_logprobs
 
     # ----------------------------------------------------------------- before training
     def setup(self, model: nn.Module, reference: nn.Module | None = None) -> None:
@@ -77,7 +84,7 @@ class OneProcess:
     def forward(self, model: Any) -> Forward:
         """The log-prob function of ``model`` (the policy, or the KL's reference)."""
         entry = self._roots.get(id(model))
-        return entry[1] if entry is not None and entry[0] is model else forward_of(model)
+        return entry[1] if entry is not None and entry[0] is model else partial(self.logprobs, model)
 
     def total(self, values: Sequence[float]) -> list[float]:
         """Element-wise sums over processes (float64: token counts stay exact)."""
@@ -99,6 +106,12 @@ class OneProcess:
         process calls it as often (each call of a sharded model is a collective). Whole
         copies: none."""
         return 0
+
+    def interleave(self, items: list[T]) -> list[T | None]:
+        """This process's passes (``items``, its micro-batches) in the order its processes make
+        passes together, None where it joins a pass of another's; without sequence parallelism
+        its own passes only."""
+        return list(items)
 
     def grad_sync(self, last: bool):
         """The context of one micro-batch's forward and backward (``last`` of its mini-batch)."""
@@ -148,7 +161,8 @@ class DDP(OneProcess):
 
         device = self.dist.device
         root = DistributedDataParallel(
-            sharding.LogprobModel(model), device_ids=[device.index] if device.type == "cuda" else None,
+            sharding.LogprobModel(model, logprobs=None if self.logprobs is completion_logprobs else self.logprobs),
+            device_ids=[device.index] if device.type == "cuda" else None,
             broadcast_buffers=False,
         )
         root.register_comm_hook(None, _sum_hook)
@@ -177,16 +191,17 @@ class FSDP2(OneProcess):
     sharded = True
 
     def __init__(self, dist: Dist, parallel: Any):
-        super().__init__(dist)
+        super().__init__(dist, parallel)
         self.parallel = parallel  # the spec's train.parallel
         self._gathered = False
 
     def setup(self, model: nn.Module, reference: nn.Module | None = None) -> None:
-        self._register(model, sharding.shard(model, self.parallel, self.dist.device))
+        logprobs = None if self.logprobs is completion_logprobs else self.logprobs
+        self._register(model, sharding.shard(model, self.parallel, self.dist.device, logprobs))
         self._policy = model
         if reference is not None:
             reference.requires_grad_(False)
-            self._register(reference, sharding.shard(reference, self.parallel, self.dist.device))
+            self._register(reference, sharding.shard(reference, self.parallel, self.dist.device, logprobs))
 
     def lockstep(self, passes: int, shareable: bool, idle: Callable[[int, bool], None]) -> bool:
         """Encoding a prompt once for its rows takes two decoder calls, each completion with
@@ -248,11 +263,27 @@ def _sum_hook(process_group, bucket):
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
+class SequenceDDP(SplitSequences, DDP):
+    """:class:`DDP` over every process, each sequence split over groups of
+    ``train.parallel.sequence`` of them (:class:`~grpo_core.train.learner.sequence_parallel.SplitSequences`)."""
+
+    name = "ddp+sequence"
+
+
+class SequenceFSDP2(SplitSequences, FSDP2):
+    """:class:`FSDP2` over every process, each sequence split over groups of
+    ``train.parallel.sequence`` of them."""
+
+    name = "fsdp2+sequence"
+
+
 def strategy_for(dist: Dist, parallel: Any) -> Strategy:
     """The strategy of a run on ``dist``'s processes with the spec's ``train.parallel``:
     one process is :class:`OneProcess` whatever the spec says (nothing to shard)."""
     if not dist.active:
         return OneProcess(dist)
+    if getattr(parallel, "sequence", 1) > 1:
+        return SEQUENCE_STRATEGIES[parallel.strategy](dist, parallel)
     return STRATEGIES[parallel.strategy](dist, parallel)
 
 
@@ -261,6 +292,12 @@ Strategy = OneProcess
 
 #: The strategies of several processes, by ``train.parallel.strategy``.
 STRATEGIES: dict[str, Callable[[Dist, Any], Strategy]] = {
-    "ddp": lambda dist, parallel: DDP(dist),
+    "ddp": DDP,
     "fsdp2": FSDP2,
+}
+
+#: The same, each sequence split over ``train.parallel.sequence`` processes.
+SEQUENCE_STRATEGIES: dict[str, Callable[[Dist, Any], Strategy]] = {
+    "ddp": SequenceDDP,
+    "fsdp2": SequenceFSDP2,
 }

@@ -41,10 +41,13 @@ class LogprobModel(nn.Module):
     under FSDP2, where how many calls a batch takes would depend on each process's lengths and
     the collectives would not match."""
 
-    def __init__(self, model: nn.Module, length_buckets: bool = True):
+    def __init__(self, model: nn.Module, length_buckets: bool = True, logprobs: Any = None):
         super().__init__()
         self.model = model
         self.length_buckets = length_buckets
+        # a log-prob function of the completion_logprobs signature that runs the model on every
+        # call itself (sequence parallelism's, a collective of its group); None: completion_logprobs
+        self.logprobs = logprobs
 
     def forward(
         self, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor,
@@ -63,6 +66,10 @@ class LogprobModel(nn.Module):
 
         A batch with no completion token still runs the model (on its first column, result
         times 0) so that every process joins the same all-gathers and reduce-scatters."""
+        if self.logprobs is not None:
+            return self.logprobs(self.model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                 with_entropy=with_entropy, temperature=temperature, packed=packed,
+                                 prompt_index=prompt_index, images=images)
         empty = not bool(completion_mask.any())
         if empty:
             if completion_ids.shape[1] == 0:
@@ -92,12 +99,13 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(layers)
 
 
-def shard(model: nn.Module, parallel: Any, device: torch.device) -> LogprobModel:
+def shard(model: nn.Module, parallel: Any, device: torch.device, logprobs: Any = None) -> LogprobModel:
     """Apply ``fully_shard`` to ``model`` as the module doc says, in place; return its root.
 
     ``parallel`` is the spec's ``train.parallel`` (reshard_after_forward, offload, param_dtype,
-    reduce_dtype). Gradients are reduce-scattered as sums, not means: the engine's losses are
-    already normalized over the whole batch of every process."""
+    reduce_dtype); ``logprobs`` the root's log-prob function (:class:`LogprobModel`). Gradients
+    are reduce-scattered as sums, not means: the engine's losses are already normalized over
+    the whole batch of every process."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     param_dtype = _DTYPES.get(parallel.param_dtype) if parallel.param_dtype else None
@@ -114,7 +122,7 @@ def shard(model: nn.Module, parallel: Any, device: torch.device) -> LogprobModel
     tied = head is not None and head.weight is embed.weight
     if not tied:
         fully_shard(embed, **kwargs)
-    root = LogprobModel(model, length_buckets=False)
+    root = LogprobModel(model, length_buckets=False, logprobs=logprobs)
     fully_shard(root, **kwargs)
     for module in root.modules():
         if hasattr(module, "set_gradient_divide_factor"):
