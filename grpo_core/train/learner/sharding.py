@@ -232,7 +232,8 @@ def save_shards(model: Any, optimizer: torch.optim.Optimizer, folder: Path, grou
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     weights, optim = get_state_dict(model, optimizer)
-    dcp.save({"model": weights, "optimizer": optim}, checkpoint_id=str(folder), process_group=group)
+    with _one_process_quiet():
+        dcp.save({"model": weights, "optimizer": optim}, checkpoint_id=str(folder), process_group=group)
 
 
 def load_shards(model: Any, optimizer: torch.optim.Optimizer | None, folder: Path, group: Any = None) -> None:
@@ -250,12 +251,24 @@ def load_shards(model: Any, optimizer: torch.optim.Optimizer | None, folder: Pat
 
     if optimizer is None:
         weights = get_model_state_dict(model)
-        dcp.load({"model": weights}, checkpoint_id=str(folder), process_group=group)
+        with _one_process_quiet():
+            dcp.load({"model": weights}, checkpoint_id=str(folder), process_group=group)
         set_model_state_dict(model, weights)
         return
     weights, optim = get_state_dict(model, optimizer)
-    dcp.load({"model": weights, "optimizer": optim}, checkpoint_id=str(folder), process_group=group)
+    with _one_process_quiet():
+        dcp.load({"model": weights, "optimizer": optim}, checkpoint_id=str(folder), process_group=group)
     set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=optim)
+
+
+@contextlib.contextmanager
+def _one_process_quiet() -> Iterator[None]:
+    """DCP without a process group warns that it assumes one process, which is the case meant."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def shards_finite(model: Any) -> bool:
