@@ -1,9 +1,13 @@
 """Checkpoints: written atomically, verified on load, the last K kept.
 
-A checkpoint is a folder ``<run>/checkpoints/step-000010/`` holding the model (or the
-adapter under LoRA) in ``save_pretrained`` form, ``state.pt`` (optimizer, scheduler, RNG
-states, data position, step, tracker run id, counters, and any extra state a component
-provides) and, written last, ``manifest.json`` with the size and SHA-256 of every file.
+A checkpoint is a folder ``<run>/checkpoints/step-000010/`` holding, in the gathered form,
+the model (or the adapter under LoRA) in ``save_pretrained`` form and ``state.pt``
+(optimizer, scheduler, RNG states, data position, step, tracker run id, counters, and any
+extra state a component provides); in the sharded form (``checkpoint.format``), ``shards/``
+(``torch.distributed.checkpoint``: each process's shards of the weights and optimizer state,
+and their metadata) and ``state.pt`` without the optimizer. Either way, written last,
+``manifest.json`` with the size and SHA-256 of every file (for shards, recorded by the
+process that wrote them).
 It is assembled in a temporary folder and renamed into place, so a crash leaves either
 the complete checkpoint or none; a folder whose manifest is missing or does not match its
 files is reported and skipped on resume. What a killed writer left (its temporary folder)
@@ -46,6 +50,8 @@ log = logging.getLogger("grpo.checkpoint")
 
 MANIFEST = "manifest.json"
 STATE = "state.pt"
+#: The folder of a sharded checkpoint's weights and optimizer state (DCP's layout).
+SHARDS = "shards"
 PREFIX = "step-"
 #: What a previous run leaves in its folder, moved aside by ``--overwrite``.
 RUN_FILES = ("checkpoints", "metrics.jsonl", "metrics.superseded.jsonl", "final", "spec.resolved.yaml",
@@ -61,13 +67,6 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: fh.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def _fsync_tree(folder: Path) -> None:
-    for path in folder.rglob("*"):
-        if path.is_file():
-            with path.open("rb") as fh:
-                os.fsync(fh.fileno())
 
 
 def rng_state() -> dict[str, Any]:
@@ -138,27 +137,62 @@ def write_checkpoint(
     root: Path, step: int, model, state: dict[str, Any], keep: int, trajectory: str | None = None,
     weights: dict[str, torch.Tensor] | None = None, protect: set[int] | frozenset[int] = frozenset(),
 ) -> Path:
-    """Write ``<root>/step-NNNNNN`` atomically and prune the trajectory's to the last ``keep``
-    (the steps in ``protect``, the best by a metric, aside).
+    """Write ``<root>/step-NNNNNN`` atomically in the gathered form (the model by
+    ``save_pretrained``, ``state.pt``) and prune the trajectory's to the last ``keep`` (the
+    steps in ``protect``, the best by a metric, aside).
     ``weights``: the model's whole state dict when it is sharded (gathered by the caller)."""
     if not params_finite(model, weights):
         raise RunError(f"refusing to checkpoint step {step}: the model has non-finite weights")
+    tmp = begin_write(root, step)
+    model.save_pretrained(tmp / "model", state_dict=weights)
+    torch.save(state, tmp / STATE)
+    return commit_write(root, step, tmp, keep, trajectory, protect)
+
+
+def begin_write(root: Path, step: int, pid: int | None = None) -> Path:
+    """The empty temporary folder ``<root>/.step-NNNNNN.tmp-<pid>`` a checkpoint of ``step`` is
+    assembled in (``pid``: of the process that will commit it; default this one), after
+    removing what killed writers left."""
     root.mkdir(parents=True, exist_ok=True)
     clean_leftovers(root)
-    final = step_folder(root, step)
-    tmp = root / f".{final.name}.tmp-{os.getpid()}"
+    tmp = temp_folder(root, step, pid or os.getpid())
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    model.save_pretrained(tmp / "model", state_dict=weights)
-    torch.save(state, tmp / STATE)
-    files = {
-        str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)}
-        for p in sorted(tmp.rglob("*")) if p.is_file()
-    }
-    manifest = {"step": step, "time": time.time(), "trajectory": trajectory, "files": files}
+    return tmp
+
+
+def temp_folder(root: Path, step: int, pid: int) -> Path:
+    """Where the process ``pid`` assembles the checkpoint of ``step`` (:func:`begin_write`)."""
+    return root / f".{step_folder(root, step).name}.tmp-{pid}"
+
+
+def file_records(folder: Path, paths: list[Path] | None = None) -> dict[str, dict[str, Any]]:
+    """Size and SHA-256 of ``paths`` (default: every file under ``folder``), keyed by their path
+    relative to ``folder``: the manifest's ``files``. Each is fsynced first."""
+    out = {}
+    for p in sorted(folder.rglob("*")) if paths is None else paths:
+        if p.is_file():
+            with p.open("rb") as fh:
+                os.fsync(fh.fileno())
+            out[str(p.relative_to(folder))] = {"size": p.stat().st_size, "sha256": _sha256(p)}
+    return out
+
+
+def commit_write(
+    root: Path, step: int, tmp: Path, keep: int, trajectory: str | None,
+    protect: set[int] | frozenset[int] = frozenset(), files: dict[str, dict[str, Any]] | None = None,
+) -> Path:
+    """Make the complete folder ``tmp`` (:func:`begin_write`) the checkpoint of ``step``: its
+    manifest written last (``files``: records other processes made of the files they wrote,
+    :func:`file_records`; the rest are recorded here), then renamed into place; then prune."""
+    records = dict(files or {})
+    rest = [p for p in sorted(tmp.rglob("*")) if p.is_file() and str(p.relative_to(tmp)) not in records]
+    records.update(file_records(tmp, rest))
+    manifest = {"step": step, "time": time.time(), "trajectory": trajectory, "files": dict(sorted(records.items()))}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-    _fsync_tree(tmp)
+    file_records(tmp, [tmp / MANIFEST])  # fsynced (the other files were, as they were recorded)
+    final = step_folder(root, step)
     if final.exists() and _manifest(final).get("trajectory") not in (None, trajectory) and verify(final) is None:
         _set_aside(root, final)  # a usable step of another line; a broken one is replaced below
     if final.exists():  # the same step of this trajectory written again (e.g. after a resume): replace it
@@ -388,6 +422,11 @@ def due(step: int, every: int, every_minutes: float, saved_at: float) -> bool:
     return by_steps or by_time
 
 
+def is_sharded(folder: Path) -> bool:
+    """Whether the checkpoint ``folder`` is in the sharded form (its weights under ``shards/``)."""
+    return (folder / SHARDS).is_dir()
+
+
 def load_model_weights(model, folder: Path, load_state=None) -> None:
     """Load the checkpoint's weights (or adapter) into ``model`` in place; whole weights go
     through ``load_state(model, state)`` (the parallel strategy's
@@ -396,7 +435,9 @@ def load_model_weights(model, folder: Path, load_state=None) -> None:
 
     files = sorted((folder / "model").glob("*.safetensors"))
     if not files:
-        raise RunError(f"checkpoint {folder} has no safetensors weights")
+        raise RunError(f"checkpoint {folder} has no safetensors weights"
+                       + (" (it is sharded: shards/ is read through the parallel strategy)" if is_sharded(folder)
+                          else ""))
     if hasattr(model, "peft_config"):
         from peft import set_peft_model_state_dict
 

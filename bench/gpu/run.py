@@ -6,8 +6,8 @@ TRL side by side, and the NCCL and FSDP2 paths; results as JSON in ``--out``, a 
     python3 bench/gpu/run.py --dry-run                   # what a GPU run would send, and its command
 
 Parts, in order (``--parts`` picks some): ``correctness``, ``nccl``, ``fsdp2``, ``sequence``, ``throughput``,
-``onegpu``, ``routing``, ``trl``; and ``overlap`` (synchronous against asynchronous and partial rollouts on one
-GPU) only when named. This process imports only the standard library: it makes the checkout importable
+``onegpu``, ``routing``, ``checkpoint``, ``trl``; and ``overlap`` (synchronous against asynchronous and
+partial rollouts on one GPU) only when named. This process imports only the standard library: it makes the checkout importable
 (``grpo_plugins`` is the ``plugins`` folder under another name), then runs the parts in a child
 process that writes each part's record as it goes. A part that raises is recorded and the next
 one runs; a part still running at its time limit, or one that kills its process (or the CUDA
@@ -41,6 +41,7 @@ PARTS: dict[str, tuple[str, str, float, float, float]] = {
     "throughput": ("throughput", "run", 150, 20, 360),
     "onegpu": ("onegpu", "run", 30, 15, 180),
     "routing": ("routing", "run", 25, 10, 120),
+    "checkpoint": ("checkpoint", "run", 40, 10, 180),
     "trl": ("trl_side", "run", 150, 40, 300),
     "overlap": ("overlap", "run", 240, 60, 420),
 }

@@ -55,6 +55,10 @@ def saved_model_folder(path: str) -> Path:
     for candidate in (folder, folder / "model"):
         if (candidate / "config.json").is_file() or (candidate / "adapter_config.json").is_file():
             return candidate
+    if (folder / "shards").is_dir():
+        raise UsageError(f"--model {path}: a sharded checkpoint (checkpoint.format: sharded), whose weights are "
+                         "per-process shards, not a save_pretrained model; evaluate runs/<name>/final, or write "
+                         "gathered checkpoints (checkpoint.format: gathered) to evaluate a step")
     raise UsageError(f"--model {path}: the folder has no config.json (nor adapter_config.json); give a "
                      "folder written by save_pretrained, such as runs/<name>/final or a checkpoint folder")
 

@@ -331,6 +331,16 @@ class CheckpointSection(Section):
         "last", description="The weights saved as the final model (and exported): the last step's, or with "
         "best_metric the best checkpoint's."
     )
+    format: Literal["auto", "sharded", "gathered"] = Field(
+        "auto", description="How a checkpoint holds the weights and optimizer state. sharded: each process "
+        "writes its own shards with torch.distributed.checkpoint (shards/ in the checkpoint folder; no process "
+        "holds the whole model or optimizer state; needs a folder every process can write, and every process "
+        "to take part). gathered: the main process gathers both and writes the model in save_pretrained form "
+        "and the optimizer in state.pt (loadable with from_pretrained; holds the whole model and optimizer "
+        "state in its CPU memory while it writes). auto: sharded when the weights are sharded "
+        "(train.parallel.strategy: fsdp2 on several processes), gathered otherwise. A run resumes from "
+        "either form under any process count and strategy; final/ is always a save_pretrained model."
+    )
 
     @model_validator(mode="after")
     def _best_needs_a_metric(self):
@@ -516,6 +526,14 @@ class Spec(Section):
                              "drop one of the two")
         if self.data.image_column is not None:
             raise ValueError("algorithm.routing_replay does not replay prompts with images (data.image_column) yet")
+        return self
+
+    @model_validator(mode="after")
+    def _sharded_checkpoints_of_whole_weights(self):
+        if self.checkpoint.format == "sharded" and self.model.lora is not None:
+            raise ValueError(
+                "checkpoint.format: sharded writes whole weights, but under model.lora a checkpoint holds only "
+                "the adapter (small, gathered): set checkpoint.format: auto or gathered, or drop model.lora")
         return self
 
     @model_validator(mode="after")

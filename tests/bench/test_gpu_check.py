@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu" / "run.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-PARTS = ["correctness", "nccl", "fsdp2", "sequence", "throughput", "onegpu", "routing", "trl"]
+PARTS = ["correctness", "nccl", "fsdp2", "sequence", "throughput", "onegpu", "routing", "checkpoint", "trl"]
 
 
 def _check(args: list, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -71,6 +71,8 @@ def test_the_gpu_check_runs_in_its_cpu_mode(tmp_path):
     assert onegpu["push_adapter_vs_merged"]["adapter_bytes"] < onegpu["push_adapter_vs_merged"]["merged_bytes"]
     assert onegpu["push_delta_vs_full"]["bitwise_equal"] and onegpu["push_delta_vs_full"]["corrupted_copy_caught"]
     assert onegpu["qlora_vs_bf16_lora"]["status"] in ("ok", "skipped")
+    saved = checks["checkpoint"]["sharded_vs_gathered"]  # the sharded save's time and memory, against gathered
+    assert saved["sharded_load_bit_exact"] and saved["sharded_save_seconds"] > 0 and saved["gathered_save_seconds"] > 0
     trl = result["parts"]["trl"]
     if trl["status"] == "skipped" or checks["trl"].get("import", {}).get("status") == "skipped":
         assert "TRL cannot be imported" in json.dumps(trl)

@@ -72,15 +72,15 @@ def test_fsdp2_on_two_processes_takes_the_steps_of_one_and_resumes_under_any_cou
         for key in SAME:
             assert r2[key] == pytest.approx(r1[key], rel=1e-3, abs=1e-6), (r1["step"], key)
 
-    # The sharded run's checkpoint holds whole weights and the optimizer state by name.
+    # The sharded run's checkpoint is sharded (checkpoint.format: auto): each process's shards.
     folder = ckpt.list_checkpoints(tmp_path / "two" / "checkpoints")[-1]
-    assert ckpt.verify(folder) is None
-    state = ckpt.load_state(folder / ckpt.STATE)
-    assert state["optimizer_format"] == "named" and "model.layers.0.mlp.up_proj.weight" in state["optimizer"]["state"]
-    assert _max_diff(load_weights(folder / "model"), w2) == 0
+    assert ckpt.verify(folder) is None and not (folder / "model").exists()
+    assert sorted(p.name for p in (folder / ckpt.SHARDS).glob("__*")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert ckpt.load_state(folder / ckpt.STATE)["optimizer_format"] == "sharded"
 
     # From equal states, step 3 three ways: the fsdp2 checkpoint in one process (2 -> 1) and
-    # under ddp on two processes; the one-process checkpoint under fsdp2 with torchrun (1 -> 2).
+    # under ddp on two processes; the one-process checkpoint (gathered) under fsdp2 with
+    # torchrun (1 -> 2), which writes step 3 gathered.
     for name in ("two-to-one", "two-to-ddp"):
         shutil.copytree(tmp_path / "two", tmp_path / name)
     shutil.copytree(tmp_path / "one", tmp_path / "one-to-two")
@@ -88,8 +88,15 @@ def test_fsdp2_on_two_processes_takes_the_steps_of_one_and_resumes_under_any_cou
     _run([spec, "--set", "train.output_dir=two-to-one", *more], tmp_path)
     _run([spec, "--nproc", "2", "--set", "train.output_dir=two-to-ddp", "--set", "train.parallel.strategy=ddp", *more],
          tmp_path)
-    torchrun = _run([spec, "--set", "train.output_dir=one-to-two", *more], tmp_path, torchrun=True)
+    torchrun = _run([spec, "--set", "train.output_dir=one-to-two", "--set", "checkpoint.format=gathered", *more],
+                    tmp_path, torchrun=True)
     assert "resuming from" in torchrun.stderr and "(step 2)" in torchrun.stderr
+    # A gathered checkpoint of the sharded run: whole weights and the optimizer state by name.
+    folder = ckpt.list_checkpoints(tmp_path / "one-to-two" / "checkpoints")[-1]
+    assert folder.name == "step-000003" and ckpt.verify(folder) is None
+    state = ckpt.load_state(folder / ckpt.STATE)
+    assert state["optimizer_format"] == "named" and "model.layers.0.mlp.up_proj.weight" in state["optimizer"]["state"]
+    assert _max_diff(load_weights(folder / "model"), load_weights(tmp_path / "one-to-two" / "final")) == 0
     finals = {n: load_weights(tmp_path / n / "final") for n in ("two-to-one", "two-to-ddp", "one-to-two")}
     assert _max_diff(finals["two-to-one"], w2) > 1e-4  # step 3 moved them
     # the same start: only the sum order differs; from one's weights (1e-5 apart), Adam's step

@@ -18,8 +18,9 @@ that several processes change about it is a method of the run's strategy:
 - ``grad_sync``: the context of one micro-batch's backward (DDP sums only on the last);
 - ``rollout_weights``: the context of a rollout phase (FSDP2 gathers the policy for a
   backend that generates with it);
-- ``model_state`` / ``optimizer_state``: what a checkpoint writes, and
-  ``load_model_state`` / ``load_optimizer_state``: how a resumed run reads it back.
+- ``model_state`` / ``optimizer_state``: what a gathered checkpoint writes, and
+  ``load_model_state`` / ``load_optimizer_state``: how a resumed run reads it back (a sharded
+  checkpoint is the same under every strategy: :func:`grpo_core.train.learner.sharding.save_shards`).
 
 Strategies: :class:`OneProcess` (one process), :class:`DDP` (every process holds the whole
 model; gradients summed by ``DistributedDataParallel`` during backward) and :class:`FSDP2`

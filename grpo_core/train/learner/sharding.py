@@ -17,12 +17,20 @@ all-gather and reduce-scatter on the ``forward`` of each module it shards, so th
 At rest every process holds ``1/N`` of each unit (weights, gradients, AdamW state). Rollouts
 with transformers ``generate`` call the model's own ``forward`` instead: :func:`full_weights`
 gathers every unit for the duration of generation and frees the gathered copies after.
+
+Checkpoints take one of two forms. Gathered (:func:`full_state_dict`, :func:`optimizer_state`):
+the whole weights and optimizer state on the main process's CPU, which writes them. Sharded
+(:func:`save_shards`, :func:`load_shards`): ``torch.distributed.checkpoint`` (DCP), each process
+writing its own shards of both and the main one the metadata that maps them to whole tensors,
+so no process holds more than its own; loading reshards them for any process count and
+strategy (a whole copy per process under ddp or one process).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -221,3 +229,60 @@ def named_optimizer_state(model: Any, native: dict[str, Any]) -> dict[str, Any]:
     state = {names[i]: v for i, v in native["state"].items()}
     groups = [{**g, "params": [names[i] for i in g["params"]]} for g in native["param_groups"]]
     return {"state": state, "param_groups": groups}
+
+
+def save_shards(model: Any, optimizer: torch.optim.Optimizer, folder: Path, group: Any = None) -> None:
+    """Write ``model``'s weights and ``optimizer``'s state to ``folder`` in DCP's layout: each
+    process its own shards (``__<rank>_<n>.distcp``; under ddp, DCP spreads the replicated
+    tensors over the processes), the main process the metadata (``.metadata``). Keyed by
+    parameter name, as :func:`load_shards` reads them under any strategy. Every process must
+    call it (``group``: the process group, default the default one; none initialised: one
+    process writes everything)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    weights, optim = get_state_dict(model, optimizer)
+    with _one_process_quiet():
+        dcp.save({"model": weights, "optimizer": optim}, checkpoint_id=str(folder), process_group=group)
+
+
+def load_shards(model: Any, optimizer: torch.optim.Optimizer | None, folder: Path, group: Any = None) -> None:
+    """Load what :func:`save_shards` wrote (under any process count and strategy) into
+    ``model`` and, unless None, ``optimizer``: each process reads the parts of the saved
+    shards that overlap its own (the whole tensors for an unsharded model). Every process must
+    call it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
+
+    if optimizer is None:
+        weights = get_model_state_dict(model)
+        with _one_process_quiet():
+            dcp.load({"model": weights}, checkpoint_id=str(folder), process_group=group)
+        set_model_state_dict(model, weights)
+        return
+    weights, optim = get_state_dict(model, optimizer)
+    with _one_process_quiet():
+        dcp.load({"model": weights, "optimizer": optim}, checkpoint_id=str(folder), process_group=group)
+    set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=optim)
+
+
+@contextlib.contextmanager
+def _one_process_quiet() -> Iterator[None]:
+    """DCP without a process group warns that it assumes one process, which is the case meant."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def shards_finite(model: Any) -> bool:
+    """Whether this process's own shards (or whole tensors) of ``model`` are finite."""
+    from torch.distributed.tensor import DTensor
+
+    return all(bool(torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all()) for p in model.parameters())

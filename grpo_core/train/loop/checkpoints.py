@@ -2,8 +2,9 @@
 each stage (:class:`~grpo_core.train.loop.state.Books`), writing a checkpoint (:func:`save`), ranking an evaluated step
 among the best (:func:`rank`) and resuming a run (:func:`resume`).
 
-A checkpoint of a stage is ``<stage folder>/checkpoints/step-NNNNNN``: the weights (through the
-parallel strategy, which gathers or shards them) and one state: the stage's name and step, its
+A checkpoint of a stage is ``<stage folder>/checkpoints/step-NNNNNN``: the weights and optimizer
+state, gathered by the main process or as each process's shards (``checkpoint.format``,
+:func:`sharded_format`), and one state: the stage's name and step, its
 line of steps (trajectory), the tracker run id, the optimizer, schedule and fp16 scaler of the
 stage's :class:`~grpo_core.train.learner.optim.Optimization`, the RNG states, its best ranking
 and last evaluation, and what the stage adds (:meth:`~grpo_core.train.loop.state.Stage.state_dict`).
@@ -13,13 +14,17 @@ before it are over (:meth:`~grpo_core.train.loop.state.Stage.resumed_past`).
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from grpo_core import checkpoint as ckpt
 from grpo_core.errors import RunError
+from grpo_core.train.learner import sharding
 from grpo_core.train.loop.best import MissingMetric
 from grpo_core.train.loop.state import Run, Stage
 
@@ -37,12 +42,20 @@ def due(run: Run, stage: Stage) -> bool:
     return run.dist.any(now) if c.checkpoint_minutes else now
 
 
+def sharded_format(run: Run) -> bool:
+    """Whether the run writes its checkpoints sharded (``checkpoint.format``; ``auto``: when the
+    weights are sharded)."""
+    chosen = run.spec.checkpoint.format
+    return chosen == "sharded" or (chosen == "auto" and run.learner.strategy.sharded)
+
+
 def save(run: Run, stage: Stage, alone: bool = False, again: bool = False) -> Path:
     """Checkpoint ``stage``'s current step (call it with the stage at rest); a step this
-    process already saved is not written twice. With several processes the main one writes and
-    the others wait for it; a sharded model's weights and optimizer state are gathered by every
-    process. ``alone``: the main process writes without the others (they failed, or cannot be
-    reached), which only whole copies (not shards) allow. ``again``: rewrite a step already
+    process already saved is not written twice. Sharded (:func:`sharded_format`), every
+    process writes its shards; gathered, the main process writes and the others wait for it (a
+    sharded model's weights and optimizer state are gathered by every process). ``alone``: the
+    main process writes without the others (they failed, or cannot be reached), which only
+    whole copies (not shards) allow, in the gathered form. ``again``: rewrite a step already
     saved (its state changed: an evaluation ranked it)."""
     books, step = run.books[stage.name], stage.step
     folder = ckpt.step_folder(books.checkpoint_dir, step)
@@ -51,24 +64,53 @@ def save(run: Run, stage: Stage, alone: bool = False, again: bool = False) -> Pa
     strategy = run.learner.strategy
     if alone and strategy.sharded:
         raise ValueError("save(alone=True): a sharded model's checkpoint needs every process")
-    weights = strategy.model_state(run.model)
-    state = _state(run, stage) if strategy.sharded or run.dist.is_main else None
-    if run.dist.is_main:
-        folder = ckpt.write_checkpoint(
-            books.checkpoint_dir, step, run.model, state, run.spec.checkpoint.keep, books.trajectory,
-            weights=weights, protect=stage.best.steps if stage.best is not None else set(),
-        )
-    if not alone:
-        run.dist.barrier()
+    if not alone and sharded_format(run):
+        folder = _save_sharded(run, stage)
+    else:
+        weights = strategy.model_state(run.model)
+        state = _state(run, stage) if strategy.sharded or run.dist.is_main else None
+        if run.dist.is_main:
+            folder = ckpt.write_checkpoint(
+                books.checkpoint_dir, step, run.model, state, run.spec.checkpoint.keep, books.trajectory,
+                weights=weights, protect=stage.best.steps if stage.best is not None else set(),
+            )
+        if not alone:
+            run.dist.barrier()
     books.saved_step, books.saved_at = step, time.monotonic()
     if stage.watched:
         run.hooks.on_save(step, folder)
     return folder
 
 
-def _state(run: Run, stage: Stage) -> dict[str, Any]:
+def _save_sharded(run: Run, stage: Stage) -> Path:
+    """Every process writes its shards of the weights and optimizer state into the main
+    process's temporary folder and records them (size, SHA-256); the main one writes the rest
+    of the state and commits the folder (manifest last, then the rename), so a save cut off
+    anywhere leaves no checkpoint of the step."""
+    books, step, dist = run.books[stage.name], stage.step, run.dist
+    if dist.any(not sharding.shards_finite(run.model)):
+        raise RunError(f"refusing to checkpoint step {step}: the model has non-finite weights")
+    tmp = ckpt.temp_folder(books.checkpoint_dir, step, dist.gather(os.getpid())[0])
+    if dist.is_main:
+        ckpt.begin_write(books.checkpoint_dir, step)
+    dist.barrier()
+    sharding.save_shards(run.model, stage.optimization(run).optimizer, tmp / ckpt.SHARDS, dist.group)
+    own = sorted((tmp / ckpt.SHARDS).glob(f"__{dist.rank}_*"))
+    records = dist.gather(ckpt.file_records(tmp, own) if not dist.is_main else {})
+    folder = ckpt.step_folder(books.checkpoint_dir, step)
+    if dist.is_main:
+        torch.save(_state(run, stage, with_optimizer=False), tmp / ckpt.STATE)
+        files = {name: record for each in records for name, record in each.items()}
+        folder = ckpt.commit_write(books.checkpoint_dir, step, tmp, run.spec.checkpoint.keep, books.trajectory,
+                                   stage.best.steps if stage.best is not None else set(), files=files)
+    dist.barrier()
+    return folder
+
+
+def _state(run: Run, stage: Stage, with_optimizer: bool = True) -> dict[str, Any]:
     books, opt, strategy = run.books[stage.name], stage.optimization(run), run.learner.strategy
-    optimizer, optimizer_format = strategy.optimizer_state(run.model, opt.optimizer)
+    optimizer, optimizer_format = (strategy.optimizer_state(run.model, opt.optimizer) if with_optimizer
+                                   else (None, "sharded"))
     return {
         "stage": stage.name, "step": stage.step, "trajectory": books.trajectory, "run_id": run.log.run_id,
         "optimizer": optimizer, "optimizer_format": optimizer_format, "scheduler": opt.scheduler.state_dict(),
@@ -76,6 +118,15 @@ def _state(run: Run, stage: Stage) -> dict[str, Any]:
         "best": stage.best.state_dict() if stage.best is not None else None, "last_eval": dict(books.last_eval),
         **stage.state_dict(run),
     }
+
+
+def load_weights(run: Run, folder: Path) -> None:
+    """Load the weights of the checkpoint ``folder`` (either form) into the policy, whichever
+    strategy and process count wrote it (every process calls it)."""
+    if ckpt.is_sharded(folder):
+        sharding.load_shards(run.model, None, folder / ckpt.SHARDS, run.dist.group)
+    else:
+        ckpt.load_model_weights(run.model, folder, run.learner.strategy.load_model_state)
 
 
 def rank(run: Run, stage: Stage) -> None:
@@ -131,12 +182,17 @@ def resume(run: Run, explicit: str | None) -> tuple[int, str | None]:
 
 
 def _restore(run: Run, stage: Stage, found: ckpt.Loaded) -> None:
-    """Continue ``stage`` from the checkpoint ``found``: its weights (through the strategy,
-    which loads what it saved), its state, and the line of steps that follows it."""
+    """Continue ``stage`` from the checkpoint ``found``: its weights and optimizer state (each
+    process reading its part of the shards, or through the strategy, which loads what it
+    gathered), its state, and the line of steps that follows it."""
     books, state, strategy = run.books[stage.name], found.state, run.learner.strategy
-    ckpt.load_model_weights(run.model, found.folder, strategy.load_model_state)
     opt = stage.optimization(run)
-    strategy.load_optimizer_state(run.model, opt.optimizer, state["optimizer"], state.get("optimizer_format", "native"))
+    if ckpt.is_sharded(found.folder):
+        sharding.load_shards(run.model, opt.optimizer, found.folder / ckpt.SHARDS, run.dist.group)
+    else:
+        ckpt.load_model_weights(run.model, found.folder, strategy.load_model_state)
+        strategy.load_optimizer_state(run.model, opt.optimizer, state["optimizer"],
+                                      state.get("optimizer_format", "native"))
     opt.scheduler.load_state_dict(state["scheduler"])
     if opt.scaler is not None and state.get("scaler"):
         opt.scaler.load_state_dict(state["scaler"])

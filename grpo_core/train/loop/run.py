@@ -327,7 +327,7 @@ def _save_final(run: Run) -> Path:
     final = run.output_dir / "final"
     best = run.best_folder()
     if best is not None:  # checkpoint.final: best; training is over, so the live weights may go
-        ckpt.load_model_weights(run.model, best, run.learner.strategy.load_model_state)
+        checkpoints.load_weights(run, best)
         if run.dist.is_main:
             value = run.stages[-1].best.entries[0][0]
             print(f"grpo-run: the final model is {best.name} ({run.spec.checkpoint.best_metric} = {value:.4g})",

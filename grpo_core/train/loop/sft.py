@@ -31,6 +31,7 @@ from grpo_core.spec import Spec
 from grpo_core.train.learner.optim import Optimization, make_optimizer
 from grpo_core.train.learner.sft import SftSettings, demo_batch, heldout_loss, sft_update
 from grpo_core.train.loop.best import BestCheckpoints
+from grpo_core.train.loop.checkpoints import load_weights
 from grpo_core.train.loop.demonstrations import Demo, Demonstrations
 from grpo_core.train.loop.evaluate import EvalSet, evaluate_sets
 from grpo_core.train.loop.state import BaseStage, Cadence, Run, StepRecord
@@ -146,7 +147,7 @@ class SftStage(BaseStage):
                                "have no eval split rows: add some (e.g. the dataset's eval_size) or use last")
             step, loss = self.best.best_step, self.best.entries[0][0]
             folder = ckpt.step_folder(self.folder / "checkpoints", step)
-            ckpt.load_model_weights(run.model, folder, run.learner.strategy.load_model_state)
+            load_weights(run, folder)
             if run.dist.is_main:
                 print(f"grpo-run: GRPO starts from SFT step {step} (held-out loss {loss:.4g})", file=sys.stderr)
         run.save_model(self.final_dir)
