@@ -5,9 +5,10 @@ TRL side by side, and the NCCL and FSDP2 paths; results as JSON in ``--out``, a 
     python3 bench/gpu/run.py --out DIR --device cpu --tiny  # the same on the CPU, tiny sizes (the test run)
     python3 bench/gpu/run.py --dry-run                   # what a GPU run would send, and its command
 
-Parts, in order (``--parts`` picks some): ``correctness``, ``nccl``, ``fsdp2``, ``sequence``, ``throughput``,
-``onegpu``, ``routing``, ``checkpoint``, ``trl``; and ``overlap`` (synchronous against asynchronous and
-partial rollouts on one GPU) only when named. This process imports only the standard library: it makes the checkout importable
+Parts, in order (``--parts`` picks some): ``correctness``, ``nccl``, ``fsdp2``, ``sequence``,
+``throughput``, ``onegpu``, ``routing``, ``checkpoint``, ``trl``; and ``overlap`` (synchronous
+against asynchronous and partial rollouts on one GPU) only when named. This process imports only the
+standard library: it makes the checkout importable
 (``grpo_plugins`` is the ``plugins`` folder under another name), then runs the parts in a child
 process that writes each part's record as it goes. A part that raises is recorded and the next
 one runs; a part still running at its time limit, or one that kills its process (or the CUDA
