@@ -21,10 +21,12 @@ layers, ``d`` hidden, ``f`` intermediate, ``V`` vocabulary, ``T`` tokens of one 
 - **reference**: the KL term's reference model when ``beta > 0``: FSDP2 ``4P/N`` (sharded like the
   policy); LoRA ``0`` (the base with the adapter off). 0 with ``beta = 0``.
 - **push buffer** (the process that pushes, rank 0): a streamed push holds one bucket
-  (``push_bucket_mb``, 512 MiB) and the tensor being made: the largest tensor, gathered in float32
-  and cast to bfloat16 (``6 x`` its elements, the embedding ``V d`` for these models); a LoRA
-  policy's adapter push holds the adapter alone (``2A``, bfloat16). Before streaming, a merged
-  push held the whole policy in bfloat16: ``2P``.
+  (``push_bucket_mb``, 512 MiB) and the tensor being made: the largest tensor (the embedding,
+  ``V d`` elements, for these models), which under FSDP2 its gather makes twice in float32 (the
+  all-gather's output and the whole tensor cut from it: ``8 V d`` bytes, measured), on one process
+  only its bfloat16 cast (``2 V d``); a LoRA policy's adapter push holds the adapter alone
+  (``2A``, bfloat16). Before streaming, a merged push held the whole policy in bfloat16 (``2P``)
+  and, under FSDP2, its gathered float32 tensors too (``6P``).
 - **checkpoint buffer**: a sharded checkpoint (``torch.distributed.checkpoint``) writes each
   process's shards as they are: about one tensor's staging (``0`` here); a checkpoint gathered on
   one process held the whole weights and moments there: ``16P`` (float32 weights and AdamW) in
@@ -85,6 +87,16 @@ SHAPES = {
 BUCKET = 512 * 2**20  # push_bucket_mb's default
 
 
+def push_buffer(params: int, largest: int, n: int, bucket: int, streamed: bool = True) -> float:
+    """Bytes a merged bfloat16 push holds beyond the model on the process that pushes: streamed,
+    a bucket and the largest tensor being made (gathered twice in float32 under FSDP2, ``n > 1``;
+    its bfloat16 cast on one process); whole, the bfloat16 policy (and the gathered float32 one
+    under FSDP2)."""
+    if streamed:
+        return min(bucket, 2 * params) + (8 * largest if n > 1 else 2 * largest)
+    return 2 * params if n == 1 else 6 * params + 4 * largest
+
+
 def per_process(shape: Shape, n: int, mode: str, *, tokens: int = 8192, beta: float = 0.04, rank: int = 64,
                 bucket: int = BUCKET, streamed: bool = True, sharded_checkpoint: bool = True) -> dict[str, float]:
     """Bytes each term takes in one process (the push and checkpoint buffers: the process that
@@ -97,7 +109,7 @@ def per_process(shape: Shape, n: int, mode: str, *, tokens: int = 8192, beta: fl
         unit = 2 * 2 * P / shape.L if n > 1 else 0.0
         terms = {"weights": 4 * P / n + unit, "gradients": 4 * P / n, "optimizer": 8 * P / n,
                  "activations": acts, "reference": 4 * P / n if beta > 0 else 0.0,
-                 "push": (bucket + 6 * largest) if streamed else 2 * P,
+                 "push": push_buffer(P, largest, n, bucket, streamed),
                  "checkpoint": 0.0 if sharded_checkpoint else 16 * P}
     elif mode == "lora":
         terms = {"weights": 2 * P + 4 * A, "gradients": 4 * A, "optimizer": 8 * A, "activations": acts,
@@ -147,12 +159,11 @@ def check(paths: list[Path]) -> list[str]:
             pairs = [("state/process", state, max(r["state_MB"] for r in rows) * 2**20)]
             main = rows[0]
             largest = shape.V * shape.d
-            if "streamed_push_MB" in main:
-                # the bucket, and the largest tensor made: gathered in float32 under FSDP2 (the model's own at N=1)
-                bound = min(config["bucket_mb"] * 2**20, 2 * shape.params) + 2 * largest + (4 * largest if n > 1 else 0)
-                pairs.append(("push streamed", bound, main["streamed_push_MB"] * 2**20))
-            if "whole_push_MB" in main:
-                pairs.append(("push whole", 2 * shape.params, main["whole_push_MB"] * 2**20))
+            bucket = int(config["bucket_mb"] * 2**20)
+            for mode in ("streamed", "whole"):
+                if f"{mode}_push_MB" in main:
+                    formula = push_buffer(shape.params, largest, n, bucket, mode == "streamed")
+                    pairs.append((f"push {mode}", formula, main[f"{mode}_push_MB"] * 2**20))
             for name, formula, measured in pairs:
                 out.append(f"{config['size']:>6} {n:>2} {name:<16} {formula / 2**20:>12.1f} {measured / 2**20:>13.1f} "
                            f"{measured / formula if formula else math.nan:>6.2f}")

@@ -28,10 +28,11 @@ Every process reports (its largest over the processes for the state, rank 0's fo
     python bench/push_memory.py --size small --nproc 1 2 3 --train
     python bench/push_memory.py --tiny --nproc 1           # the test run's size
 
-``MALLOC_MMAP_THRESHOLD_`` is set low in the torchrun processes so that freed tensors go back
-to the system at once and the resident memory tracks what is held. One process runs in this
-process (set ``MALLOC_MMAP_THRESHOLD_=65536`` in the shell for the same); its receiver is a
-process of its own, except at ``--tiny``, where it is a thread. Nothing here is part of the test run
+``MALLOC_MMAP_THRESHOLD_`` is set low in every process (the script starts itself again with it)
+so that freed tensors go back to the system at once and the resident memory tracks what is
+held, not what the allocator kept of the training step. One process runs in this process; its
+receiver is a process of its own, except at ``--tiny`` (the test run), where it is a thread and
+the figures mean little. Nothing here is part of the test run
 beyond its tiniest setting.
 """
 
@@ -48,6 +49,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
+MMAP_THRESHOLD = "65536"  # glibc: larger allocations are mapped, and unmapped when freed
 #: name -> Qwen2 config (hidden, layers, heads, kv heads, intermediate, vocabulary).
 SIZES = {
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -216,7 +218,7 @@ def launch(args, nproc: int) -> list[dict]:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                str(HERE), "--worker", "--size", args.size, "--bucket-mb", str(args.bucket_mb),
                "--threads", str(args.threads), "--modes", *args.modes, *(["--train"] if args.train else [])]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MALLOC_MMAP_THRESHOLD_": "65536",
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD,
            "TOKENIZERS_PARALLELISM": "false"}
     out = subprocess.run(command, capture_output=True, text=True, env=env)
     for line in out.stdout.splitlines():
@@ -248,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args)
         return 0
+    if not args.tiny and os.environ.get("MALLOC_MMAP_THRESHOLD_") != MMAP_THRESHOLD:
+        # freed tensors back to the system at once, in this process too (N = 1 runs here)
+        os.execve(sys.executable, [sys.executable, str(HERE), *(argv if argv is not None else sys.argv[1:])],
+                  {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD})
     print(f"size {args.size}, bucket {args.bucket_mb:g} MiB, bfloat16 pushes; largest over processes for the state")
     print(f"{'N':>2} {'params':>8} {'state MB/proc':>13} {'pushed MB':>9} {'largest MB':>10} "
           + " ".join(f"{m + ' MB':>12} {m + ' s':>10}" for m in args.modes))
