@@ -87,14 +87,15 @@ SHAPES = {
 BUCKET = 512 * 2**20  # push_bucket_mb's default
 
 
-def push_buffer(params: int, largest: int, n: int, bucket: int, streamed: bool = True) -> float:
-    """Bytes a merged bfloat16 push holds beyond the model on the process that pushes: streamed,
-    a bucket and the largest tensor being made (gathered twice in float32 under FSDP2, ``n > 1``;
-    its bfloat16 cast on one process); whole, the bfloat16 policy (and the gathered float32 one
-    under FSDP2)."""
+def push_buffer(pushed: int, largest: int, n: int, bucket: int, streamed: bool = True) -> float:
+    """Bytes a merged bfloat16 push of ``pushed`` elements holds beyond the model on the process
+    that pushes. Streamed, at most a bucket and the largest tensor being made (gathered twice in
+    float32 under FSDP2, ``n > 1``; its bfloat16 cast on one process): a bound, reached when the
+    largest tensor is made while a bucket is full (made first, it goes alone). Whole, the
+    bfloat16 policy, and under FSDP2 its gathered float32 tensors too."""
     if streamed:
-        return min(bucket, 2 * params) + (8 * largest if n > 1 else 2 * largest)
-    return 2 * params if n == 1 else 6 * params + 4 * largest
+        return min(bucket, 2 * pushed) + (8 * largest if n > 1 else 2 * largest)
+    return 2 * pushed if n == 1 else 6 * pushed
 
 
 def per_process(shape: Shape, n: int, mode: str, *, tokens: int = 8192, beta: float = 0.04, rank: int = 64,
@@ -146,13 +147,16 @@ def _small_shape(size: str) -> Shape:
 
 def check(paths: list[Path]) -> list[str]:
     """Each measured configuration against the formula: the state per process (weights,
-    gradients, AdamW; the largest process) and rank 0's push, streamed and whole, in MiB."""
-    out = [f"{'size':>6} {'N':>2} {'term':<16} {'formula MiB':>12} {'measured MiB':>13} {'ratio':>6}"]
+    gradients, AdamW; the largest process) and rank 0's push, streamed and whole, in MiB. A tied
+    output layer is pushed under its own name too (the state dict lists it), as measured."""
+    out = [f"{'size':>6} {'N':>2} {'term':<16} {'formula MiB':>12} {'measured MiB':>13} {'ratio':>6}",
+           "(push streamed: the formula is a bound, measured/formula <= 1 within it)"]
     for path in paths:
         for config in json.loads(Path(path).read_text()):
             shape, n, rows = _small_shape(config["size"]), config["nproc"], config["rows"]
             assert rows[0]["params"] == shape.params, (rows[0]["params"], shape.params)  # the shape's count is exact
             terms = per_process(shape, n, "fsdp2", beta=0.0, bucket=int(config["bucket_mb"] * 2**20))
+            pushed = shape.params + (shape.V * shape.d if shape.tied else 0)  # a tied output layer goes twice
             state = terms["weights"] - (2 * 2 * shape.params / shape.L if n > 1 else 0.0)  # shards only
             if config["train"]:
                 state += terms["gradients"] + terms["optimizer"]
@@ -162,7 +166,7 @@ def check(paths: list[Path]) -> list[str]:
             bucket = int(config["bucket_mb"] * 2**20)
             for mode in ("streamed", "whole"):
                 if f"{mode}_push_MB" in main:
-                    formula = push_buffer(shape.params, largest, n, bucket, mode == "streamed")
+                    formula = push_buffer(pushed, largest, n, bucket, mode == "streamed")
                     pairs.append((f"push {mode}", formula, main[f"{mode}_push_MB"] * 2**20))
             for name, formula, measured in pairs:
                 out.append(f"{config['size']:>6} {n:>2} {name:<16} {formula / 2**20:>12.1f} {measured / 2**20:>13.1f} "
