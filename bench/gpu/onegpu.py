@@ -14,6 +14,14 @@ Qwen2.5-0.5B-shaped model (random weights; the tiny Qwen2 with ``--tiny``):
   bytes, the fraction of elements sent, the encode seconds on the device; the receiver's copy
   rebuilt from the deltas must be bitwise the full push's, and a copy corrupted in one element
   must be refused by the checksum.
+- ``push_streamed_vs_whole``: a full-parameter policy's push in bfloat16 made whole (the whole
+  policy cast, as pushes were before streaming) against streamed
+  (``grpo_plugins.rollout.weights.weight_buckets``, buckets of 64 MiB and of the default 512 MiB,
+  each bucket copied to the CPU as a gloo channel takes it, then dropped): the peak device
+  memory above the model during each (``max_memory_allocated`` since a reset), the bytes of its
+  largest bucket, and its seconds. Bounds: the buckets together are bitwise the whole push, and
+  a streamed push's peak stays within its largest bucket plus the largest tensor (its float32
+  source while it is cast).
 - ``qlora_vs_bf16_lora``: the same LoRA (r 16 on every linear layer of the decoder) on a
   bfloat16 base and on a 4-bit NF4 base (``model.quantization``: bitsandbytes, double
   quantization, bfloat16 compute), each loaded as ``grpo-run`` loads it
@@ -53,6 +61,8 @@ def run(record: Record, device: torch.device, work: Path, args: Any) -> None:
     record.check("push_adapter_vs_merged", lambda: _adapter_vs_merged(folder, device))
     free_memory(device)
     record.check("push_delta_vs_full", lambda: _delta_vs_full(folder, device))
+    free_memory(device)
+    record.check("push_streamed_vs_whole", lambda: _streamed_vs_whole(folder, device))
     free_memory(device)
     record.check("qlora_vs_bf16_lora", lambda: _qlora(folder, device, tokens, max(1, int(args.repeats))))
 
@@ -141,6 +151,54 @@ def _delta_vs_full(folder: Path, device: torch.device) -> dict[str, Any]:
                tensors_whole=stats["tensors_whole"], cast_s=full_s, encode_s=encode_s, apply_s=decode_s,
                bitwise_equal=bitwise, corrupted_copy_caught=caught)
     out["ok"] = bitwise and caught and stats["bytes"] <= stats["full_bytes"]
+    return out
+
+
+# --------------------------------------------------------------------------- streamed or whole
+def _streamed_vs_whole(folder: Path, device: torch.device) -> dict[str, Any]:
+    from grpo_plugins.rollout.weights import cast_weights, pending_weights, policy_weights, weight_buckets
+
+    model = _load(folder, device)  # float32 weights, as a full-parameter run holds them
+    pending = pending_weights(model)
+    largest = max(p.nbytes() for p in pending)  # its float32 source, made while it is cast
+    out: dict[str, Any] = {"model_bytes": sum(p.nbytes() for p in pending), "largest_tensor_bytes": largest}
+    sent: dict[str, list] = {}
+
+    def whole() -> None:
+        weights = cast_weights(policy_weights(model), torch.bfloat16)
+        sent["whole"] = [t.cpu() for _, t in weights]
+        del weights
+
+    def streamed(mb: float) -> None:
+        sent[f"streamed_{mb:g}"] = got = []
+        for bucket in weight_buckets(pending, int(mb * 2**20), [torch.bfloat16]):
+            tensors = bucket.pop(torch.bfloat16)
+            got.extend(t.cpu() for _, t in tensors)
+            out[f"streamed_{mb:g}_bucket_bytes"] = max(out.get(f"streamed_{mb:g}_bucket_bytes", 0),
+                                                      sum(t.numel() * t.element_size() for _, t in tensors))
+            tensors.clear()
+            del tensors, bucket
+
+    with torch.no_grad():
+        for name, fn in (("whole", whole), ("streamed_64", lambda: streamed(64)),
+                         ("streamed_512", lambda: streamed(512))):
+            free_memory(device)
+            reset_peak(device)
+            base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+            seconds, _ = _timed(device, fn)
+            out[f"{name}_s"] = seconds
+            if device.type == "cuda":
+                out[f"{name}_peak_above_model_bytes"] = torch.cuda.max_memory_allocated(device) - base
+    whole_sent = sent.pop("whole")
+    out["bitwise_equal"] = all(len(v) == len(whole_sent) and all(torch.equal(a, b) for a, b in zip(v, whole_sent))
+                               for v in sent.values())
+    out["ok"] = out["bitwise_equal"]
+    if device.type == "cuda":
+        for mb in (64, 512):
+            bound = out[f"streamed_{mb}_bucket_bytes"] + largest + 2**20
+            out["ok"] = out["ok"] and out[f"streamed_{mb}_peak_above_model_bytes"] <= bound
+    else:
+        out["note"] = "peak device memory is measured on a GPU only; on the CPU: bench/push_memory.py"
     return out
 
 

@@ -13,7 +13,9 @@ For rollout servers the adapter's tensors travel over the weight channel and eac
 workers write them in peft's format to a folder of their own machine
 (:func:`adapter_root`, :func:`write_adapter`), which the server's ``/v1/load_lora_adapter``
 then loads; :func:`server_obstacle` says why a server cannot take them (not started with
-``--enable-lora``, a smaller ``--max-lora-rank`` or ``--max-loras``).
+``--enable-lora``, a smaller ``--max-lora-rank`` or ``--max-loras``). The learner sends the
+adapter in buckets (:func:`pending_adapter`, made tensor by tensor); a server's worker holds
+the parts until the last and writes the folder then.
 """
 
 from __future__ import annotations
@@ -26,11 +28,12 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-from grpo_plugins.rollout.weights import merge_lora
+from grpo_plugins.rollout.weights import PendingWeight, pending_weights
 from torch import Tensor, nn
 
 __all__ = ["VLLM_LORA_RANKS", "AdapterVersions", "adapter_config", "adapter_obstacle", "adapter_rank", "adapter_root",
-           "adapter_state", "base_weights", "choose_push", "engine_rank", "server_obstacle", "write_adapter"]
+           "adapter_state", "base_weights", "choose_push", "engine_rank", "pending_adapter", "server_obstacle",
+           "write_adapter"]
 
 #: The ranks vLLM 0.32 accepts as ``max_lora_rank`` (``vllm.config.lora.MaxLoRARanks``).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -133,6 +136,21 @@ def adapter_state(model: Any) -> dict[str, Tensor]:
             for k, t in state.items()}
 
 
+def pending_adapter(model: Any) -> list[PendingWeight]:
+    """The active adapter's tensors (:func:`adapter_state`'s names), each made whole (a
+    sharded one gathered) only when its ``load`` is called: what a streamed adapter push
+    sends bucket by bucket."""
+    from peft import get_peft_model_state_dict
+
+    state = get_peft_model_state_dict(model, adapter_name=model.active_adapter)
+
+    def load(t: Tensor) -> Tensor:
+        return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().contiguous()
+
+    return [PendingWeight(k, tuple(t.shape), t.dtype, hasattr(t, "full_tensor"), lambda t=t: load(t))
+            for k, t in state.items()]
+
+
 def adapter_config(model: Any) -> dict[str, Any]:
     """The active adapter's ``adapter_config.json``, as a JSON-ready dict."""
     config = model.peft_config[model.active_adapter]
@@ -167,8 +185,9 @@ def write_adapter(folder: str, tensors: dict[str, Tensor], config: dict[str, Any
 
 def base_weights(model: Any) -> Iterator[tuple[str, Tensor]]:
     """The peft ``model``'s base weights as the base model names them, without the adapter
-    (what the engine's LoRA layers add the adapter to)."""
-    return merge_lora(model.state_dict(), {}, model.active_adapter, frozenset())
+    (what the engine's LoRA layers add the adapter to), made one at a time
+    (:func:`~grpo_plugins.rollout.weights.pending_weights` with ``base_only``)."""
+    return ((w.name, w.load()) for w in pending_weights(model, base_only=True))
 
 
 class AdapterVersions:

@@ -28,8 +28,8 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-__all__ = ["DeltaDecoder", "DeltaEncoder", "DeltaMismatch", "TensorDelta", "apply_delta", "bits", "checksum",
-           "make_delta", "push_stats"]
+__all__ = ["DeltaDecoder", "DeltaEncoder", "DeltaMismatch", "PushTally", "TensorDelta", "apply_delta", "bits",
+           "checksum", "make_delta", "push_stats"]
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MASK = (1 << 63) - 1
@@ -155,12 +155,29 @@ class DeltaDecoder:
         return new
 
 
+class PushTally:
+    """:func:`push_stats` of a push sent in buckets, added bucket by bucket (it keeps counts,
+    not the deltas)."""
+
+    def __init__(self) -> None:
+        self.sent = self.whole = self.tensors_whole = self.elements = self.changed = 0
+
+    def add(self, deltas: Iterable[TensorDelta]) -> PushTally:
+        for d in deltas:
+            numel = int(torch.Size(d.shape).numel())
+            self.sent += d.nbytes
+            self.whole += numel * d.values.element_size()
+            self.elements += numel
+            self.changed += d.values.numel()
+            self.tensors_whole += d.full
+        return self
+
+    def stats(self) -> dict[str, float]:
+        return {"bytes": self.sent, "full_bytes": self.whole, "tensors_whole": self.tensors_whole,
+                "elements_sent": self.changed / self.elements if self.elements else 0.0}
+
+
 def push_stats(deltas: list[TensorDelta]) -> dict[str, float]:
     """Bytes sent by a push, bytes a full push would send, tensors sent whole, and the
     fraction of elements sent: what the backends log for each push."""
-    sent = sum(d.nbytes for d in deltas)
-    whole = sum(int(torch.Size(d.shape).numel()) * d.values.element_size() for d in deltas)
-    elements = sum(int(torch.Size(d.shape).numel()) for d in deltas)
-    changed = sum(d.values.numel() for d in deltas)
-    return {"bytes": sent, "full_bytes": whole, "tensors_whole": sum(d.full for d in deltas),
-            "elements_sent": changed / elements if elements else 0.0}
+    return PushTally().add(deltas).stats()

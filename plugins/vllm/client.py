@@ -9,8 +9,10 @@ Routes used (vLLM 0.32): ``/v1/models``; ``/v1/completions`` (OpenAI's, prompts 
 vLLM's sampling extras, ``return_token_ids``); ``/collective_rpc`` (the worker extension's
 ``grpo_server_info``); ``/init_weight_transfer_engine``, ``/start_weight_update``,
 ``/update_weights``, ``/finish_weight_update``, ``/weight_info`` (vLLM's weight-transfer API);
-``/reset_prefix_cache``; for adapter-only LoRA pushes, ``/collective_rpc`` (the worker
-extension's ``grpo_receive_adapter``, fed over the weight channel), ``/v1/load_lora_adapter`` and
+``/reset_prefix_cache``; a push is one start, one ``/update_weights`` per bucket (its
+tensors broadcast over the weight channel meanwhile) and one finish; for adapter-only LoRA
+pushes, ``/collective_rpc`` (the worker extension's ``grpo_receive_adapter``, once per bucket,
+fed over the weight channel), ``/v1/load_lora_adapter`` and
 ``/v1/unload_lora_adapter`` (vLLM's runtime LoRA routes). With a shared secret every request
 carries ``Authorization: Bearer <secret>`` (what ``grpo-run serve``'s guard and vLLM's own
 ``--api-key`` check). Nothing here imports vLLM.
@@ -231,40 +233,58 @@ class ServerClient:
                 from exc
         joined.result()
 
-    def push(self, weights: list[tuple[str, Tensor]], version: str, timeout_s: float) -> None:
-        """One push: start, send every tensor while the server receives, finish (weight
-        version ``version``), then reset the prefix cache computed with the old weights."""
+    def start_push(self) -> None:
+        """Begin a push (vLLM's ``/start_weight_update``: the workers' layerwise reload): its
+        buckets follow (:meth:`push_bucket`, :meth:`push_delta_bucket`), then :meth:`finish_push`."""
         self.call("POST", "/start_weight_update", retries=0)
+
+    def push_bucket(self, weights: list[tuple[str, Tensor]], timeout_s: float) -> None:
+        """One bucket of a push: its payload to ``/update_weights`` while its tensors are
+        broadcast over the channel; the workers load each as it arrives."""
         received = self._background("POST", "/update_weights", {"update_info": update_info(weights)}, timeout_s)
         try:
             send_tensors(self.group, (t for _, t in weights))
         except Exception as exc:
             raise ServerFault(f"{self.url}: the weight channel broke during a push: {exc}") from exc
         received.result()
-        self.call("POST", "/finish_weight_update", {"weight_version": version}, retries=0)
-        self.call("POST", "/reset_prefix_cache")
 
-    def push_deltas(self, deltas: list, version: str, timeout_s: float) -> None:
-        """:meth:`push` of a delta push (:mod:`grpo_plugins.rollout.delta`): only the changed
-        elements of each tensor (or the whole tensor) are broadcast, and the server's
-        workers rebuild each tensor from their copy and check its checksum."""
-        self.call("POST", "/start_weight_update", retries=0)
+    def push_delta_bucket(self, deltas: list, timeout_s: float) -> None:
+        """One bucket of a delta push (:mod:`grpo_plugins.rollout.delta`): only the changed
+        elements of each tensor (or the whole tensor) are broadcast, and the server's workers
+        rebuild each tensor from their copy and check its checksum."""
         received = self._background("POST", "/update_weights", {"update_info": delta_info(deltas)}, timeout_s)
         try:
             send_deltas(self.group, deltas)
         except Exception as exc:
             raise ServerFault(f"{self.url}: the weight channel broke during a push: {exc}") from exc
         received.result()
+
+    def finish_push(self, version: str) -> None:
+        """End a push as weight version ``version`` (``/finish_weight_update``), then reset the
+        prefix cache computed with the old weights."""
         self.call("POST", "/finish_weight_update", {"weight_version": version}, retries=0)
         self.call("POST", "/reset_prefix_cache")
 
-    def push_adapter(self, name: str, tensors: list[tuple[str, Tensor]], config: dict[str, Any], version: int,
-                     drop: dict[int, str], timeout_s: float) -> None:
-        """One adapter-only push: the server's workers receive ``tensors`` (peft's names) over
-        the channel and write them with ``config`` as adapter version ``version``; it is loaded
-        as the LoRA adapter ``name`` (vLLM's ``/v1/load_lora_adapter``), then the versions in
-        ``drop`` (version: name) are unloaded and their folders removed."""
-        info = {**update_info(tensors), "version": version, "config": config, "drop": sorted(drop)}
+    def push(self, weights: list[tuple[str, Tensor]], version: str, timeout_s: float) -> None:
+        """A push of ``weights`` in one bucket: start, send every tensor while the server
+        receives, finish (weight version ``version``)."""
+        self.start_push()
+        self.push_bucket(weights, timeout_s)
+        self.finish_push(version)
+
+    def push_deltas(self, deltas: list, version: str, timeout_s: float) -> None:
+        """:meth:`push` of a delta push in one bucket."""
+        self.start_push()
+        self.push_delta_bucket(deltas, timeout_s)
+        self.finish_push(version)
+
+    def push_adapter_part(self, tensors: list[tuple[str, Tensor]], config: dict[str, Any], version: int,
+                          drop: dict[int, str], last: bool, timeout_s: float) -> str | None:
+        """One bucket of an adapter-only push: the server's workers receive ``tensors`` (peft's
+        names) over the channel and hold them; with ``last`` they write every part with
+        ``config`` as adapter version ``version`` and remove the folders of the versions in
+        ``drop``. The folder written (None before the last part)."""
+        info = {**update_info(tensors), "version": version, "config": config, "drop": sorted(drop), "last": last}
         body = {"method": "grpo_receive_adapter", "args": [json.dumps(info)], "timeout": timeout_s}
         received = self._background("POST", "/collective_rpc", body, timeout_s)
         try:
@@ -272,13 +292,30 @@ class ServerClient:
         except Exception as exc:
             raise ServerFault(f"{self.url}: the weight channel broke during an adapter push: {exc}") from exc
         answer = received.result()
+        if not last:
+            return None
         try:
             folder = answer["results"][0]
         except (KeyError, IndexError, TypeError) as exc:
             raise ServerFault(f"{self.url} answered grpo_receive_adapter with {str(answer)[:200]!r}") from exc
+        if not isinstance(folder, str):
+            raise ServerFault(f"{self.url} answered the last part of an adapter push with {str(folder)[:200]!r}, "
+                              "not a folder")
+        return folder
+
+    def load_adapter(self, name: str, folder: str, drop: dict[int, str]) -> None:
+        """Load the adapter written in ``folder`` as the LoRA adapter ``name`` (vLLM's
+        ``/v1/load_lora_adapter``), then unload the versions in ``drop`` (version: name)."""
         self.call("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": folder}, retries=0, text=True)
         for old in drop.values():
             self.unload_adapter(old)
+
+    def push_adapter(self, name: str, tensors: list[tuple[str, Tensor]], config: dict[str, Any], version: int,
+                     drop: dict[int, str], timeout_s: float) -> None:
+        """An adapter-only push in one part: ``tensors`` written as version ``version``, loaded
+        as the LoRA adapter ``name``, the versions in ``drop`` unloaded and removed."""
+        folder = self.push_adapter_part(tensors, config, version, drop, True, timeout_s)
+        self.load_adapter(name, folder, drop)
 
     def unload_adapter(self, name: str) -> None:
         """Unload the LoRA adapter ``name`` (vLLM's ``/v1/unload_lora_adapter``)."""

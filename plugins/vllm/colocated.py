@@ -23,10 +23,10 @@ from collections.abc import Iterable
 from typing import Any, Literal
 
 import torch
-from grpo_plugins.rollout.adapter import AdapterVersions, base_weights, choose_push, engine_rank
+from grpo_plugins.rollout.adapter import AdapterVersions, choose_push, engine_rank
 from grpo_plugins.rollout.outputs import outputs_to_batch, request_seed
 from grpo_plugins.rollout.partial import PartialCompletion, stitched_outputs, versions_tensor
-from grpo_plugins.rollout.weights import cast_weights, policy_weights
+from grpo_plugins.rollout.weights import PUSH_BUCKET_MB, PendingWeight, pending_weights, weight_buckets
 from grpo_plugins.vllm.engine import (
     engine_dtype,
     keep_torch_threads,
@@ -161,6 +161,17 @@ class VLLMRolloutOptions(Options):
             "loaded by vLLM as a LoRA request; the base weights once, at setup); merged, the full "
             "merged weights; auto, the adapter unless vLLM cannot load it as one (modules_to_save, "
             "DoRA, lora_bias, a 4-bit base, a non-linear target), said in the log."
+        ),
+    )
+    push_bucket_mb: float = Field(
+        PUSH_BUCKET_MB,
+        gt=0,
+        description=(
+            "Most MiB one bucket of a weight push holds: the policy's tensors are made one at a time (gathered "
+            "under fsdp2, LoRA merged, a 4-bit base dequantized), cast to the engine's dtype and handed over a "
+            "bucket at a time, so the pushing process holds about one bucket beyond its own weights, never the "
+            "whole model (a tensor larger than this goes alone). Larger buckets take fewer round trips. 512, as "
+            "verl's default; each push's largest bucket is logged as sync/push_buffer_bytes."
         ),
     )
     engine_kwargs: dict[str, Any] = Field(
@@ -334,7 +345,7 @@ class VLLMRollout:
         if made and world > 1:
             atexit.register(unlink_shared_memory, made)
         if self.push == "adapter":
-            self._load(base_weights(model))
+            self._load(pending_weights(model, base_only=True))
         pushed = self.sync_weights(model)
         self._sleep()
         return pushed
@@ -342,28 +353,49 @@ class VLLMRollout:
     def sync_weights(self, model: Any) -> WeightPush:
         """Push the policy's weights (LoRA merged by :func:`grpo_plugins.rollout.weights.merge_lora`,
         peft names stripped), cast to the engine's dtype, into the engine's model on every
-        worker (:func:`~grpo_plugins.vllm.engine.load_on_worker`, through ``llm.collective_rpc``); then reset its
-        prefix cache, whose entries were computed with the old weights. The training model
-        is untouched. Returns the push: its bytes (the adapter's alone for an adapter push)
-        and seconds."""
+        worker (:func:`~grpo_plugins.vllm.engine.load_on_worker`, through ``llm.collective_rpc``),
+        streamed in buckets of at most ``push_bucket_mb`` (:meth:`_load`); then reset its prefix
+        cache, whose entries were computed with the old weights. The training model is
+        untouched. Returns the push: its bytes (the adapter's alone for an adapter push),
+        seconds and largest bucket (``buffer_bytes``)."""
         if self.llm is None:
             raise RuntimeError("vllm rollout: setup must be called before sync_weights")
         self._wake("weights")
         start = time.perf_counter()
         if self.push == "adapter":
-            size = self._push_adapter(model)
+            size, figures = self._push_adapter(model), {}
         else:
-            size = self._load(policy_weights(model))
+            size, buffer = self._load(pending_weights(model))
+            figures = {"buffer_bytes": float(buffer)}
         if hasattr(self.llm, "reset_prefix_cache"):
             self.llm.reset_prefix_cache()
-        return WeightPush(bytes=float(size), seconds=time.perf_counter() - start)
+        return WeightPush(bytes=float(size), seconds=time.perf_counter() - start, figures=figures)
 
-    def _load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Load ``weights`` into the engine's model on every worker; their bytes."""
+    def _load(self, pending: list[PendingWeight]) -> tuple[int, int]:
+        """Load ``pending`` into the engine's model on every worker, streamed: the engine runs in
+        this process (``external_launcher``), so its worker pulls the tensors from a generator
+        as it loads them (one ``reload_weights``, whose layerwise processing waits for a layer's
+        last tensor), and the generator makes them a bucket at a time
+        (:func:`~grpo_plugins.rollout.weights.weight_buckets`: gathered, merged, cast), dropping
+        each bucket once handed over. Their bytes and the largest bucket's."""
+        dtype = engine_dtype(self.llm)
+        bound = max(1, int(self.options.push_bucket_mb * 2**20))
+        tally = {"bytes": 0, "buffer": 0}
+
+        def stream():
+            for bucket in weight_buckets(pending, bound, [dtype]):
+                tensors = bucket.pop(dtype)
+                held = sum(t.numel() * t.element_size() for _, t in tensors)
+                tally["bytes"] += held
+                tally["buffer"] = max(tally["buffer"], held)
+                tensors.reverse()
+                while tensors:  # handed over one by one: the engine keeps only what it still needs
+                    yield tensors.pop()
+                del tensors, bucket
+
         with torch.no_grad():
-            weights = cast_weights(weights, engine_dtype(self.llm))
-            self.llm.collective_rpc(load_on_worker, args=(weights,))
-        return sum(t.numel() * t.element_size() for _, t in weights)
+            self.llm.collective_rpc(load_on_worker, args=(stream(),))
+        return tally["bytes"], tally["buffer"]
 
     def _push_adapter(self, model: Any) -> int:
         """Save the adapter as the next version, add it to the engine (dropping the versions

@@ -13,7 +13,7 @@ import copy
 import inspect
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -44,9 +44,10 @@ def engine_dtype(llm: Any) -> torch.dtype:
     return llm.llm_engine.model_config.dtype
 
 
-def load_on_worker(worker: Any, weights: list[tuple[str, Tensor]]) -> None:
+def load_on_worker(worker: Any, weights: Iterable[tuple[str, Tensor]]) -> None:
     """Run by ``llm.collective_rpc`` on each vLLM worker: load ``weights`` (checkpoint
-    names and layout) into its model.
+    names and layout; a list, or a generator the worker pulls from as it loads, which the
+    engine in this process can take) into its model.
 
     vLLM post-processes some weights after loading (on CPU it repacks every linear weight
     for its kernels and leaves an empty parameter behind; quantized layers do the same on

@@ -15,11 +15,13 @@ format weights through the model's ``load_weights`` between vLLM's layerwise-rel
 ``initialize`` and ``finalize``, so the post-processing vLLM applies after loading (its CPU
 kernels repack every linear weight) is redone.
 
-Adapter-only LoRA pushes (``lora_push``) take the same channel: the learner calls
-:meth:`WeightChannelExtension.grpo_receive_adapter` through ``/collective_rpc`` and broadcasts
-the adapter's tensors; each worker writes them in peft's format to a folder of its machine
-(:func:`grpo_plugins.rollout.adapter.write_adapter`) and the learner loads that folder with vLLM's
-own ``/v1/load_lora_adapter``. The adapter goes through the channel rather than a path the
+A push comes in buckets: one ``/update_weights`` per bucket between one start and one finish,
+each tensor loaded as it arrives. Adapter-only LoRA pushes (``lora_push``) take the same
+channel: the learner calls :meth:`WeightChannelExtension.grpo_receive_adapter` through
+``/collective_rpc`` once per bucket and broadcasts its tensors; each worker holds the parts
+and, at the last, writes them in peft's format to a folder of its machine
+(:func:`grpo_plugins.rollout.adapter.write_adapter`), which the learner loads with vLLM's own
+``/v1/load_lora_adapter``. The adapter goes through the channel rather than a path the
 learner writes because a server on another machine cannot read the learner's disk.
 
 The registration happens when vLLM imports this module as the worker extension
@@ -99,6 +101,8 @@ class TorchWeightTransferEngine(WeightTransferEngine[TorchInitInfo, TorchUpdateI
         self.group: Any = None
         self.decoder: DeltaDecoder | None = None  # the pushed weights as last received, for delta pushes
         self.adapters = ""  # the folder of the adapter versions pushed (lora_push), by channel
+        self.adapter_parts: dict[str, torch.Tensor] = {}  # the parts received of an adapter version
+        self.adapter_version: int | None = None  # ... of this version
 
     def init_transfer_engine(self, init_info: TorchInitInfo) -> None:
         """Join the learner's group as rank ``rank_offset + worker rank`` (tensor/pipeline
@@ -162,15 +166,23 @@ class TorchWeightTransferEngine(WeightTransferEngine[TorchInitInfo, TorchUpdateI
             self.decoder = None
             raise failure
 
-    def receive_adapter(self, info: dict[str, Any]) -> str:
-        """Receive one adapter version (``info``: :func:`~grpo_plugins.rollout.channel.update_info`'s
-        payload plus ``version``, ``config``, the adapter's ``adapter_config.json``, and ``drop``,
-        the versions the learner no longer keeps), write it to ``<adapters>/v<version>``, remove
-        the dropped versions' folders; the folder written."""
+    def receive_adapter(self, info: dict[str, Any]) -> str | None:
+        """Receive one part (bucket) of an adapter version (``info``:
+        :func:`~grpo_plugins.rollout.channel.update_info`'s payload plus ``version``, ``config``,
+        the adapter's ``adapter_config.json``, ``drop``, the versions the learner no longer
+        keeps, and ``last``). The parts of a version are held until its last; then the whole
+        adapter is written to ``<adapters>/v<version>`` and the dropped versions' folders
+        removed: the folder written (None before the last part)."""
         if self.group is None:
             raise RuntimeError("grpo_torch weight transfer: /init_weight_transfer_engine was not called")
-        tensors = {name: t.cpu() for name, t in receive_tensors(self.group, info, self.device)}
-        folder = write_adapter(os.path.join(self.adapters, f"v{int(info['version'])}"), tensors, info["config"])
+        version = int(info["version"])
+        if self.adapter_version != version:  # a new version: an unfinished one's parts are dropped
+            self.adapter_parts, self.adapter_version = {}, version
+        self.adapter_parts.update((name, t.cpu()) for name, t in receive_tensors(self.group, info, self.device))
+        if not info.get("last", True):
+            return None
+        tensors, self.adapter_parts, self.adapter_version = self.adapter_parts, {}, None
+        folder = write_adapter(os.path.join(self.adapters, f"v{version}"), tensors, info["config"])
         for old in info.get("drop", []):
             shutil.rmtree(os.path.join(self.adapters, f"v{int(old)}"), ignore_errors=True)
         return folder
@@ -178,6 +190,7 @@ class TorchWeightTransferEngine(WeightTransferEngine[TorchInitInfo, TorchUpdateI
     def shutdown(self) -> None:
         self.group = None
         self.decoder = None
+        self.adapter_parts = {}
         if self.adapters:
             shutil.rmtree(self.adapters, ignore_errors=True)
 
@@ -205,10 +218,11 @@ class WeightChannelExtension:
             },
         }
 
-    def grpo_receive_adapter(self, info: str) -> str:
-        """Through ``/collective_rpc`` (whose arguments are strings): receive one adapter version
-        over the weight channel (``info``: its JSON payload) and write it to this machine's
-        disk; the folder, which the learner hands to ``/v1/load_lora_adapter``."""
+    def grpo_receive_adapter(self, info: str) -> str | None:
+        """Through ``/collective_rpc`` (whose arguments are strings): receive one part of an
+        adapter version over the weight channel (``info``: its JSON payload) and, at its last
+        part, write it to this machine's disk; the folder, which the learner hands to
+        ``/v1/load_lora_adapter`` (None before the last part)."""
         engine = getattr(self, "weight_transfer_engine", None)
         if not isinstance(engine, TorchWeightTransferEngine):
             raise RuntimeError("grpo_receive_adapter: the server's weight transfer engine is not grpo_torch")

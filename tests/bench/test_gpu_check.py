@@ -87,7 +87,8 @@ def test_the_gpu_check_runs_in_its_cpu_mode(tmp_path):
 def test_the_onegpu_part_answers_its_questions_in_the_cpu_mode(tmp_path):
     """The one-GPU practitioner's part alone (what the first GPU run answers, here on the tiny
     Qwen2): adapter against merged push bytes and seconds, a delta push after an AdamW step at
-    1e-6 rebuilt bitwise and a corrupted copy caught, the 4-bit base's step against bf16's
+    1e-6 rebuilt bitwise and a corrupted copy caught, a streamed push bitwise the whole one, the
+    4-bit base's step against bf16's
     (bitsandbytes' CPU backend here; skipped, saying why, where it cannot be imported)."""
     done = _check(["--out", tmp_path / "out", "--work", tmp_path / "work", "--device", "cpu", "--tiny",
                    "--simulate-missing", "--parts", "onegpu"])
@@ -98,6 +99,8 @@ def test_the_onegpu_part_answers_its_questions_in_the_cpu_mode(tmp_path):
     delta = checks["push_delta_vs_full"]
     assert delta["status"] == "ok" and delta["bitwise_equal"] and delta["corrupted_copy_caught"]
     assert 0 < delta["delta_bytes"] < delta["full_bytes"] and 0 < delta["elements_sent"] < 1
+    streamed = checks["push_streamed_vs_whole"]  # the tiny model fits one bucket: the figures are a GPU's
+    assert streamed["status"] == "ok" and streamed["bitwise_equal"] and streamed["streamed_64_s"] > 0
     qlora = checks["qlora_vs_bf16_lora"]
     if qlora["status"] == "skipped":
         assert "bitsandbytes cannot be imported" in qlora["reason"]

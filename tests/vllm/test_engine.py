@@ -4,7 +4,10 @@ log-probs as the references.
 
 What each test pins: greedy tokens equal ``hf``'s; the sampler's log-probs equal the
 trainer's (float32, <= 1e-5); after each weight push the engine's log-probs of a fixed
-sequence equal the new policy's and differ from the old one's (plain and LoRA-merged);
+sequence equal the new policy's and differ from the old one's (plain and LoRA-merged); the
+pushes stream in buckets smaller than the model (``push_bucket_mb``: a quarter MiB of a
+1.4 MiB model), what the engine loads is bitwise the policy's weights, and its log-probs are
+bitwise those after a push in one bucket;
 the thread count stays the user's; sleep mode is refused on CPU with the option named.
 """
 
@@ -39,11 +42,46 @@ def policy(tokenizer):
     return build_model(tokenizer, hidden_size=HIDDEN, seed=0).eval()
 
 
+BUCKET_MB = 0.25  # a quarter MiB: the tiny model's pushes go in several buckets
+
+
 @pytest.fixture(scope="module")
 def engine(policy, tokenizer):
-    backend = VLLMRollout(engine_options())
+    backend = VLLMRollout(engine_options(push_bucket_mb=BUCKET_MB))
     backend.setup(RolloutSetup(policy, tokenizer))
     return backend
+
+
+@pytest.fixture
+def loaded(monkeypatch):
+    """What each push hands the engine's worker, as ``(name, tensor)`` copies, recorded as the
+    worker pulls it from the stream (the real loader then loads it)."""
+    from grpo_plugins.vllm import colocated
+    from grpo_plugins.vllm.engine import load_on_worker
+
+    pushes: list[list[tuple[str, torch.Tensor]]] = []
+
+    def recorded(worker, weights):
+        seen: list[tuple[str, torch.Tensor]] = []
+        pushes.append(seen)
+
+        def tee():
+            for name, tensor in weights:
+                seen.append((name, tensor.detach().clone()))
+                yield name, tensor
+
+        load_on_worker(worker, tee())
+
+    monkeypatch.setattr(colocated, "load_on_worker", recorded)
+    return pushes
+
+
+def assert_bitwise_the_policys(received: list[tuple[str, torch.Tensor]], model) -> None:
+    from grpo_plugins.rollout.weights import policy_weights
+
+    expected = [(n, t.float()) for n, t in policy_weights(model)]  # the engine computes in float32
+    assert [n for n, _ in received] == [n for n, _ in expected]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(received, expected, strict=True))
 
 
 def engine_logps(backend: VLLMRollout, ids: list[int]) -> torch.Tensor:
@@ -113,25 +151,37 @@ def _nudge(model, seed: int, scale: float = 0.05) -> None:
             param.add_(scale * torch.randn(param.shape, generator=generator))
 
 
-def test_each_push_reaches_the_engine_by_log_probs(engine, policy, tokenizer):
+def test_each_push_reaches_the_engine_by_log_probs(engine, policy, tokenizer, loaded):
     ids = tokenizer(FIXED)["input_ids"]
     model = copy.deepcopy(policy)
     before = engine_logps(engine, ids)
     assert float((before - policy_logps(model, ids)).abs().max()) <= TOL  # setup pushed the policy
+    bound = BUCKET_MB * 2**20
     for update in range(2):
         old = policy_logps(model, ids)
         _nudge(model, seed=update)
         new = policy_logps(model, ids)
         assert float((new - old).abs().max()) > 1e-2  # the update moved the log-probs
-        engine.sync_weights(model)
+        push = engine.sync_weights(model)
+        assert_bitwise_the_policys(loaded[-1], model)  # streamed, what the engine loaded is the policy
+        # several buckets, none past the bound (the embedding, 160 kB, is the largest tensor)
+        assert push.bytes > 4 * bound and 0 < push.figures["buffer_bytes"] <= bound, push
         got = engine_logps(engine, ids)
         assert float((got - new).abs().max()) <= TOL, (update, float((got - new).abs().max()))
         assert float((got - old).abs().max()) > 1e-2
+    # the same weights in one bucket: the engine computes bit for bit what it did after the streamed push
+    engine.options = engine.options.model_copy(update={"push_bucket_mb": 64.0})
+    try:
+        whole = engine.sync_weights(model)
+    finally:
+        engine.options = engine.options.model_copy(update={"push_bucket_mb": BUCKET_MB})
+    assert whole.figures["buffer_bytes"] == whole.bytes == push.bytes
+    assert torch.equal(engine_logps(engine, ids), got)
     engine.sync_weights(policy)  # back to the module's policy for the other tests
     assert float((engine_logps(engine, ids) - policy_logps(policy, ids)).abs().max()) <= TOL
 
 
-def test_a_lora_policy_pushes_its_merged_weights(engine, policy, tokenizer):
+def test_a_lora_policy_pushes_its_merged_weights(engine, policy, tokenizer, loaded):
     from peft import LoraConfig, get_peft_model
 
     ids = tokenizer(FIXED)["input_ids"]
@@ -146,6 +196,7 @@ def test_a_lora_policy_pushes_its_merged_weights(engine, policy, tokenizer):
     with_adapter, base = policy_logps(lora, ids), policy_logps(policy, ids)
     assert float((with_adapter - base).abs().max()) > 1e-2
     engine.sync_weights(lora)
+    assert_bitwise_the_policys(loaded[-1], lora)  # merged layer by layer into the buckets
     got = engine_logps(engine, ids)
     assert float((got - with_adapter).abs().max()) <= TOL
     assert not any(getattr(m, "merged", False) for m in lora.modules())  # the training model is untouched

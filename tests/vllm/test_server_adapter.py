@@ -7,7 +7,10 @@ and then the adapter alone (over the weight channel, written to its disk and loa
 ``/v1/load_lora_adapter``), gives the log-probs of a fixed sequence and the sampled batches
 that the second server gives with the merged weights pushed (<= 1e-4), holding at most
 ``max_staleness + 1`` versions; a resumed learner (a new backend) unloads the old run's
-versions and samples with the same log-probs again; ``grpo-run`` on the servers trains with
+versions and samples with the same log-probs again. Those pushes stream in buckets smaller
+than what they send (the adapter in several parts its server holds until the last, the
+merged weights in several buckets), and the adapter the server wrote to its disk is bitwise the
+learner's at every step. ``grpo-run`` on the servers trains with
 the sampler's log-probs equal to the trainer's at every step, before and after a resume, and
 logs the adapter's bytes per push.
 """
@@ -22,6 +25,7 @@ from pathlib import Path
 import pytest
 import requests
 import torch
+from grpo_plugins.rollout.adapter import adapter_state
 from grpo_plugins.rollout.weights import policy_weights
 from peft import LoraConfig, get_peft_model
 
@@ -30,7 +34,20 @@ from grpo_core.testing import build_model, save_tiny_model
 
 from .conftest import HIDDEN
 from .test_runs import GAP
-from .test_servers import AUTH, START_S, Server, backend, in_thread, learner_logprobs, run, step_rows, write_spec
+from .test_servers import (
+    AUTH,
+    BUCKET_MB,
+    START_S,
+    Server,
+    backend,
+    in_thread,
+    learner_logprobs,
+    run,
+    step_rows,
+    write_spec,
+)
+
+ADAPTER_BUCKET_MB = 1 / 32  # 32 KiB: the tiny model's rank-8 adapter (128 KiB) goes in several parts
 
 pytestmark = pytest.mark.vllm
 
@@ -85,6 +102,20 @@ def lora_policy(tokenizer):
                           LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, init_lora_weights=False))
 
 
+def written_adapter(version: int) -> dict[str, torch.Tensor]:
+    """The adapter version ``version`` as a server's worker wrote it to this machine's disk (the
+    newest such folder: both servers run here)."""
+    import glob
+    import os
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    pattern = os.path.join(tempfile.gettempdir(), "grpo-adapters-*", f"v{version}", "adapter_model.safetensors")
+    files = glob.glob(pattern)
+    return load_file(max(files, key=os.path.getmtime))
+
+
 def train_step(policy, ids: list[int], optimizer) -> None:
     policy.train()
     loss = -torch.log_softmax(policy(torch.tensor([ids])).logits[0, :-1], -1).mean()
@@ -100,12 +131,12 @@ def test_adapter_pushes_give_the_merged_pushes_log_probs_over_steps_and_a_resume
     policy = lora_policy(tokenizer)
     ids = tokenizer(SEQ)["input_ids"]
     with caplog.at_level(logging.INFO, logger="grpo.rollout.vllm-server"):
-        adapter = backend([first.url], lora_push="auto", timeout_s=60)
+        adapter = backend([first.url], lora_push="auto", timeout_s=60, push_bucket_mb=ADAPTER_BUCKET_MB)
         pushed = adapter.setup(RolloutSetup(policy, tokenizer, max_staleness=1))
     assert "LoRA weight pushes send the adapter alone (lora_push: auto)" in caplog.text
     client = adapter.clients[first.url]
     assert client.lora == {"max_lora_rank": 8, "max_loras": 2, "runtime_updates": True}
-    merged = backend([second.url], lora_push="merged", timeout_s=60)
+    merged = backend([second.url], lora_push="merged", timeout_s=60, push_bucket_mb=BUCKET_MB)
     merged.setup(RolloutSetup(policy, tokenizer))
     assert adapter.push == "adapter" and merged.push == "merged" and merged.serving == ""
 
@@ -133,6 +164,10 @@ def test_adapter_pushes_give_the_merged_pushes_log_probs_over_steps_and_a_resume
         assert sorted(client.adapters()) == sorted(adapter.loaded.values()), step
         assert len(adapter.loaded) == min(step + 1, 2), (step, adapter.loaded)
         assert 0 < pushed.bytes < full_bytes / 10 and pushed.seconds > 0, (step, pushed)
+        assert pushed.bytes > 2 * pushed.figures["buffer_bytes"], (step, pushed)  # several parts
+        on_disk, own_adapter = written_adapter(adapter.version), adapter_state(policy)
+        assert sorted(on_disk) == sorted(own_adapter), step
+        assert all(torch.equal(on_disk[k], own_adapter[k]) for k in own_adapter), step  # bitwise the learner's
     assert adapter.failover.dropped == {}
     print(f"bytes per push: adapter {pushed.bytes:.0f}, merged {full_bytes}; seconds per push: "
           f"adapter {sorted(seconds['adapter'])}, merged {sorted(seconds['merged'])}")

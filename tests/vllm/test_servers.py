@@ -38,6 +38,7 @@ pytestmark = pytest.mark.vllm
 START_S = 240  # two servers starting at once on two shared cores
 SECRET = "grpo-test-secret"
 AUTH = {"Authorization": f"Bearer {SECRET}"}
+BUCKET_MB = 0.25  # push_bucket_mb of the tests that stream a push in several buckets
 
 
 def free_port() -> int:
@@ -226,16 +227,21 @@ def test_pushes_reach_every_server(servers, tokenizer):
     (it serves other weights) and equal them to 1e-4 (float32) after each push; with
     push_every 2, syncs 1 and 3 push (the first: a resumed run's) and sync 2 leaves the
     servers one update behind. Every full push (setup's too) reports its bytes, a whole
-    float32 copy of the model, and its seconds; the skipped one reports none."""
+    float32 copy of the model, and its seconds; the skipped one reports none. The pushes
+    stream in buckets of a quarter MiB (the model is 1.44 MiB): the largest bucket stays within
+    it, and a push of the same weights in one bucket leaves every log-prob bit for bit where
+    the streamed one had (the engines hold the same weights)."""
     seq = tokenizer("Think step by step. What is 12 * 7?")["input_ids"]
     model = build_model(tokenizer, seed=1, hidden_size=HIDDEN).float()
     from grpo_plugins.rollout.weights import policy_weights
 
     full_bytes = sum(t.numel() * 4 for _, t in policy_weights(model))  # the servers compute in float32
     assert all(gap(s, model, seq) > 1e-2 for s in servers)
-    rollout = backend([s.url for s in servers], push_every=2, timeout_s=60)
+    bound = BUCKET_MB * 2**20
+    rollout = backend([s.url for s in servers], push_every=2, timeout_s=60, push_bucket_mb=BUCKET_MB)
     first = rollout.setup(RolloutSetup(model, tokenizer))
     assert first.bytes == full_bytes and first.seconds > 0, first
+    assert full_bytes > 4 * bound and 0 < first.figures["buffer_bytes"] <= bound, first
     assert all(gap(s, model, seq) <= GAP for s in servers)
     for sync, pushed in ((1, True), (2, False), (3, True)):
         perturb(model, sync)
@@ -244,6 +250,10 @@ def test_pushes_reach_every_server(servers, tokenizer):
         assert all(g <= GAP for g in gaps) if pushed else all(g > 1e-2 for g in gaps), (sync, gaps)
         assert (push.bytes == full_bytes and push.seconds > 0) if pushed else push is None, (sync, push)
     assert rollout.failover.dropped == {}
+    streamed = [s.logprobs(seq) for s in servers]
+    whole = backend([s.url for s in servers], timeout_s=60).setup(RolloutSetup(model, tokenizer))  # one bucket
+    assert whole.figures["buffer_bytes"] == full_bytes
+    assert all(torch.equal(a, s.logprobs(seq)) for a, s in zip(streamed, servers, strict=True))
 
 
 def sparse_step(model, seed: int, fraction: float = 0.01) -> None:
@@ -259,13 +269,14 @@ def test_delta_pushes_leave_the_servers_where_full_pushes_do_and_a_drifted_copy_
     """delta_push: after a full push at setup and at the first sync, three syncs send only the
     changed elements (logged bytes well under a full push's) and each server's log-probs equal
     the learner's; after them, a full push of the same weights leaves every log-prob bit for
-    bit where the deltas had (the engines hold the same weights). The negative control: the
+    bit where the deltas had (the engines hold the same weights). The deltas stream in buckets
+    of a quarter MiB, the full push in one. The negative control: the
     learner believes a server holds one element it does not; the server's checksum refuses the
     push, and a full push afterwards brings it back."""
     seq = tokenizer("Think step by step. What is 12 * 7?")["input_ids"]
     model = build_model(tokenizer, seed=3, hidden_size=HIDDEN).float()
     urls = [s.url for s in servers]
-    rollout = backend(urls, delta_push=True, timeout_s=60)
+    rollout = backend(urls, delta_push=True, timeout_s=60, push_bucket_mb=BUCKET_MB)
     rollout.setup(RolloutSetup(model, tokenizer))
     sent = []
     for sync in range(1, 5):
@@ -276,6 +287,7 @@ def test_delta_pushes_leave_the_servers_where_full_pushes_do_and_a_drifted_copy_
     # the first sync: whole (a resumed run's weights)
     assert sent[0]["sync/push_bytes"] == sent[0]["sync/push_full_bytes"] and sent[0]["sync/push_seconds"] > 0
     assert all(0 < p["sync/push_bytes"] < 0.2 * p["sync/push_full_bytes"] for p in sent[1:]), sent
+    assert all(0 < p["sync/push_buffer_bytes"] <= BUCKET_MB * 2**20 for p in sent), sent
     after_deltas = [s.logprobs(seq) for s in servers]
     backend(urls, timeout_s=60).setup(RolloutSetup(model, tokenizer))  # a full push of the same weights
     after_full = [s.logprobs(seq) for s in servers]

@@ -1,5 +1,6 @@
 """The policy's weights as a backend with its own copy wants them: LoRA merged (checked against
-peft's merge_and_unload), base-model names, cast to the engine's dtype."""
+peft's merge_and_unload), base-model names, cast to the engine's dtype; and streamed, in buckets
+that never pass their bound (a tensor larger than it alone) and together are the whole push."""
 
 from __future__ import annotations
 
@@ -7,7 +8,19 @@ import copy
 
 import pytest
 import torch
-from grpo_plugins.rollout.weights import cast_weights, lora_layout, merge_lora, policy_weights, vllm_weight_name
+from grpo_plugins.rollout.weights import (
+    bucket_sizes,
+    cast_weights,
+    lora_layout,
+    merge_lora,
+    pending_weights,
+    plan_buckets,
+    policy_weights,
+    vllm_weight_name,
+    weight_buckets,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from grpo_core.testing import build_model
 
@@ -151,3 +164,54 @@ def test_a_4bit_base_is_pushed_dequantized_with_the_adapter_merged(tmp_path):
     assert all(pushed[k].dtype == torch.float32 for k in pushed)
     for k in pushed:
         torch.testing.assert_close(pushed[k], merged[k], atol=1e-6, rtol=1e-6)
+
+
+# --------------------------------------------------------------------------- streamed pushes
+@settings(max_examples=100, deadline=None)
+@given(sizes=st.lists(st.integers(0, 5000), max_size=40), bound=st.integers(1, 3000))
+def test_buckets_never_pass_the_bound_and_hold_every_tensor_once_in_order(sizes, bound):
+    runs = plan_buckets(sizes, bound)
+    assert [i for run in runs for i in run] == list(range(len(sizes)))  # the concatenation is the whole
+    for run in runs:
+        assert len(run) >= 1
+        assert sum(sizes[i] for i in run) <= bound or len(run) == 1  # over the bound: one tensor alone
+    for i, size in enumerate(sizes):
+        if size > bound:
+            assert next(run for run in runs if i in run) == range(i, i + 1)
+    for run, after in zip(runs, runs[1:]):  # each bucket as full as the next tensor allows
+        assert sum(sizes[i] for i in run) + sizes[after.start] > bound
+
+
+def test_a_bucket_bound_below_one_byte_is_refused():
+    with pytest.raises(ValueError, match="at least 1 byte, got 0"):
+        plan_buckets([4], 0)
+
+
+@pytest.fixture(scope="module")
+def lora_model(model):
+    return _peft(model, **LORA_CONFIGS["attention"])
+
+
+@settings(max_examples=20, deadline=None)
+@given(bound=st.integers(1, 80_000), lora=st.booleans(), two_dtypes=st.booleans())
+def test_streamed_buckets_are_the_whole_push_cast_and_bounded(model, lora_model, bound, lora, two_dtypes):
+    """The buckets of a (LoRA-merged) policy cast to one or two dtypes: each within the bound
+    unless it is one tensor larger than it (the tiny model's embedding is 40 kB in float32),
+    their concatenation bitwise the whole push, cast, in order."""
+    policy = lora_model if lora else model
+    dtypes = [torch.bfloat16, torch.float32] if two_dtypes else [torch.bfloat16]
+    pending = pending_weights(policy)
+    whole = list(policy_weights(policy))
+    buckets = list(weight_buckets(pending, bound, dtypes))
+    assert [sum(t.numel() * t.element_size() for d in dtypes for _, t in b[d]) for b in buckets] == \
+        bucket_sizes(pending, bound, dtypes)
+    for bucket in buckets:
+        held = sum(t.numel() * t.element_size() for d in dtypes for _, t in bucket[d])
+        assert held <= bound or len(bucket[dtypes[0]]) == 1
+    for dtype in dtypes:
+        streamed = [item for bucket in buckets for item in bucket[dtype]]
+        expected = cast_weights(whole, dtype)
+        assert [n for n, _ in streamed] == [n for n, _ in expected]
+        assert all(a.dtype == b.dtype and torch.equal(a, b) for (_, a), (_, b) in zip(streamed, expected, strict=True))
+    if bound >= sum(p.nbytes(d) for p in pending for d in dtypes):
+        assert len(buckets) == 1

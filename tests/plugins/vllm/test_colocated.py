@@ -80,6 +80,7 @@ def test_option_defaults():
         "logprobs_mode": "processed_logprobs",
         "model_impl": "auto",
         "lora_push": "auto",
+        "push_bucket_mb": 512.0,
         "engine_kwargs": {},
     }
 

@@ -48,7 +48,7 @@ def test_option_defaults():
     assert options.urls == ["http://10.0.0.2:8000"]
     assert (options.timeout_s, options.retries, options.push_every) == (120.0, 2, 1)
     assert (options.weight_backend, options.weight_host, options.weight_port) == ("auto", None, 0)
-    assert options.lora_push == "auto"
+    assert options.lora_push == "auto" and options.push_bucket_mb == 512.0
 
 
 @pytest.mark.parametrize(
