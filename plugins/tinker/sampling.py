@@ -8,6 +8,7 @@ asked, the prompt's (``prompt_logprobs``, NaN at position 0, as Tinker's).
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ from grpo_plugins.tinker.state import Refused, Service
 
 from grpo_core.contracts import RolloutSetup, SamplingParams
 
-__all__ = ["sample"]
+__all__ = ["parse", "sample"]
 
 #: Sampling parameters and request fields served; anything else set is refused by name.
 _SERVED_REQUEST = {"num_samples", "prompt", "sampling_params", "base_model", "model_path", "sampling_session_id",
@@ -47,7 +48,7 @@ def _weights(service: Service, path: str | None):
     return contextlib.nullcontext()
 
 
-def _params(params: dict[str, Any], backend: HFRollout) -> tuple[SamplingParams, list[int] | None]:
+def _params(params: dict[str, Any]) -> tuple[SamplingParams, list[int] | None]:
     stop = params.get("stop")
     strings: tuple[str, ...] = ()
     ids: list[int] | None = None
@@ -70,17 +71,39 @@ def _params(params: dict[str, Any], backend: HFRollout) -> tuple[SamplingParams,
                           seed=params.get("seed")), ids
 
 
-def _score(service: Service, tokens: list[int], temperature: float) -> torch.Tensor:
-    """Log-probs of ``tokens[1:]`` given what precedes each, at ``temperature``."""
-    ids = torch.tensor([tokens])
+def _score(service: Service, sequences: list[list[int]], temperature: float) -> list[torch.Tensor]:
+    """For each sequence, the log-probs of its tokens after the first given what precedes
+    them, at ``temperature``: one right-padded forward pass for all."""
+    width = max(len(s) for s in sequences)
+    ids = torch.zeros((len(sequences), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, seq in enumerate(sequences):
+        ids[row, :len(seq)], mask[row, :len(seq)] = torch.tensor(seq), 1
     with torch.no_grad():
-        logits = service.model(input_ids=ids).logits.float()[0, :-1] / max(temperature, 1e-6)
-    return torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0]
+        logits = service.model(input_ids=ids, attention_mask=mask).logits.float()[:, :-1] / max(temperature, 1e-6)
+    logp = torch.log_softmax(logits, -1).gather(2, ids[:, 1:, None])[..., 0]
+    return [logp[row, :len(seq) - 1] for row, seq in enumerate(sequences)]
 
 
-def sample(service: Service, body: dict[str, Any]) -> tuple[list[tuple[list[int], list[float], str]], list | None]:
-    """Serve one ``/api/v1/asample`` request: its sequences (tokens, log-probs, stop reason)
-    and its prompt log-probs when asked."""
+@dataclass
+class _Request:
+    """One parsed sample request: the weights, the prompt, the settings."""
+
+    path: str | None
+    prompt: list[int]
+    n: int
+    sampling: SamplingParams
+    stop_ids: list[int] | None
+    prompt_logprobs: bool
+
+    @property
+    def key(self) -> tuple:
+        """Requests with the same key are generated in one call."""
+        return self.path, self.n, self.sampling, None if self.stop_ids is None else tuple(self.stop_ids)
+
+
+def parse(service: Service, body: dict[str, Any]) -> _Request:
+    """A ``/api/v1/asample`` body, checked: :class:`Refused` names what is not served."""
     unserved = sorted(k for k, v in body.items() if k not in _SERVED_REQUEST and v not in (None, 0, False))
     unserved += [k for k in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k",
                              "record_stability_info") if body.get(k)]
@@ -100,23 +123,40 @@ def sample(service: Service, body: dict[str, Any]) -> tuple[list[tuple[list[int]
         if chunk.get("type", "encoded_text") != "encoded_text":
             raise Refused(f"sample: a prompt holds a {chunk.get('type')} chunk; tinker-serve samples from text only")
         prompt.extend(chunk["tokens"])
+    if not prompt:
+        raise Refused("sample: the prompt is empty")
+    sampling, stop_ids = _params(body["sampling_params"])
+    n, logprobs = int(body.get("num_samples", 1)), bool(body.get("prompt_logprobs"))
+    return _Request(path, prompt, n, sampling, stop_ids, logprobs)
+
+
+Answer = tuple[list[tuple[list[int], list[float], str]], list[float] | None]
+
+
+def sample(service: Service, requests: list[_Request]) -> list[Answer]:
+    """Answer sample requests that share a key (:attr:`_Request.key`) with one ``generate``
+    call and one scoring pass: for each, its sequences (tokens, log-probs, stop reason) and
+    its prompt log-probs when asked."""
+    first = requests[0]
     backend = _backend(service)
-    sampling, stop_ids = _params(body["sampling_params"], backend)
-    n = int(body.get("num_samples", 1))
     eos = backend.eos_ids
-    with _weights(service, path):
-        if stop_ids is not None:
-            backend.eos_ids = stop_ids
+    with _weights(service, first.path):
+        if first.stop_ids is not None:
+            backend.eos_ids = first.stop_ids
         try:
-            batch = backend.generate([prompt], n, sampling)
+            batch = backend.generate([r.prompt for r in requests], first.n, first.sampling)
         finally:
             backend.eos_ids = eos
-        sequences = []
-        for row in range(n):
+        rows = []
+        for row in range(len(requests) * first.n):
             tokens = batch.completion_ids[row][batch.completion_mask[row]].tolist()
-            logp = _score(service, prompt + tokens, sampling.temperature)[len(prompt) - 1:].tolist() if tokens else []
-            sequences.append((tokens, logp, "length" if bool(batch.truncated[row]) else "stop"))
-        prompt_logp = None
-        if body.get("prompt_logprobs"):
-            prompt_logp = [float("nan")] + _score(service, prompt, 1.0).tolist()
-    return sequences, prompt_logp
+            rows.append((requests[row // first.n].prompt, tokens, "length" if bool(batch.truncated[row]) else "stop"))
+        scored = _score(service, [p + t for p, t, _ in rows], first.sampling.temperature)
+        wanted = [r for r in requests if r.prompt_logprobs]
+        prompts = iter(_score(service, [r.prompt for r in wanted], 1.0)) if wanted else iter(())
+        answers = []
+        for i, request in enumerate(requests):
+            mine = range(i * first.n, (i + 1) * first.n)
+            sequences = [(rows[j][1], scored[j][len(request.prompt) - 1:].tolist(), rows[j][2]) for j in mine]
+            answers.append((sequences, [float("nan")] + next(prompts).tolist() if request.prompt_logprobs else None))
+    return answers

@@ -29,7 +29,7 @@ from typing import Any
 
 import uvicorn
 from grpo_plugins.tinker.objectives import check
-from grpo_plugins.tinker.sampling import sample
+from grpo_plugins.tinker.sampling import parse, sample
 from grpo_plugins.tinker.state import Refused, Service
 from grpo_plugins.tinker.wire import decode_forward_backward, encode_forward_backward_output, encode_sample_response
 from starlette.applications import Starlette
@@ -76,6 +76,13 @@ class _Future:
     proto: bool = False
 
 
+@dataclass
+class _SampleJob:
+    """A queued sample request; consecutive ones with the same key run as one batch."""
+
+    request: Any
+
+
 def _json(body: Any, status: int = 200) -> Response:
     return Response(json.dumps(body), status, {"x-should-retry": "false"}, media_type="application/json")
 
@@ -88,7 +95,7 @@ class TinkerServer:
                  max_request_bytes: int = 64 << 20):
         self.service, self.api_keys, self.max_request_bytes = service, set(api_keys), max_request_bytes
         self.futures: dict[str, _Future] = {}
-        self.work: queue.Queue[tuple[_Future, Callable[[], tuple[bytes, bool]]] | None] = queue.Queue()
+        self.work: queue.Queue[tuple[_Future, Any] | None] = queue.Queue()
         self.ids = itertools.count()
         posts: dict[str, Callable] = {
             "client/config": lambda b: CLIENT_CONFIG, "client/dynamic_config": lambda b: {},
@@ -106,6 +113,8 @@ class TinkerServer:
             Route("/api/v1/get_server_capabilities", self._guard(self._capabilities), methods=["GET"]),
             Route("/api/v1/forward_backward", self._guard(self._forward_backward), methods=["POST"]),
             Route("/api/v1/retrieve_future", self._guard(self._retrieve), methods=["POST"]),
+            Route("/api/v1/sessions/{session}/finish", self._guard(self._finish), methods=["POST"]),
+            Route("/api/v1/samplers/{sampler}", self._guard(self._sampler), methods=["GET"]),
         ]
         app = Starlette(routes=routes, exception_handlers={HTTPException: self._no_route})
         self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -140,15 +149,42 @@ class TinkerServer:
     # ------------------------------------------------------------------ plumbing
     def _run_queue(self) -> None:
         while (item := self.work.get()) is not None:
+            if isinstance(item[1], _SampleJob):
+                self._run_samples([item, *self._more_samples(item[1].request.key)])
+                continue
             future, job = item
             try:
                 future.body, future.proto = job()
-            except Refused as exc:
-                future.body = json.dumps({"error": str(exc), "category": "user"}).encode()
-            except Exception as exc:  # noqa: BLE001 - answered to the client, logged here
-                log.warning("tinker-serve failed on a request", exc_info=True)
-                future.body = json.dumps({"error": f"tinker-serve failed: {fault_text(exc)}",
-                                          "category": "server"}).encode()
+            except Exception as exc:  # noqa: BLE001 - answered to the client (and logged when not a refusal)
+                self._fail(future, exc)
+            future.done.set()
+
+    def _fail(self, future: _Future, exc: Exception) -> None:
+        if isinstance(exc, Refused):
+            future.body = json.dumps({"error": str(exc), "category": "user"}).encode()
+            return
+        log.warning("tinker-serve failed on a request", exc_info=exc)
+        future.body = json.dumps({"error": f"tinker-serve failed: {fault_text(exc)}", "category": "server"}).encode()
+
+    def _more_samples(self, key: tuple) -> list[tuple[_Future, _SampleJob]]:
+        """The sample jobs with ``key`` at the head of the queue, taken off it (up to 64)."""
+        taken = []
+        with self.work.mutex:
+            pending = self.work.queue
+            while pending and len(taken) < 64 and isinstance(pending[0], tuple) and \
+                    isinstance(pending[0][1], _SampleJob) and pending[0][1].request.key == key:
+                taken.append(pending.popleft())
+        return taken
+
+    def _run_samples(self, items: list[tuple[_Future, _SampleJob]]) -> None:
+        try:
+            answers = sample(self.service, [job.request for _, job in items])
+            for (future, _), answer in zip(items, answers, strict=True):
+                future.body, future.proto = encode_sample_response(*answer), True
+        except Exception as exc:  # noqa: BLE001
+            for future, _ in items:
+                self._fail(future, exc)
+        for future, _ in items:
             future.done.set()
 
     def _queue(self, job: Callable[[], Any], proto: bool = False) -> dict[str, str]:
@@ -210,6 +246,16 @@ class TinkerServer:
                  "trainable": True, "sampleable": True}
         return _json({"supported_models": [model]})
 
+    async def _finish(self, http: Request) -> Response:
+        return _json(None)
+
+    async def _sampler(self, http: Request) -> Response:
+        sampler = http.path_params["sampler"]
+        if sampler not in self.service.sampling_sessions:
+            raise HTTPRefusal(404, f"no sampling session {sampler!r} on this server")
+        return _json({"sampler_id": sampler, "base_model": self.service.name,
+                      "model_path": self.service.sampling_sessions[sampler]})
+
     def _get_info(self, body: dict) -> dict:
         client = self.service.client(body["model_id"])
         return {"type": "get_info", "model_id": client.model_id, "is_lora": True, "lora_rank": client.lora["rank"],
@@ -269,11 +315,11 @@ class TinkerServer:
         return {"type": "create_sampling_session", "sampling_session_id": session}
 
     def _sample(self, body: dict) -> dict:
-        def job() -> bytes:
-            return encode_sample_response(*sample(self.service, body))
-        answer = self._queue(job, proto=True)
-        n = int(body.get("num_samples", 1))
-        return {**answer, "sample_sequence_ids": [f"{answer['request_id']}-{i}" for i in range(n)]}
+        request = parse(self.service, body)
+        request_id = f"req-{next(self.ids)}"
+        future = self.futures[request_id] = _Future()
+        self.work.put((future, _SampleJob(request)))
+        return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}-{i}" for i in range(request.n)]}
 
     async def _retrieve(self, http: Request) -> Response:
         body = json.loads(await self._read(http) or b"{}")
