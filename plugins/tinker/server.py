@@ -261,12 +261,13 @@ class TinkerServer:
         return {"type": "get_info", "model_id": client.model_id, "is_lora": True, "lora_rank": client.lora["rank"],
                 "model_name": self.service.name,
                 "model_data": {"arch": type(self.service.model).__name__, "model_name": self.service.name,
-                               "tokenizer_id": self.service.name}}
+                               "tokenizer_id": self.service.path}}
 
     def _create_model(self, body: dict) -> dict:
         service = self.service
+        model_id = f"{body['session_id']}:train:{int(body['model_seq_id'])}"
         return self._queue(lambda: {"type": "create_model", "model_id": service.create_model(
-            body["base_model"], body.get("lora_config"), body.get("optimizer_config")).model_id})
+            body["base_model"], body.get("lora_config"), body.get("optimizer_config"), model_id).model_id})
 
     async def _forward_backward(self, http: Request) -> Response:
         request = decode_forward_backward(await self._read(http), http.headers.get("content-encoding"))
@@ -292,9 +293,11 @@ class TinkerServer:
                                     "path": self.service.save_state(body["model_id"], body.get("path"))})
 
     def _load_weights(self, body: dict) -> dict:
+        model_id = body.get("model_id") or f"{body['session_id']}:train:{int(body['model_seq_id'])}"
+
         def job() -> dict:
-            model_id = self.service.load_state(body["path"], bool(body.get("optimizer")), body.get("model_id"))
-            return {"type": "load_weights", "path": body["path"], "model_id": model_id}
+            model_id_loaded = self.service.load_state(body["path"], bool(body.get("optimizer")), model_id)
+            return {"type": "load_weights", "path": body["path"], "model_id": model_id_loaded}
         return self._queue(job)
 
     def _save_for_sampler(self, body: dict) -> dict:

@@ -47,7 +47,7 @@ class Service:
     def __init__(self, model_path: str, state_dir: str | Path, name: str | None = None, tracker: Any = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        self.name = name or model_path
+        self.name, self.path = name or model_path, model_path
         self.state_dir = Path(state_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
@@ -99,15 +99,18 @@ class Service:
                 p.copy_(renamed[n])
 
     # ------------------------------------------------------------------ training clients
-    def create_model(self, base_model: str, lora: dict[str, Any] | None, optimizer: dict | None) -> TrainingClient:
-        """A new training client with a fresh adapter; its id names the adapter too."""
+    def create_model(self, base_model: str, lora: dict[str, Any] | None, optimizer: dict | None,
+                     model_id: str) -> TrainingClient:
+        """A new training client ``model_id`` (the SDK's ``<session>:train:<seq>``) with a fresh
+        adapter of that name."""
         if base_model != self.name:
             raise Refused(f"base_model {base_model!r} is not served; this server serves {self.name!r}")
         if lora is None:
             raise Refused("full fine-tuning (no lora_config) is not served: tinker-serve trains LoRA adapters")
         if optimizer and optimizer.get("type", "adamw") != "adamw":
             raise Refused(f"optimizer {optimizer.get('type')!r} is not served; tinker-serve runs adamw")
-        model_id = f"model-{next(self._ids)}"
+        if model_id in self.clients or not re.fullmatch(r"[A-Za-z0-9_:-]+", model_id):
+            raise Refused(f"training client id {model_id!r} is taken or malformed")
         self._add_adapter(model_id, lora)
         client = TrainingClient(model_id, dict(lora))
         self.clients[model_id] = client
@@ -211,16 +214,16 @@ class Service:
         self._track(client, "save_state", {"steps": float(client.steps)})
         return path
 
-    def load_state(self, path: str, optimizer: bool, model_id: str | None) -> str:
-        """Load a ``save_state`` file into client ``model_id``, or into a new client made
-        from it (``model_id`` None); with ``optimizer`` its AdamW moments and step count too."""
+    def load_state(self, path: str, optimizer: bool, model_id: str) -> str:
+        """Load a ``save_state`` file into client ``model_id``, made from it when new; with
+        ``optimizer`` its AdamW moments and step count too."""
         _, kind, file = self._file(path)
         if kind != "weights" or not file.exists():
             raise Refused(f"no state saved at {path!r} (save_state writes tinker://<id>/weights/<name>)")
         saved = torch.load(file, weights_only=False)
-        client = self.clients.get(model_id) if model_id else None
+        client = self.clients.get(model_id)
         if client is None:
-            client = self.create_model(self.name, saved["lora"], None)
+            client = self.create_model(self.name, saved["lora"], None, model_id)
         self._load_adapter(client.model_id, saved["adapter"], path)
         client.optimizer, client.steps = None, 0
         if optimizer and saved["optimizer"] is not None:
