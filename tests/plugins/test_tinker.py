@@ -195,3 +195,57 @@ def test_mlflow_logs_each_training_client(served):
     assert run.data.metrics["optim_step/lr"] == pytest.approx(1e-3)
     assert run.data.metrics["forward_backward/cross_entropy/loss_sum"] > 0
     assert len(server.service.tracker.runs) >= 2  # one run per client
+
+
+# --------------------------------------------------------------------------- tinker-cookbook, unmodified
+@pytest.fixture
+def cookbook(served, monkeypatch):
+    """The cookbook finds ``NAME`` in its model table and loads its tokenizer from the folder
+    of that name under the working directory (AutoTokenizer takes a local folder first)."""
+    pytest.importorskip("tinker_cookbook")
+    server, root, _ = served
+    monkeypatch.chdir(root)
+    monkeypatch.setenv("TINKER_API_KEY", KEY)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return server, root
+
+
+def _metrics(folder) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_cookbook_sl_basic_recipe_trains(cookbook):
+    import tinker_cookbook
+    from tinker_cookbook.recipes import sl_basic
+
+    server, root = cookbook
+    conversations = os.path.join(os.path.dirname(tinker_cookbook.__file__), "example_data", "conversations.jsonl")
+    blueprint = sl_basic.build_config_blueprint(NAME)
+    blueprint.make_from_argv([
+        f"base_url={server.base_url}", f"log_path={root / 'sl'}", "renderer_name=role_colon", "lora_rank=2",
+        "max_steps=2", "eval_every=0", "save_every=0", "learning_rate=1e-3",
+        "dataset_builder=tinker_cookbook.supervised.data:FromConversationFileBuilder",
+        f"dataset_builder.file_path={conversations}", f"dataset_builder.common_config.model_name_for_tokenizer={NAME}",
+        "dataset_builder.common_config.renderer_name=role_colon", "dataset_builder.common_config.batch_size=2",
+        "dataset_builder.common_config.max_length=64",
+    ])
+    sl_basic.main(blueprint.make())
+    steps = [m for m in _metrics(root / "sl") if "train_mean_nll" in m]
+    assert len(steps) == 2 and all(np.isfinite(m["train_mean_nll"]) for m in steps)
+
+
+def test_cookbook_rl_arithmetic_recipe_trains(cookbook):
+    import asyncio
+
+    from tinker_cookbook.recipes.math_rl import train as math_rl
+
+    server, root = cookbook
+    config = math_rl.CLIConfig(
+        model_name=NAME, renderer_name="role_colon", env="arithmetic", loss_fn="importance_sampling", group_size=2,
+        groups_per_batch=2, max_tokens=3, lora_rank=2, learning_rate=1e-3, max_steps=2, eval_every=0, save_every=0,
+        base_url=server.base_url, log_path=str(root / "rl"), behavior_if_log_dir_exists="delete")
+    asyncio.run(math_rl.cli_main(config))
+    steps = [m for m in _metrics(root / "rl") if "env/all/reward/total" in m]
+    assert len(steps) == 2 and steps[-1]["env/all/total_episodes"] == 4
