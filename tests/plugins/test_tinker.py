@@ -167,6 +167,8 @@ def test_sampling_from_saved_weights_agrees_with_compute_logprobs(served):
 
 
 def test_refusals_name_what_is_refused(served):
+    from grpo_plugins.tinker.wire import Refused
+
     server, _, client = served
     training = client.create_lora_training_client(base_model=NAME, rank=2)
     data = _rl_data()[:1]
@@ -176,7 +178,7 @@ def test_refusals_name_what_is_refused(served):
         training.forward_backward(data, "ppo", {"eps": 0.2}).result()
     with pytest.raises(tinker.NotFoundError, match="does not serve GET /api/v1/training_runs"):
         client.create_rest_client().list_training_runs().result()
-    with pytest.raises(tinker.TinkerError, match="full fine-tuning"):
+    with pytest.raises(Refused, match="full fine-tuning"):
         server.service.create_model(NAME, None, None, "x:train:0")
     with pytest.raises(tinker.AuthenticationError, match="API key"):
         tinker.ServiceClient(base_url=server.base_url, api_key="tml-wrong")
