@@ -180,8 +180,13 @@ def test_refusals_name_what_is_refused(served):
         client.create_rest_client().list_training_runs().result()
     with pytest.raises(Refused, match="full fine-tuning"):
         server.service.create_model(NAME, None, None, "x:train:0")
-    with pytest.raises(tinker.AuthenticationError, match="API key"):
-        tinker.ServiceClient(base_url=server.base_url, api_key="tml-wrong")
+    import httpx
+
+    keyless = httpx.get(f"{server.base_url}/api/v1/get_server_capabilities")
+    assert keyless.status_code == 401 and "missing or unknown API key" in keyless.json()["detail"]
+    with pytest.raises(tinker.TinkerError, match="missing or unknown API key"):
+        tinker.ServiceClient(base_url=server.base_url, api_key="tml-wrong").create_lora_training_client(
+            base_model=NAME, rank=2)
 
 
 def test_mlflow_logs_each_training_client(served):
