@@ -71,9 +71,32 @@ class HTTPRefusal(Exception):
 
 @dataclass
 class _Future:
+    """A queued call's answer. Pollers wait on an asyncio event the worker sets through their
+    loop (no busy polling: a spinning poller starves the torch threads of a small machine)."""
+
     done: threading.Event = field(default_factory=threading.Event)
     body: bytes = b""
     proto: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    waiters: list = field(default_factory=list)
+
+    def finish(self) -> None:
+        with self.lock:
+            self.done.set()
+            for loop, event in self.waiters:
+                loop.call_soon_threadsafe(event.set)
+
+    async def wait(self, seconds: float) -> bool:
+        event = asyncio.Event()
+        with self.lock:
+            if self.done.is_set():
+                return True
+            self.waiters.append((asyncio.get_running_loop(), event))
+        try:
+            await asyncio.wait_for(event.wait(), seconds)
+        except asyncio.TimeoutError:
+            pass
+        return self.done.is_set()
 
 
 @dataclass
@@ -157,7 +180,7 @@ class TinkerServer:
                 future.body, future.proto = job()
             except Exception as exc:  # noqa: BLE001 - answered to the client (and logged when not a refusal)
                 self._fail(future, exc)
-            future.done.set()
+            future.finish()
 
     def _fail(self, future: _Future, exc: Exception) -> None:
         if isinstance(exc, Refused):
@@ -185,7 +208,7 @@ class TinkerServer:
             for future, _ in items:
                 self._fail(future, exc)
         for future, _ in items:
-            future.done.set()
+            future.finish()
 
     def _queue(self, job: Callable[[], Any], proto: bool = False) -> dict[str, str]:
         """Queue ``job`` (returning JSON-able data, or protobuf bytes when ``proto``); the future's id."""
@@ -330,10 +353,7 @@ class TinkerServer:
         future = self.futures.get(request_id)
         if future is None:
             raise HTTPRefusal(404, f"retrieve_future: no request {request_id!r} on this server")
-        deadline = time.monotonic() + POLL_S
-        while not future.done.is_set() and time.monotonic() < deadline:
-            await asyncio.sleep(0.002)
-        if not future.done.is_set():
+        if not await future.wait(POLL_S):
             return _json({"type": "try_again", "request_id": request_id, "queue_state": "active"})
         del self.futures[request_id]
         if future.proto:
