@@ -57,6 +57,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "grpo_plugins.vllm.colocated",
     "grpo_plugins.vllm.server",
     "grpo_plugins.vllm.serve",
+    "grpo_plugins.tinker",
     "grpo_plugins.rewards.answers",
     "grpo_plugins.rewards.format",
     "grpo_plugins.rewards.length",

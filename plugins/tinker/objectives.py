@@ -1,0 +1,107 @@
+"""Tinker's loss functions on grpo-core's: each maps the per-token log-probs of a datum's
+``target_tokens`` (``logp``, with grad) and its loss inputs to a per-token loss, *summed* over
+the batch's tokens as Tinker's are (no mean: the caller scales by its own weights or
+advantages).
+
+- ``cross_entropy``: ``-w * logp`` (loss input ``weights``), the SFT stage's token NLL;
+- ``importance_sampling``: ``-exp(logp - q) * A`` (``logprobs`` q, ``advantages`` A): the
+  ratio of ``clip`` without its clip, written here;
+- ``ppo``: ``-min(r A, clip(r, lo, hi) A)`` with ``r = exp(logp - q)``: grpo-core's ``clip``
+  loss with ``eps_low = 1 - lo`` and ``eps_high = hi - 1``;
+- ``cispo``: ``-sg(clip(r, lo, hi)) A logp``: grpo-core's ``cispo`` with the same mapping;
+- ``dro``: ``-(A logp - beta/2 (logp - q)^2)``, Tinker's formula, written here.
+
+``lo``/``hi`` are ``loss_fn_config``'s ``clip_low_threshold``/``clip_high_threshold`` (Tinker's
+defaults 0.8 and 1.2); ``dro`` takes ``beta``. Every other name (``gspo``, ``stable_reinforce``,
+an unknown one) is refused by name (:class:`LossRefused`); so is a config key a loss does not
+take. grpo-core's ``clip`` and ``cispo`` run with ``log_ratio_clamp`` off, so the numbers are
+Tinker's formulas exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from grpo_plugins.losses.clip import ppo_clip_loss
+from grpo_plugins.losses.trust_region import cispo_loss
+from grpo_plugins.tinker.wire import Refused
+from torch import Tensor
+
+__all__ = ["LOSSES", "LossRefused", "loss_terms"]
+
+#: Each served loss: the loss inputs it reads beside ``target_tokens``, its config keys with
+#: their defaults.
+LOSSES: dict[str, tuple[tuple[str, ...], dict[str, float]]] = {
+    "cross_entropy": (("weights",), {}),
+    "importance_sampling": (("logprobs", "advantages"), {}),
+    "ppo": (("logprobs", "advantages"), {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
+    "cispo": (("logprobs", "advantages"), {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
+    "dro": (("logprobs", "advantages"), {"beta": 0.05}),
+}
+
+
+class LossRefused(Refused):
+    """A loss (or loss config) this server does not serve; the message names it."""
+
+
+def _eps(config: dict[str, float]) -> tuple[float, float]:
+    low, high = config["clip_low_threshold"], config["clip_high_threshold"]
+    if not 0.0 < low <= 1.0 <= high:
+        raise LossRefused(f"clip thresholds must satisfy 0 < clip_low_threshold <= 1 <= clip_high_threshold; "
+                          f"got {low} and {high}")
+    return 1.0 - low, high - 1.0
+
+
+def _ppo(logp: Tensor, q: Tensor, adv: Tensor, mask: Tensor, config: dict[str, float]) -> Tensor:
+    eps_low, eps_high = _eps(config)
+    return ppo_clip_loss(logp, q, adv, mask, eps_low=max(eps_low, 1e-12), eps_high=max(eps_high, 1e-12),
+                         log_ratio_clamp=None).loss
+
+
+def _cispo(logp: Tensor, q: Tensor, adv: Tensor, mask: Tensor, config: dict[str, float]) -> Tensor:
+    eps_low, eps_high = _eps(config)
+    return cispo_loss(logp, q, adv, mask, eps_low=eps_low or None, eps_high=max(eps_high, 1e-12),
+                      log_ratio_clamp=None).loss
+
+
+def _importance_sampling(logp: Tensor, q: Tensor, adv: Tensor, mask: Tensor, config: dict[str, float]) -> Tensor:
+    return torch.where(mask, -torch.exp(logp - q) * adv, torch.zeros_like(logp))
+
+
+def _dro(logp: Tensor, q: Tensor, adv: Tensor, mask: Tensor, config: dict[str, float]) -> Tensor:
+    loss = -(adv * logp - 0.5 * config["beta"] * (logp - q) ** 2)
+    return torch.where(mask, loss, torch.zeros_like(logp))
+
+
+_POLICY: dict[str, Callable[..., Tensor]] = {
+    "importance_sampling": _importance_sampling, "ppo": _ppo, "cispo": _cispo, "dro": _dro,
+}
+
+
+def check(loss_fn: str, config: dict[str, float | str]) -> dict[str, float]:
+    """The loss's config with its defaults filled in; :class:`LossRefused` naming an unserved
+    loss or a key the loss does not take."""
+    if loss_fn not in LOSSES:
+        raise LossRefused(f"loss_fn {loss_fn!r} is not served by tinker-serve; served: {', '.join(LOSSES)} "
+                          "(and custom losses, which the SDK runs through cross_entropy)")
+    _, defaults = LOSSES[loss_fn]
+    unknown = sorted(set(config) - set(defaults))
+    if unknown:
+        raise LossRefused(f"loss_fn_config key(s) {unknown} are not taken by {loss_fn!r}; "
+                          f"it takes {sorted(defaults) or 'none'}")
+    return {**defaults, **{k: float(v) for k, v in config.items()}}
+
+
+def loss_terms(loss_fn: str, config: dict[str, float], logp: Tensor, inputs: dict[str, Tensor],
+               mask: Tensor) -> Tensor:
+    """The per-token loss ``(B, T)`` of ``loss_fn``, zero where ``mask`` is False; ``inputs``
+    are the datums' loss inputs padded to ``(B, T)``."""
+    reads, _ = LOSSES[loss_fn]
+    missing = [name for name in reads if name not in inputs]
+    if missing:
+        raise LossRefused(f"loss_fn {loss_fn!r} needs loss_fn_inputs {list(reads)} beside target_tokens; "
+                          f"missing {missing}")
+    if loss_fn == "cross_entropy":
+        return torch.where(mask, -logp * inputs["weights"], torch.zeros_like(logp))
+    return _POLICY[loss_fn](logp, inputs["logprobs"], inputs["advantages"], mask, config)

@@ -1,0 +1,258 @@
+"""tinker-serve against the official tinker SDK (0.38), unmodified, on a loopback server and a
+tiny model: training clients, Tinker's losses against their formulas, Adam steps against
+torch's, exact resume, two clients apart, sampling, refusals, MLflow; and the cookbook's
+supervised and RL recipes run against it (tests/plugins/test_tinker_cookbook.py)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import numpy as np
+import pytest
+import torch
+
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+
+from grpo_core.testing import save_tiny_model  # noqa: E402
+
+KEY = "tml-grpo-test"
+NAME = "Qwen/Qwen3-8B"  # a name the cookbook's model table knows; the weights are the tiny model's
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A tinker-serve on a tiny model (served under ``NAME``), its folder, and a ServiceClient."""
+    from grpo_plugins.tinker import start
+
+    root = tmp_path_factory.mktemp("tinker")
+    model = save_tiny_model(root / NAME, hidden_size=32, layers=1)
+    saved = {k: os.environ.get(k) for k in ("TINKER_TELEMETRY", "MLFLOW_TRACKING_URI")}
+    os.environ.update(TINKER_TELEMETRY="0", MLFLOW_TRACKING_URI=f"sqlite:///{root / 'mlflow.db'}")
+    args = argparse.Namespace(model=str(model), name=NAME, api_keys=[KEY], host="127.0.0.1", port=0,
+                              state_dir=str(root / "state"), max_request_bytes=1 << 24, mlflow="tinker-test")
+    server = start(args)
+    client = tinker.ServiceClient(base_url=server.base_url, api_key=KEY)
+    yield server, root, client
+    client.close("success").result()
+    server.close()
+    for key, value in saved.items():
+        os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+
+
+def _adapter(server, model_id: str) -> dict[str, torch.Tensor]:
+    return {n.replace(f".{model_id}.", "."): p.detach().clone()
+            for n, p in server.service.model.named_parameters() if f".{model_id}." in n}
+
+
+def _datum(tokens: list[int], **inputs) -> types.Datum:
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": tokens[1:], **inputs})
+
+
+def _rl_data() -> list[types.Datum]:
+    rng = np.random.default_rng(0)
+    data = []
+    for _ in range(3):
+        tokens = rng.integers(10, 300, size=9).tolist()
+        data.append(_datum(tokens, logprobs=(-5.5 + rng.normal(0, 0.3, 8)).astype(np.float32).tolist(),
+                           advantages=rng.normal(0, 1, 8).astype(np.float32).tolist()))
+    return data
+
+
+def _reference_step(server, before: dict[str, torch.Tensor], lora_rank: int, data, loss, adam) -> dict:
+    """The same step computed apart from the server: a PEFT copy of the base with the adapter
+    ``before``, the loss written out, torch's AdamW."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(server.service.path, dtype=torch.float32)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+    model = get_peft_model(base, LoraConfig(r=lora_rank, lora_alpha=32, lora_dropout=0.0, target_modules=targets))
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for n, t in before.items():
+            params[n.replace(".lora_A.weight", ".lora_A.default.weight").replace(
+                ".lora_B.weight", ".lora_B.default.weight")].copy_(t)
+    trainable = [p for n, p in model.named_parameters() if p.requires_grad]
+    total = 0.0
+    for d in data:
+        ids = torch.tensor([d.model_input.to_ints()])
+        target = torch.tensor(d.loss_fn_inputs["target_tokens"].tolist())
+        logp = torch.log_softmax(model(input_ids=ids).logits.float()[0], -1).gather(1, target[:, None])[:, 0]
+        total = total + loss(logp, {k: torch.tensor(v.tolist()) for k, v in d.loss_fn_inputs.items()})
+    total.backward()
+    opt = torch.optim.AdamW(trainable, lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
+                            weight_decay=adam.weight_decay)
+    opt.step()
+    return {n.replace(".default.", "."): p.detach() for n, p in model.named_parameters() if "lora_" in n}
+
+
+def _is_loss(logp, x):
+    return -(torch.exp(logp - x["logprobs"]) * x["advantages"]).sum()
+
+
+def _ppo_loss(logp, x, low=0.7, high=1.1):
+    ratio = torch.exp(logp - x["logprobs"])
+    return -torch.minimum(ratio * x["advantages"], ratio.clamp(low, high) * x["advantages"]).sum()
+
+
+@pytest.mark.parametrize(("loss_fn", "config", "reference"), [
+    ("importance_sampling", None, _is_loss),
+    ("ppo", {"clip_low_threshold": 0.7, "clip_high_threshold": 1.1}, _ppo_loss),
+])
+def test_policy_loss_step_matches_its_formula_and_torch_adamw(served, loss_fn, config, reference):
+    server, _, client = served
+    training = client.create_lora_training_client(base_model=NAME, rank=4, seed=1)
+    model_id = training.model_id
+    before = _adapter(server, model_id)
+    adam = types.AdamParams(learning_rate=5e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01)
+    data = _rl_data()
+    out = training.forward_backward(data, loss_fn, config).result()
+    training.optim_step(adam).result()
+    expected = _reference_step(server, before, 4, data, reference, adam)
+    after = _adapter(server, model_id)
+    assert set(after) == set(expected)
+    assert any((after[n] - before[n]).abs().max() > 1e-4 for n in after)  # the step moved the adapter
+    for name, value in after.items():
+        torch.testing.assert_close(value, expected[name], atol=1e-6, rtol=0)
+    assert len(out.loss_fn_outputs) == 3 and "loss:sum" in out.metrics
+
+
+def test_two_clients_keep_apart_and_state_resumes_bit_for_bit(served):
+    server, _, client = served
+    a = client.create_lora_training_client(base_model=NAME, rank=4, seed=2)
+    b = client.create_lora_training_client(base_model=NAME, rank=2, seed=3)
+    b_before = _adapter(server, b.model_id)
+    data = [_datum(list(range(20, 40)), weights=[1.0] * 19)]
+    adam = types.AdamParams(learning_rate=1e-2)
+    losses = []
+    for _ in range(2):
+        losses.append(a.forward_backward(data, "cross_entropy").result().metrics["loss:sum"])
+        a.optim_step(adam).result()
+    assert losses[1] < losses[0]
+    for name, value in _adapter(server, b.model_id).items():  # b untouched by a's steps
+        assert torch.equal(value, b_before[name])
+    assert server.service.clients[b.model_id].optimizer is None
+    path = a.save_state("resume").result().path
+    a.forward_backward(data, "cross_entropy").result()
+    a.optim_step(adam).result()
+    stepped = _adapter(server, a.model_id)
+    resumed = client.create_training_client_from_state_with_optimizer(path)
+    resumed.forward_backward(data, "cross_entropy").result()
+    resumed.optim_step(adam).result()
+    for name, value in _adapter(server, resumed.model_id).items():
+        assert torch.equal(value, stepped[name]), name
+
+
+def test_sampling_from_saved_weights_agrees_with_compute_logprobs(served):
+    server, _, client = served
+    training = client.create_lora_training_client(base_model=NAME, rank=4, seed=4)
+    training.forward_backward([_datum(list(range(50, 70)), weights=[1.0] * 19)], "cross_entropy").result()
+    training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    sampler = training.save_weights_and_get_sampling_client(name="s1")
+    prompt = list(range(30, 38))
+    result = sampler.sample(types.ModelInput.from_ints(prompt), 3,
+                            types.SamplingParams(max_tokens=5, temperature=1.0, seed=7)).result()
+    assert len(result.sequences) == 3
+    seq = result.sequences[0]
+    assert 1 <= len(seq.tokens) <= 5 and len(seq.logprobs) == len(seq.tokens)
+    full = sampler.compute_logprobs(types.ModelInput.from_ints(prompt + seq.tokens)).result()
+    assert full[0] is None
+    np.testing.assert_allclose(full[len(prompt):], seq.logprobs, atol=1e-5)
+    base = client.create_sampling_client(base_model=NAME)
+    base_lp = base.compute_logprobs(types.ModelInput.from_ints(prompt + seq.tokens)).result()
+    assert not np.allclose(base_lp[1:], full[1:], atol=1e-4)  # the snapshot is not the base model
+
+
+def test_refusals_name_what_is_refused(served):
+    from grpo_plugins.tinker.wire import Refused
+
+    server, _, client = served
+    training = client.create_lora_training_client(base_model=NAME, rank=2)
+    data = _rl_data()[:1]
+    with pytest.raises(tinker.BadRequestError, match="'stable_reinforce' is not served"):
+        training.forward_backward(data, "stable_reinforce").result()
+    with pytest.raises(tinker.BadRequestError, match=r"key\(s\) \['eps'\] are not taken by 'ppo'"):
+        training.forward_backward(data, "ppo", {"eps": 0.2}).result()
+    with pytest.raises(tinker.NotFoundError, match="does not serve GET /api/v1/training_runs"):
+        client.create_rest_client().list_training_runs().result()
+    with pytest.raises(Refused, match="full fine-tuning"):
+        server.service.create_model(NAME, None, None, "x:train:0")
+    import httpx
+
+    keyless = httpx.get(f"{server.base_url}/api/v1/get_server_capabilities")
+    assert keyless.status_code == 401 and "missing or unknown API key" in keyless.json()["detail"]
+    with pytest.raises(tinker.TinkerError, match="missing or unknown API key"):
+        tinker.ServiceClient(base_url=server.base_url, api_key="tml-wrong").create_lora_training_client(
+            base_model=NAME, rank=2)
+
+
+def test_mlflow_logs_each_training_client(served):
+    from mlflow.tracking import MlflowClient
+
+    server, _, client = served
+    training = client.create_lora_training_client(base_model=NAME, rank=2)
+    training.forward_backward([_datum(list(range(20, 30)), weights=[1.0] * 9)], "cross_entropy").result()
+    training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    mlflow = MlflowClient()
+    run = mlflow.get_run(server.service.tracker.runs[training.model_id])
+    assert run.info.run_name == training.model_id
+    assert run.data.metrics["optim_step/lr"] == pytest.approx(1e-3)
+    assert run.data.metrics["forward_backward/cross_entropy/loss_sum"] > 0
+    assert len(server.service.tracker.runs) >= 2  # one run per client
+
+
+# --------------------------------------------------------------------------- tinker-cookbook, unmodified
+@pytest.fixture
+def cookbook(served, monkeypatch):
+    """The cookbook finds ``NAME`` in its model table and loads its tokenizer from the folder
+    of that name under the working directory (AutoTokenizer takes a local folder first)."""
+    pytest.importorskip("tinker_cookbook")
+    server, root, _ = served
+    monkeypatch.chdir(root)
+    monkeypatch.setenv("TINKER_API_KEY", KEY)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return server, root
+
+
+def _metrics(folder) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_cookbook_sl_basic_recipe_trains(cookbook):
+    import tinker_cookbook
+    from tinker_cookbook.recipes import sl_basic
+
+    server, root = cookbook
+    conversations = os.path.join(os.path.dirname(tinker_cookbook.__file__), "example_data", "conversations.jsonl")
+    blueprint = sl_basic.build_config_blueprint(NAME)
+    blueprint.make_from_argv([
+        f"base_url={server.base_url}", f"log_path={root / 'sl'}", "renderer_name=role_colon", "lora_rank=2",
+        "max_steps=2", "eval_every=0", "save_every=0", "learning_rate=1e-3",
+        "dataset_builder=tinker_cookbook.supervised.data:FromConversationFileBuilder",
+        f"dataset_builder.file_path={conversations}", f"dataset_builder.common_config.model_name_for_tokenizer={NAME}",
+        "dataset_builder.common_config.renderer_name=role_colon", "dataset_builder.common_config.batch_size=2",
+        "dataset_builder.common_config.max_length=64",
+    ])
+    sl_basic.main(blueprint.make())
+    steps = [m for m in _metrics(root / "sl") if "train_mean_nll" in m]
+    assert len(steps) == 2 and all(np.isfinite(m["train_mean_nll"]) for m in steps)
+
+
+def test_cookbook_rl_arithmetic_recipe_trains(cookbook):
+    import asyncio
+
+    from tinker_cookbook.recipes.math_rl import train as math_rl
+
+    server, root = cookbook
+    config = math_rl.CLIConfig(
+        model_name=NAME, renderer_name="role_colon", env="arithmetic", loss_fn="importance_sampling", group_size=2,
+        groups_per_batch=2, max_tokens=3, lora_rank=2, learning_rate=1e-3, max_steps=2, eval_every=0, save_every=0,
+        base_url=server.base_url, log_path=str(root / "rl"), behavior_if_log_dir_exists="delete")
+    asyncio.run(math_rl.cli_main(config))
+    steps = [m for m in _metrics(root / "rl") if "env/all/reward/total" in m]
+    assert len(steps) == 2 and steps[-1]["env/all/total_episodes"] == 4
