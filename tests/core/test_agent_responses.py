@@ -62,8 +62,23 @@ def _responses_agent(mode: str, seen: list):
     return agent
 
 
+def _build_the_sdks_event_table() -> None:
+    """The openai SDK parses a stream event by its ``type``, through a table it builds from the
+    event classes on first use and then caches. Built from several threads at once (the eight
+    episodes below), it was cached incomplete on a loaded machine (the classes' pydantic schemas
+    still being built), and every later ``response.completed`` parsed as another event class. That
+    is the SDK's race, not the endpoint's: build the table once, in this thread, first."""
+    from openai._models import construct_type
+    from openai.types.responses import ResponseStreamEvent
+
+    event = construct_type(type_=ResponseStreamEvent, value={"type": "response.completed", "sequence_number": 0,
+                                                              "response": {"id": "r", "output": []}})
+    assert type(event).__name__ == "ResponseCompletedEvent"
+
+
 @pytest.mark.parametrize("mode", ["create", "events", "helper"])
 def test_a_responses_agent_records_what_a_chat_agent_records(long_model, tmp_path, mode):  # noqa: F811
+    _build_the_sdks_event_table()
     seen: list = []
     rollouts = []
     for name, agent in (("chat", calculator_agent), ("responses", _responses_agent(mode, seen))):
