@@ -2,20 +2,27 @@
 
     python bench/memory.py [--steps 3] [--threads 1] [--set KEY=VALUE ...]
     python bench/memory.py --lean            # the lean settings of bench/vs_trl.py --grpo-lean
+    python bench/memory.py --prompts 2 --group 12 --tokens 128 --beta 0.02 --steps 1   # issue 60's setting
 
 Runs the quickstart spec on the plain float32 copy of the model that ``vs_trl.py`` writes,
 with ``vs_trl.py``'s bf16 settings (TRL's defaults: bf16 autocast), for ``--steps`` steps. A
 thread samples this process's resident memory (``/proc/self/statm``) every 2 ms and keeps the
 highest value seen in each phase (loading, generate, score, logprobs, update = forward and
 backward, optimizer, sync). Next to it, the bytes the tensors themselves hold at the
-optimizer step: weights, gradients, optimizer state, the rollout backend's copy. The rest of
-a phase's peak is the Python/torch runtime, activations and the allocator's slack.
+optimizer step: weights, gradients, optimizer state, the rollout backend's copy and the
+reference model. The rest of a phase's peak is the Python/torch runtime, activations and the
+allocator's slack; to tell those apart, each phase's peak also gives glibc's own count at that
+moment (``mallinfo2``): bytes malloc has handed out and not had back (``in use``: torch's CPU
+tensors are malloc'd) and bytes freed but still held by the process (``held free``), which
+resident memory includes and no tensor owns. The training phase is split into each
+micro-batch's forward and its backward.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import os
 import resource
 import sys
@@ -36,18 +43,45 @@ def rss() -> int:
         return int(f.read().split()[1]) * PAGE
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+_LIBC = ctypes.CDLL(None)
+_MALLINFO2 = getattr(_LIBC, "mallinfo2", None)
+if _MALLINFO2 is not None:
+    _MALLINFO2.restype = _MallInfo2
+
+
+def malloc_counts() -> tuple[int, int]:
+    """glibc's ``(in use, held free)`` bytes: handed out (heap and mmapped chunks), and freed
+    but kept by the process; ``(0, 0)`` where ``mallinfo2`` is missing (not glibc 2.33+)."""
+    if _MALLINFO2 is None:
+        return 0, 0
+    info = _MALLINFO2()
+    return info.uordblks + info.hblkhd, info.fordblks
+
+
 class Sampler:
-    """Highest resident memory per phase label, sampled every ``every`` seconds."""
+    """Highest resident memory per phase label, sampled every ``every`` seconds, with glibc's
+    counts (:func:`malloc_counts`) at each new peak."""
 
     def __init__(self, every: float = 0.002):
         self.label, self.peaks, self.every = "startup", {}, every
+        self.malloc: dict[str, tuple[int, int]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
+    def _see(self, label: str) -> None:
+        now = rss()
+        if now > self.peaks.get(label, 0):
+            self.peaks[label] = now
+            self.malloc[label] = malloc_counts()
+
     def _run(self) -> None:
         while not self._stop.is_set():
-            now = rss()
-            self.peaks[self.label] = max(self.peaks.get(self.label, 0), now)
+            self._see(self.label)
             time.sleep(self.every)
 
     @contextlib.contextmanager
@@ -56,8 +90,7 @@ class Sampler:
         try:
             yield
         finally:
-            now = rss()
-            self.peaks[name] = max(self.peaks.get(name, 0), now)
+            self._see(name)
             self.label = outer
 
     def __enter__(self):
@@ -77,11 +110,15 @@ def tensor_bytes(run) -> dict[str, int]:
     copy = 0
     if backend_model is not None and backend_model is not run.learner.model:
         copy = sum(p.numel() * p.element_size() for p in backend_model.parameters())
+    kl = run.learner.kl
+    reference = None if kl is None else kl.reference.model  # None: no KL term, or LoRA's adapter off
     return {
         "weights": sum(p.numel() * p.element_size() for p in params),
         "gradients": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
         "optimizer state": sum(t.numel() * t.element_size() for t in state),
         "generation copy (resident)": copy,
+        "reference model": 0 if reference is None else sum(
+            t.numel() * t.element_size() for t in [*reference.parameters(), *reference.buffers()]),
     }
 
 
@@ -97,6 +134,24 @@ def instrument(sampler: Sampler, held: dict) -> None:
             yield
 
     stepmod.Timer.__call__ = timed
+    import grpo_core.train.learner.update as updatemod
+
+    loss = updatemod.micro_batch_loss  # one micro-batch's forward (and its loss)
+
+    def labelled_loss(*a, **k):
+        with sampler.phase("micro-batch forward"):
+            return loss(*a, **k)
+
+    updatemod.micro_batch_loss = labelled_loss
+    import torch
+
+    backward = torch.Tensor.backward
+
+    def labelled_backward(self, *a, **k):
+        with sampler.phase("micro-batch backward"):
+            return backward(self, *a, **k)
+
+    torch.Tensor.backward = labelled_backward
     import grpo_core.train.learner.learner as learnermod
 
     update = learnermod.update  # what Learner.learn calls: update(learner, batch)
@@ -127,6 +182,11 @@ def main() -> int:
     parser.add_argument("--set", action="append", default=[], dest="sets", help="extra spec override")
     parser.add_argument("--model-dir", default=None)
     parser.add_argument("--tiny", action="store_true", help="grpo_core.testing's tiny random model (a smoke run)")
+    parser.add_argument("--prompts", type=int, default=2, help="prompts per step")
+    parser.add_argument("--group", type=int, default=8, help="completions per prompt (G)")
+    parser.add_argument("--tokens", type=int, default=32, help="rollout.max_new_tokens")
+    parser.add_argument("--beta", type=float, default=None, help="algorithm.kl.beta (> 0 loads a reference model)")
+    parser.add_argument("--no-eval", action="store_true", help="skip the greedy evaluations before and after")
     a = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(a.threads))
     warnings.filterwarnings("ignore", message=".*optimizer.step.*")  # our label wrapper, not a misuse
@@ -145,23 +205,29 @@ def main() -> int:
         model_dir = Path(a.model_dir) if a.model_dir else Path(vs_trl.default_model_dir())
         with sampler.phase("prepare the float32 copy"):
             model = str(vs_trl.bench_model(model_dir, a.tiny))
-        overrides = vs_trl.grpo_overrides(model, "bf16", a.steps, a.threads) + (vs_trl.LEAN if a.lean else []) + a.sets
+        overrides = vs_trl.grpo_overrides(model, "bf16", a.steps, a.threads, tokens=a.tokens, group_size=a.group,
+                                          prompts=a.prompts, beta=a.beta) + (vs_trl.LEAN if a.lean else []) + a.sets
         with sampler.phase("load"):
             run = build_run(load_spec(vs_trl.DEFAULT_SPEC, overrides))
         sampler.label = "between phases"
         held["run"] = run
         _, eval_rows = vs_trl.task_rows(50)
-        with sampler.phase("greedy eval before"):  # as vs_trl.py's workers do
-            vs_trl.greedy_accuracy(run.model, run.tokenizer, eval_rows, 32)
+        if not a.no_eval:
+            with sampler.phase("greedy eval before"):  # as vs_trl.py's workers do
+                vs_trl.greedy_accuracy(run.model, run.tokenizer, eval_rows, 32)
         times = []
         for step in range(a.steps):
             times.append(train_step(run.feed, run.learner, step).metrics["time/generate"])
-        with sampler.phase("greedy eval after"):
-            vs_trl.greedy_accuracy(run.model, run.tokenizer, eval_rows, 32)
+        if not a.no_eval:
+            with sampler.phase("greedy eval after"):
+                vs_trl.greedy_accuracy(run.model, run.tokenizer, eval_rows, 32)
+    print(f"setting: {a.prompts} prompts x G={a.group}, {a.tokens} tokens, beta {a.beta}, bf16; CPU "
+          f"{vs_trl.cpu_info()[0]}")
     print("overrides:", " ".join((vs_trl.LEAN if a.lean else []) + a.sets) or "(none)")
-    print(f"{'phase':<28}{'peak RSS GB':>12}")
+    print(f"{'phase':<28}{'peak RSS GB':>12}{'in use GB':>11}{'held free GB':>14}")
     for name, value in sampler.peaks.items():
-        print(f"{name:<28}{value / GB:>12.3f}")
+        used, free = sampler.malloc.get(name, (0, 0))
+        print(f"{name:<28}{value / GB:>12.3f}{used / GB:>11.3f}{free / GB:>14.3f}")
     print(f"{'process peak (ru_maxrss)':<28}{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2:>12.3f}")
     print("generate seconds per step:", " ".join(f"{t:.2f}" for t in times))
     print("tensors held at the optimizer step:")

@@ -4,6 +4,7 @@ that talks to the policy through an OpenAI-compatible endpoint, and the episodes
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -70,8 +71,11 @@ class AgentEpisode:
         model: the model name to put in requests (any name is accepted).
         row: the dataset row (every column), as reward functions see it.
         index: which of the ``G`` episodes of its prompt this is (0-based).
-        timeout: seconds the episode may take; after them it is cancelled and recorded as
-            failed.
+        timeout: seconds of its own the episode may take (``rollout.agent.timeout_s``); after
+            them it is cancelled and recorded as failed. The time its requests wait for the
+            policy's answers does not count, and under load one request may wait far longer
+            than ``timeout`` (up to ``rollout.agent.wait_timeout_s``): a client's own request
+            timeout should not be set from it.
     """
 
     base_url: str
@@ -127,6 +131,10 @@ class Episodes:
             its prompt after the group's prompt (context) and its tokens. The learner trains
             each sample as its own sequence (:mod:`grpo_core.train.learner.samples`); rewards
             and advantages stay the episode's.
+        queue_wait: ``float64 (B,)`` seconds each agent episode's requests waited at the
+            endpoint for the policy's answers (NaN for a row no agent ran), or None.
+        agent_seconds: ``float64 (B,)`` seconds of each agent episode that were its agent's
+            own (its time less ``queue_wait``: what ``rollout.agent.timeout_s`` bounds), or None.
     """
 
     messages: list[list[dict[str, Any]]]
@@ -137,13 +145,17 @@ class Episodes:
     lengths: Tensor
     failed: Tensor | None = None
     splits: list[list[int]] | None = None
+    queue_wait: Tensor | None = None
+    agent_seconds: Tensor | None = None
 
     def select(self, rows: Sequence[int]) -> Episodes:
         idx = torch.tensor(list(rows), dtype=torch.long)
         return Episodes([self.messages[i] for i in rows], [self.env_rewards[i] for i in rows],
                         self.turns[idx], self.tool_calls[idx], self.tool_errors[idx], self.lengths[idx],
                         None if self.failed is None else self.failed[idx],
-                        None if self.splits is None else [list(self.splits[i]) for i in rows])
+                        None if self.splits is None else [list(self.splits[i]) for i in rows],
+                        None if self.queue_wait is None else self.queue_wait[idx],
+                        None if self.agent_seconds is None else self.agent_seconds[idx])
 
     @staticmethod
     def concat(parts: Sequence[Episodes]) -> Episodes:
@@ -154,7 +166,7 @@ class Episodes:
         return Episodes([m for p in parts for m in p.messages], [r for p in parts for r in p.env_rewards],
                         *(torch.cat([getattr(p, k) for p in parts]) for k in ("turns", "tool_calls",
                                                                               "tool_errors", "lengths")), failed,
-                        splits)
+                        splits, _seconds(parts, "queue_wait"), _seconds(parts, "agent_seconds"))
 
     @property
     def samples(self) -> Tensor:
@@ -163,3 +175,11 @@ class Episodes:
             return torch.ones(len(self.messages), dtype=torch.long)
         return torch.tensor([1 + len(s) for s in self.splits], dtype=torch.long)
 
+
+def _seconds(parts: Sequence[Episodes], name: str) -> Tensor | None:
+    """The parts' per-episode durations ``name`` as one, NaN for a part without them (an
+    environment's rows beside an agent's), None when no part has them."""
+    if all(getattr(p, name) is None for p in parts):
+        return None
+    return torch.cat([getattr(p, name) if getattr(p, name) is not None
+                      else torch.full((len(p.messages),), math.nan, dtype=torch.float64) for p in parts])

@@ -19,7 +19,9 @@ What a request may set: ``messages`` (or ``prompt``), ``tools``, ``max_tokens`` 
 ``top_k`` only at the spec's values (the learner's log-probs assume them); ``stream`` and
 ``stream_options.include_usage`` (:mod:`grpo_core.endpoint.streaming`). Every request is
 bounded: its body (``max_request_bytes``), the episode's calls
-(``max_calls``), tokens (``max_total_tokens``) and time (``timeout_s``).
+(``max_calls``), tokens (``max_total_tokens``) and its agent's own time (``timeout_s``: the time
+its requests spend here, waiting for the shared policy, does not count), and the wait for one
+answer (``wait_timeout_s``).
 """
 
 from __future__ import annotations

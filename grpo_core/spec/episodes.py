@@ -38,7 +38,15 @@ class AgentSlot(Slot):
     concurrency: int = Field(16, ge=1, description="Episodes running at once; their requests share generate calls.")
     timeout_s: Seconds = Field(
         300.0, gt=0,
-        description="Seconds one episode may take; then it is cancelled and recorded as failed (no reward).",
+        description="Seconds of its agent's own time one episode may take; then it is cancelled and recorded as "
+        "failed (no reward). The time its requests wait at the endpoint for the policy's answers (queued behind "
+        "other episodes' generate calls, then their own) does not count: env/queue_wait_seconds logs it.",
+    )
+    wait_timeout_s: Seconds = Field(
+        600.0, gt=0,
+        description="Seconds one request may wait for the policy's answer (the openai client's default request "
+        "timeout); a longer wait means the rollout backend is stuck: the request is answered 504 (its episode "
+        "fails) and the run stops with an error naming this setting once the backend's generate call returns.",
     )
     max_calls: int = Field(32, ge=1, description="Completion requests per episode at most; past it the episode fails.")
     max_total_tokens: int = Field(

@@ -15,11 +15,12 @@ from grpo_core.errors import closest
 __all__ = ["EPISODE_METRICS", "reward_labels", "eval_metric_names", "best_metric_problems"]
 
 #: The per-episode metrics of multi-turn rollouts (an environment, an agent or routes),
-#: logged under each held-out set's prefix; the last two only when some episode made a tool
-#: call, or when the episodes record failures.
+#: logged under each held-out set's prefix; ``tool_success_rate`` only when some episode made a
+#: tool call, ``failed_episodes`` when the episodes record failures, the last two for agent
+#: episodes.
 EPISODE_METRICS = ("env/turns_per_episode", "env/tool_calls", "env/tool_errors", "env/model_tokens",
                    "env/env_tokens", "env/samples_per_episode", "env/tool_call_rate", "env/tool_success_rate",
-                   "env/failed_episodes")
+                   "env/failed_episodes", "env/queue_wait_seconds", "env/agent_seconds")
 
 
 def reward_labels(names: list[str]) -> list[str]:

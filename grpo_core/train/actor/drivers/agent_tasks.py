@@ -1,6 +1,7 @@
 """Running the agent programs of one rollout (:class:`AgentTasks`): an event loop in a thread of
-its own, at most ``concurrency`` episodes at once, each bounded by its timeout, and each
-agent's failure (an exception, a timeout, a reward that is not a finite float32, ``sys.exit``,
+its own, at most ``concurrency`` episodes at once, each bounded by its timeout on its agent's own
+time (:class:`EpisodeClock`: the time its requests wait for the policy's answers is not the
+agent's), and each agent's failure (an exception, a timeout, a reward that is not a finite float32, ``sys.exit``,
 a ``KeyboardInterrupt`` raised in its code, a stopped loop) failing its own episode only. The
 runner that serves their requests and records their tokens is
 :class:`~grpo_core.train.actor.drivers.agents.AgentRunner`.
@@ -26,8 +27,9 @@ log = logging.getLogger("grpo.agents")
 class AgentTasks:
     """The agents of one rollout, at most ``concurrency`` at once, in an event loop of their
     own thread; a synchronous agent runs in a daemon thread per episode. ``episodes`` are the
-    runner's live episodes (``key``, ``row``, ``index``, ``record``, ``deadline``, ``closed``
-    and ``fail(why)``); ``on_change()`` is called each time one ends."""
+    runner's live episodes (``key``, ``row``, ``index``, ``record``, ``clock`` (an
+    :class:`EpisodeClock`), ``closed`` and ``fail(why)``); ``on_change()`` is called each time
+    one ends. ``timeout`` bounds each episode's own time (``clock.own()``)."""
 
     def __init__(self, agent, episodes: list[Any], base_url: str, concurrency: int, timeout: float,
                  on_change) -> None:
@@ -65,9 +67,9 @@ class AgentTasks:
     async def _one(self, e: Any, gate: asyncio.Semaphore) -> None:
         async with gate:
             self.running += 1
-            e.deadline = time.monotonic() + self.timeout
+            e.clock.start()
             try:
-                value = await asyncio.wait_for(_contained(self._call(e)), self.timeout)
+                value = await self._bounded(e, asyncio.ensure_future(_contained(self._call(e))))
                 if value is not None and not isinstance(value, (int, float)):
                     e.fail(f"returned {type(value).__name__}, not a float reward or None")
                 elif value is not None and not abs(value) <= REWARD_MAX:  # NaN, an infinity, 1e300
@@ -76,7 +78,7 @@ class AgentTasks:
                 else:
                     e.record.reward = None if value is None else float(value)
             except asyncio.TimeoutError:
-                e.fail(f"timed out after {self.timeout:g} s (rollout.agent.timeout_s)")
+                e.fail(timed_out(self.timeout))
             except asyncio.CancelledError:
                 e.fail("cancelled")
             except _AgentExit as exc:
@@ -84,9 +86,28 @@ class AgentTasks:
             except BaseException as exc:  # noqa: BLE001 - an agent's failure is its episode's, never the run's
                 e.fail(f"raised {fault_text(exc)}")
             finally:
+                e.clock.stop()
                 e.closed = True
                 self.running -= 1
                 self.on_change()
+
+    async def _bounded(self, e: Any, task: asyncio.Future) -> Any:
+        """``task``'s result, or :class:`asyncio.TimeoutError` (``task`` cancelled) once the
+        episode's own time reaches ``timeout``: the deadline moves on by each wait for the policy."""
+        try:
+            while True:
+                left = self.timeout - e.clock.own()
+                if left <= 0:
+                    task.add_done_callback(lambda t: t.cancelled() or t.exception())  # what it raises: retrieved
+                    task.cancel()
+                    await asyncio.wait({task}, timeout=1.0)  # its cancellation runs; a task that ignores it is left
+                    raise asyncio.TimeoutError
+                done, _ = await asyncio.wait({task}, timeout=left)
+                if done:
+                    return task.result()
+        except asyncio.CancelledError:  # the rollout ended: the agent's task goes with it
+            task.cancel()
+            raise
 
     async def _call(self, e: Any) -> Any:
         info = AgentEpisode(self.base_url, e.key, "policy", dict(e.row), e.index, self.timeout)
@@ -141,6 +162,60 @@ async def _contained(call: Any) -> Any:
 def _settle(future: asyncio.Future, value: Any, error: BaseException | None) -> None:
     if not future.done():
         future.set_exception(error) if error is not None else future.set_result(value)
+
+
+def timed_out(timeout: float) -> str:
+    """Why an episode whose agent's own time ran past ``timeout`` failed."""
+    return (f"timed out after {timeout:g} s of its own time (rollout.agent.timeout_s; the time its requests waited "
+            "for the policy's answers does not count)")
+
+
+@dataclass
+class EpisodeClock:
+    """One episode's time: its agent's own, and the time its requests waited at the endpoint for
+    the policy's answers (queued behind other episodes' ``generate`` calls, then their own),
+    which ``rollout.agent.timeout_s`` does not count. One endpoint thread at a time writes the
+    waits (an episode has one request at a time); the agents' loop and the runner read them. A
+    wait is added to ``waited`` before the running one is cleared, and read the other way
+    round, so a reader never takes a wait for the agent's own time."""
+
+    started: float | None = None
+    ended: float | None = None
+    waited: float = 0.0  # seconds of the finished waits
+    waiting_since: float | None = None  # when the request waiting now was queued
+
+    def start(self) -> None:
+        self.started = time.monotonic()
+
+    def stop(self) -> None:
+        if self.ended is None:
+            self.ended = time.monotonic()
+
+    def wait_begins(self) -> None:
+        self.waiting_since = time.monotonic()
+
+    def wait_ends(self) -> None:
+        since = self.waiting_since
+        if since is not None:
+            self.waited += time.monotonic() - since
+            self.waiting_since = None
+
+    def wait(self, now: float | None = None) -> float:
+        """Seconds its requests waited for the policy so far (the one waiting now included)."""
+        since = self.waiting_since
+        now = self._now(now)
+        return self.waited + (max(0.0, now - since) if since is not None else 0.0)
+
+    def own(self, now: float | None = None) -> float:
+        """Seconds of the agent's own since it started: wall time less :meth:`wait`."""
+        if self.started is None:
+            return 0.0
+        now = self._now(now)
+        return max(0.0, now - self.started - self.wait(now))
+
+    def _now(self, now: float | None) -> float:
+        now = time.monotonic() if now is None else now
+        return now if self.ended is None else min(now, self.ended)
 
 
 @dataclass

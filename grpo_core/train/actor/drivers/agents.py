@@ -3,7 +3,9 @@
 For each rollout, :class:`AgentRunner` serves an endpoint on 127.0.0.1
 (:mod:`grpo_core.endpoint.server`), runs ``G`` episodes of each prompt with the spec's agent
 (``rollout.agent``: a function or coroutine function, :class:`~grpo_core.contracts.Agent`),
-at most ``concurrency`` at once, each within ``timeout_s``, and answers their requests with
+at most ``concurrency`` at once, each within ``timeout_s`` of its agent's own time (the time its
+requests wait for the policy's answers does not count; one request waiting longer than
+``wait_timeout_s`` stops the run: the engine is stuck), and answers their requests with
 the run's rollout backend from the calling thread: requests that arrive together (every
 running episode waiting, or ``batch_window_ms`` after the first) share one ``generate``
 call per set of stop strings, a prompt asked for by several episodes (their first turn)
@@ -27,7 +29,6 @@ depends on timing.
 from __future__ import annotations
 
 import logging
-import math
 import secrets
 import threading
 import time
@@ -45,7 +46,7 @@ from grpo_core.endpoint.server import (
 from grpo_core.endpoint.streaming import pieces
 from grpo_core.endpoint.toolcalls import tool_format
 from grpo_core.errors import RunError, fault_text
-from grpo_core.train.actor.drivers.agent_tasks import AgentTasks, Job, JobQueue
+from grpo_core.train.actor.drivers.agent_tasks import AgentTasks, EpisodeClock, Job, JobQueue, timed_out
 from grpo_core.train.actor.drivers.episodes import (
     EpisodeRecord,
     TurnRenderer,
@@ -88,7 +89,7 @@ class _Live:
     calls: int = 0
     busy: bool = False
     exhausted: bool = False  # max_total_tokens reached
-    deadline: float = math.inf
+    clock: EpisodeClock = field(default_factory=EpisodeClock)
     closed: bool = False
     failure: str | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -128,6 +129,7 @@ class AgentRunner:
                     for p in prompts for g in range(group_size)]
         self._episodes = {e.key: e for e in episodes}
         self._sampling, self._queue, self._with_logp = sampling, JobQueue(), True
+        self._stuck: str | None = None  # why the engine is taken as stuck (a request waited past wait_timeout_s)
         endpoint = Endpoint(self._handle, self._refuse, sampling, self.slot.max_request_bytes, self.max_n,
                             self.slot.cut_response)
         tasks = AgentTasks(self.agent, episodes, endpoint.base_url, self.slot.concurrency, self.slot.timeout_s,
@@ -140,6 +142,8 @@ class AgentRunner:
                 self._expire(episodes)
                 if jobs:
                     self._generate(backend, jobs, sampling, calls)
+                self._check_engine()
+            self._check_engine()
         finally:
             for job in self._queue.jobs:
                 job.error = "the rollout ended"
@@ -149,11 +153,17 @@ class AgentRunner:
         return self._assemble(prompts, episodes, group_size, backend)
 
     def _expire(self, episodes: list[_Live]) -> None:
-        """Close episodes past their deadline whose agent did not stop (cancelled too late)."""
+        """Close episodes past their timeout whose agent did not stop (cancelled too late)."""
         now = time.monotonic()
         for e in episodes:
-            if not e.closed and now > e.deadline + 1.0:
-                e.fail(f"timed out after {self.slot.timeout_s:g} s (rollout.agent.timeout_s)")
+            if not e.closed and e.clock.own(now) > self.slot.timeout_s + 1.0:
+                e.fail(timed_out(self.slot.timeout_s))
+
+    def _check_engine(self) -> None:
+        """A :class:`RunError` once a request waited past ``wait_timeout_s`` for the policy."""
+        if self._stuck is not None:
+            raise RunError(f"agent episodes: a request {self._stuck}; the rollout backend is stuck, or slower than "
+                           "the setting allows (raise it if the backend is only slow)")
 
     def _generate(self, backend: Any, jobs: list[Job], sampling: SamplingParams, calls: list[int]) -> None:
         """The policy's answers to ``jobs``: one ``generate`` per stop set and copies per
@@ -201,16 +211,30 @@ class AgentRunner:
 
     def _handle(self, request: Request) -> tuple[list[dict[str, Any]], int]:
         """Answer one request (called in an endpoint thread): the choices (dicts of ``text``,
-        ``ids``, ``logp``, ``finish``, ``message``) and the prompt's length in tokens."""
+        ``ids``, ``logp``, ``finish``, ``message``) and the prompt's length in tokens. The time
+        the endpoint takes (the chat template, the queue for the shared policy, its generate
+        call, the answer) is the episode's wait, not its agent's own time."""
         e = self._episodes.get(request.key)
         if e is None:
             raise EndpointError(401, "unknown episode key: use the api_key of the episode's AgentEpisode")
-        slot = self.slot
         with e.lock:
             if e.closed:
                 raise EndpointError(409, f"the episode is over ({e.failure or 'its agent returned'})")
             if e.busy:
                 raise EndpointError(409, "one request at a time per episode: its history is one sequence", True)
+            e.busy = True
+        e.clock.wait_begins()
+        try:
+            return self._serve(e, request)
+        finally:
+            e.clock.wait_ends()
+            with e.lock:
+                e.busy = False
+
+    def _serve(self, e: _Live, request: Request) -> tuple[list[dict[str, Any]], int]:
+        """:meth:`_handle`'s work on a request of episode ``e``, which is not closed and has no other."""
+        slot = self.slot
+        with e.lock:
             e.calls += 1
             if e.calls > slot.max_calls:
                 raise EndpointError(429, f"more than {slot.max_calls} requests (rollout.agent.max_calls)", True)
@@ -229,14 +253,18 @@ class AgentRunner:
             stop = tuple(dict.fromkeys((*self._sampling.stop, *request.stop,
                                         *(self.format.stop if request.tools else ()))))
             job = Job(e, e.first + e.record.ids, want, stop, request.n)
-            e.busy = True
         self._queue.submit(job)
-        finished = job.done.wait(timeout=max(0.0, e.deadline - time.monotonic()))
+        finished = job.done.wait(timeout=slot.wait_timeout_s)
         with e.lock:
-            e.busy = False
-            if not finished or job.error is not None:
-                raise EndpointError(503 if finished else 504, job.error or f"timed out after {slot.timeout_s:g} s "
-                                    "(rollout.agent.timeout_s)", True)
+            if not finished:
+                why = (f"waited more than {slot.wait_timeout_s:g} s for the policy's answer "
+                       "(rollout.agent.wait_timeout_s)")
+                log.error("an agent episode's request %s: the rollout backend is stuck or far slower than that; the "
+                          "run stops when its generate call returns", why)
+                self._stuck = self._stuck or why
+                raise EndpointError(504, why, True)
+            if job.error is not None:
+                raise EndpointError(503, job.error, True)
             if e.closed:
                 raise EndpointError(409, f"the episode is over ({e.failure or 'its agent returned'})")
             return self._answer(e, request, job.choices), prompt_tokens
@@ -436,6 +464,8 @@ class AgentRunner:
                 common = list(prompt.ids)
             for e in group:
                 record = e.record
+                if e.clock.started is not None:
+                    record.queue_wait, record.agent_seconds = e.clock.wait(), e.clock.own()
                 if e.failure is None:
                     record.ids, record.mask, record.logp, record.splits = episode_row(_samples(e), len(common))
                 else:  # nothing of it trains: its sampled tokens, as context

@@ -14,6 +14,7 @@ gets it appended.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,6 +108,8 @@ class EpisodeRecord:
     truncated: bool = False
     last_eos: bool = False  # the last model turn ended with an EOS token
     splits: list[int] = field(default_factory=list)  # where its 2nd, 3rd... training sample start in ids
+    queue_wait: float | None = None  # an agent episode's: seconds its requests waited for the policy's answers
+    agent_seconds: float | None = None  # an agent episode's: seconds of its agent's own (what timeout_s bounds)
 
     def extend(self, ids: list[int], trained: bool, logp: list[float] | None = None) -> None:
         self.ids += ids
@@ -137,6 +140,8 @@ def episodes_batch(prompts: list[list[int]], episodes: list[EpisodeRecord], toke
         lengths=torch.tensor([len(e.ids) for e in episodes]),
         failed=torch.tensor(failed if failed is not None else [False] * rows, dtype=torch.bool),
         splits=[list(e.splits) for e in episodes] if any(e.splits for e in episodes) else None,
+        queue_wait=_seconds([e.queue_wait for e in episodes]),
+        agent_seconds=_seconds([e.agent_seconds for e in episodes]),
     )
     return RolloutBatch(
         prompt_ids.to(device), prompt_mask.to(device), ids.to(device), mask.to(device),
@@ -144,6 +149,13 @@ def episodes_batch(prompts: list[list[int]], episodes: list[EpisodeRecord], toke
         tokenizer.batch_decode([e.ids for e in episodes], skip_special_tokens=False),
         None if logp is None else logp.to(device), episodes=record,
     )
+
+
+def _seconds(values: list[float | None]) -> torch.Tensor | None:
+    """``float (B,)`` of per-episode durations, NaN where an episode has none; None if none has."""
+    if all(v is None for v in values):
+        return None
+    return torch.tensor([math.nan if v is None else v for v in values], dtype=torch.float64)
 
 
 def device_of(backend: Any) -> torch.device:
@@ -156,7 +168,10 @@ def episode_metrics(episodes: Episodes, mask: torch.Tensor, prefix: str = "") ->
     """Per-episode means: ``env/turns_per_episode``, ``env/tool_calls``, ``env/tool_errors``,
     ``env/model_tokens``, ``env/env_tokens``, ``env/samples_per_episode`` (training samples:
     more than 1 where an agent's history was split); ``env/tool_call_rate`` (episodes with at
-    least one call) and ``env/tool_success_rate`` (calls without error, over all calls)."""
+    least one call) and ``env/tool_success_rate`` (calls without error, over all calls); for
+    agent episodes, ``env/queue_wait_seconds`` (the time an episode's requests waited at the
+    endpoint for the policy's answers) and ``env/agent_seconds`` (the rest of its time, its
+    agent's own: what ``rollout.agent.timeout_s`` bounds)."""
     model_tokens = mask.sum(dim=1).float().cpu()
     calls, errors = episodes.tool_calls.float(), episodes.tool_errors.float()
     out = {
@@ -172,6 +187,9 @@ def episode_metrics(episodes: Episodes, mask: torch.Tensor, prefix: str = "") ->
         out["env/tool_success_rate"] = float(1 - errors.sum() / calls.sum())
     if episodes.failed is not None:
         out["env/failed_episodes"] = float(episodes.failed.float().mean())
+    for name, seconds in (("queue_wait_seconds", episodes.queue_wait), ("agent_seconds", episodes.agent_seconds)):
+        if seconds is not None and not seconds.isnan().all():
+            out[f"env/{name}"] = float(seconds.nanmean())
     return {f"{prefix}{k}": v for k, v in out.items()}
 
 
