@@ -5,13 +5,13 @@ your own machine by grpo-core, so a loop written against the official ``tinker``
 ``grpo-run tinker-serve --model PATH --api-key tml-...`` loads one base model (a local
 transformers folder; its name for clients is the path unless ``--name`` says otherwise) and
 serves, on ``--host``/``--port``, LoRA training clients on it (each its own adapter and AdamW
-state), ``forward``/``forward_backward`` with Tinker's losses mapped onto grpo-core's
+state, :mod:`~grpo_plugins.tinker.state`), ``forward``/``forward_backward`` with Tinker's losses mapped onto grpo-core's
 (:mod:`~grpo_plugins.tinker.objectives`), ``optim_step``, ``save_state``/``load_state``,
 ``save_weights_for_sampler`` and sampling (``sample``, ``compute_logprobs``) with grpo-core's
 ``hf`` rollout backend (:mod:`~grpo_plugins.tinker.sampling`); the routes, futures and refusals
 are :mod:`~grpo_plugins.tinker.server`, the protobuf schema the SDK's own
-(:mod:`~grpo_plugins.tinker.wire`). What each training client does is logged to MLflow
-(``--mlflow``). Tested with the tinker SDK 0.38.0 and tinker-cookbook 0.6.1; the guide is
+(:mod:`~grpo_plugins.tinker.wire`). What each training client does is logged to
+MLflow (``--mlflow``; :mod:`~grpo_plugins.tinker.tracking`). Tested with the tinker SDK 0.38.0 and tinker-cookbook 0.6.1; the guide is
 docs/guides/coming-from-tinker.md.
 """
 
