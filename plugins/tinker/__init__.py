@@ -11,8 +11,8 @@ state, :mod:`~grpo_plugins.tinker.state`), ``forward``/``forward_backward`` with
 ``hf`` rollout backend (:mod:`~grpo_plugins.tinker.sampling`); the routes, futures and refusals
 are :mod:`~grpo_plugins.tinker.server`, the protobuf schema the SDK's own
 (:mod:`~grpo_plugins.tinker.wire`). What each training client does is logged to
-MLflow (``--mlflow``; :mod:`~grpo_plugins.tinker.tracking`). Tested with the tinker SDK 0.38.0 and tinker-cookbook 0.6.1; the guide is
-docs/guides/coming-from-tinker.md.
+MLflow (``--mlflow``; :mod:`~grpo_plugins.tinker.tracking`). Tested with the tinker SDK 0.38.0
+and tinker-cookbook 0.6.1; the guide is docs/guides/coming-from-tinker.md.
 """
 
 from __future__ import annotations
