@@ -57,6 +57,7 @@ HELP_ONLY: dict[str, str] = {
     "overlap.py": "drives a vLLM rollout server (vLLM's venv)",
     "parallel_memory.py": "starts torchrun with SmolLM2-135M (tests/core/test_fsdp2.py runs the strategies)",
     "push_soak.py": "pushes to a vLLM rollout server (vLLM's venv)",
+    "server_soak.py": "trains against one vLLM rollout server for hundreds of steps (vLLM's venv)",
     "vllm_check.py": "needs vLLM (tests/vllm runs the backend)",
     "vs_trl.py": "runs TRL's GRPOTrainer beside grpo-core (TRL is the bench extra, not a test dependency)",
 }
