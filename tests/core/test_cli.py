@@ -203,7 +203,7 @@ def test_usage_errors_exit_2_with_argparse_message(argv, message):
 
 def test_help_exits_0():
     code, out, _ = cli("--help")
-    assert code == 0 and "{run,eval,validate,init,runs,plugins,schema,serve}" in out
+    assert code == 0 and "{run,eval,validate,init,runs,plugins,schema,serve,tinker-serve}" in out
 
 
 # --------------------------------------------------------------------------- plugins

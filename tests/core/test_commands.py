@@ -59,12 +59,15 @@ def test_an_inline_plugin_registers_a_command():
     assert "usage: grpo-run hello [-h] [--loud] name" in command_parser(command, width=100).format_help()
 
 
-def test_the_builtin_plugins_add_serve_and_nothing_else():
+def test_the_builtin_plugins_add_serve_and_tinker_serve_and_nothing_else():
     plugins = load_plugins(external=False)
-    assert list(plugins.commands) == ["serve"]
+    assert list(plugins.commands) == ["serve", "tinker-serve"]
     serve = plugins.commands["serve"]
     assert serve.plugin in DEFAULT_PLUGINS and serve.passthrough
     assert plugins.info[serve.plugin].commands == ["serve"]
+    tinker = plugins.commands["tinker-serve"]
+    assert tinker.plugin in DEFAULT_PLUGINS and not tinker.passthrough
+    assert plugins.info[tinker.plugin].commands == ["tinker-serve"]
 
 
 @pytest.mark.parametrize("name", BUILTIN_COMMANDS)
@@ -171,7 +174,7 @@ def test_grpo_run_help_and_plugins_list_plugin_commands(fake_dist, all_installed
     fake_dist("fake-echo", "echo-plugin", ECHO)
     code, out, _ = cli("--help")
     assert code == 0
-    assert "{run,eval,validate,init,runs,plugins,schema,serve,echo}" in out
+    assert "{run,eval,validate,init,runs,plugins,schema,serve,tinker-serve,echo}" in out
     assert re.search(r"^    echo +print a word, and the arguments after --$", out, re.M)
     assert "Commands of plugins: grpo-run serve (" in out and "grpo-run echo (echo-plugin)." in out
     code, out, _ = cli("echo", "--help")
