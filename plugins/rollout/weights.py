@@ -23,10 +23,12 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
 __all__ = ["PUSH_BUCKET_MB", "PendingWeight", "bucket_sizes", "cast_weights", "dequantized_state", "lora_layout",
-           "merge_lora", "merge_pending", "pending_weights", "plan_buckets", "policy_weights", "take_part",
+           "merge_lora", "merge_pending", "pending_weights", "plan_buckets", "policy_weights", "push_bucket_field",
+           "take_part",
            "vllm_weight_name", "weight_buckets"]
 
 
@@ -231,6 +233,22 @@ def policy_weights(model: Any) -> Iterator[tuple[str, Tensor]]:
 # --------------------------------------------------------------------------- buckets
 #: The default bound of one bucket of a streamed push, in MiB (verl's default is 512 MB).
 PUSH_BUCKET_MB = 512.0
+
+
+def push_bucket_field() -> Any:
+    """The ``push_bucket_mb`` option of a backend that pushes weights in buckets (colocated
+    ``vllm``, ``vllm-server``): one text for both."""
+    return Field(
+        PUSH_BUCKET_MB,
+        gt=0,
+        description=(
+            "Most MiB one bucket of a weight push holds: the policy's tensors are made one at a time (gathered "
+            "under fsdp2, LoRA merged, a 4-bit base dequantized), cast to the engine's dtype and handed over a "
+            "bucket at a time, so the pushing process holds about one bucket beyond its own weights, never the "
+            "whole model (a tensor larger than this goes alone). Larger buckets take fewer round trips. 512, as "
+            "verl's default; each push's largest bucket is logged as sync/push_buffer_bytes."
+        ),
+    )
 
 
 def plan_buckets(sizes: Sequence[int], bound: int) -> list[range]:

@@ -26,7 +26,7 @@ import torch
 from grpo_plugins.rollout.adapter import AdapterVersions, choose_push, engine_rank
 from grpo_plugins.rollout.outputs import outputs_to_batch, request_seed
 from grpo_plugins.rollout.partial import PartialCompletion, stitched_outputs, versions_tensor
-from grpo_plugins.rollout.weights import PUSH_BUCKET_MB, PendingWeight, pending_weights, weight_buckets
+from grpo_plugins.rollout.weights import PendingWeight, pending_weights, push_bucket_field, weight_buckets
 from grpo_plugins.vllm.engine import (
     engine_dtype,
     keep_torch_threads,
@@ -163,17 +163,7 @@ class VLLMRolloutOptions(Options):
             "DoRA, lora_bias, a 4-bit base, a non-linear target), said in the log."
         ),
     )
-    push_bucket_mb: float = Field(
-        PUSH_BUCKET_MB,
-        gt=0,
-        description=(
-            "Most MiB one bucket of a weight push holds: the policy's tensors are made one at a time (gathered "
-            "under fsdp2, LoRA merged, a 4-bit base dequantized), cast to the engine's dtype and handed over a "
-            "bucket at a time, so the pushing process holds about one bucket beyond its own weights, never the "
-            "whole model (a tensor larger than this goes alone). Larger buckets take fewer round trips. 512, as "
-            "verl's default; each push's largest bucket is logged as sync/push_buffer_bytes."
-        ),
-    )
+    push_bucket_mb: float = push_bucket_field()
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description=(

@@ -56,7 +56,7 @@ from grpo_plugins.rollout.servers import (
     launch_tag,
     process_rank,
 )
-from grpo_plugins.rollout.weights import PUSH_BUCKET_MB
+from grpo_plugins.rollout.weights import push_bucket_field
 from grpo_plugins.vllm.client import Expected, ServerClient
 from grpo_plugins.vllm.io import completion_body, repeat_greedy
 from pydantic import AfterValidator, Field, ValidationInfo, field_validator
@@ -127,17 +127,7 @@ class VLLMServerOptions(Options):
             "step (sync/push_bytes, sync/push_full_bytes)."
         ),
     )
-    push_bucket_mb: float = Field(
-        PUSH_BUCKET_MB,
-        gt=0,
-        description=(
-            "Most MiB one bucket of a weight push holds: the policy's tensors are made one at a time (gathered "
-            "under fsdp2, LoRA merged, a 4-bit base dequantized), cast to the engine's dtype and handed over a "
-            "bucket at a time, so the pushing process holds about one bucket beyond its own weights, never the "
-            "whole model (a tensor larger than this goes alone). Larger buckets take fewer round trips. 512, as "
-            "verl's default; each push's largest bucket is logged as sync/push_buffer_bytes."
-        ),
-    )
+    push_bucket_mb: float = push_bucket_field()
     lora_push: Literal["auto", "adapter", "merged"] = Field(
         "auto",
         description=(
