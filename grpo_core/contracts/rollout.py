@@ -200,6 +200,9 @@ class RolloutCapabilities:
             policy routed each token to (:attr:`RolloutBatch.routes`) when
             :attr:`RolloutSetup.record_routes` asks (``algorithm.routing_replay``). False:
             routing replay is refused for it.
+        routes_refusal: for a backend that does not record routes, why (what its engine
+            lacks, where), said in the refusal of ``algorithm.routing_replay``; empty when
+            there is nothing more to say than that it does not.
     """
 
     generates_with_policy: bool = False
@@ -207,6 +210,7 @@ class RolloutCapabilities:
     accepts_images: bool = False
     interruptible: bool = False
     records_routes: bool = False
+    routes_refusal: str = ""
 
 
 @dataclass(frozen=True)

@@ -212,7 +212,7 @@ class AlgorithmSection(Section):
         "routed to where it was sampled, and every learner forward (old and reference log-probs, the update) "
         "forces them, the gate weights recomputed from the live router's logits so that the router still learns. "
         "Logged: routing/replay_mismatch_tokens, the share of tokens whose live routing differs. Needs a backend "
-        "that records routes (hf); refused for a dense model.",
+        "that records routes (hf; vllm and vllm-server refuse it, saying why); refused for a dense model.",
     )
     rollout_correction: RolloutCorrectionSection = Field(
         default_factory=RolloutCorrectionSection,

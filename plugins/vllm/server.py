@@ -58,7 +58,7 @@ from grpo_plugins.rollout.servers import (
 )
 from grpo_plugins.rollout.weights import push_bucket_field
 from grpo_plugins.vllm.client import Expected, ServerClient
-from grpo_plugins.vllm.io import completion_body, repeat_greedy
+from grpo_plugins.vllm.io import NO_ROUTES_ON_CPU, completion_body, repeat_greedy
 from pydantic import AfterValidator, Field, ValidationInfo, field_validator
 
 from grpo_core import hookimpl
@@ -75,10 +75,17 @@ from grpo_core.contracts import (
 from grpo_core.errors import RunError
 from grpo_core.options import Options, Seconds
 
-__all__ = ["VLLMServerOptions", "VLLMServerRollout"]
+__all__ = ["ROUTES_REFUSAL", "VLLMServerOptions", "VLLMServerRollout"]
 
 log = logging.getLogger("grpo.rollout.vllm-server")
 NAME = "vllm-server"
+
+#: Why this backend records no expert routes (``algorithm.routing_replay`` is refused for it).
+ROUTES_REFUSAL = (
+    "a vLLM 0.32 server returns a request's routed experts only on its scale-out route /inference/v1/generate "
+    "(choices[].routed_experts, base64 .npy; vllm serve --enable-scale-out --enable-return-routed-experts), not on "
+    f"the /v1/completions this backend calls; and {NO_ROUTES_ON_CPU}"
+)
 
 
 #: One server's URL in the options, checked item by item (every bad one is reported).
@@ -240,8 +247,9 @@ class VLLMServerRollout(ServerPushes, ServerPool):
     def capabilities(self) -> RolloutCapabilities:
         """The servers hold their own copy of the weights (pushed by ``sync_weights``); the
         batches are on the policy's device after setup; with a switch, a weight update pauses
-        the servers mid-generation (:meth:`_generate_partial`)."""
-        return RolloutCapabilities(device=self.device, interruptible=True)
+        the servers mid-generation (:meth:`_generate_partial`). No expert routes
+        (:data:`ROUTES_REFUSAL`)."""
+        return RolloutCapabilities(device=self.device, interruptible=True, routes_refusal=ROUTES_REFUSAL)
 
     # ----------------------------------------------------------------- contract
     def setup(self, run: RolloutSetup) -> WeightPush | None:

