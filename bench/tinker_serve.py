@@ -127,9 +127,10 @@ def update_mode(args, root: Path) -> None:
     server.close()
 
 
-def _cookbook(args, model: str, root: Path) -> tuple[list[float], float]:
+def _cookbook(args, model: str, root: Path) -> tuple[list[float], float, float]:
     """The cookbook's math_rl arithmetic recipe against a loopback tinker-serve: its reward per
-    step and seconds per step."""
+    step, wall seconds per step (start-up and the final save included) and the median step's
+    seconds (its ``time/total``)."""
     from tinker_cookbook.recipes.math_rl import train as math_rl
 
     server = _server(model, root, name=model)
@@ -144,11 +145,14 @@ def _cookbook(args, model: str, root: Path) -> tuple[list[float], float]:
     seconds = (time.perf_counter() - start) / args.steps
     server.close()
     rows = [json.loads(line) for line in (root / "cookbook" / "metrics.jsonl").read_text().splitlines()]
-    return [r["env/all/reward/total"] for r in rows if "env/all/reward/total" in r], seconds
+    steps = [r["time/total"] for r in rows if "time/total" in r]
+    return [r["env/all/reward/total"] for r in rows if "env/all/reward/total" in r], seconds, float(np.median(steps))
 
 
-def _grpo_core(args, model: str, root: Path) -> tuple[list[float], float]:
-    """grpo-core's own loop on the same shape of work: its reward per step and seconds per step."""
+def _grpo_core(args, model: str, root: Path) -> tuple[list[float], float, float]:
+    """grpo-core's own loop on the same shape of work: its reward per step, wall seconds per step
+    (loading, the held-out evaluations at the start and the end and the final save included) and
+    the median step's seconds (its ``time/step``)."""
     from grpo_plugins.tinker.objectives import grpo_core_sections
 
     from grpo_core import Trainer
@@ -169,19 +173,18 @@ def _grpo_core(args, model: str, root: Path) -> tuple[list[float], float]:
     start = time.perf_counter()
     result = Trainer(spec).train(overwrite=True)
     seconds = (time.perf_counter() - start) / args.steps
-    return [h["reward"] for h in result.history], seconds
+    return [h["reward"] for h in result.history], seconds, float(np.median([h["time/step"] for h in result.history]))
 
 
 def rl_mode(args, root: Path) -> None:
     model = _model(args, root)
     shape = (f"{args.groups} prompts x {args.group_size} completions x {args.max_tokens} tokens, LoRA rank "
              f"{args.rank}, lr {args.lr}, {args.steps} steps, importance_sampling")
-    rewards, seconds = _cookbook(args, model, root)
-    print(f"tinker-cookbook math_rl arithmetic on tinker-serve ({shape}): {seconds:.2f} s/step; reward per step: "
-          + " ".join(f"{r:.3f}" for r in rewards), flush=True)
-    rewards, seconds = _grpo_core(args, model, root)
-    print(f"grpo-core's own loop, its arithmetic dataset ({shape}): {seconds:.2f} s/step; reward per step: "
-          + " ".join(f"{r:.3f}" for r in rewards), flush=True)
+    for what, run in (("tinker-cookbook math_rl arithmetic on tinker-serve", _cookbook),
+                      ("grpo-core's own loop, its arithmetic dataset", _grpo_core)):
+        rewards, wall, median = run(args, model, root)
+        print(f"{what} ({shape}): median step {median:.2f} s, wall {wall:.2f} s/step; reward per step: "
+              + " ".join(f"{r:.3f}" for r in rewards), flush=True)
 
 
 def main() -> None:
