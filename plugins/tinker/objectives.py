@@ -16,6 +16,10 @@ defaults 0.8 and 1.2); ``dro`` takes ``beta``. Every other name (``gspo``, ``sta
 an unknown one) is refused by name (:class:`LossRefused`); so is a config key a loss does not
 take. grpo-core's ``clip`` and ``cispo`` run with ``log_ratio_clamp`` off, so the numbers are
 Tinker's formulas exactly.
+
+:func:`grpo_core_sections` says the same the other way: the ``algorithm`` and ``train`` keys of
+a grpo-core spec whose own update (its learner, its loss plugins, its AdamW) takes the step a
+Tinker ``forward_backward`` + ``optim_step`` takes on the same batch.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from grpo_plugins.losses.trust_region import cispo_loss
 from grpo_plugins.tinker.wire import Refused
 from torch import Tensor
 
-__all__ = ["LOSSES", "LossRefused", "loss_terms"]
+__all__ = ["LOSSES", "LossRefused", "grpo_core_sections", "loss_terms"]
 
 #: Each served loss: the loss inputs it reads beside ``target_tokens``, its config keys with
 #: their defaults.
@@ -105,3 +109,63 @@ def loss_terms(loss_fn: str, config: dict[str, float], logp: Tensor, inputs: dic
     if loss_fn == "cross_entropy":
         return torch.where(mask, -logp * inputs["weights"], torch.zeros_like(logp))
     return _POLICY[loss_fn](logp, inputs["logprobs"], inputs["advantages"], mask, config)
+
+
+#: The cap of grpo-core's rollout correction that never truncates (Tinker's importance
+#: sampling weighs every token by its whole ratio); any ratio above it is past float32 anyway.
+NO_CAP = 1e30
+
+
+def _policy_loss(loss_fn: str, config: dict[str, float]) -> tuple[dict, dict, str]:
+    """``(policy_loss, rollout_correction, logprobs role)`` of a served policy loss."""
+    if loss_fn == "importance_sampling":  # ratio 1 at mu = 1: the plain policy gradient, weighed by exp(logp - q)
+        return {"name": "clip", "log_ratio_clamp": None}, {"level": "token", "mode": "truncate", "cap": NO_CAP}, \
+            "sampler"
+    eps_low, eps_high = _eps(config)
+    if loss_fn == "ppo":
+        if eps_low <= 0.0:
+            raise LossRefused("ppo with clip_low_threshold 1 has no grpo-core clip (its eps_low must be in (0, 1))")
+        loss = {"name": "clip", "eps_low": eps_low, "eps_high": eps_high, "log_ratio_clamp": None}
+    else:  # cispo
+        loss = {"name": "cispo", "eps_low": eps_low or None, "eps_high": eps_high, "log_ratio_clamp": None}
+    if eps_high <= 0.0:
+        raise LossRefused(f"{loss_fn} with clip_high_threshold 1 has no grpo-core counterpart (eps_high must be > 0)")
+    return loss, {"level": "off"}, "old"
+
+
+def grpo_core_sections(loss_fn: str, config: dict[str, float | str] | None, adam: dict[str, float]
+                       ) -> tuple[dict, str]:
+    """The ``algorithm`` and ``train`` sections of a grpo-core spec whose update takes the step
+    that ``forward_backward(data, loss_fn, config)`` then ``optim_step(adam)`` take, and what
+    the datums' ``logprobs`` are in grpo-core's batch: ``"old"`` (the old policy's log-probs,
+    the ratio's denominator: ``ppo``, ``cispo``) or ``"sampler"`` (the sampler's, which the
+    rollout correction weighs the loss by: ``importance_sampling``).
+
+    The same batch: each datum's tokens are a prompt then a completion whose positions carry
+    its advantages (zero on the prompt's, as the cookbook writes them). The mapping:
+
+    - Tinker sums the per-token loss: aggregation ``token-sum``; one optimizer step per batch
+      (``mu`` 1, one mini-batch), no KL term, no entropy bonus;
+    - ``importance_sampling`` (``-exp(logp - q) A``): ``clip`` at ``mu`` 1 (its ratio is 1, its
+      gradient the plain policy gradient) weighed by the rollout correction's token ratio
+      ``exp(logp - q)``, never truncated (``cap`` :data:`NO_CAP`);
+    - ``ppo``, ``cispo``: grpo-core's ``clip``, ``cispo`` with ``eps_low = 1 - lo``,
+      ``eps_high = hi - 1``, no log-ratio clamp; the correction off;
+    - ``AdamParams``: ``lr``, ``adam_betas``, ``adam_eps``, ``weight_decay`` as given (Tinker's
+      defaults where unset), ``grad_clip_norm`` as ``max_grad_norm`` (0: none), a constant
+      schedule without warm-up (the Tinker client sets each step's learning rate).
+
+    ``cross_entropy`` is grpo-core's SFT stage, not an algorithm; ``dro`` has no grpo-core
+    loss: both are refused here, by name."""
+    if loss_fn not in ("importance_sampling", "ppo", "cispo"):
+        raise LossRefused(f"loss_fn {loss_fn!r} has no grpo-core algorithm to map to; mapped: importance_sampling, "
+                          "ppo, cispo (cross_entropy is grpo-core's sft stage)")
+    policy_loss, correction, role = _policy_loss(loss_fn, check(loss_fn, config or {}))
+    adam = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
+            "grad_clip_norm": 0.0, **adam}
+    algorithm = {"policy_loss": policy_loss, "aggregation": {"name": "token-sum"}, "kl": {"beta": 0.0},
+                 "rollout_correction": correction, "mu": 1, "entropy_coef": 0.0}
+    train = {"lr": adam["learning_rate"], "adam_betas": [adam["beta1"], adam["beta2"]], "adam_eps": adam["eps"],
+             "weight_decay": adam["weight_decay"], "max_grad_norm": adam["grad_clip_norm"] or None,
+             "warmup_steps": 0, "schedule": "constant", "mini_batches": 1}
+    return {"algorithm": algorithm, "train": train}, role

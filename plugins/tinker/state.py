@@ -21,10 +21,12 @@ import torch
 from grpo_plugins.tinker.objectives import check, loss_terms
 from grpo_plugins.tinker.wire import Datum, Refused
 
-__all__ = ["Refused", "Service", "TrainingClient"]
+__all__ = ["LORA_ALPHA", "Refused", "Service", "TrainingClient"]
 
 _TARGETS = {"attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj"),
             "unembed": ("lm_head",)}
+#: LoRA's scaling numerator (scale = alpha / rank) for every adapter: Tinker's config has no alpha.
+LORA_ALPHA = 32.0
 _PATH = re.compile(r"^tinker://([^/]+)/(weights|sampler_weights)/([A-Za-z0-9_.-]+)$")
 
 
@@ -64,15 +66,23 @@ class Service:
     def _peft(self) -> Any:
         return self.model if hasattr(self.model, "peft_config") else None
 
-    def _add_adapter(self, adapter: str, lora: dict[str, Any]) -> None:
-        from peft import LoraConfig, get_peft_model
-
+    def lora_section(self, lora: dict[str, Any]) -> dict[str, Any]:
+        """A Tinker ``lora_config`` as grpo-core's ``model.lora`` on this model: the adapter a
+        training client gets (rank, alpha :data:`LORA_ALPHA`, no dropout, the layers its
+        ``train_attn``/``train_mlp``/``train_unembed`` ask for that the model has)."""
         targets = [m for part, names in _TARGETS.items() if lora.get(f"train_{part}", True) for m in names]
         present = {n.rsplit(".", 1)[-1] for n, _ in self.model.named_modules()}
         targets = [t for t in targets if t in present]
         if not targets:
             raise Refused("the LoRA config trains no layer of this model (train_attn, train_mlp, train_unembed)")
-        config = LoraConfig(r=int(lora["rank"]), lora_alpha=32, target_modules=targets, lora_dropout=0.0)
+        return {"r": int(lora["rank"]), "alpha": LORA_ALPHA, "dropout": 0.0, "target_modules": targets}
+
+    def _add_adapter(self, adapter: str, lora: dict[str, Any]) -> None:
+        from peft import LoraConfig, get_peft_model
+
+        section = self.lora_section(lora)
+        config = LoraConfig(r=section["r"], lora_alpha=section["alpha"], target_modules=section["target_modules"],
+                            lora_dropout=section["dropout"])
         if lora.get("seed") is not None:
             torch.manual_seed(int(lora["seed"]))
         if self._peft() is None:

@@ -46,7 +46,8 @@ RUNS: dict[str, list[str]] = {
     "run_spec.py": [SPEC, "--steps", "1", "--set", f"model.path={MODEL}", "--set", "train.threads=1",
                     "--set", "rollout.max_new_tokens=4", "--set", f"train.output_dir={SCRATCH}/run"],
     "sharded_checkpoint.py": ["--tiny"],
-    "tinker_serve.py": ["--steps", "1", "--rows", "1", "--tokens", "4"],
+    "tinker_serve.py": ["--mode", "all", "--tiny", "--steps", "1", "--rows", "1", "--tokens", "4", "--groups", "1",
+                        "--group-size", "2", "--max-tokens", "2", "--rank", "2"],
     "vllm_vs_hf.py": ["--backend", "hf", "--model", MODEL, "--prompts", "1", "--group-size", "2",
                       "--max-new-tokens", "4", "--repeats", "1", "--threads", "1"],
 }
