@@ -2,7 +2,9 @@
 
     python bench/memory.py [--steps 3] [--threads 1] [--set KEY=VALUE ...]
     python bench/memory.py --lean            # the lean settings of bench/vs_trl.py --grpo-lean
-    python bench/memory.py --prompts 2 --group 12 --tokens 128 --beta 0.02 --steps 1   # issue 60's setting
+    python bench/memory.py --prompts 2 --group 12 --tokens 128 --beta 0.02 --steps 2   # issue 60's setting
+    python bench/memory.py ... --precision fp32     # float32 throughout (no bf16 autocast)
+    python bench/memory.py ... --trim               # malloc_trim(0) after each phase: what glibc holds
 
 Runs the quickstart spec on the plain float32 copy of the model that ``vs_trl.py`` writes,
 with ``vs_trl.py``'s bf16 settings (TRL's defaults: bf16 autocast), for ``--steps`` steps. A
@@ -122,8 +124,17 @@ def tensor_bytes(run) -> dict[str, int]:
     }
 
 
-def instrument(sampler: Sampler, held: dict) -> None:
-    """Label the engine's phases: its Timer, the update and the optimizer step."""
+def malloc_trim() -> None:
+    """Hand glibc's free memory back to the system (``malloc_trim(0)``); nothing elsewhere."""
+    trim = getattr(_LIBC, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+def instrument(sampler: Sampler, held: dict, trim: bool = False) -> None:
+    """Label the engine's phases: its Timer, the update and the optimizer step. With ``trim``,
+    :func:`malloc_trim` after each of the Timer's phases (generate, score, logprobs, ...) and
+    after each optimizer step."""
     import grpo_core.train.experience as stepmod  # the Timer every phase is timed with
 
     timer_call = stepmod.Timer.__call__
@@ -132,6 +143,8 @@ def instrument(sampler: Sampler, held: dict) -> None:
     def timed(self, name):
         with sampler.phase(name), timer_call(self, name):
             yield
+        if trim:
+            malloc_trim()
 
     stepmod.Timer.__call__ = timed
     import grpo_core.train.learner.update as updatemod
@@ -165,6 +178,8 @@ def instrument(sampler: Sampler, held: dict) -> None:
                 with sampler.phase("optimizer"):
                     out = step(*sa, **sk)
                 held.update(tensor_bytes(held["run"]))
+                if trim:
+                    malloc_trim()
                 return out
 
             optimizer.step, optimizer._bench_wrapped = optimizer_step, True
@@ -187,6 +202,10 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=32, help="rollout.max_new_tokens")
     parser.add_argument("--beta", type=float, default=None, help="algorithm.kl.beta (> 0 loads a reference model)")
     parser.add_argument("--no-eval", action="store_true", help="skip the greedy evaluations before and after")
+    parser.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
+                        help="train.mixed_precision: bf16 autocast (TRL's default), or float32 throughout")
+    parser.add_argument("--trim", action="store_true",
+                        help="malloc_trim(0) after each phase and optimizer step (what trimming would save)")
     a = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(a.threads))
     warnings.filterwarnings("ignore", message=".*optimizer.step.*")  # our label wrapper, not a misuse
@@ -201,11 +220,11 @@ def main() -> int:
         from grpo_core.train.loop.step import train_step
 
         held: dict = {}
-        instrument(sampler, held)
+        instrument(sampler, held, a.trim)
         model_dir = Path(a.model_dir) if a.model_dir else Path(vs_trl.default_model_dir())
         with sampler.phase("prepare the float32 copy"):
             model = str(vs_trl.bench_model(model_dir, a.tiny))
-        overrides = vs_trl.grpo_overrides(model, "bf16", a.steps, a.threads, tokens=a.tokens, group_size=a.group,
+        overrides = vs_trl.grpo_overrides(model, a.precision, a.steps, a.threads, tokens=a.tokens, group_size=a.group,
                                           prompts=a.prompts, beta=a.beta) + (vs_trl.LEAN if a.lean else []) + a.sets
         with sampler.phase("load"):
             run = build_run(load_spec(vs_trl.DEFAULT_SPEC, overrides))
@@ -221,9 +240,10 @@ def main() -> int:
         if not a.no_eval:
             with sampler.phase("greedy eval after"):
                 vs_trl.greedy_accuracy(run.model, run.tokenizer, eval_rows, 32)
-    print(f"setting: {a.prompts} prompts x G={a.group}, {a.tokens} tokens, beta {a.beta}, bf16; CPU "
+    print(f"setting: {a.prompts} prompts x G={a.group}, {a.tokens} tokens, beta {a.beta}, {a.precision}; CPU "
           f"{vs_trl.cpu_info()[0]}")
-    print("overrides:", " ".join((vs_trl.LEAN if a.lean else []) + a.sets) or "(none)")
+    print("overrides:", " ".join((vs_trl.LEAN if a.lean else []) + a.sets) or "(none)",
+          "| malloc_trim after each phase" if a.trim else "")
     print(f"{'phase':<28}{'peak RSS GB':>12}{'in use GB':>11}{'held free GB':>14}")
     for name, value in sampler.peaks.items():
         used, free = sampler.malloc.get(name, (0, 0))

@@ -14,14 +14,15 @@ server backend would too):
 - the weight pushes to rollout servers (:mod:`~grpo_plugins.rollout.pushes`: a server backend's
   base class, which reaches each server through a ``PushTarget`` client) and what else a backend
   of servers addressed by URL needs: URLs checked, prompts split, servers failed over
-  (:mod:`~grpo_plugins.rollout.servers`);
+  (:mod:`~grpo_plugins.rollout.servers`), and each server's generation time followed, one that
+  slows down named in the log (:mod:`~grpo_plugins.rollout.drift`);
 - an engine's answers as plain records and a batch (:mod:`~grpo_plugins.rollout.outputs`) and
   partial rollouts' prefix continuation (:mod:`~grpo_plugins.rollout.partial`).
 
 Imports go one way::
 
     hf -> decode, images, routes    pushes -> channel, delta, adapter, weights    partial -> outputs
-    adapter -> weights    channel -> delta (which imports none)    servers (which imports none)
+    adapter -> weights    channel -> delta (which imports none)    servers, drift (which import none)
 
 The plugin is ``hf``.
 """

@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import time
 import uuid
 from typing import Any
 from urllib.parse import urlsplit
@@ -107,7 +108,10 @@ class ServerPool:
     """The servers of a backend addressed by URL (its base class): it reads the backend's
     ``clients`` (URL -> client, whose ``complete(body, expected)`` answers one request or raises
     :class:`ServerFault`, and whose ``model`` is the server's model name), ``failover`` and
-    ``serving`` (the model name requests sample with; "" for the server's own)."""
+    ``serving`` (the model name requests sample with; "" for the server's own) and ``drift`` (a
+    :class:`~grpo_plugins.rollout.drift.GenerationDrift`: each answer's seconds and tokens are
+    recorded there, and each rollout call closed, so that a server whose generation slows down
+    is named in the log)."""
 
     def _complete(self, requests: list[tuple[dict[str, Any], Any]]) -> list[Any]:
         """Each request's checked answer, in order; the requests of a server that fails (no
@@ -130,6 +134,7 @@ class ServerPool:
                         self.failover.drop(url, str(exc))
                         failed.append(i)
             todo = self.failover.reassign(sorted(failed)) if failed else {}
+        self.drift.close_call()
         return results
 
     def _ask(self, url: str, body: dict[str, Any], expected: Any, serving: str | None = None) -> Any:
@@ -138,7 +143,10 @@ class ServerPool:
         if url in self.failover.dropped:  # dropped while this request waited
             raise ServerFault(self.failover.dropped[url])
         client = self.clients[url]
-        return client.complete({**body, "model": serving or self.serving or client.model}, expected)
+        start = time.monotonic()
+        answer = client.complete({**body, "model": serving or self.serving or client.model}, expected)
+        self.drift.record(url, start, time.monotonic(), sum(len(c.token_ids) for c in answer.outputs))
+        return answer
 
     def _each(self, action, what: str, *, required: bool = True) -> None:
         """Run ``action(client)`` on every live server at once; drop those that fail. With

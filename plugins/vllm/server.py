@@ -33,6 +33,11 @@ the run and its unfinished prompts go to the live ones
 batch is the same whichever server samples it. With no server left the rollout raises a
 :class:`~grpo_core.errors.RunError` naming every URL and what failed: the run stops with exit 1
 and the engine's failure path keeps the last completed step's checkpoint.
+
+Each server's generation time (seconds per generated token of each rollout call) is followed
+through the run: a server whose recent calls take more than ``drift_bound`` times its early ones
+is named in the log, once per crossing (:mod:`grpo_plugins.rollout.drift`; issue 60 item 5, a
+long-lived server that slowed from 6 to 20 s a batch).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from typing import Annotated, Any, Literal
 
 import torch
 from grpo_plugins.rollout.delta import DeltaEncoder
+from grpo_plugins.rollout.drift import GenerationDrift
 from grpo_plugins.rollout.outputs import outputs_to_batch, request_seed
 from grpo_plugins.rollout.partial import PartialCompletion, stitched_outputs, versions_tensor
 from grpo_plugins.rollout.pushes import ServerPushes
@@ -181,6 +187,26 @@ class VLLMServerOptions(Options):
         ),
     )
 
+    drift_bound: float = Field(
+        2.0,
+        ge=0,
+        description=(
+            "Warn, naming the server, when a server's generation time (seconds per generated token of a rollout "
+            "call, the median of its last drift_window calls) passes this many times its own at the start of the "
+            "run (the median of its first drift_window calls); once per crossing. A long-lived server that slows "
+            "down is restarted (the vLLM guide, 'A server that slows down'). 0: no check."
+        ),
+    )
+    drift_window: int = Field(
+        5,
+        ge=1,
+        le=1000,
+        description=(
+            "Rollout calls (a step's batch, an evaluation's, a round of partial rollouts' continuations) in each "
+            "median that drift_bound compares: a server's first ones, and its latest ones."
+        ),
+    )
+
     secret_env: str = Field(
         "GRPO_SERVE_SECRET",
         min_length=1,
@@ -190,6 +216,14 @@ class VLLMServerOptions(Options):
             "every request; unset: no credential is sent. The secret itself never goes in the spec."
         ),
     )
+
+    @field_validator("drift_bound")
+    @classmethod
+    def _drift_bound(cls, bound: float) -> float:
+        if 0 < bound <= 1:
+            raise ValueError(f"a factor above 1 (2: warn when a server takes twice its early time per token), or 0 "
+                             f"for no check; got {bound:g}")
+        return bound
 
     @field_validator("urls")
     @classmethod
@@ -223,6 +257,7 @@ class VLLMServerRollout(ServerPushes, ServerPool):
     def __init__(self, options: VLLMServerOptions):
         self.options = options
         self.failover = Failover(options.urls, NAME)
+        self.drift = GenerationDrift(NAME, options.drift_bound, options.drift_window)
         secret = os.environ.get(options.secret_env) or None
         self.clients = {u: ServerClient(u, options.timeout_s, options.retries, secret=secret,
                                         secret_env=options.secret_env) for u in options.urls}
@@ -392,6 +427,7 @@ class VLLMServerRollout(ServerPushes, ServerPool):
                         version = self._interrupt(waiting, futures, results, failed, version)
                         resumed_at = switch.version
             todo = self.failover.reassign(sorted(failed)) if failed else {}
+        self.drift.close_call()
         return results
 
     def _interrupt(self, waiting: set, futures: dict, results: list, failed: list[int], version: int) -> int:

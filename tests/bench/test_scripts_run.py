@@ -33,7 +33,7 @@ RUNS: dict[str, list[str]] = {
                         "--configs", "opd-fp32", "--out", SCRATCH],
     "floor.py": ["--tiny", "--model-dir", SCRATCH, "--precision", "bf16", "--prompts", "1", "--group", "2",
                  "--tokens", "4", "--reps", "1", "--threads", "1"],
-    "memory.py": ["--tiny", "--model-dir", SCRATCH, "--steps", "1"],
+    "memory.py": ["--tiny", "--model-dir", SCRATCH, "--steps", "1", "--precision", "fp32", "--trim"],
     "memory_model.py": ["--tokens", "1024"],
     "optimizer.py": ["--params", "4096", "--reps", "1"],
     "packing.py": ["--tiny", "--model-dir", SCRATCH, "--reps", "1", "--shapes", "long-tail", "--limit", "8"],
