@@ -179,8 +179,11 @@ class Ray:
 
     def _launch(self, ray, run: RunArguments, spec, groups: list, actors: list) -> int:
         o = self.options
-        nodes = [Node(n["NodeManagerAddress"], n["Resources"].get("CPU", 0.0), n["Resources"].get("GPU", 0.0))
-                 for n in ray.nodes() if n["Alive"]]
+        # This machine's node first (rank 0 beside the driver where it fits), then by address:
+        # the same cluster gives the same plan, whatever order Ray lists its nodes in.
+        here = ray.util.get_node_ip_address()
+        nodes = sorted((Node(n["NodeManagerAddress"], n["Resources"].get("CPU", 0.0), n["Resources"].get("GPU", 0.0))
+                        for n in ray.nodes() if n["Alive"]), key=lambda n: (n.address != here, n.address))
         on = _on_node(ray)
         secret = secrets.token_urlsafe(24) if o.servers else None
         placed = plan(run.nproc, nodes, cpus=o.cpus_per_rank, gpus=o.gpus_per_rank, servers=o.servers,
@@ -188,10 +191,11 @@ class Ray:
                       port_on=lambda address: ray.get(on(address, _free_port).remote()), secret=secret)
         _check_visible(ray, on, placed, run.run_folder)
         _check_rank_spec(run, placed)
+        env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED)}
+        by_node = _node_env(ray, on, placed, env)
         actor = ray.remote(_Process)
         servers = self._place(ray, actor, placed.servers, groups, actors, "rollout server")
         learners = self._place(ray, actor, placed.learners, groups, actors, "learner")
-        env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED)}
         cwd = os.getcwd()
         procs: list[RankProcess] = []
         with forwarding_signals(procs):
@@ -200,13 +204,14 @@ class Ray:
                 for bundle, handle in zip(placed.servers, servers):
                     argv = [o.server_python or o.python or sys.executable, "-m", "grpo_core.cli", "serve", model,
                             "--host", "0.0.0.0", "--port", str(bundle.port), *o.server_args]
-                    ray.get(handle.start.remote(argv, {**env, **bundle.env}, cwd))
+                    ray.get(handle.start.remote(argv, {**env, **by_node[bundle.node], **bundle.env}, cwd))
                     procs.append(RankProcess(handle, ray))
                 _wait_healthy(placed, procs, o.wait_s)
             command = dataclasses.replace(run, overrides=(*run.overrides, *placed.overrides())).command(o.python)
             threads = str(o.threads or max(1, int(o.cpus_per_rank)))
             for bundle, handle in zip(placed.learners, learners):
-                ray.get(handle.start.remote(command, {**env, **bundle.env, "OMP_NUM_THREADS": threads}, cwd))
+                variables = {**env, **by_node[bundle.node], **bundle.env, "OMP_NUM_THREADS": threads}
+                ray.get(handle.start.remote(command, variables, cwd))
             procs[len(servers):] = [RankProcess(h, ray) for h in learners]
             return _supervise_run(procs, len(servers))
 
@@ -242,6 +247,28 @@ def _on_node(ray):
         return ray.remote(fn).options(num_cpus=0, resources={f"node:{address}": 0.001})
 
     return on
+
+
+def _interface_of(address: str) -> str | None:
+    """The name of this node's network interface that holds ``address``, or None."""
+    import psutil  # accelerate's dependency, so every node that runs a rank has it
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address == address for a in addresses):
+            return name
+    return None
+
+
+def _node_env(ray, on, placed: Plan, env: dict[str, str]) -> dict[str, dict[str, str]]:
+    """Variables of every process on each node of the plan: ``GLOO_SOCKET_IFNAME``, the
+    interface that holds the node's address (the one the plan advertises), unless the driver's
+    environment names one for every node. Without it gloo binds whatever the host name resolves
+    to, often a loopback address (``127.0.1.1 HOST`` in /etc/hosts), that the other nodes
+    cannot reach: the ranks would never meet."""
+    if "GLOO_SOCKET_IFNAME" in env:
+        return {node: {} for node in placed.nodes}
+    names = ray.get([on(node, _interface_of).remote(node) for node in placed.nodes])
+    return {node: {"GLOO_SOCKET_IFNAME": name} if name else {} for node, name in zip(placed.nodes, names)}
 
 
 def _check_visible(ray, on, placed: Plan, folder: str) -> None:
