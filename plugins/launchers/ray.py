@@ -8,6 +8,10 @@ ray --nproc N``; Ray from the ``ray`` extra).
   pinned to its planned node (Ray's ``node:ADDRESS`` resource) in one placement group per role
   (learner ranks, rollout servers); if the cluster cannot hand the resources over within
   ``wait_s`` (other jobs hold them) the run fails saying so, never hangs.
+- The nodes are planned with the driver's own node first, then by address (the same cluster
+  gives the same plan). Every process's gloo is bound to the interface that holds its node's
+  address (``GLOO_SOCKET_IFNAME`` per node, unless the driver's environment sets it): what the
+  host name resolves to is often loopback, where the ranks on other nodes cannot reach it.
 - The run folder must be visible from every node the plan uses (a shared file system): a node
   that cannot see it is named and the run refused before any process starts.
 - Rollout servers (``servers: K``) run ``grpo-run serve`` in their bundles (in ``server_python``,
@@ -85,8 +89,8 @@ class RankProcess:
     """A process of the run started by an actor, seen by the driver as a ``Popen`` is by
     :func:`supervise`: ``poll()``, ``returncode``, ``send_signal()``."""
 
-    def __init__(self, actor, ray):
-        self.actor, self._ray = actor, ray
+    def __init__(self, actor, ray, name: str = "a process"):
+        self.actor, self._ray, self.name = actor, ray, name
         self._done = actor.wait.remote()
         self.returncode: int | None = None
 
@@ -94,7 +98,10 @@ class RankProcess:
         if self.returncode is None and self._ray.wait([self._done], timeout=0)[0]:
             try:
                 self.returncode = self._ray.get(self._done)
-            except self._ray.exceptions.RayError:  # the actor (or its node) died: as a killed process
+            except self._ray.exceptions.RayError as exc:  # the actor (or its node) died: as a killed process
+                why = " ".join(str(exc).split())[:400]
+                print(f"grpo-run: the Ray actor of {self.name} is gone, its process taken as killed (its node "
+                      f"died or left the cluster, or the actor was killed): {why}", file=sys.stderr)
                 self.returncode = -signal.SIGKILL
         return self.returncode
 
@@ -205,14 +212,15 @@ class Ray:
                     argv = [o.server_python or o.python or sys.executable, "-m", "grpo_core.cli", "serve", model,
                             "--host", "0.0.0.0", "--port", str(bundle.port), *o.server_args]
                     ray.get(handle.start.remote(argv, {**env, **by_node[bundle.node], **bundle.env}, cwd))
-                    procs.append(RankProcess(handle, ray))
+                    procs.append(RankProcess(handle, ray, f"rollout server {bundle.index} on {bundle.node}"))
                 _wait_healthy(placed, procs, o.wait_s)
             command = dataclasses.replace(run, overrides=(*run.overrides, *placed.overrides())).command(o.python)
             threads = str(o.threads or max(1, int(o.cpus_per_rank)))
             for bundle, handle in zip(placed.learners, learners):
                 variables = {**env, **by_node[bundle.node], **bundle.env, "OMP_NUM_THREADS": threads}
                 ray.get(handle.start.remote(command, variables, cwd))
-            procs[len(servers):] = [RankProcess(h, ray) for h in learners]
+            procs[len(servers):] = [RankProcess(h, ray, f"learner {b.index} on {b.node}")
+                                    for b, h in zip(placed.learners, learners)]
             return _supervise_run(procs, len(servers))
 
     def _place(self, ray, actor, bundles, groups: list, actors: list, role: str) -> list:
