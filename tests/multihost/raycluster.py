@@ -29,6 +29,10 @@ from .netns import Network
 #: The test clusters' drivers need no token file (Ray's token authentication is on by default
 #: since Ray 2.5x; a real cluster's drivers read its token instead).
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+#: The nodes' own variables: no memory monitor. Ray kills its workers when the *machine* is near
+#: full (95 %), whoever fills it: on a shared test machine, other tests' processes; the kernel's
+#: out-of-memory killer still applies.
+NODE_ENV = {"RAY_memory_monitor_refresh_ms": "0"}
 PORT = 6379  # the head's GCS port: free, since host 0 is a network of its own
 START_S = 240  # a node starting on a loaded 2-core machine
 
@@ -69,7 +73,7 @@ def _node(cluster: RayCluster, index: int, cpus: int) -> subprocess.Popen:
             "--disable-usage-stats"]
     head = ["--head", f"--port={PORT}", "--include-dashboard=false"]
     argv += head if index == 0 else [f"--address={cluster.address}"]
-    return host.start(argv, cluster.folder / f"node{index}.log", env=cluster.env)
+    return host.start(argv, cluster.folder / f"node{index}.log", env={**cluster.env, **NODE_ENV})
 
 
 def _wait_started(cluster: RayCluster, nodes: list[subprocess.Popen], indices) -> None:
@@ -87,7 +91,7 @@ def ray_cluster(network: Network, python: str = sys.executable, cpus: int = 2,
                 env: dict[str, str] | None = None) -> Iterator[RayCluster]:
     """A Ray node on every host of ``network`` (head first, then the workers together), each
     of ``cpus`` CPUs, run by ``python``; stopped after the body (SIGTERM to each ``ray start``'s
-    session, which stops its node; whatever is left dies with the network)."""
+    session, which stops its node, SIGKILL after 15 s; whatever is left dies with the network)."""
     # Short: Ray's unix sockets live under it, and a socket's path holds 107 bytes at most.
     folder = Path(tempfile.mkdtemp(prefix="grpo-ray-", dir="/tmp"))
     cluster = RayCluster(network, python, {**os.environ, **RAY_ENV, **(env or {})}, folder)
@@ -102,9 +106,10 @@ def ray_cluster(network: Network, python: str = sys.executable, cpus: int = 2,
         for node in nodes:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(node.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 15  # then SIGKILL: a node cut off may never finish stopping
         for node in nodes:
             with contextlib.suppress(subprocess.TimeoutExpired):
-                node.wait(20)
+                node.wait(max(0.1, deadline - time.monotonic()))
             network.stop(node)
         shutil.rmtree(folder, ignore_errors=True)
 
