@@ -29,10 +29,13 @@ from .netns import Network
 #: The test clusters' drivers need no token file (Ray's token authentication is on by default
 #: since Ray 2.5x; a real cluster's drivers read its token instead).
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
-#: The nodes' own variables: no memory monitor. Ray kills its workers when the *machine* is near
+#: The nodes' own variables. No memory monitor: Ray kills its workers when the *machine* is near
 #: full (95 %), whoever fills it: on a shared test machine, other tests' processes; the kernel's
-#: out-of-memory killer still applies.
-NODE_ENV = {"RAY_memory_monitor_refresh_ms": "0"}
+#: out-of-memory killer still applies. A node that stops answering is declared dead after 5
+#: missed health checks of 1 s period and 3 s timeout (Ray's 3 s and 10 s: about a minute once
+#: a cut link drops its packets), no sooner than a stalled rank's train.parallel.timeout_s (20 s).
+NODE_ENV = {"RAY_memory_monitor_refresh_ms": "0", "RAY_health_check_period_ms": "1000",
+            "RAY_health_check_timeout_ms": "3000", "RAY_health_check_failure_threshold": "5"}
 PORT = 6379  # the head's GCS port: free, since host 0 is a network of its own
 START_S = 240  # a node starting on a loaded 2-core machine
 
