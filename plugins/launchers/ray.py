@@ -8,6 +8,10 @@ ray --nproc N``; Ray from the ``ray`` extra).
   pinned to its planned node (Ray's ``node:ADDRESS`` resource) in one placement group per role
   (learner ranks, rollout servers); if the cluster cannot hand the resources over within
   ``wait_s`` (other jobs hold them) the run fails saying so, never hangs.
+- The nodes are planned with the driver's own node first, then by address (the same cluster
+  gives the same plan). Every process's gloo is bound to the interface that holds its node's
+  address (``GLOO_SOCKET_IFNAME`` per node, unless the driver's environment sets it): what the
+  host name resolves to is often loopback, where the ranks on other nodes cannot reach it.
 - The run folder must be visible from every node the plan uses (a shared file system): a node
   that cannot see it is named and the run refused before any process starts.
 - Rollout servers (``servers: K``) run ``grpo-run serve`` in their bundles (in ``server_python``,
@@ -85,8 +89,8 @@ class RankProcess:
     """A process of the run started by an actor, seen by the driver as a ``Popen`` is by
     :func:`supervise`: ``poll()``, ``returncode``, ``send_signal()``."""
 
-    def __init__(self, actor, ray):
-        self.actor, self._ray = actor, ray
+    def __init__(self, actor, ray, name: str = "a process"):
+        self.actor, self._ray, self.name = actor, ray, name
         self._done = actor.wait.remote()
         self.returncode: int | None = None
 
@@ -94,7 +98,10 @@ class RankProcess:
         if self.returncode is None and self._ray.wait([self._done], timeout=0)[0]:
             try:
                 self.returncode = self._ray.get(self._done)
-            except self._ray.exceptions.RayError:  # the actor (or its node) died: as a killed process
+            except self._ray.exceptions.RayError as exc:  # the actor (or its node) died: as a killed process
+                why = " ".join(str(exc).split())[:400]
+                print(f"grpo-run: the Ray actor of {self.name} is gone, its process taken as killed (its node "
+                      f"died or left the cluster, or the actor was killed): {why}", file=sys.stderr)
                 self.returncode = -signal.SIGKILL
         return self.returncode
 
@@ -179,8 +186,11 @@ class Ray:
 
     def _launch(self, ray, run: RunArguments, spec, groups: list, actors: list) -> int:
         o = self.options
-        nodes = [Node(n["NodeManagerAddress"], n["Resources"].get("CPU", 0.0), n["Resources"].get("GPU", 0.0))
-                 for n in ray.nodes() if n["Alive"]]
+        # This machine's node first (rank 0 beside the driver where it fits), then by address:
+        # the same cluster gives the same plan, whatever order Ray lists its nodes in.
+        here = ray.util.get_node_ip_address()
+        nodes = sorted((Node(n["NodeManagerAddress"], n["Resources"].get("CPU", 0.0), n["Resources"].get("GPU", 0.0))
+                        for n in ray.nodes() if n["Alive"]), key=lambda n: (n.address != here, n.address))
         on = _on_node(ray)
         secret = secrets.token_urlsafe(24) if o.servers else None
         placed = plan(run.nproc, nodes, cpus=o.cpus_per_rank, gpus=o.gpus_per_rank, servers=o.servers,
@@ -188,10 +198,11 @@ class Ray:
                       port_on=lambda address: ray.get(on(address, _free_port).remote()), secret=secret)
         _check_visible(ray, on, placed, run.run_folder)
         _check_rank_spec(run, placed)
+        env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED)}
+        by_node = _node_env(ray, on, placed, env)
         actor = ray.remote(_Process)
         servers = self._place(ray, actor, placed.servers, groups, actors, "rollout server")
         learners = self._place(ray, actor, placed.learners, groups, actors, "learner")
-        env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED)}
         cwd = os.getcwd()
         procs: list[RankProcess] = []
         with forwarding_signals(procs):
@@ -200,14 +211,16 @@ class Ray:
                 for bundle, handle in zip(placed.servers, servers):
                     argv = [o.server_python or o.python or sys.executable, "-m", "grpo_core.cli", "serve", model,
                             "--host", "0.0.0.0", "--port", str(bundle.port), *o.server_args]
-                    ray.get(handle.start.remote(argv, {**env, **bundle.env}, cwd))
-                    procs.append(RankProcess(handle, ray))
+                    ray.get(handle.start.remote(argv, {**env, **by_node[bundle.node], **bundle.env}, cwd))
+                    procs.append(RankProcess(handle, ray, f"rollout server {bundle.index} on {bundle.node}"))
                 _wait_healthy(placed, procs, o.wait_s)
             command = dataclasses.replace(run, overrides=(*run.overrides, *placed.overrides())).command(o.python)
             threads = str(o.threads or max(1, int(o.cpus_per_rank)))
             for bundle, handle in zip(placed.learners, learners):
-                ray.get(handle.start.remote(command, {**env, **bundle.env, "OMP_NUM_THREADS": threads}, cwd))
-            procs[len(servers):] = [RankProcess(h, ray) for h in learners]
+                variables = {**env, **by_node[bundle.node], **bundle.env, "OMP_NUM_THREADS": threads}
+                ray.get(handle.start.remote(command, variables, cwd))
+            procs[len(servers):] = [RankProcess(h, ray, f"learner {b.index} on {b.node}")
+                                    for b, h in zip(placed.learners, learners)]
             return _supervise_run(procs, len(servers))
 
     def _place(self, ray, actor, bundles, groups: list, actors: list, role: str) -> list:
@@ -242,6 +255,28 @@ def _on_node(ray):
         return ray.remote(fn).options(num_cpus=0, resources={f"node:{address}": 0.001})
 
     return on
+
+
+def _interface_of(address: str) -> str | None:
+    """The name of this node's network interface that holds ``address``, or None."""
+    import psutil  # accelerate's dependency, so every node that runs a rank has it
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address == address for a in addresses):
+            return name
+    return None
+
+
+def _node_env(ray, on, placed: Plan, env: dict[str, str]) -> dict[str, dict[str, str]]:
+    """Variables of every process on each node of the plan: ``GLOO_SOCKET_IFNAME``, the
+    interface that holds the node's address (the one the plan advertises), unless the driver's
+    environment names one for every node. Without it gloo binds whatever the host name resolves
+    to, often a loopback address (``127.0.1.1 HOST`` in /etc/hosts), that the other nodes
+    cannot reach: the ranks would never meet."""
+    if "GLOO_SOCKET_IFNAME" in env:
+        return {node: {} for node in placed.nodes}
+    names = ray.get([on(node, _interface_of).remote(node) for node in placed.nodes])
+    return {node: {"GLOO_SOCKET_IFNAME": name} if name else {} for node, name in zip(placed.nodes, names)}
 
 
 def _check_visible(ray, on, placed: Plan, folder: str) -> None:

@@ -1,7 +1,10 @@
 """The ``ray`` launcher places a rollout server (``grpo-run serve``, a real vLLM) and two
-learner ranks on a one-node Ray cluster it starts itself, from a spec that names no URL: the
-two steps, weight pushes included, equal bit for bit the same run wired by hand (a server
-started by hand, its URL in ``rollout.urls``, ``--nproc 2``), and no process of it is left.
+learner ranks, from a spec that names no URL: the two steps, weight pushes included, equal bit
+for bit the same run wired by hand (a server started by hand, its URL in ``rollout.urls``,
+``--nproc 2``; run once for the module), and no process of it is left. On a one-node Ray
+cluster the launcher starts itself; and on a real three-node cluster in network namespaces
+(tests/multihost/raycluster.py: the head on 10.231.0.1, workers on .2 and .3), the ranks spread
+over the first two nodes and the server on the third, its weights pushed across the hosts.
 
 The rollout correction weighs nothing here (``level: off``, a rejection band no push can
 leave): the sampler's log-probs of a batch depend in their last bits on how the server batched
@@ -12,6 +15,10 @@ Ray comes with the test extra, as it does into this environment (``tests/vllm/ru
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -21,8 +28,10 @@ import torch
 
 from grpo_core.testing import save_tiny_model
 
+from ..multihost.netns import made_network
+from ..multihost.raycluster import ray_cluster
 from .conftest import HIDDEN
-from .test_runs import GAP, max_change, step_rows
+from .test_runs import CHILD_ENV, GAP, max_change, step_rows
 from .test_servers import SECRET, Server, run, write_spec
 
 pytestmark = pytest.mark.vllm
@@ -60,17 +69,41 @@ def _weights(out: Path) -> dict:
     return load_file(out / "final" / "model.safetensors")
 
 
-def test_a_server_placed_by_ray_trains_as_one_wired_by_hand(model_dir, tmp_path):
-    spec = write_spec(tmp_path, model_dir, {"name": "vllm-server"}, algorithm=CORRECTION)
-    server = Server(model_dir, tmp_path / "server.log")
+@pytest.fixture(scope="module")
+def hand(model_dir, tmp_path_factory) -> Path:
+    """The output folder of the run wired by hand: a server started by hand, its URL in
+    ``rollout.urls``, ``--nproc 2``."""
+    folder = tmp_path_factory.mktemp("wired-by-hand")
+    spec = write_spec(folder, model_dir, {"name": "vllm-server"}, algorithm=CORRECTION)
+    server = Server(model_dir, folder / "server.log")
     try:
         server.wait(time.monotonic() + START_S)
-        hand = run([spec, "--nproc", "2", "--set", f"rollout.urls={json.dumps([server.url])}",
-                    "--set", "train.output_dir=hand"], tmp_path, env={"GRPO_SERVE_SECRET": SECRET}, timeout=START_S)
+        done = run([spec, "--nproc", "2", "--set", f"rollout.urls={json.dumps([server.url])}",
+                    "--set", "train.output_dir=hand"], folder, env={"GRPO_SERVE_SECRET": SECRET}, timeout=START_S)
     finally:
         server.stop()
-    assert hand.returncode == 0, hand.stderr[-4000:]
+    assert done.returncode == 0, done.stderr[-4000:]
+    return folder / "hand"
 
+
+def _trained_as_by_hand(out: Path, hand: Path, model_dir: Path) -> None:
+    rows = step_rows(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["rollout_correction/logp_diff/max"] <= GAP for r in rows), rows  # each push reached the server
+    assert max_change(out, model_dir) > 1e-2
+    w_hand, w_ray = _weights(hand), _weights(out)
+    assert w_hand.keys() == w_ray.keys() and all(torch.equal(w_hand[k], w_ray[k]) for k in w_hand)
+
+
+def _none_left(tag: str) -> None:
+    deadline = time.monotonic() + 30  # the server's engine process ends after its API server
+    while _tagged(tag) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _tagged(tag)
+
+
+def test_a_server_placed_by_ray_trains_as_one_wired_by_hand(model_dir, hand, tmp_path):
+    spec = write_spec(tmp_path, model_dir, {"name": "vllm-server"}, algorithm=CORRECTION)
     tag = uuid.uuid4().hex  # the launcher makes the servers' secret and hands it to every process
     options = {"servers": 1, "local_cpus": 3, "wait_s": START_S, "server_args": json.dumps(SERVER_ARGS)}
     placed = run([spec, "--launcher", "ray", "--nproc", "2", "--set", "train.output_dir=ray",
@@ -79,13 +112,33 @@ def test_a_server_placed_by_ray_trains_as_one_wired_by_hand(model_dir, tmp_path)
     output = placed.stderr + placed.stdout
     assert placed.returncode == 0, output[-4000:]
     assert "(server 0 pid=" in output and "(learner 1 pid=" in output, output[-4000:]
-    rows = step_rows(tmp_path / "ray")
-    assert [r["step"] for r in rows] == [1, 2]
-    assert all(r["rollout_correction/logp_diff/max"] <= GAP for r in rows), rows  # each push reached the server
-    assert max_change(tmp_path / "ray", model_dir) > 1e-2
-    w_hand, w_ray = _weights(tmp_path / "hand"), _weights(tmp_path / "ray")
-    assert w_hand.keys() == w_ray.keys() and all(torch.equal(w_hand[k], w_ray[k]) for k in w_hand)
-    deadline = time.monotonic() + 30  # the server's engine process ends after its API server
-    while _tagged(tag) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not _tagged(tag)
+    _trained_as_by_hand(tmp_path / "ray", hand, model_dir)
+    _none_left(tag)
+
+
+def test_on_three_nodes_the_server_goes_to_the_third_and_trains_as_one_wired_by_hand(model_dir, hand, tmp_path):
+    spec = write_spec(tmp_path, model_dir, {"name": "vllm-server"}, algorithm=CORRECTION)
+    env = {**os.environ, **CHILD_ENV, **RAY_ENV}
+    with made_network(3) as network, ray_cluster(network, env=env) as cluster:
+        tag = uuid.uuid4().hex
+        options = {"address": cluster.address, "strategy": "spread", "servers": 1, "wait_s": START_S,
+                   "server_args": json.dumps(SERVER_ARGS)}
+        argv = [sys.executable, "-m", "grpo_core.cli", "run", str(spec), "--launcher", "ray", "--nproc", "2",
+                "--set", "train.output_dir=ray",
+                *(a for k, v in options.items() for a in ("--launcher-option", f"{k}={v}"))]
+        log = tmp_path / "driver.log"
+        driver = network.hosts[0].start(argv, log, env={**env, "GRPO_TEST_TAG": tag}, cwd=tmp_path)
+        try:
+            code = driver.wait(2 * START_S)
+        except subprocess.TimeoutExpired:
+            code = None
+        output = log.read_text(errors="replace")
+        assert code == 0, output[-4000:]
+        hosts = [h.address for h in network.hosts]
+        for role, host in (("server 0", hosts[2]), ("learner 1", hosts[1])):
+            assert re.search(rf"\({role} pid=\d+, ip={re.escape(host)}\)", output), (role, output[-4000:])
+        assert re.search(r"\(learner 0 pid=\d+\)", output), output[-4000:]  # on the driver's node, the head
+        _trained_as_by_hand(tmp_path / "ray", hand, model_dir)
+        _none_left(tag)
+        state = cluster.state()
+        assert state["nodes"] == hosts and set(state["groups"]) == {"REMOVED"}, state
