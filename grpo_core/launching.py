@@ -93,7 +93,7 @@ def supervise(procs: list[subprocess.Popen], poll_s: float = 0.1) -> int:
     did not send, whose peers then fail on the broken connection; else the first to fail),
     or 0."""
     failures: list[tuple[int, int]] = []  # (rank, code) in the order seen
-    ours: set[int] = set()  # ranks this launcher SIGKILLed
+    ours: set[int] = set()  # ranks this launcher signalled (SIGTERM, then SIGKILL): never the root failure
     failed_at = terminated_at = None
     while True:
         running = [p.poll() is None for p in procs]
@@ -108,9 +108,9 @@ def supervise(procs: list[subprocess.Popen], poll_s: float = 0.1) -> int:
         now = time.monotonic()
         if failed_at is not None and terminated_at is None and now - failed_at > GRACE_S:
             terminated_at = now
+            ours.update(r for r, alive in enumerate(running) if alive)
             _send(procs, signal.SIGTERM)
         if terminated_at is not None and now - terminated_at > KILL_AFTER_S:
-            ours.update(r for r, alive in enumerate(running) if alive)
             _send(procs, signal.SIGKILL)
         time.sleep(poll_s)
     killed = [(r, c) for r, c in failures if c < 0 and r not in ours]

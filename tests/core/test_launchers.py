@@ -93,3 +93,25 @@ def test_run_arguments_give_the_command_and_rank_variables_of_a_process():
         "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
         "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
     assert run.environment(1, 2, "127.0.0.1", 1)["LOCAL_RANK"] == "1"
+
+
+def test_a_rank_ended_by_the_launchers_own_sigterm_is_not_the_root_failure(monkeypatch, capsys):
+    """Rank 0 fails (exit 3); rank 1 waits and dies of the SIGTERM the launcher sends after the
+    grace period, before any handler of its own: the run's code is rank 0's, not 143, and the
+    launcher does not report its own signal as a kill."""
+    import subprocess
+    import sys
+
+    from grpo_core import launching
+
+    monkeypatch.setattr(launching, "GRACE_S", 0.2)
+    procs = [subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"]),
+             subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])]
+    try:
+        assert launching.supervise(procs) == 3
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert procs[1].returncode == -15
+    assert "killed by SIGTERM" not in capsys.readouterr().err
