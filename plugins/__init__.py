@@ -15,7 +15,8 @@
   ``decode.py``, ``images.py``, and ``routes.py``, its record of expert routes) and what every
   backend with its own copy of the weights shares: the policy's weights (``weights.py``), the
   weight channel (``channel.py``), delta and adapter-only pushes (``delta.py``, ``adapter.py``),
-  the pushes to servers (``pushes.py``) and their split and failover (``servers.py``), an engine's
+  the pushes to servers (``pushes.py``), their split and failover (``servers.py``) and each
+  server's generation time against its start (``drift.py``), an engine's
   answers (``outputs.py``) and partial rollouts' prefix continuation (``partial.py``);
 - ``vllm/``: what only vLLM needs: the ``vllm`` backend (``colocated.py``, ``engine.py``), the
   ``vllm-server`` backend (``server.py``, ``client.py``), the ``grpo-run serve`` command
