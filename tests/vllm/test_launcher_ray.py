@@ -29,7 +29,7 @@ import torch
 from grpo_core.testing import save_tiny_model
 
 from ..multihost.netns import made_network
-from ..multihost.raycluster import ray_cluster
+from ..multihost.raycluster import ray_cluster, tagged
 from .conftest import HIDDEN
 from .test_runs import CHILD_ENV, GAP, max_change, step_rows
 from .test_servers import SECRET, Server, run, write_spec
@@ -47,20 +47,6 @@ CORRECTION = {"rollout_correction": {"level": "off", "reject": {"low": 0.5, "hig
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("placed-model") / "model", hidden_size=HIDDEN)
-
-
-def _tagged(tag: str) -> list[int]:
-    """The live processes whose environment carries ``GRPO_TEST_TAG=tag``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            env = (entry / "environ").read_bytes().split(b"\0") if entry.name.isdigit() else []
-            stat = (entry / "stat").read_text() if env else ""
-        except OSError:
-            continue
-        if f"GRPO_TEST_TAG={tag}".encode() in env and stat[stat.rindex(")") + 2] != "Z":
-            found.append(int(entry.name))
-    return found
 
 
 def _weights(out: Path) -> dict:
@@ -97,9 +83,9 @@ def _trained_as_by_hand(out: Path, hand: Path, model_dir: Path) -> None:
 
 def _none_left(tag: str) -> None:
     deadline = time.monotonic() + 30  # the server's engine process ends after its API server
-    while _tagged(tag) and time.monotonic() < deadline:
+    while tagged(tag) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not _tagged(tag)
+    assert not tagged(tag)
 
 
 def test_a_server_placed_by_ray_trains_as_one_wired_by_hand(model_dir, hand, tmp_path):
