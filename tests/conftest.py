@@ -76,3 +76,47 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def _foreign_root_handlers() -> list:
+    """The root logger's handlers that are not pytest's own (capture, live logging)."""
+    import logging
+
+    return [h for h in logging.getLogger().handlers if not type(h).__module__.startswith("_pytest")]
+
+
+@pytest.fixture(autouse=True)
+def _process_state_kept():
+    """Libraries that tests drive in-process change the worker for the tests after them: the
+    tinker-cookbook recipes replace the root logger's handlers with a ``StreamHandler`` bound to
+    the ``sys.stderr`` of that moment (``ml_log.configure_logging_module``), Ray's logging
+    configurator adds one, and a verifiers environment installs its own SIGINT and SIGTERM
+    handlers. A later test's warning then reaches a stream that is gone ("--- Logging error ---"
+    and a traceback in a run that had none: it failed CI), and a later test's SIGINT runs another
+    library's teardown. Each test gets the root logger's handlers and level, and the SIGINT and
+    SIGTERM handlers, as they were before it; what a test left is removed and named in a warning,
+    so that the source of a leak shows in the summary instead of in an unrelated test."""
+    import logging
+    import signal
+    import warnings
+
+    root = logging.getLogger()
+    handlers, level = _foreign_root_handlers(), root.level
+    signals = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    left = [h for h in _foreign_root_handlers() if h not in handlers]
+    for handler in left:
+        root.removeHandler(handler)
+        with contextlib.suppress(Exception):
+            handler.close()
+    for handler in handlers:
+        if handler not in root.handlers:
+            root.addHandler(handler)
+    root.setLevel(level)
+    changed = [sig for sig, before in signals.items() if before is not None and signal.getsignal(sig) is not before]
+    for sig in changed:
+        signal.signal(sig, signals[sig])
+    if left or changed:
+        what = [f"root logging handler {type(h).__module__}.{type(h).__name__}" for h in left] + [
+            f"{sig.name} handler" for sig in changed]
+        warnings.warn(f"the test left {', '.join(what)}; restored", stacklevel=1)

@@ -39,26 +39,38 @@ HOSTILE = {
 }
 
 
-def _run_measured(args: list[str], cwd: Path, timeout: float) -> tuple[int, str, float, int]:
-    """``grpo-run ARGS`` in a subprocess: (exit code, stderr, seconds, its peak RSS in KiB)."""
-    import threading
+# The peak RSS of ``grpo-run`` alone. ``os.wait4`` on a direct child is not it: on Linux the child's
+# ``ru_maxrss`` starts at the high-water mark of the process that spawned it (exec keeps the old
+# memory map's peak), so a pytest worker that once held 1.2 GB reports every child at 1.2 GB (it
+# failed CI that way). A small Python process in between spawns ``grpo-run`` from a fresh memory map
+# and reports the grandchild's own peak.
+_MEASURE = (
+    "import os, subprocess, sys, threading\n"
+    "proc = subprocess.Popen(sys.argv[2:], stdout=subprocess.DEVNULL)\n"
+    "killer = threading.Timer(float(sys.argv[1]), proc.kill)\n"
+    "killer.start()\n"
+    "_, status, usage = os.wait4(proc.pid, 0)\n"
+    "killer.cancel()\n"
+    "print(os.waitstatus_to_exitcode(status), usage.ru_maxrss)\n"
+)
 
+
+def _run_measured(args: list[str], cwd: Path, timeout: float) -> tuple[int, str, float, int]:
+    """``grpo-run ARGS`` in a subprocess: (exit code, stderr, seconds, its own peak RSS in KiB)."""
     err = cwd / "stderr.txt"
+    started = time.monotonic()
     with err.open("wb") as fh:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "grpo_core.cli", *args], cwd=cwd, stdout=subprocess.DEVNULL,
-            stderr=fh, env={**os.environ, **CHILD_ENV},
-        )
-        started = time.monotonic()
-        killer = threading.Timer(timeout, proc.kill)
-        killer.start()
         try:
-            _, status, usage = os.wait4(proc.pid, 0)  # this child's own resource usage
-        finally:
-            killer.cancel()
+            out = subprocess.run(
+                [sys.executable, "-c", _MEASURE, str(timeout), sys.executable, "-m", "grpo_core.cli", *args],
+                cwd=cwd, stdout=subprocess.PIPE, stderr=fh, env={**os.environ, **CHILD_ENV},
+                timeout=timeout + 30, check=True,
+            ).stdout
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"grpo-run {args} still running after {timeout}s")
     seconds = time.monotonic() - started
-    assert seconds < timeout, f"grpo-run {args} still running after {timeout}s"
-    return os.waitstatus_to_exitcode(status), err.read_text(errors="replace"), seconds, usage.ru_maxrss
+    code, peak_kib = (int(word) for word in out.split())
+    return code, err.read_text(errors="replace"), seconds, peak_kib
 
 
 @pytest.mark.parametrize("case", list(HOSTILE), ids=list(HOSTILE))
