@@ -9,11 +9,18 @@ advantages).
 - ``ppo``: ``-min(r A, clip(r, lo, hi) A)`` with ``r = exp(logp - q)``: grpo-core's ``clip``
   loss with ``eps_low = 1 - lo`` and ``eps_high = hi - 1``;
 - ``cispo``: ``-sg(clip(r, lo, hi)) A logp``: grpo-core's ``cispo`` with the same mapping;
-- ``dro``: ``-(A logp - beta/2 (logp - q)^2)``, Tinker's formula, written here.
+- ``dro``: ``-(A logp - beta/2 (logp - q)^2)``, Tinker's formula, written here;
+- ``gspo``: GSPO-token (Zheng et al., https://arxiv.org/abs/2507.18071) as Tinker documents it:
+  the sequence ratio ``s = exp(mean over M of (logp - q))``, ``M`` the positions the datum's
+  ``sequence_ratio_mask`` marks, carried by every token as ``s_t = sg(s) exp(logp - sg(logp))``,
+  then ``-min(s_t A, clip(s_t, lo, hi) A)`` on every position: grpo-core's ``gspo`` loss when
+  ``M`` is the completion and the prompt's advantages are zero (as the cookbook writes them).
 
 ``lo``/``hi`` are ``loss_fn_config``'s ``clip_low_threshold``/``clip_high_threshold`` (Tinker's
-defaults 0.8 and 1.2); ``dro`` takes ``beta``. Every other name (``gspo``, ``stable_reinforce``,
-an unknown one) is refused by name (:class:`LossRefused`); so is a config key a loss does not
+defaults 0.8 and 1.2 for ``ppo`` and ``cispo``; Tinker's GSPO page does not state its own, so
+``gspo`` takes the same two keys with the same defaults, and the guide says so); ``dro`` takes
+``beta``. Every other name (``stable_reinforce``, whose objective Tinker has not published, an
+unknown one) is refused by name (:class:`LossRefused`); so is a config key a loss does not
 take. grpo-core's ``clip`` and ``cispo`` run with ``log_ratio_clamp`` off, so the numbers are
 Tinker's formulas exactly.
 
@@ -27,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from grpo_plugins.losses.clip import ppo_clip_loss
+from grpo_plugins.losses.clip import clipped_surrogate, ppo_clip_loss, sequence_log_ratio
 from grpo_plugins.losses.trust_region import cispo_loss
 from grpo_plugins.tinker.wire import Refused
 from torch import Tensor
@@ -42,6 +49,8 @@ LOSSES: dict[str, tuple[tuple[str, ...], dict[str, float]]] = {
     "ppo": (("logprobs", "advantages"), {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
     "cispo": (("logprobs", "advantages"), {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
     "dro": (("logprobs", "advantages"), {"beta": 0.05}),
+    "gspo": (("logprobs", "advantages", "sequence_ratio_mask"),
+             {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
 }
 
 
@@ -78,6 +87,23 @@ def _dro(logp: Tensor, q: Tensor, adv: Tensor, mask: Tensor, config: dict[str, f
     return torch.where(mask, loss, torch.zeros_like(logp))
 
 
+def _gspo(logp: Tensor, q: Tensor, adv: Tensor, mask: Tensor, config: dict[str, float], ratio_mask: Tensor
+          ) -> Tensor:
+    _eps(config)  # the thresholds' check
+    in_ratio = mask & (ratio_mask != 0)
+    empty = mask.any(dim=1) & ~in_ratio.any(dim=1)
+    if bool(empty.any()):
+        rows = empty.nonzero().flatten().tolist()
+        raise LossRefused(f"gspo: the sequence_ratio_mask of datum(s) {rows} marks none of their tokens; "
+                          "the sequence ratio is a mean over the marked tokens (mark the sampled ones)")
+    log_s = sequence_log_ratio(logp.detach(), q, in_ratio)
+    safe = torch.where(mask, logp, torch.zeros_like(logp))
+    ratio = torch.exp(log_s[:, None] + safe - safe.detach())
+    clipped = ratio.clamp(config["clip_low_threshold"], config["clip_high_threshold"])
+    loss = clipped_surrogate(ratio, clipped, torch.where(mask, adv, torch.zeros_like(adv)))
+    return torch.where(mask, loss, torch.zeros_like(loss))
+
+
 _POLICY: dict[str, Callable[..., Tensor]] = {
     "importance_sampling": _importance_sampling, "ppo": _ppo, "cispo": _cispo, "dro": _dro,
 }
@@ -108,6 +134,8 @@ def loss_terms(loss_fn: str, config: dict[str, float], logp: Tensor, inputs: dic
                           f"missing {missing}")
     if loss_fn == "cross_entropy":
         return torch.where(mask, -logp * inputs["weights"], torch.zeros_like(logp))
+    if loss_fn == "gspo":
+        return _gspo(logp, inputs["logprobs"], inputs["advantages"], mask, config, inputs["sequence_ratio_mask"])
     return _POLICY[loss_fn](logp, inputs["logprobs"], inputs["advantages"], mask, config)
 
 
@@ -122,10 +150,12 @@ def _policy_loss(loss_fn: str, config: dict[str, float]) -> tuple[dict, dict, st
         return {"name": "clip", "log_ratio_clamp": None}, {"level": "token", "mode": "truncate", "cap": NO_CAP}, \
             "sampler"
     eps_low, eps_high = _eps(config)
-    if loss_fn == "ppo":
+    if loss_fn in ("ppo", "gspo"):
         if eps_low <= 0.0:
-            raise LossRefused("ppo with clip_low_threshold 1 has no grpo-core clip (its eps_low must be in (0, 1))")
-        loss = {"name": "clip", "eps_low": eps_low, "eps_high": eps_high, "log_ratio_clamp": None}
+            raise LossRefused(f"{loss_fn} with clip_low_threshold 1 has no grpo-core counterpart (its eps_low must "
+                              "be in (0, 1))")
+        loss = {"name": "clip" if loss_fn == "ppo" else "gspo", "eps_low": eps_low, "eps_high": eps_high,
+                "log_ratio_clamp": None}
     else:  # cispo
         loss = {"name": "cispo", "eps_low": eps_low or None, "eps_high": eps_high, "log_ratio_clamp": None}
     if eps_high <= 0.0:
@@ -138,7 +168,7 @@ def grpo_core_sections(loss_fn: str, config: dict[str, float | str] | None, adam
     """The ``algorithm`` and ``train`` sections of a grpo-core spec whose update takes the step
     that ``forward_backward(data, loss_fn, config)`` then ``optim_step(adam)`` take, and what
     the datums' ``logprobs`` are in grpo-core's batch: ``"old"`` (the old policy's log-probs,
-    the ratio's denominator: ``ppo``, ``cispo``) or ``"sampler"`` (the sampler's, which the
+    the ratio's denominator: ``ppo``, ``cispo``, ``gspo``) or ``"sampler"`` (the sampler's, which the
     rollout correction weighs the loss by: ``importance_sampling``).
 
     The same batch: each datum's tokens are a prompt then a completion whose positions carry
@@ -149,17 +179,18 @@ def grpo_core_sections(loss_fn: str, config: dict[str, float | str] | None, adam
     - ``importance_sampling`` (``-exp(logp - q) A``): ``clip`` at ``mu`` 1 (its ratio is 1, its
       gradient the plain policy gradient) weighed by the rollout correction's token ratio
       ``exp(logp - q)``, never truncated (``cap`` :data:`NO_CAP`);
-    - ``ppo``, ``cispo``: grpo-core's ``clip``, ``cispo`` with ``eps_low = 1 - lo``,
-      ``eps_high = hi - 1``, no log-ratio clamp; the correction off;
+    - ``ppo``, ``cispo``, ``gspo``: grpo-core's ``clip``, ``cispo``, ``gspo`` with
+      ``eps_low = 1 - lo``, ``eps_high = hi - 1``, no log-ratio clamp; the correction off
+      (``gspo``: the datums' ``sequence_ratio_mask`` marking their completions);
     - ``AdamParams``: ``lr``, ``adam_betas``, ``adam_eps``, ``weight_decay`` as given (Tinker's
       defaults where unset), ``grad_clip_norm`` as ``max_grad_norm`` (0: none), a constant
       schedule without warm-up (the Tinker client sets each step's learning rate).
 
     ``cross_entropy`` is grpo-core's SFT stage, not an algorithm; ``dro`` has no grpo-core
     loss: both are refused here, by name."""
-    if loss_fn not in ("importance_sampling", "ppo", "cispo"):
+    if loss_fn not in ("importance_sampling", "ppo", "cispo", "gspo"):
         raise LossRefused(f"loss_fn {loss_fn!r} has no grpo-core algorithm to map to; mapped: importance_sampling, "
-                          "ppo, cispo (cross_entropy is grpo-core's sft stage)")
+                          "ppo, cispo, gspo (cross_entropy is grpo-core's sft stage)")
     policy_loss, correction, role = _policy_loss(loss_fn, check(loss_fn, config or {}))
     adam = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
             "grad_clip_norm": 0.0, **adam}

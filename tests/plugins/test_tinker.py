@@ -99,9 +99,33 @@ def _ppo_loss(logp, x, low=0.7, high=1.1):
     return -torch.minimum(ratio * x["advantages"], ratio.clamp(low, high) * x["advantages"]).sum()
 
 
+def _gspo_loss(logp, x, low=0.75, high=1.2):
+    """Tinker's GSPO-token as its loss page writes it: the sequence log-ratio is the mean over the
+    positions ``sequence_ratio_mask`` marks; every position carries its value with its own
+    log-prob's gradient; the clipped surrogate is summed over every position."""
+    marked = x["sequence_ratio_mask"] != 0
+    log_s = (logp.detach() - x["logprobs"])[marked].mean()
+    ratio = torch.exp(log_s + logp - logp.detach())
+    return -torch.minimum(ratio * x["advantages"], ratio.clamp(low, high) * x["advantages"]).sum()
+
+
+def _gspo_data() -> list[types.Datum]:
+    """Four datums whose ratio mask marks their last five positions of eight, with advantages on
+    every position: the unmarked ones still carry the sequence ratio in the loss."""
+    rng = np.random.default_rng(3)
+    data = []
+    for _ in range(4):
+        tokens = rng.integers(10, 300, size=9).tolist()
+        data.append(_datum(tokens, logprobs=(-5.5 + rng.normal(0, 0.2, 8)).astype(np.float32).tolist(),
+                           advantages=rng.normal(0, 1, 8).astype(np.float32).tolist(),
+                           sequence_ratio_mask=[0.0] * 3 + [1.0] * 5))
+    return data
+
+
 @pytest.mark.parametrize(("loss_fn", "config", "reference"), [
     ("importance_sampling", None, _is_loss),
     ("ppo", {"clip_low_threshold": 0.7, "clip_high_threshold": 1.1}, _ppo_loss),
+    ("gspo", {"clip_low_threshold": 0.75, "clip_high_threshold": 1.2}, _gspo_loss),
 ])
 def test_policy_loss_step_matches_its_formula_and_torch_adamw(served, loss_fn, config, reference):
     server, _, client = served
@@ -109,8 +133,13 @@ def test_policy_loss_step_matches_its_formula_and_torch_adamw(served, loss_fn, c
     model_id = training.model_id
     before = _adapter(server, model_id)
     adam = types.AdamParams(learning_rate=5e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01)
-    data = _rl_data()
+    data = _gspo_data() if loss_fn == "gspo" else _rl_data()
     out = training.forward_backward(data, loss_fn, config).result()
+    if loss_fn == "gspo":  # the clip keeps some sequences and drops others
+        ratios = [np.exp(np.mean(o["logprobs"].to_numpy()[3:] - d.loss_fn_inputs["logprobs"].to_numpy()[3:]))
+                  for d, o in zip(data, out.loss_fn_outputs, strict=True)]
+        inside = [0.75 <= r <= 1.2 for r in ratios]  # measured: 0.726, 0.729 out; 0.784, 0.856 in
+        assert any(inside) and not all(inside), ratios
     training.optim_step(adam).result()
     expected = _reference_step(server, before, 4, data, reference, adam)
     after = _adapter(server, model_id)
@@ -118,7 +147,7 @@ def test_policy_loss_step_matches_its_formula_and_torch_adamw(served, loss_fn, c
     assert any((after[n] - before[n]).abs().max() > 1e-4 for n in after)  # the step moved the adapter
     for name, value in after.items():
         torch.testing.assert_close(value, expected[name], atol=1e-6, rtol=0)
-    assert len(out.loss_fn_outputs) == 3 and "loss:sum" in out.metrics
+    assert len(out.loss_fn_outputs) == len(data) and "loss:sum" in out.metrics
 
 
 def _rollouts(seed: int) -> list[tuple[list[int], list[tuple[list[int], np.ndarray, np.ndarray]]]]:
@@ -137,14 +166,16 @@ def _rollouts(seed: int) -> list[tuple[list[int], list[tuple[list[int], np.ndarr
     return groups
 
 
-def _tinker_data(groups) -> list[types.Datum]:
+def _tinker_data(groups, ratio_mask: bool = False) -> list[types.Datum]:
     """The rollouts as the cookbook sends them: one datum per completion, the prompt's
-    positions with log-prob and advantage 0."""
+    positions with log-prob and advantage 0 (and, for ``gspo``, a ``sequence_ratio_mask`` of
+    the completion's positions, as the cookbook's ``rl_loop`` writes it)."""
     data = []
     for prompt, completions in groups:
         for tokens, q, adv in completions:
             pad = [0.0] * (len(prompt) - 1)
-            data.append(_datum(prompt + tokens, logprobs=pad + q.tolist(), advantages=pad + adv.tolist()))
+            extra = {"sequence_ratio_mask": pad + [1.0] * len(tokens)} if ratio_mask else {}
+            data.append(_datum(prompt + tokens, logprobs=pad + q.tolist(), advantages=pad + adv.tolist(), **extra))
     return data
 
 
@@ -204,6 +235,8 @@ def _grpo_core_steps(server, lora: dict, before: dict[str, torch.Tensor], batche
     ("importance_sampling", None, 0.0),
     ("ppo", {"clip_low_threshold": 0.7, "clip_high_threshold": 1.1}, 0.5),
     ("cispo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.05}, 0.0),
+    # gspo: the sequence ratios measured 0.58-1.02, the nearest to a threshold 0.735
+    ("gspo", {"clip_low_threshold": 0.75, "clip_high_threshold": 1.2}, 0.0),
 ])
 def test_tinker_steps_equal_grpo_cores_own_update(served, loss_fn, config, clip_norm):
     """Two forward_backward + optim_step through the SDK give the adapter grpo-core's learner
@@ -220,17 +253,20 @@ def test_tinker_steps_equal_grpo_cores_own_update(served, loss_fn, config, clip_
     adam = types.AdamParams(learning_rate=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01,
                             grad_clip_norm=clip_norm)
     batches = [_rollouts(seed) for seed in (0, 1)]
-    outside, norms = [], []
+    outside, norms, seen = [], [], []
     for groups in batches:
-        data = _tinker_data(groups)
+        data = _tinker_data(groups, ratio_mask=loss_fn == "gspo")
         out = training.forward_backward(data, loss_fn, config).result()
         norms.append(training.optim_step(adam).result().metrics.get("grad_norm"))
         for d, o in zip(data, out.loss_fn_outputs, strict=True):
             taken = d.loss_fn_inputs["advantages"].to_numpy() != 0
             ratio = np.exp(o["logprobs"].to_numpy()[taken] - d.loss_fn_inputs["logprobs"].to_numpy()[taken])
+            if loss_fn == "gspo":  # one ratio per sequence: the geometric mean of its tokens'
+                ratio = np.exp(np.log(ratio).mean(keepdims=True))
             outside += (~((ratio >= lo) & (ratio <= hi))).tolist()
+            seen += ratio.tolist()
     if loss_fn != "importance_sampling":  # the clips bind on some tokens, not all
-        assert 0 < sum(outside) < len(outside)
+        assert 0 < sum(outside) < len(outside), seen
     if clip_norm:
         assert all(n > clip_norm for n in norms)  # the gradient clip binds
     after = _adapter(server, training.model_id)
@@ -297,6 +333,11 @@ def test_refusals_name_what_is_refused(served):
         training.forward_backward(data, "stable_reinforce").result()
     with pytest.raises(tinker.BadRequestError, match=r"key\(s\) \['eps'\] are not taken by 'ppo'"):
         training.forward_backward(data, "ppo", {"eps": 0.2}).result()
+    with pytest.raises(tinker.TinkerError, match=r"gspo.*missing \['sequence_ratio_mask'\]"):
+        training.forward_backward(data, "gspo").result()
+    unmarked = _datum(list(range(10, 19)), logprobs=[-5.0] * 8, advantages=[1.0] * 8, sequence_ratio_mask=[0.0] * 8)
+    with pytest.raises(tinker.TinkerError, match=r"sequence_ratio_mask of datum\(s\) \[0\] marks none"):
+        training.forward_backward([unmarked], "gspo").result()
     with pytest.raises(tinker.NotFoundError, match="does not serve GET /api/v1/training_runs"):
         client.create_rest_client().list_training_runs().result()
     with pytest.raises(Refused, match="full fine-tuning"):
