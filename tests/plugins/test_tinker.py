@@ -354,16 +354,23 @@ def test_refusals_name_what_is_refused(served):
 def test_mlflow_logs_each_training_client(served):
     from mlflow.tracking import MlflowClient
 
-    server, _, client = served
-    training = client.create_lora_training_client(base_model=NAME, rank=2)
-    training.forward_backward([_datum(list(range(20, 30)), weights=[1.0] * 9)], "cross_entropy").result()
-    training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
-    mlflow = MlflowClient()
-    run = mlflow.get_run(server.service.tracker.runs[training.model_id])
-    assert run.info.run_name == training.model_id
-    assert run.data.metrics["optim_step/lr"] == pytest.approx(1e-3)
-    assert run.data.metrics["forward_backward/cross_entropy/loss_sum"] > 0
-    assert len(server.service.tracker.runs) >= 2  # one run per client
+    server, root, client = served
+    # the store the server was started on (the fixture's), read independently of this worker's
+    # environment; two clients made here, whatever other tests did on this server before
+    mlflow = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
+    runs = {}
+    for lr in (1e-3, 2e-3):
+        training = client.create_lora_training_client(base_model=NAME, rank=2)
+        training.forward_backward([_datum(list(range(20, 30)), weights=[1.0] * 9)], "cross_entropy").result()
+        training.optim_step(types.AdamParams(learning_rate=lr)).result()
+        runs[training.model_id] = lr
+    assert len(runs) == 2
+    for model_id, lr in runs.items():  # one run per client, named by it, with its own calls
+        run = mlflow.get_run(server.service.tracker.runs[model_id])
+        assert run.info.run_name == model_id
+        assert run.data.metrics["optim_step/lr"] == pytest.approx(lr)
+        assert run.data.metrics["forward_backward/cross_entropy/loss_sum"] > 0
+    assert len({server.service.tracker.runs[m] for m in runs}) == 2
 
 
 # --------------------------------------------------------------------------- tinker-cookbook, unmodified
