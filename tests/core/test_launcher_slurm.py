@@ -26,6 +26,11 @@ from grpo_core.launching import free_port
 
 from .conftest import CHILD_ENV, load_weights, tagged_processes
 
+# One cluster for the module, on one xdist worker (--dist loadgroup): a batch job's MASTER_PORT is
+# 20000 + its job id, and two workers' clusters both number their jobs from 1, so their jobs 3 met
+# on port 20003 (EADDRINUSE; it failed a full run). One cluster numbers its jobs apart.
+pytestmark = pytest.mark.xdist_group("slurm-cluster")
+
 PACKAGES = ("slurmctld", "slurmd", "slurm-client")
 SPEC = {
     "data": {"name": "arithmetic", "train_size": 8, "eval_size": 0},
