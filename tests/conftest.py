@@ -89,13 +89,13 @@ def _foreign_root_handlers() -> list:
 def _process_state_kept():
     """Libraries that tests drive in-process change the worker for the tests after them: the
     tinker-cookbook recipes replace the root logger's handlers with a ``StreamHandler`` bound to
-    the ``sys.stderr`` of that moment (``ml_log.configure_logging_module``), Ray's logging
-    configurator adds one, and a verifiers environment installs its own SIGINT and SIGTERM
-    handlers. A later test's warning then reaches a stream that is gone ("--- Logging error ---"
-    and a traceback in a run that had none: it failed CI), and a later test's SIGINT runs another
-    library's teardown. Each test gets the root logger's handlers and level, and the SIGINT and
-    SIGTERM handlers, as they were before it; what a test left is removed and named in a warning,
-    so that the source of a leak shows in the summary instead of in an unrelated test."""
+    the ``sys.stderr`` of that moment and a ``FileHandler`` (``ml_log.configure_logging_module``),
+    and a verifiers environment installs its own SIGINT and SIGTERM handlers. A later test's
+    warning then goes through another test's handler (CI once printed "--- Logging error ---" and
+    a traceback into a run that had none), and a later test's SIGINT runs another library's
+    teardown. Each test gets the root logger's handlers and level, and the SIGINT and SIGTERM
+    handlers, as they were before it; what a test left is removed and named in a warning, so that
+    the source of a leak shows in the summary instead of in an unrelated test."""
     import logging
     import signal
     import warnings
