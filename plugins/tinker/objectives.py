@@ -66,31 +66,31 @@ def _eps(config: dict[str, float]) -> tuple[float, float]:
     return 1.0 - low, high - 1.0
 
 
-def _ppo(logp: Tensor, q: Tensor, adv: Tensor, mask: Tensor, config: dict[str, float]) -> Tensor:
+def _ppo(logp: Tensor, x: dict[str, Tensor], mask: Tensor, config: dict[str, float]) -> Tensor:
     eps_low, eps_high = _eps(config)
-    return ppo_clip_loss(logp, q, adv, mask, eps_low=max(eps_low, 1e-12), eps_high=max(eps_high, 1e-12),
-                         log_ratio_clamp=None).loss
+    return ppo_clip_loss(logp, x["logprobs"], x["advantages"], mask, eps_low=max(eps_low, 1e-12),
+                         eps_high=max(eps_high, 1e-12), log_ratio_clamp=None).loss
 
 
-def _cispo(logp: Tensor, q: Tensor, adv: Tensor, mask: Tensor, config: dict[str, float]) -> Tensor:
+def _cispo(logp: Tensor, x: dict[str, Tensor], mask: Tensor, config: dict[str, float]) -> Tensor:
     eps_low, eps_high = _eps(config)
-    return cispo_loss(logp, q, adv, mask, eps_low=eps_low or None, eps_high=max(eps_high, 1e-12),
-                      log_ratio_clamp=None).loss
+    return cispo_loss(logp, x["logprobs"], x["advantages"], mask, eps_low=eps_low or None,
+                      eps_high=max(eps_high, 1e-12), log_ratio_clamp=None).loss
 
 
-def _importance_sampling(logp: Tensor, q: Tensor, adv: Tensor, mask: Tensor, config: dict[str, float]) -> Tensor:
-    return torch.where(mask, -torch.exp(logp - q) * adv, torch.zeros_like(logp))
+def _importance_sampling(logp: Tensor, x: dict[str, Tensor], mask: Tensor, config: dict[str, float]) -> Tensor:
+    return torch.where(mask, -torch.exp(logp - x["logprobs"]) * x["advantages"], torch.zeros_like(logp))
 
 
-def _dro(logp: Tensor, q: Tensor, adv: Tensor, mask: Tensor, config: dict[str, float]) -> Tensor:
-    loss = -(adv * logp - 0.5 * config["beta"] * (logp - q) ** 2)
+def _dro(logp: Tensor, x: dict[str, Tensor], mask: Tensor, config: dict[str, float]) -> Tensor:
+    loss = -(x["advantages"] * logp - 0.5 * config["beta"] * (logp - x["logprobs"]) ** 2)
     return torch.where(mask, loss, torch.zeros_like(logp))
 
 
-def _gspo(logp: Tensor, q: Tensor, adv: Tensor, mask: Tensor, config: dict[str, float], ratio_mask: Tensor
-          ) -> Tensor:
+def _gspo(logp: Tensor, x: dict[str, Tensor], mask: Tensor, config: dict[str, float]) -> Tensor:
     _eps(config)  # the thresholds' check
-    in_ratio = mask & (ratio_mask != 0)
+    q, adv = x["logprobs"], x["advantages"]
+    in_ratio = mask & (x["sequence_ratio_mask"] != 0)
     empty = mask.any(dim=1) & ~in_ratio.any(dim=1)
     if bool(empty.any()):
         rows = empty.nonzero().flatten().tolist()
@@ -104,8 +104,14 @@ def _gspo(logp: Tensor, q: Tensor, adv: Tensor, mask: Tensor, config: dict[str, 
     return torch.where(mask, loss, torch.zeros_like(loss))
 
 
-_POLICY: dict[str, Callable[..., Tensor]] = {
-    "importance_sampling": _importance_sampling, "ppo": _ppo, "cispo": _cispo, "dro": _dro,
+def _cross_entropy(logp: Tensor, x: dict[str, Tensor], mask: Tensor, config: dict[str, float]) -> Tensor:
+    return torch.where(mask, -logp * x["weights"], torch.zeros_like(logp))
+
+
+#: Each served loss's per-token terms from ``(logp, the padded loss inputs, mask, config)``.
+_TERMS: dict[str, Callable[..., Tensor]] = {
+    "cross_entropy": _cross_entropy, "importance_sampling": _importance_sampling, "ppo": _ppo,
+    "cispo": _cispo, "dro": _dro, "gspo": _gspo,
 }
 
 
@@ -132,11 +138,7 @@ def loss_terms(loss_fn: str, config: dict[str, float], logp: Tensor, inputs: dic
     if missing:
         raise LossRefused(f"loss_fn {loss_fn!r} needs loss_fn_inputs {list(reads)} beside target_tokens; "
                           f"missing {missing}")
-    if loss_fn == "cross_entropy":
-        return torch.where(mask, -logp * inputs["weights"], torch.zeros_like(logp))
-    if loss_fn == "gspo":
-        return _gspo(logp, inputs["logprobs"], inputs["advantages"], mask, config, inputs["sequence_ratio_mask"])
-    return _POLICY[loss_fn](logp, inputs["logprobs"], inputs["advantages"], mask, config)
+    return _TERMS[loss_fn](logp, inputs, mask, config)
 
 
 #: The cap of grpo-core's rollout correction that never truncates (Tinker's importance
