@@ -177,7 +177,8 @@ def _minibatch_step(learner: Learning, batch: TrainBatch, rows: Tensor, tally: _
     stats = BatchStats(int(n_tokens), int(n_seqs), objective.max_length)
     active = rows
     if objective.skips_zero_advantage_rows:
-        active = rows[(batch.advantages[rows] != 0).any(dim=1)]
+        # the test on the batch's device, the index on the rows' (the CPU): a CUDA mask cannot index them
+        active = rows[(batch.advantages[rows] != 0).any(dim=1).to(rows.device)]
     counts["rows"] += len(rows)
     counts["rows_skipped"] += len(rows) - len(active)
     s, packed = learner.settings, learner.trains_packed
