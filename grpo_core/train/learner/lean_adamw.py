@@ -133,9 +133,10 @@ class BF16StateAdamW(torch.optim.Optimizer):
         for p, state, _t, _index in items:
             flat_p, flat_g = p.detach().view(-1), p.grad.reshape(-1)
             m_all, v_all = state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
+            step = state["step"].to(device)  # the kernel reads the count on the parameters' device; it stays on the CPU
             for start in range(0, flat_p.numel(), self.chunk):
                 sl = slice(start, start + self.chunk)
-                pieces.append((flat_p[sl], flat_g[sl], m_all[sl], v_all[sl], state["step"]))
+                pieces.append((flat_p[sl], flat_g[sl], m_all[sl], v_all[sl], step))
         batches, size = [[]], 0
         for piece in pieces:
             if batches[-1] and size + piece[0].numel() > self.chunk:
