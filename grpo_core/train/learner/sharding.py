@@ -150,7 +150,7 @@ def full_weights(root: nn.Module) -> Iterator[None]:
     gathered copies are freed on exit. Entering is a collective: every process must enter
     together."""
     units = [m for m in root.modules() if hasattr(m, "unshard")]
-    groups = [g for unit in units for g in unit._get_fsdp_state()._fsdp_param_groups]
+    groups = [g for unit in units for g in _param_groups(unit)]
     after_forward = [g.post_forward_mesh_info for g in groups]
     for unit in units:
         unit.set_reshard_after_forward(False, recurse=False)
@@ -162,6 +162,16 @@ def full_weights(root: nn.Module) -> Iterator[None]:
             unit.reshard()
         for group, info in zip(groups, after_forward):  # each unit's own setting back
             group.post_forward_mesh_info = info
+
+
+def _param_groups(unit: nn.Module) -> list[Any]:
+    """The FSDP2 parameter groups of one unit: a list in torch 2.13 (``_fsdp_param_groups``),
+    one group or ``None`` in torch 2.11 (``_fsdp_param_group``), which ``bench/gpu/`` met on a GPU."""
+    state = unit._get_fsdp_state()
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
 
 
 def is_sharded(model: Any) -> bool:
