@@ -87,7 +87,7 @@ def _long_sequence(device: torch.device, work: Path, args: Any) -> dict[str, Any
     gpus = torch.cuda.device_count() if device.type == "cuda" else 0
     tiny = getattr(args, "tiny", False) or device.type != "cuda"
     size = (["--tokens", "256", "--completion", "32", "--hidden", "32"] if tiny
-            else ["--tokens", "32768", "--completion", "2048", "--hidden", "896", "--layers", "4"])
+            else ["--tokens", "16384", "--completion", "2048", "--hidden", "896", "--layers", "4"])
     out_json = Path(work) / "sequence_parallel.json"
     out_json.parent.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, str(SCRIPT), *size, "--nproc", "1", "2", "--device", device.type,
@@ -96,7 +96,10 @@ def _long_sequence(device: torch.device, work: Path, args: Any) -> dict[str, Any
         command += ["--backend", "nccl" if gpus >= 2 else "gloo"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     if done.returncode:
-        raise RuntimeError(f"bench/sequence_parallel.py failed: {(done.stdout + done.stderr)[-2000:]}")
+        text = done.stdout + done.stderr  # the error lines first: torchrun's summary buries them
+        errors = [line for line in text.splitlines() if "Error" in line or "Tried to allocate" in line]
+        raise RuntimeError("bench/sequence_parallel.py failed: " + "\n".join(errors[-12:])[-3000:]
+                           + "\n---\n" + text[-1500:])
     records = json.loads(out_json.read_text())["records"]
     one, two = records
     out = {"table": done.stdout.strip().splitlines(), "records": records, "gpus": gpus,
