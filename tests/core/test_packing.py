@@ -461,6 +461,35 @@ def test_the_flex_attention_paths_log_probs_and_entropies_equal_the_padded_paths
     torch.testing.assert_close(ent, want_ent[c_mask], atol=VALUE_TOL, rtol=0)
 
 
+def test_a_flex_compile_failure_falls_back_to_the_per_segment_calls_with_one_warning(llama, monkeypatch, caplog):
+    """torch 2.11's inductor failed one fresh compile of flex_attention on an H200 (bench/gpu/,
+    NoValidChoicesError). A compile error raised by the kernel is not the user's: the layer runs the
+    per-segment attention (the same values), the process keeps it, and says so once."""
+    import logging
+
+    from torch._inductor.exc import InductorError
+
+    calls = []
+
+    def failing_compiler(device):
+        def run(*args, **kwargs):
+            calls.append(device)
+            raise InductorError(RuntimeError("NoValidChoicesError: No choices to select"), None)
+        return None if packing._COMPILED.get("flex", "unset") is None else run
+
+    monkeypatch.setattr(packing, "_flex_runner", failing_compiler)
+    monkeypatch.setitem(packing._COMPILED, "flex", "unset")
+    batch = random_batch(llama.config.vocab_size, prompts=2, group=2, prompt_lens=[5, 3], lengths=[6, 2, 4, 1],
+                         holes=[1, 0, 0, 0], width=6, seed=2)
+    with caplog.at_level(logging.WARNING, logger=packing.__name__):
+        layout, hidden = _layout_and_hidden(llama, batch, "flex", grad=False)
+    _, segments = _layout_and_hidden(llama, batch, "segments", grad=False)
+    torch.testing.assert_close(hidden, segments, atol=1e-6, rtol=1e-6)
+    assert len(calls) == 1 and layout.attention_calls == llama.config.num_hidden_layers
+    warned = [r.getMessage() for r in caplog.records if "could not build flex_attention" in r.getMessage()]
+    assert len(warned) == 1 and "InductorError" in warned[0] and "train.packing: false" in warned[0]
+
+
 def test_the_flex_kernel_has_no_backward_on_a_cpu_so_its_gradients_wait_for_a_gpu(llama):
     """Why the flex path's own gradients are checked on a GPU (bench/gpu/, gradient_packed) and
     only its mask rule's here: on this CPU a forward that would need a backward raises. Should a

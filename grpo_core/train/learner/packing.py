@@ -46,6 +46,7 @@ flex path on a GPU, where ``train.packing: auto`` still pads until that measurem
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +56,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from grpo_core.errors import RunError
+
+log = logging.getLogger(__name__)
 
 __all__ = ["PackedRows", "pack_rows", "segment_attention", "flex_segment_attention", "segment_mask_mod",
            "packed_decoder_call", "packing_unsupported", "attention_switched", "PACKED_ATTENTION", "FLEX_ATTENTION",
@@ -300,23 +303,45 @@ def flex_segment_attention(module: nn.Module, query: Tensor, key: Tensor, value:
     """:func:`segment_attention`'s rule in one ``flex_attention`` call over the whole packed
     sequence, with the layout's block mask (:func:`block_mask`; grouped-query heads served by
     ``enable_gqa``). Compiled on CUDA (``torch.compile``, shapes dynamic), where the fused kernel
-    is what makes it one call; eager elsewhere (torch 2.13: forward only on a CPU)."""
+    is what makes it one call; eager elsewhere (torch 2.13: forward only on a CPU). Should the
+    compiler fail, the process warns once and runs :func:`segment_attention` from then on."""
     layout = _packed_layout(module, kwargs, attention_mask, query, dropout=dropout)
     layout.tally.count += 1
-    from torch.nn.attention.flex_attention import flex_attention
-
-    run = flex_attention
     head_dim = query.shape[-1]
     if scaling is None:
         scaling = head_dim ** -0.5
-    if query.device.type == "cuda":
-        run = _COMPILED.setdefault("flex", torch.compile(flex_attention, dynamic=True))
+    run = _flex_runner(query.device)
+    if run is None:  # the compiler failed on this process's first call: the per-segment calls, exact too
+        layout.tally.count -= 1
+        return segment_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    padded = (query, key, value)
     if head_dim < FLEX_MIN_HEAD_DIM:  # the compiled kernel's floor: zero columns leave q.k and the output unchanged
         pad = (0, FLEX_MIN_HEAD_DIM - head_dim)
-        query, key, value = F.pad(query, pad), F.pad(key, pad), F.pad(value, pad)
-    out = run(query, key, value, block_mask=block_mask(layout, query.device), scale=scaling,
-              enable_gqa=query.shape[1] != key.shape[1])
+        padded = tuple(F.pad(x, pad) for x in padded)
+    try:
+        out = run(*padded, block_mask=block_mask(layout, query.device), scale=scaling,
+                  enable_gqa=query.shape[1] != key.shape[1])
+    except torch._dynamo.exc.TorchDynamoException as error:  # torch 2.11 on an H200 failed one fresh compile
+        _COMPILED["flex"] = None
+        log.warning("packed attention: torch.compile could not build flex_attention here (%s: %s); this process "
+                    "runs the packed forward as one attention call per prompt and per completion instead "
+                    "(the same values, more calls). Set train.packing: false to pad instead.",
+                    type(error).__name__, str(error).splitlines()[0][:300])
+        layout.tally.count -= 1
+        return segment_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     return out[..., :head_dim].transpose(1, 2).contiguous(), None
+
+
+def _flex_runner(device: torch.device) -> Any:
+    """``flex_attention`` compiled once per process on CUDA (``None`` once the compiler failed
+    there), eager elsewhere."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device.type != "cuda":
+        return flex_attention
+    if "flex" not in _COMPILED:
+        _COMPILED["flex"] = torch.compile(flex_attention, dynamic=True)
+    return _COMPILED["flex"]
 
 
 def _register() -> None:
