@@ -1,6 +1,7 @@
 """The ``ray`` launcher on a real Ray cluster (one node, CPU), started once for this module with
 ``ray start --head`` as a user would: two ranks placed by Ray take bitwise the steps of the
-``local`` launcher's two; a rank killed by SIGKILL ends the run with a named error and leaves no
+``local`` launcher's two, and so do two on a one-node cluster the launcher starts itself (no
+process of it left); a rank killed by SIGKILL ends the run with a named error and leaves no
 process, actor nor placement group; a request the cluster cannot hold fails within seconds
 naming it, on the joined cluster and on one the launcher starts itself."""
 
@@ -24,6 +25,9 @@ from grpo_core.launching import free_port
 from .conftest import CHILD_ENV, load_weights, tagged_processes
 
 ray = pytest.importorskip("ray", reason="the ray launcher's tests need Ray (the test extra installs it)")
+
+#: One worker runs the module, so the test run starts one Ray head for it, not one per xdist worker.
+pytestmark = pytest.mark.xdist_group("ray-launcher")
 
 SPEC = {
     "data": {"name": "arithmetic", "train_size": 8, "eval_size": 0},
@@ -96,12 +100,24 @@ def test_two_ranks_on_ray_take_bitwise_the_steps_of_two_local_ones(ray_head, tmp
     placed = _grpo_run([spec, "--launcher", "ray", "--nproc", "2", "--launcher-option", f"address={ray_head}",
                         "--set", "train.output_dir=ray"], tmp_path)
     assert placed.returncode == 0, placed.stderr[-3000:]
-    w_local, w_ray = load_weights(tmp_path / "local" / "final"), load_weights(tmp_path / "ray" / "final")
-    assert w_local.keys() == w_ray.keys()
-    assert all(torch.equal(w_local[k], w_ray[k]) for k in w_local)
-    # Each rank's output reached the driver, prefixed with its role; only rank 0 summarizes.
-    assert "(learner 0 pid=" in placed.stderr + placed.stdout and "(learner 1 pid=" in placed.stderr + placed.stdout
-    assert (placed.stderr + placed.stdout).count("grpo-run: finished 3 steps.") == 1
+    # No address: the launcher starts a one-node cluster of its own (address="local", so not the
+    # module's head) and stops it after the run; the same steps.
+    tag = uuid.uuid4().hex
+    own = _grpo_run([spec, "--launcher", "ray", "--nproc", "2", "--launcher-option", "local_cpus=2",
+                     "--set", "train.output_dir=own"], tmp_path, env={"GRPO_TEST_TAG": tag})
+    assert own.returncode == 0, own.stderr[-3000:]
+    deadline = time.monotonic() + 30  # the cluster's processes end shortly after the driver
+    while tagged_processes(tag) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not tagged_processes(tag)
+    w_local = load_weights(tmp_path / "local" / "final")
+    for folder in ("ray", "own"):
+        w_ray = load_weights(tmp_path / folder / "final")
+        assert w_local.keys() == w_ray.keys()
+        assert all(torch.equal(w_local[k], w_ray[k]) for k in w_local), folder
+    for done in (placed, own):  # each rank's output reached the driver, prefixed with its role; only rank 0 sums up
+        assert "(learner 0 pid=" in done.stderr + done.stdout and "(learner 1 pid=" in done.stderr + done.stdout
+        assert (done.stderr + done.stdout).count("grpo-run: finished 3 steps.") == 1
     state = _cluster_state(ray_head)
     assert state["groups"] and set(state["groups"]) == {"REMOVED"}, state
 
