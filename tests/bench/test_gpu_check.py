@@ -28,11 +28,13 @@ def _check(args: list, timeout: float = 600) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_the_gpu_check_runs_in_its_cpu_mode(tmp_path):
     # The budget is the GPU lease's; on a loaded CPU the tiny parts take longer than a GPU's real ones.
+    # Every part but onegpu, which the next test runs alone (the test run's time).
+    parts = [p for p in PARTS if p != "onegpu"]
     done = _check(["--out", tmp_path / "out", "--work", tmp_path / "work", "--device", "cpu", "--tiny",
-                   "--simulate-missing", "--budget-s", "3600"], timeout=1800)
+                   "--simulate-missing", "--budget-s", "3600", "--parts", ",".join(parts)], timeout=1800)
     assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
     result = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert list(result["parts"]) == PARTS and result["status"] == "ok"
+    assert list(result["parts"]) == parts and result["status"] == "ok"
     env = result["environment"]
     assert env["device"] == "cpu" and {"mlflow", "datasets", "math_verify"} <= set(env["blocked_modules"])
 
@@ -68,10 +70,6 @@ def test_the_gpu_check_runs_in_its_cpu_mode(tmp_path):
     assert set(throughput["padded_vs_packed"]) == {"generated", "long_tailed"}
     for name, compared in throughput["padded_vs_packed"].items():  # the same weights, the same first update
         assert compared["speedup"] > 0 and compared["loss_difference"] < 1e-2, (name, compared)
-    onegpu = checks["onegpu"]  # issue 49's figures: adapter and delta pushes, QLoRA (its CPU backend here)
-    assert onegpu["push_adapter_vs_merged"]["adapter_bytes"] < onegpu["push_adapter_vs_merged"]["merged_bytes"]
-    assert onegpu["push_delta_vs_full"]["bitwise_equal"] and onegpu["push_delta_vs_full"]["corrupted_copy_caught"]
-    assert onegpu["qlora_vs_bf16_lora"]["status"] in ("ok", "skipped")
     saved = checks["checkpoint"]["sharded_vs_gathered"]  # the sharded save's time and memory, against gathered
     assert saved["sharded_load_bit_exact"] and saved["sharded_save_seconds"] > 0 and saved["gathered_save_seconds"] > 0
     trl = result["parts"]["trl"]
@@ -81,7 +79,7 @@ def test_the_gpu_check_runs_in_its_cpu_mode(tmp_path):
         assert checks["trl"]["steps"]["step_seconds"] > 0
 
     table = (tmp_path / "out" / "table.md").read_text()
-    assert all(f"| {part} |" in table for part in PARTS)
+    assert all(f"| {part} |" in table for part in parts)
     assert "correctness  gradient" in done.stdout  # the table printed at the end
 
 
