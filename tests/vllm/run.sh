@@ -18,4 +18,6 @@ if [ "$(cat "$VENV/.grpo-stamp" 2>/dev/null)" != "$STAMP" ]; then
     echo "$STAMP" > "$VENV/.grpo-stamp"
 fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
-exec "$VENV/bin/python" -m pytest -m vllm -p no:randomly tests/vllm "$@"
+# Two workers, a test file each at a time (--dist loadfile: a module's engine and reference-run
+# fixtures are made once): the tests wait on engine starts and subprocesses as much as they compute.
+exec "$VENV/bin/python" -m pytest -m vllm -p no:randomly -n 2 --dist loadfile tests/vllm "$@"
