@@ -130,10 +130,15 @@ class BF16StateAdamW(torch.optim.Optimizer):
         (b1, b2) = group["betas"]
         device = items[0][0].device
         pieces = []  # (param slice, grad slice, bf16 m slice, bf16 v slice, step tensor)
-        for p, state, _t, _index in items:
+        # The kernel reads the step count on the parameters' device (CUDA refuses a CPU one); the
+        # state keeps it on the CPU. One device copy per distinct count, not a copy per parameter.
+        steps: dict[int, Tensor] = {}
+        for p, state, t, _index in items:
             flat_p, flat_g = p.detach().view(-1), p.grad.reshape(-1)
             m_all, v_all = state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
-            step = state["step"].to(device)  # the kernel reads the count on the parameters' device; it stays on the CPU
+            if t not in steps:
+                steps[t] = state["step"].to(device)
+            step = steps[t]
             for start in range(0, flat_p.numel(), self.chunk):
                 sl = slice(start, start + self.chunk)
                 pieces.append((flat_p[sl], flat_g[sl], m_all[sl], v_all[sl], step))
