@@ -311,7 +311,7 @@ def flex_segment_attention(module: nn.Module, query: Tensor, key: Tensor, value:
     if scaling is None:
         scaling = head_dim ** -0.5
     run = _flex_runner(query.device)
-    if run is None:  # the compiler failed on this process's first call: the per-segment calls, exact too
+    if run is None:  # the compiler failed once in this process: the per-segment calls, exact too
         layout.tally.count -= 1
         return segment_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     padded = (query, key, value)
