@@ -128,10 +128,12 @@ def adapter_rank(model: Any) -> int:
 def adapter_state(model: Any) -> dict[str, Tensor]:
     """The active adapter's tensors as peft's ``save_pretrained`` writes them, each whole and
     on the CPU: a sharded (fsdp2) adapter is gathered, so every process calls this in step
-    (as the merged push gathers its weights)."""
+    (as the merged push gathers its weights). The LoRA tensors only: peft would add the whole
+    (frozen) output layer when ``lm_head`` is a target (``save_embedding_layers``), which the
+    engine holds already from the base push."""
     from peft import get_peft_model_state_dict
 
-    state = get_peft_model_state_dict(model, adapter_name=model.active_adapter)
+    state = get_peft_model_state_dict(model, adapter_name=model.active_adapter, save_embedding_layers=False)
     return {k: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().contiguous().cpu()
             for k, t in state.items()}
 
@@ -142,7 +144,7 @@ def pending_adapter(model: Any) -> list[PendingWeight]:
     sends bucket by bucket."""
     from peft import get_peft_model_state_dict
 
-    state = get_peft_model_state_dict(model, adapter_name=model.active_adapter)
+    state = get_peft_model_state_dict(model, adapter_name=model.active_adapter, save_embedding_layers=False)
 
     def load(t: Tensor) -> Tensor:
         return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().contiguous()

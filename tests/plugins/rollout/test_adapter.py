@@ -89,6 +89,20 @@ def test_each_push_is_a_folder_of_the_adapter_alone_and_the_last_k_plus_1_are_ke
     assert sorted(os.listdir(tmp_path)) == ["v2", "v3"]
 
 
+def test_an_adapter_on_the_output_layer_goes_without_the_output_layer(tokenizer, tmp_path):
+    """peft's own save adds the whole frozen lm_head (save_embedding_layers) when it is a
+    target; the engine has it from the base push, so the adapter goes alone."""
+    model = lora(tokenizer, target_modules=["q_proj", "lm_head"])
+    state = adapter_state(model)
+    assert state and all(".lora_A." in k or ".lora_B." in k for k in state), sorted(state)
+    adapter = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".lora_" in n)
+    _, path, size, _ = AdapterVersions(str(tmp_path), keep=1).save(model)
+    assert adapter <= size < adapter + 4096
+    again = get_peft_model(build_model(tokenizer), LoraConfig(r=4, target_modules=["q_proj", "lm_head"]))
+    set_peft_model_state_dict(again, load_file(os.path.join(path, "adapter_model.safetensors")))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), again.parameters()))
+
+
 def test_the_base_weights_are_the_base_models_without_the_adapter(tokenizer):
     model = lora(tokenizer)
     plain = build_model(tokenizer)  # same seed: the base before the adapter went on
