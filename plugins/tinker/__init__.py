@@ -8,7 +8,9 @@ serves, on ``--host``/``--port``, LoRA training clients on it (each its own adap
 state, :mod:`~grpo_plugins.tinker.state`), ``forward``/``forward_backward`` with Tinker's losses mapped onto grpo-core's
 (:mod:`~grpo_plugins.tinker.objectives`), ``optim_step``, ``save_state``/``load_state``,
 ``save_weights_for_sampler`` and sampling (``sample``, ``compute_logprobs``) with grpo-core's
-``hf`` rollout backend (:mod:`~grpo_plugins.tinker.sampling`); the routes, futures and refusals
+``hf`` rollout backend or, with ``--rollout vllm`` or ``vllm-server``, a vLLM engine that gets
+each sampler snapshot as a LoRA adapter (:mod:`~grpo_plugins.tinker.sampling`,
+:mod:`~grpo_plugins.tinker.engines`); the routes, futures and refusals
 are :mod:`~grpo_plugins.tinker.server`, the protobuf schema the SDK's own
 (:mod:`~grpo_plugins.tinker.wire`). What each training client does is logged to
 MLflow (``--mlflow``; :mod:`~grpo_plugins.tinker.tracking`). Tested with the tinker SDK 0.38.0
@@ -21,6 +23,8 @@ import argparse
 import os
 import signal
 import threading
+
+from grpo_plugins.tinker.engines import ENGINES, EngineSampler, engine_plan
 
 from grpo_core import hookimpl
 from grpo_core.errors import UsageError
@@ -44,6 +48,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: a free one)")
     parser.add_argument("--state-dir", default="tinker-state", help="where checkpoints go (default ./tinker-state)")
     parser.add_argument("--max-request-bytes", type=int, default=64 << 20, help="largest request body (64 MiB)")
+    parser.add_argument("--rollout", choices=ENGINES, default="hf",
+                        help="what samples: hf (the served model itself; default), vllm (a vLLM engine in this "
+                        "process) or vllm-server (grpo-run serve servers, --server); vLLM gets each sampler snapshot "
+                        "as a LoRA adapter")
+    parser.add_argument("--server", dest="servers", action="append", default=[], metavar="URL",
+                        help="a rollout server for --rollout vllm-server (repeatable), started with "
+                        "grpo-run serve MODEL -- --enable-lora --max-lora-rank R --max-loras N")
+    parser.add_argument("--rollout-option", dest="rollout_options", action="append", default=[],
+                        metavar="KEY=VALUE", help="an option of the vllm or vllm-server backend, as the spec's "
+                        "rollout section spells it (e.g. max_model_len=4096, dtype=bfloat16); repeatable")
+    parser.add_argument("--max-lora-rank", type=int, default=32,
+                        help="the largest LoRA rank a training client may ask for with a vLLM engine (default 32)")
+    parser.add_argument("--max-loras", type=int, default=4,
+                        help="sampler snapshots a vLLM engine holds at once, the reserved base adapter included "
+                        "(default 4); the least recently pushed is dropped first")
     parser.add_argument("--mlflow", default=None, metavar="EXPERIMENT",
                         help="log each training client's calls to this MLflow experiment (MLFLOW_TRACKING_URI "
                         "says where); default: no tracking")
@@ -61,8 +80,12 @@ def start(args: argparse.Namespace):
     bad = sorted(k for k in keys if not k.startswith("tml-"))
     if bad:
         raise UsageError(f"API keys must start with tml- (the tinker SDK refuses others); got {bad}")
+    plan = engine_plan(args)
     tracker = MLflowClients(args.mlflow) if args.mlflow else None
     service = Service(args.model, args.state_dir, name=args.name, tracker=tracker)
+    if plan is not None:
+        service.engine = EngineSampler(service, plan)
+        service.engine.start()
     return TinkerServer(service, keys, args.host, args.port, args.max_request_bytes)
 
 

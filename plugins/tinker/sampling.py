@@ -1,8 +1,10 @@
 """``sample`` and ``compute_logprobs`` for tinker-serve: the ``hf`` rollout backend
 (:class:`grpo_plugins.rollout.hf.HFRollout`) generates from a sampling session's weights (a
 sampler snapshot loaded as an adapter of its own, or the base model with adapters off), then
-one forward pass scores the sampled tokens (log-probs at the sampling temperature) and, when
-asked, the prompt's (``prompt_logprobs``, NaN at position 0, as Tinker's).
+one forward pass scores the sampled tokens (log-probs at the sampling temperature); or, with
+``--rollout vllm`` or ``vllm-server``, that engine generates with the snapshot pushed to it as
+an adapter and gives the log-probs (:mod:`~grpo_plugins.tinker.engines`). Prompt log-probs
+(``prompt_logprobs``, NaN at position 0, as Tinker's) are one forward pass of the served model.
 """
 
 from __future__ import annotations
@@ -135,28 +137,40 @@ Answer = tuple[list[tuple[list[int], list[float], str]], list[float] | None]
 
 def sample(service: Service, requests: list[_Request]) -> list[Answer]:
     """Answer sample requests that share a key (:attr:`_Request.key`) with one ``generate``
-    call and one scoring pass: for each, its sequences (tokens, log-probs, stop reason) and
-    its prompt log-probs when asked."""
+    call: for each, its sequences (tokens, log-probs, stop reason) and its prompt log-probs
+    when asked. With the ``hf`` backend one scoring pass gives the sampled tokens' log-probs;
+    an engine (``service.engine``, :mod:`~grpo_plugins.tinker.engines`) gives its own."""
     first = requests[0]
-    backend = _backend(service)
-    eos = backend.eos_ids
+    prompts = [r.prompt for r in requests]
+    engine = service.engine
+    if engine is not None:
+        engine.select(first.path, lambda: _weights(service, first.path))
+        batch = engine.generate(prompts, first.n, first.sampling, first.stop_ids)
     with _weights(service, first.path):
-        if first.stop_ids is not None:
-            backend.eos_ids = first.stop_ids
-        try:
-            batch = backend.generate([r.prompt for r in requests], first.n, first.sampling)
-        finally:
-            backend.eos_ids = eos
+        if engine is None:
+            backend = _backend(service)
+            eos = backend.eos_ids
+            if first.stop_ids is not None:
+                backend.eos_ids = first.stop_ids
+            try:
+                batch = backend.generate(prompts, first.n, first.sampling)
+            finally:
+                backend.eos_ids = eos
         rows = []
         for row in range(len(requests) * first.n):
-            tokens = batch.completion_ids[row][batch.completion_mask[row]].tolist()
-            rows.append((requests[row // first.n].prompt, tokens, "length" if bool(batch.truncated[row]) else "stop"))
-        scored = _score(service, [p + t for p, t, _ in rows], first.sampling.temperature)
+            kept = batch.completion_mask[row]
+            tokens = batch.completion_ids[row][kept].tolist()
+            logps = batch.sampling_logp[row][kept].tolist() if engine is not None else None
+            rows.append((requests[row // first.n].prompt, tokens, logps,
+                         "length" if bool(batch.truncated[row]) else "stop"))
+        if engine is None:
+            scored = _score(service, [p + t for p, t, _, _ in rows], first.sampling.temperature)
+            rows = [(p, t, scored[j][len(p) - 1:].tolist(), f) for j, (p, t, _, f) in enumerate(rows)]
         wanted = [r for r in requests if r.prompt_logprobs]
-        prompts = iter(_score(service, [r.prompt for r in wanted], 1.0)) if wanted else iter(())
+        scored_prompts = iter(_score(service, [r.prompt for r in wanted], 1.0)) if wanted else iter(())
         answers = []
         for i, request in enumerate(requests):
-            mine = range(i * first.n, (i + 1) * first.n)
-            sequences = [(rows[j][1], scored[j][len(request.prompt) - 1:].tolist(), rows[j][2]) for j in mine]
-            answers.append((sequences, [float("nan")] + next(prompts).tolist() if request.prompt_logprobs else None))
+            sequences = [(t, lp, f) for _, t, lp, f in rows[i * first.n:(i + 1) * first.n]]
+            answers.append((sequences, [float("nan")] + next(scored_prompts).tolist()
+                            if request.prompt_logprobs else None))
     return answers

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from grpo_plugins.tinker.engines import RESERVED
 from grpo_plugins.tinker.objectives import check, loss_terms
 from grpo_plugins.tinker.wire import Datum, Refused
 
@@ -60,6 +61,9 @@ class Service:
         self._sampler_adapters: dict[str, str] = {}  # sampler path -> adapter name
         self._ids = itertools.count()
         self._rollout: Any = None  # the hf rollout backend, made at the first sample
+        #: The engine samples go to (``--rollout vllm`` or ``vllm-server``,
+        #: :class:`~grpo_plugins.tinker.engines.EngineSampler`); None: the hf backend.
+        self.engine: Any = None
         self.tracker = tracker
 
     # ------------------------------------------------------------------ adapters
@@ -119,8 +123,10 @@ class Service:
             raise Refused("full fine-tuning (no lora_config) is not served: tinker-serve trains LoRA adapters")
         if optimizer and optimizer.get("type", "adamw") != "adamw":
             raise Refused(f"optimizer {optimizer.get('type')!r} is not served; tinker-serve runs adamw")
-        if model_id in self.clients or not re.fullmatch(r"[A-Za-z0-9_:-]+", model_id):
+        if model_id in self.clients or model_id == RESERVED or not re.fullmatch(r"[A-Za-z0-9_:-]+", model_id):
             raise Refused(f"training client id {model_id!r} is taken or malformed")
+        if self.engine is not None:
+            self.engine.check_rank(int(lora["rank"]))
         self._add_adapter(model_id, lora)
         client = TrainingClient(model_id, dict(lora))
         self.clients[model_id] = client
@@ -262,6 +268,12 @@ class Service:
         return session
 
     # ------------------------------------------------------------------ tracking
+    def track_push(self, path: str, size: float, seconds: float) -> None:
+        """Log a sampler snapshot's push to the sampling engine under its training client."""
+        client = self.clients.get(self._file(path)[0])
+        if client is not None:
+            self._track(client, "sampler_push", {"push_bytes": size, "push_seconds": seconds})
+
     def _track(self, client: TrainingClient, event: str, values: dict[str, float]) -> None:
         if self.tracker is not None:
             self.tracker(client.model_id, event, client.steps, values)

@@ -1,7 +1,8 @@
 """MLflow runs for tinker-serve: one run per training client (named by its model id) in the
 experiment given to ``--mlflow``, with each call it makes logged as metrics at its optimizer
 step: ``forward_backward``'s summed loss and tokens, ``optim_step``'s learning rate (and grad
-norm when clipped), a count of each call."""
+norm when clipped), a sampler snapshot's push to a vLLM engine (bytes, seconds), a count of
+each call."""
 
 from __future__ import annotations
 

@@ -410,6 +410,24 @@ class VLLMRollout:
         engine.add_lora(self.lora_request)
         return size
 
+    def loaded_versions(self) -> list[int]:
+        """The adapter versions the engine holds, oldest first (adapter pushes: each
+        ``sync_weights`` adds one, the last ``max_staleness + 1`` are kept); [] otherwise."""
+        return list(self._versions.kept) if self._versions is not None else []
+
+    def sample_with(self, version: int | None) -> None:
+        """Sample from now on with adapter version ``version`` (one of :meth:`loaded_versions`)
+        or, for None, with the base weights alone: for a caller that keeps several adapters
+        loaded and picks one per call (tinker-serve's sampler snapshots)."""
+        from vllm.lora.request import LoRARequest
+
+        if version is None:
+            self.lora_request = None
+            return
+        if version not in self.loaded_versions():
+            raise ValueError(f"vllm rollout: adapter version {version} is not loaded; loaded: {self.loaded_versions()}")
+        self.lora_request = LoRARequest(f"policy-v{version}", version, self._versions.path(version))
+
     def generate(
         self, prompt_ids: list[list[int]], group_size: int, sampling: SamplingParams,
         images: list[PromptImages | None] | None = None,

@@ -327,6 +327,23 @@ class VLLMServerRollout(ServerPushes, ServerPool):
             return None
         return self._push_adapter(model) if self.push == "adapter" else self._push(model)
 
+    def loaded_versions(self) -> list[int]:
+        """The adapter versions the servers hold, oldest first (adapter pushes: each push adds
+        one, the last ``max_staleness + 1`` stay loaded); [] otherwise."""
+        return sorted(self.loaded)
+
+    def sample_with(self, version: int | None) -> None:
+        """Sample from now on with adapter version ``version`` (one of :meth:`loaded_versions`)
+        or, for None, with the servers' base weights: for a caller that keeps several adapters
+        loaded and picks one per call (tinker-serve's sampler snapshots)."""
+        if version is None:
+            self.serving = ""
+            return
+        if version not in self.loaded:
+            raise ValueError(f"{NAME} rollout: adapter version {version} is not loaded; "
+                             f"loaded: {self.loaded_versions()}")
+        self.serving = self.loaded[version]
+
     def generate(self, prompt_ids: list[list[int]], group_size: int, sampling: SamplingParams) -> RolloutBatch:
         """``G = group_size`` completions for each of the ``P`` prompts, spread over the live
         servers; prompt ``i`` seeded from ``request_seed(sampling.seed + i)`` (the ``vllm``

@@ -323,6 +323,31 @@ def test_sampling_from_saved_weights_agrees_with_compute_logprobs(served):
     assert not np.allclose(base_lp[1:], full[1:], atol=1e-4)  # the snapshot is not the base model
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--rollout", "vllm", "--rollout-option", "max_model_len"], "write KEY=VALUE"),
+    (["--rollout", "vllm-server", "--server", "http://127.0.0.1:1", "--rollout-option", "no_such_key=1"],
+     r"--rollout vllm-server: no_such_key: Extra inputs are not permitted"),
+    (["--rollout", "vllm", "--rollout-option", "lora_push=merged"], "lora_push is set by tinker-serve"),
+    (["--rollout", "vllm", "--max-lora-rank", "12"], "--max-lora-rank 12: vLLM takes one of"),
+    (["--rollout", "vllm", "--max-loras", "1"], "--max-loras 1: at least 2"),
+    (["--rollout", "vllm-server"], "--rollout vllm-server needs the servers"),
+    (["--rollout", "vllm", "--server", "http://127.0.0.1:1"], "--server is for --rollout vllm-server"),
+    (["--rollout", "hf", "--rollout-option", "dtype=float32"], "are for --rollout vllm or vllm-server"),
+])
+def test_bad_engine_flags_are_refused_before_the_model_loads(tmp_path, flags, message):
+    """Each refused at start, naming the flag, before the model (here a missing folder) loads;
+    the vllm and vllm-server engines themselves: tests/vllm/test_tinker_engines.py."""
+    from grpo_plugins.tinker import configure, start
+
+    from grpo_core.errors import UsageError
+
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    args = parser.parse_args(["--model", str(tmp_path / "no-such-model"), "--api-key", KEY, *flags])
+    with pytest.raises(UsageError, match=message):
+        start(args)
+
+
 def test_refusals_name_what_is_refused(served):
     from grpo_plugins.tinker.wire import Refused
 
