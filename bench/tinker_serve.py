@@ -6,6 +6,9 @@ loopback HTTP, on the server's Service in-process (grpo-core's code without the 
 grpo-core's own learner (``build_learner`` + ``update`` from the spec keys the Tinker loss maps
 to, :func:`grpo_plugins.tinker.objectives.grpo_core_sections`). Prints seconds per step for each.
 
+``--mode sample``: sampling throughput through the SDK from a trained snapshot, for each
+engine of ``--rollouts`` (``hf``; ``vllm``: the snapshot pushed to a vLLM engine as an adapter).
+
 ``--mode rl``: whole RL steps. The tinker-cookbook's RL arithmetic recipe (``math_rl``,
 ``env=arithmetic``, unmodified) against a loopback tinker-serve, printing its reward per step;
 then grpo-core's own loop (``grpo_core.Trainer``, the ``hf`` backend) on its arithmetic dataset
@@ -18,6 +21,7 @@ Llama (a smoke run: it cannot learn arithmetic).
 
     python bench/tinker_serve.py --steps 20 --rows 8 --tokens 64
     OMP_WAIT_POLICY=PASSIVE python bench/tinker_serve.py --mode rl --steps 10 --groups 8 --lr 5e-4
+    .venv-vllm/bin/python bench/tinker_serve.py --mode sample --rollouts hf,vllm --groups 8 --max-tokens 64
 """
 
 from __future__ import annotations
@@ -50,11 +54,13 @@ def _model(args, root: Path) -> str:
     return str(bench_model(Path(args.model_dir or root), args.tiny))
 
 
-def _server(model: str, root: Path, name: str | None = None):
+def _server(model: str, root: Path, name: str | None = None, rollout: str = "hf", options: list[str] = ()):
     from grpo_plugins.tinker import start
 
     return start(argparse.Namespace(model=model, name=name, api_keys=[KEY], host="127.0.0.1", port=0,
-                                    state_dir=str(root / "state"), max_request_bytes=1 << 28, mlflow=None))
+                                    state_dir=str(root / "state"), max_request_bytes=1 << 28, mlflow=None,
+                                    rollout=rollout, rollout_options=list(options) if rollout != "hf" else [],
+                                    servers=[], max_lora_rank=32, max_loras=4))
 
 
 def _learner_seconds(server, batches: list, lr: float) -> float:
@@ -187,9 +193,55 @@ def rl_mode(args, root: Path) -> None:
               + " ".join(f"{r:.3f}" for r in rewards), flush=True)
 
 
+def sample_mode(args, root: Path) -> None:
+    """Sampling through the SDK from a trained snapshot, with each engine of ``--rollouts`` in
+    turn: ``--steps`` rounds of ``--groups`` sample calls (``--group-size`` completions of up to
+    ``--max-tokens`` tokens each, temperature 1) sent at once, as an RL recipe sends a batch's;
+    one round first, not timed (an engine's first calls compile and warm up)."""
+    import tinker
+    from tinker import types
+
+    model = _model(args, root)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(10, 300, size=args.prompt_tokens).tolist() for _ in range(args.groups)]
+    for rollout in args.rollouts.split(","):
+        server = _server(model, root, name=model, rollout=rollout, options=args.rollout_option)
+        client = tinker.ServiceClient(base_url=server.base_url, api_key=KEY)
+        training = client.create_lora_training_client(base_model=model, rank=args.rank, seed=0).result()
+        tokens = rng.integers(10, 300, size=33).tolist()
+        training.forward_backward([types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                                               loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * 32})],
+                                   "cross_entropy").result()
+        training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+        sampler = training.save_weights_and_get_sampling_client(name="bench")
+        seconds, made = [], []
+        for step in range(args.steps + 1):
+            start = time.perf_counter()
+            futures = [sampler.sample(types.ModelInput.from_ints(p), args.group_size,
+                                      types.SamplingParams(max_tokens=args.max_tokens, temperature=1.0,
+                                                           seed=1000 * step + i)) for i, p in enumerate(prompts)]
+            count = sum(len(seq.tokens) for f in futures for seq in f.result().sequences)
+            if step:  # the first round warms up
+                seconds.append(time.perf_counter() - start)
+                made.append(count)
+        print(f"sampling through the tinker SDK, --rollout {rollout} ({args.groups} prompts of {args.prompt_tokens} "
+              f"tokens x {args.group_size} completions x up to {args.max_tokens} tokens, {args.steps} rounds): "
+              f"{sum(made) / sum(seconds):.1f} tokens/s, median round {float(np.median(seconds)):.2f} s "
+              f"({sum(made) / len(made):.0f} tokens a round)", flush=True)
+        client.close("success").result()
+        server.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mode", choices=("update", "rl", "all"), default="update", help="all: update, then rl")
+    parser.add_argument("--mode", choices=("update", "rl", "sample", "all"), default="update",
+                        help="all: update, rl, then sample")
+    parser.add_argument("--rollouts", default="hf", help="sample: the engines to time in turn, comma-separated "
+                        "(hf, vllm; vllm needs vLLM installed, e.g. .venv-vllm)")
+    parser.add_argument("--rollout-option", action="append", default=None, metavar="KEY=VALUE",
+                        help="sample: an option of the vllm engine (default: dtype=float32, the hf side's, and "
+                        "max_model_len=2048)")
+    parser.add_argument("--prompt-tokens", type=int, default=32, help="sample: tokens per prompt")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rows", type=int, default=8, help="update: rows per step")
     parser.add_argument("--tokens", type=int, default=64, help="update: tokens per row")
@@ -213,6 +265,9 @@ def main() -> None:
         update_mode(args, root)
     if args.mode in ("rl", "all"):
         rl_mode(args, root)
+    if args.mode in ("sample", "all"):
+        args.rollout_option = args.rollout_option or ["dtype=float32", "max_model_len=2048"]
+        sample_mode(args, root)
 
 
 if __name__ == "__main__":

@@ -124,6 +124,8 @@ def _pushes(events) -> list[dict]:
 
 def test_snapshots_sample_as_adapters_with_their_own_weights(served):
     server, client, events = served
+    engine = server.service.engine
+    (reserved,) = engine.backend.loaded_versions()  # the reserved adapter's version, pushed at start
     prompt = list(range(30, 38))
     first, first_sampler = _trained_snapshot(client, 1, "a")
     got, want, _ = _sampled_and_scored(first_sampler, prompt, 3)
@@ -152,17 +154,16 @@ def test_snapshots_sample_as_adapters_with_their_own_weights(served):
         np.testing.assert_allclose(got, want, atol=TOL)
     assert len(_pushes(events)) == 2  # the first was still loaded
 
-    # a third pushes out the least recently pushed (the reserved adapter, then the first)
-    _, third_sampler = _trained_snapshot(client, 3, "c")
-    for sampler in (third_sampler, first_sampler):
+    # slots: the reserved adapter (r), a (r + 1), b (r + 2); c pushes out the reserved one, d then a
+    for seed, name in ((3, "c"), (4, "d")):
+        _, sampler = _trained_snapshot(client, seed, name)
         got, want, _ = _sampled_and_scored(sampler, prompt, 7)
         np.testing.assert_allclose(got, want, atol=TOL)
-    engine = server.service.engine
-    assert len(engine.backend.loaded_versions()) == 3
-    pushed = len(_pushes(events))
+    assert engine.backend.loaded_versions() == [reserved + k for k in (2, 3, 4)] and len(_pushes(events)) == 4
+    # a, pushed out, is pushed again when sampled again (pushing out b) and samples as before
     got, want, _ = _sampled_and_scored(first_sampler, prompt, 9)
     np.testing.assert_allclose(got, want, atol=TOL)
-    assert len(_pushes(events)) == pushed  # the first is loaded again now: no push
+    assert engine.backend.loaded_versions() == [reserved + k for k in (3, 4, 5)] and len(_pushes(events)) == 5
 
 
 def test_a_rank_the_engine_cannot_load_is_refused(served):
