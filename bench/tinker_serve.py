@@ -213,19 +213,21 @@ def sample_mode(args, root: Path) -> None:
                                                loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * 32})],
                                    "cross_entropy").result()
         training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
-        sampler = training.save_weights_and_get_sampling_client(name="bench")
+        sampler = training.save_weights_and_get_sampling_client(name="bench") if args.sample_from == "snapshot" \
+            else client.create_sampling_client(base_model=model)
         seconds, made = [], []
         for step in range(args.steps + 1):
             start = time.perf_counter()
-            futures = [sampler.sample(types.ModelInput.from_ints(p), args.group_size,
-                                      types.SamplingParams(max_tokens=args.max_tokens, temperature=1.0,
-                                                           seed=1000 * step + i)) for i, p in enumerate(prompts)]
+            # no seed, as the cookbook's recipes sample: the server runs same-settings calls as one batch
+            params = types.SamplingParams(max_tokens=args.max_tokens, temperature=1.0)
+            futures = [sampler.sample(types.ModelInput.from_ints(p), args.group_size, params) for p in prompts]
             count = sum(len(seq.tokens) for f in futures for seq in f.result().sequences)
             if step:  # the first round warms up
                 seconds.append(time.perf_counter() - start)
                 made.append(count)
-        print(f"sampling through the tinker SDK, --rollout {rollout} ({args.groups} prompts of {args.prompt_tokens} "
-              f"tokens x {args.group_size} completions x up to {args.max_tokens} tokens, {args.steps} rounds): "
+        print(f"sampling through the tinker SDK, --rollout {rollout}, from the {args.sample_from} "
+              f"({args.groups} prompts of {args.prompt_tokens} tokens x {args.group_size} completions x up to "
+              f"{args.max_tokens} tokens, {args.steps} rounds): "
               f"{sum(made) / sum(seconds):.1f} tokens/s, median round {float(np.median(seconds)):.2f} s "
               f"({sum(made) / len(made):.0f} tokens a round)", flush=True)
         client.close("success").result()
@@ -242,6 +244,8 @@ def main() -> None:
                         help="sample: an option of the vllm engine (default: dtype=float32, the hf side's, and "
                         "max_model_len=2048)")
     parser.add_argument("--prompt-tokens", type=int, default=32, help="sample: tokens per prompt")
+    parser.add_argument("--sample-from", choices=("snapshot", "base"), default="snapshot",
+                        help="sample: a trained snapshot (a LoRA adapter; default) or the base model")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rows", type=int, default=8, help="update: rows per step")
     parser.add_argument("--tokens", type=int, default=64, help="update: tokens per row")
