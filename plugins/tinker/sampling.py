@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from grpo_plugins.rollout.hf import HFRollout, HFRolloutOptions
-from grpo_plugins.tinker.state import Refused, Service
+from grpo_plugins.tinker.state import SAMPLER_ADAPTERS, Refused, Service
 
 from grpo_core.contracts import RolloutSetup, SamplingParams
 
@@ -36,17 +36,27 @@ def _backend(service: Service) -> HFRollout:
 
 
 def _weights(service: Service, path: str | None):
-    """The context to sample in: the snapshot at ``path`` as the active adapter, or the base model."""
+    """The context to sample in: the snapshot at ``path`` as the active adapter, or the base model.
+
+    A snapshot is loaded from its file as an adapter of its own the first time, and the last
+    :data:`~grpo_plugins.tinker.state.SAMPLER_ADAPTERS` used stay loaded; the least recently
+    used goes first (loaded again from its file if asked for again): an RL loop saves a
+    snapshot every step, and each would otherwise stay in memory for the server's life."""
     peft = service._peft()
     if path is None:
         return peft.disable_adapter() if peft is not None else contextlib.nullcontext()
-    if path not in service._sampler_adapters:
+    loaded = service._sampler_adapters
+    if path in loaded:
+        loaded.move_to_end(path)
+    else:
         saved = torch.load(service._file(path)[2], weights_only=False)
-        adapter = f"sampler-{len(service._sampler_adapters)}"
+        while len(loaded) >= SAMPLER_ADAPTERS:
+            service.model.delete_adapter(loaded.popitem(last=False)[1])
+        adapter = f"sampler-{next(service._ids)}"
         service._add_adapter(adapter, saved["lora"])
         service._load_adapter(adapter, saved["adapter"], path)
-        service._sampler_adapters[path] = adapter
-    service._use(service._sampler_adapters[path])
+        loaded[path] = adapter
+    service._use(loaded[path])
     return contextlib.nullcontext()
 
 
@@ -146,7 +156,9 @@ def sample(service: Service, requests: list[_Request]) -> list[Answer]:
     if engine is not None:
         engine.select(first.path, lambda: _weights(service, first.path))
         batch = engine.generate(prompts, first.n, first.sampling, first.stop_ids)
-    with _weights(service, first.path):
+    wanted = [r for r in requests if r.prompt_logprobs]
+    # the served model's weights: for hf's generation and scoring, and for prompt log-probs
+    with _weights(service, first.path) if engine is None or wanted else contextlib.nullcontext():
         if engine is None:
             backend = _backend(service)
             eos = backend.eos_ids
@@ -166,7 +178,6 @@ def sample(service: Service, requests: list[_Request]) -> list[Answer]:
         if engine is None:
             scored = _score(service, [p + t for p, t, _, _ in rows], first.sampling.temperature)
             rows = [(p, t, scored[j][len(p) - 1:].tolist(), f) for j, (p, t, _, f) in enumerate(rows)]
-        wanted = [r for r in requests if r.prompt_logprobs]
         scored_prompts = iter(_score(service, [r.prompt for r in wanted], 1.0)) if wanted else iter(())
         answers = []
         for i, request in enumerate(requests):

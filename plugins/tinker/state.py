@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import re
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,12 +23,15 @@ from grpo_plugins.tinker.engines import RESERVED
 from grpo_plugins.tinker.objectives import check, loss_terms
 from grpo_plugins.tinker.wire import Datum, Refused
 
-__all__ = ["LORA_ALPHA", "Refused", "Service", "TrainingClient"]
+__all__ = ["LORA_ALPHA", "SAMPLER_ADAPTERS", "Refused", "Service", "TrainingClient"]
 
 _TARGETS = {"attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj"),
             "unembed": ("lm_head",)}
 #: LoRA's scaling numerator (scale = alpha / rank) for every adapter: Tinker's config has no alpha.
 LORA_ALPHA = 32.0
+#: Sampler snapshots the served model holds as adapters at once (the least recently used is
+#: dropped first and loaded again from its file when sampled again).
+SAMPLER_ADAPTERS = 4
 _PATH = re.compile(r"^tinker://([^/]+)/(weights|sampler_weights)/([A-Za-z0-9_.-]+)$")
 
 
@@ -58,7 +62,7 @@ class Service:
         self.max_context = int(getattr(self.model.config, "max_position_embeddings", 0) or 0) or None
         self.clients: dict[str, TrainingClient] = {}
         self.sampling_sessions: dict[str, str | None] = {}  # id -> sampler path (None: the base model)
-        self._sampler_adapters: dict[str, str] = {}  # sampler path -> adapter name
+        self._sampler_adapters: OrderedDict[str, str] = OrderedDict()  # sampler path -> adapter, oldest use first
         self._ids = itertools.count()
         self._rollout: Any = None  # the hf rollout backend, made at the first sample
         #: The engine samples go to (``--rollout vllm`` or ``vllm-server``,

@@ -323,6 +323,28 @@ def test_sampling_from_saved_weights_agrees_with_compute_logprobs(served):
     assert not np.allclose(base_lp[1:], full[1:], atol=1e-4)  # the snapshot is not the base model
 
 
+def test_sampler_snapshots_held_in_memory_are_bounded_and_reload_from_their_files(served):
+    """An RL loop saves a snapshot every step: the served model keeps the last few as adapters
+    (SAMPLER_ADAPTERS), and one dropped is loaded again from its file, the same weights."""
+    from grpo_plugins.tinker.state import SAMPLER_ADAPTERS
+
+    server, _, client = served
+    training = client.create_lora_training_client(base_model=NAME, rank=2, seed=5)
+    sequence = types.ModelInput.from_ints(list(range(60, 72)))
+    samplers, first = [], None
+    for step in range(SAMPLER_ADAPTERS + 2):
+        training.forward_backward([_datum(list(range(50 + step, 70 + step)), weights=[1.0] * 19)],
+                                  "cross_entropy").result()
+        training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+        samplers.append(training.save_weights_and_get_sampling_client(name=f"bounded-{step}"))
+        logprobs = samplers[-1].compute_logprobs(sequence).result()
+        first = logprobs if first is None else first
+        held = [a for a in server.service.model.peft_config if a.startswith("sampler-")]
+        assert len(held) <= SAMPLER_ADAPTERS, held
+    assert not np.allclose(samplers[-1].compute_logprobs(sequence).result()[1:], first[1:], atol=1e-4)
+    np.testing.assert_allclose(samplers[0].compute_logprobs(sequence).result()[1:], first[1:], atol=1e-6)
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--rollout", "vllm", "--rollout-option", "max_model_len"], "write KEY=VALUE"),
     (["--rollout", "vllm-server", "--server", "http://127.0.0.1:1", "--rollout-option", "no_such_key=1"],
