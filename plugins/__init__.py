@@ -34,8 +34,8 @@
   (the engine's, :mod:`grpo_core.train.actor.drivers`).
 - ``tinker/``: ``grpo-run tinker-serve``, the Tinker API on a local base model: the routes and
   futures (``server.py``), the SDK's protobuf (``wire.py``), the training clients' adapters and
-  optimizers (``state.py``), Tinker's losses (``objectives.py``), sampling (``sampling.py``) and
-  each client's MLflow run (``tracking.py``).
+  optimizers (``state.py``), Tinker's losses (``objectives.py``), sampling (``sampling.py``), the
+  vLLM engines it can sample with (``engines.py``) and each client's MLflow run (``tracking.py``).
 
 Each module that registers something is one plugin, registered on the same plugin manager as
 third-party ones (``grpo_core.plugin_manager.DEFAULT_PLUGINS`` lists them); what the modules of
