@@ -145,7 +145,7 @@ class ServerPool:
         client = self.clients[url]
         start = time.monotonic()
         answer = client.complete({**body, "model": serving or self.serving or client.model}, expected)
-        self.drift.record(url, start, time.monotonic(), sum(len(c.token_ids) for c in answer.outputs))
+        self.drift.record(url, start, time.monotonic(), max((len(c.token_ids) for c in answer.outputs), default=0))
         return answer
 
     def _each(self, action, what: str, *, required: bool = True) -> None:

@@ -34,7 +34,7 @@ batch is the same whichever server samples it. With no server left the rollout r
 :class:`~grpo_core.errors.RunError` naming every URL and what failed: the run stops with exit 1
 and the engine's failure path keeps the last completed step's checkpoint.
 
-Each server's generation time (seconds per generated token of each rollout call) is followed
+Each server's generation time (seconds per decode step of each rollout call) is followed
 through the run: a server whose recent calls take more than ``drift_bound`` times its early ones
 is named in the log, once per crossing (:mod:`grpo_plugins.rollout.drift`; issue 60 item 5, a
 long-lived server that slowed from 6 to 20 s a batch).
@@ -191,7 +191,7 @@ class VLLMServerOptions(Options):
         2.0,
         ge=0,
         description=(
-            "Warn, naming the server, when a server's generation time (seconds per generated token of a rollout "
+            "Warn, naming the server, when a server's generation time (seconds per decode step of a rollout "
             "call, the median of its last drift_window calls) passes this many times its own at the start of the "
             "run (the median of its first drift_window calls); once per crossing. A long-lived server that slows "
             "down is restarted (the vLLM guide, 'A server that slows down'). 0: no check."
