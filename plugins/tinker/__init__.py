@@ -24,7 +24,13 @@ import os
 import signal
 import threading
 
-from grpo_plugins.tinker.engines import ENGINES, EngineSampler, engine_plan
+from grpo_plugins.tinker.engines import (
+    DEFAULT_MAX_LORA_RANK,
+    DEFAULT_MAX_LORAS,
+    ENGINES,
+    EngineSampler,
+    engine_plan,
+)
 
 from grpo_core import hookimpl
 from grpo_core.errors import UsageError
@@ -58,11 +64,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rollout-option", dest="rollout_options", action="append", default=[],
                         metavar="KEY=VALUE", help="an option of the vllm or vllm-server backend, as the spec's "
                         "rollout section spells it (e.g. max_model_len=4096, dtype=bfloat16); repeatable")
-    parser.add_argument("--max-lora-rank", type=int, default=32,
-                        help="the largest LoRA rank a training client may ask for with a vLLM engine (default 32)")
-    parser.add_argument("--max-loras", type=int, default=4,
+    parser.add_argument("--max-lora-rank", type=int, default=DEFAULT_MAX_LORA_RANK,
+                        help="the largest LoRA rank a training client may ask for with a vLLM engine "
+                        f"(default {DEFAULT_MAX_LORA_RANK})")
+    parser.add_argument("--max-loras", type=int, default=DEFAULT_MAX_LORAS,
                         help="sampler snapshots a vLLM engine holds at once, the reserved base adapter included "
-                        "(default 4); the least recently pushed is dropped first")
+                        f"(default {DEFAULT_MAX_LORAS}); the least recently pushed is dropped first")
     parser.add_argument("--mlflow", default=None, metavar="EXPERIMENT",
                         help="log each training client's calls to this MLflow experiment (MLFLOW_TRACKING_URI "
                         "says where); default: no tracking")

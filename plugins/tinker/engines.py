@@ -31,12 +31,15 @@ from pydantic import BaseModel, ValidationError
 from grpo_core.contracts import RolloutBatch, RolloutSetup, SamplingParams
 from grpo_core.errors import UsageError
 
-__all__ = ["ENGINES", "RESERVED", "EnginePlan", "EngineSampler", "engine_plan"]
+__all__ = ["DEFAULT_MAX_LORAS", "DEFAULT_MAX_LORA_RANK", "ENGINES", "RESERVED", "EnginePlan", "EngineSampler",
+           "engine_plan"]
 
 #: What ``--rollout`` takes.
 ENGINES = ("hf", "vllm", "vllm-server")
 #: The adapter that puts an engine in adapter mode at start (see the module docstring).
 RESERVED = "tinker-base"
+#: ``--max-lora-rank`` and ``--max-loras`` when not given.
+DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS = 32, 4
 
 
 def _option(pair: str) -> tuple[str, Any]:
@@ -62,7 +65,8 @@ def engine_plan(args: argparse.Namespace) -> EnginePlan | None:
     backend's own schema, with what tinker-serve needs set over them (adapter pushes, a push at
     every call, the servers of ``--server``, the engine's LoRA slots from ``--max-lora-rank``
     and ``--max-loras``)."""
-    defaults = {"rollout": "hf", "rollout_options": [], "servers": [], "max_lora_rank": 32, "max_loras": 4}
+    defaults = {"rollout": "hf", "rollout_options": [], "servers": [], "max_lora_rank": DEFAULT_MAX_LORA_RANK,
+                "max_loras": DEFAULT_MAX_LORAS}  # for a Namespace made without configure's parser
     args = argparse.Namespace(**{**defaults, **vars(args)})
     pairs = dict(_option(p) for p in args.rollout_options)
     if args.rollout == "hf":
