@@ -78,7 +78,9 @@ class ModelSection(Section):
         None, description="transformers attention implementation (eager, sdpa, ...); default: its choice."
     )
     gradient_checkpointing: bool = Field(
-        False, description="Recompute activations in backward to save memory (slower)."
+        False, description="Keep each decoder layer's input only and recompute the layer in backward: the "
+        "activations a micro-batch keeps for its backward fall to about one hidden state a layer a token, for one "
+        "more forward of every micro-batch (docs/guides/memory.md has the figures). The gradient is the same."
     )
     lora: LoraSection | None = Field(None, description="Train a LoRA adapter instead of all weights.")
     quantization: QuantizationSection | None = Field(
@@ -236,12 +238,12 @@ class TrainSection(Section):
         "each prompt once and then its completions, position ids restarting in every row and attention that "
         "never crosses rows, for the old, reference and trained log-probs (equal to the padded forward up to float "
         "rounding); micro-batches then count packed tokens against micro_batch_tokens. true: always (an error for "
-        "a model it cannot run exactly: sliding-window or soft-capped attention; not with "
-        "model.gradient_checkpointing). false: padded rows (prompts shared, rows in length groups). auto: packed "
+        "a model it cannot run exactly: sliding-window or soft-capped attention). "
+        "false: padded rows (prompts shared, rows in length groups). auto: packed "
         "where bench/packing.py measured it to win, with the weights on a CPU (0.78x the forward and backward time "
         "on the quickstart's batch and on long-tailed lengths: docs/guides/memory.md), for models it can run "
-        "exactly; padded on a GPU until measured there. Under model.gradient_checkpointing, auto trains "
-        "padded and packs the no-grad forwards.",
+        "exactly; padded on a GPU until measured there. Checkpointed layers (model.gradient_checkpointing) "
+        "train packed too: their recomputation in backward runs the packed attention again.",
     )
     lr: float = Field(1e-6, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
@@ -501,15 +503,6 @@ class Spec(Section):
         conflicts = sequence_conflicts(self)
         if conflicts:
             raise ValueError("; ".join(conflicts))
-        return self
-
-    @model_validator(mode="after")
-    def _packing_without_recomputation(self):
-        if self.train.packing is True and self.model.gradient_checkpointing:
-            raise ValueError(
-                "train.packing: true cannot train with model.gradient_checkpointing (the checkpointed layers "
-                "recompute attention in backward, after the packed call): set train.packing: auto (the training "
-                "forward then runs padded, the no-grad forwards packed) or false, or drop gradient_checkpointing")
         return self
 
     @model_validator(mode="after")

@@ -13,6 +13,7 @@ import torch
 
 from grpo_core.errors import RunError
 from grpo_core.spec.models import ModelSection
+from grpo_core.train.learner.packing import checkpoint_contexts
 
 log = logging.getLogger("grpo.model")
 
@@ -286,6 +287,20 @@ def dequantize_4bit(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Modu
     return model.to(dtype)
 
 
+def enable_checkpointing(model) -> None:
+    """``model.gradient_checkpointing``: every decoder layer keeps its input only and is
+    recomputed in the backward (``torch.utils.checkpoint``, non-reentrant). A layer whose forward
+    ran in a packed call is recomputed under the packed attention
+    (:func:`grpo_core.train.learner.packing.checkpoint_contexts`), so checkpointed layers train
+    packed too."""
+    kwargs = {"use_reentrant": False, "context_fn": checkpoint_contexts}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.20, where the old name warns
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.config.use_cache = False
+
+
 def prepare_policy(model, section: ModelSection, tokenizer):
     """A loaded causal LM made the trainable policy: its generation config's pad and EOS ids
     from the tokenizer, gradient checkpointing and a LoRA adapter as ``section`` says, in
@@ -295,8 +310,7 @@ def prepare_policy(model, section: ModelSection, tokenizer):
     if model.generation_config.eos_token_id is None:
         model.generation_config.eos_token_id = tokenizer.eos_token_id
     if section.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
+        enable_checkpointing(model)
     vision = vision_modules(model)
     if is_quantized(model):
         exact_cpu_4bit(model)

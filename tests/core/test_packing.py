@@ -342,32 +342,100 @@ def test_a_layer_that_skips_the_packed_attention_stops_the_forward(llama):
         completion_logprobs(model, *batch, packed=True)
 
 
-def test_activation_checkpointing_trains_padded_and_scores_packed(llama, monkeypatch):
-    """Checkpointed layers recompute attention in backward, after the packed call: the
-    training forward runs padded (same values); no-grad forwards still pack."""
+def saved_bytes(model, batch, packed: bool) -> int:
+    """The bytes autograd saves for the backward of one forward of ``batch`` (each storage
+    once, parameters left out)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logp, _ = completion_logprobs(model, *batch, packed=packed)
+    logp.sum().backward()
+    model.zero_grad(set_to_none=True)
+    return sum(seen.values())
+
+
+def test_checkpointed_layers_train_packed_and_recompute_the_packed_attention(llama, monkeypatch):
+    """``model.gradient_checkpointing`` (:func:`enable_checkpointing`): the training forward
+    packs, each layer's recomputation in backward runs the packed attention again (the tally
+    counts both passes), and the values and gradients are the padded forward's; the backward
+    keeps less than the uncheckpointed packed forward does."""
+    from grpo_core.train.model import enable_checkpointing
+
     model = copy.deepcopy(llama)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model)
     model.train()
+    assert packing.packing_unsupported(model, model.get_decoder()) is None
     calls = []
     real = packing.packed_decoder_call
-    monkeypatch.setattr("grpo_core.train.learner.logprobs.packed_decoder_call", lambda *a: calls.append(1) or real(*a))
-    batch = random_batch(llama.config.vocab_size, prompts=1, group=2, prompt_lens=[3], lengths=[4, 2], holes=[0, 0],
-                         width=4, seed=2)
+    monkeypatch.setattr("grpo_core.train.learner.logprobs.packed_decoder_call",
+                        lambda d, layout: calls.append(layout) or real(d, layout))
+    batch = random_batch(llama.config.vocab_size, prompts=2, group=3, prompt_lens=[3, 5], lengths=[4, 2, 6, 5, 1, 3],
+                         holes=[0, 1, 0, 2, 0, 0], width=6, seed=2)
     out = both_ways(model, batch)
-    assert calls == []
+    assert len(calls) == 1
+    layers = llama.config.num_hidden_layers
+    assert calls[0].attention_calls == 2 * layers  # the forward and the recomputation
     assert_equal_ways(out)
+    plain = copy.deepcopy(llama).train()
+    assert_equal_ways({False: out[False], True: both_ways(plain, batch)[True]})  # and the unchecked packed ones
+    assert saved_bytes(model, batch, packed=True) < 0.6 * saved_bytes(plain, batch, packed=True)
+
+
+def test_a_recomputation_without_the_packed_attention_cannot_train_packed(llama, monkeypatch):
+    """Why :func:`checkpoint_contexts` exists: layers checkpointed by a function that recomputes
+    under the model's own attention, forced to pack, recompute another attention (``sdpa`` over
+    the whole packed sequence, every row seeing the others), which torch's checkpoint refuses
+    (its tensors saved differ). Such a layer is told apart and trains padded
+    (:func:`packing_unsupported`)."""
+    import contextlib
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    model = copy.deepcopy(llama)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # another function
+    model.train()
+    assert packing.checkpointed_unpacked(model)
+    assert "recomputes it with the model's own attention" in packing.packing_unsupported(model, model.get_decoder())
+    batch = random_batch(llama.config.vocab_size, prompts=1, group=3, prompt_lens=[4], lengths=[5, 3, 6],
+                         holes=[0, 0, 0], width=6, seed=5)
+    calls = []
+    real = packing.packed_decoder_call
+    monkeypatch.setattr("grpo_core.train.learner.logprobs.packed_decoder_call",
+                        lambda d, layout: calls.append(layout) or real(d, layout))
+    assert_equal_ways(both_ways(model, batch))  # trained padded: right
+    assert calls == []
     with torch.no_grad():
-        completion_logprobs(model, *batch, packed=True)
-    assert calls == [1]
+        completion_logprobs(model, *batch, packed=True)  # the no-grad forwards still pack
+    assert len(calls) == 1
+
+    nothing = functools.partial(checkpoint, use_reentrant=False,
+                                context_fn=lambda: (contextlib.nullcontext(), contextlib.nullcontext()))
+    for module in model.modules():
+        if getattr(module, "gradient_checkpointing", False):
+            module._gradient_checkpointing_func = nothing
+    monkeypatch.setattr("grpo_core.train.learner.logprobs.packing_unsupported", lambda *a: None)
+    from torch.utils.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match="different number of tensors was saved"):
+        both_ways(model, batch)
 
 
-def test_under_activation_checkpointing_the_update_counts_padded_micro_batches(llama, monkeypatch):
-    """``auto`` with ``model.gradient_checkpointing``: the training forward runs padded, so its
-    micro-batches are counted in padded positions (packed tokens would overfill them), while
-    the no-grad forwards still pack."""
+def test_the_update_counts_packed_micro_batches_unless_a_layer_recomputes_unpacked(llama, monkeypatch):
+    """``auto``: checkpointed by ``model.gradient_checkpointing``, the training forward packs
+    and its micro-batches count packed tokens; checkpointed by another function, it runs
+    padded, so they are counted in padded positions (packed tokens would overfill them)."""
     from grpo_core.plugin_manager import load_plugins
     from grpo_core.train.learner import update as updating
     from grpo_core.train.learner.learner import Learner, UpdateSettings
+    from grpo_core.train.model import enable_checkpointing
 
     registry = load_plugins(external=False).registry
     objective = updating.Objective(policy_loss=registry.get("policy_loss", "clip").build(),
@@ -379,21 +447,23 @@ def test_under_activation_checkpointing_the_update_counts_padded_micro_batches(l
     seen = []
     real = updating.micro_batches
     monkeypatch.setattr(updating, "micro_batches", lambda *a: seen.append(a[-1]) or real(*a))
-    for checkpointed in (False, True):
+    for checkpointing, packed in ((None, True), ("ours", True), ("other", False)):
         model = copy.deepcopy(llama)
-        if checkpointed:
+        if checkpointing == "ours":
+            enable_checkpointing(model)
+        elif checkpointing == "other":
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         learner = Learner(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0), objective,
                           UpdateSettings(packing="auto"))
-        assert learner.packs and learner.trains_packed is not checkpointed
+        assert learner.packs and learner.trains_packed is packed, checkpointing
         seen.clear()
         updating.update(learner, batch)
-        assert seen == [not checkpointed]
+        assert seen == [packed], checkpointing
 
 
-def test_the_spec_key_takes_true_false_or_auto_and_refuses_true_with_recomputation():
+def test_the_spec_key_takes_true_false_or_auto_with_or_without_recomputation():
     from grpo_core.errors import SpecError
     from grpo_core.spec import load_spec
 
@@ -403,11 +473,9 @@ def test_the_spec_key_takes_true_false_or_auto_and_refuses_true_with_recomputati
     assert load().train.packing == "auto"
     for value, expected in (("true", True), ("false", False), ("auto", "auto")):
         assert load(f"train.packing={value}").train.packing == expected
+        assert load(f"train.packing={value}", "model.gradient_checkpointing=true").train.packing == expected
     with pytest.raises(SpecError, match="train.packing"):
         load("train.packing=sometimes")
-    with pytest.raises(SpecError, match="train.packing: true cannot train with model.gradient_checkpointing.*auto"):
-        load("train.packing=true", "model.gradient_checkpointing=true")
-    assert load("model.gradient_checkpointing=true").train.packing == "auto"
 
 
 # --------------------------------------------------------------------------- the one-call path for GPUs

@@ -25,7 +25,7 @@ from grpo_core.train.experience import Experience, Scored, Timer
 from grpo_core.train.learner.batch import TrainBatch, batch_logprobs, micro_batches
 from grpo_core.train.learner.kl import KLTerm
 from grpo_core.train.learner.optim import Optimization
-from grpo_core.train.learner.packing import resolve_packing
+from grpo_core.train.learner.packing import checkpointed_unpacked, resolve_packing
 from grpo_core.train.learner.parallel import OneProcess, Strategy, forward_of
 from grpo_core.train.learner.routing import Replay
 from grpo_core.train.learner.samples import sample_rows
@@ -98,10 +98,11 @@ class Learner:
 
     @property
     def trains_packed(self) -> bool:
-        """Whether the training forward runs packed: :attr:`packs`, except under activation
-        checkpointing (``model.gradient_checkpointing``), where it runs padded and only the
-        no-grad forwards pack; its micro-batches are then counted in padded positions."""
-        return self.packs and not any(getattr(m, "gradient_checkpointing", False) for m in self.model.modules())
+        """Whether the training forward runs packed: :attr:`packs`, checkpointed layers included
+        (``model.gradient_checkpointing`` recomputes them under the packed attention), except
+        for layers checkpointed some other way, where it runs padded and only the no-grad
+        forwards pack; its micro-batches are then counted in padded positions."""
+        return self.packs and not checkpointed_unpacked(self.model)
 
     def micro_batches(self, batch: TrainBatch) -> list[torch.Tensor]:
         """The row indices of each no-grad forward over the whole ``batch``."""
