@@ -513,10 +513,6 @@ class Spec(Section):
         if given:
             raise ValueError(f"algorithm.routing_replay records the routes of single-turn rollouts; rollout.{given[0]} "
                              "builds episodes from several generations: drop one of the two")
-        if self.model.gradient_checkpointing:
-            raise ValueError("algorithm.routing_replay cannot train with model.gradient_checkpointing (the "
-                             "checkpointed layers recompute their routing in backward, after the replayed forward): "
-                             "drop one of the two")
         if self.data.image_column is not None:
             raise ValueError("algorithm.routing_replay does not replay prompts with images (data.image_column) yet")
         return self

@@ -17,6 +17,7 @@ from grpo_core.train.learner import packing
 from grpo_core.train.learner.batch import TrainBatch, micro_batches, packed_tokens
 from grpo_core.train.learner.logprobs import completion_logprobs
 from grpo_core.train.learner.packing import needed_lengths, pack_rows, resolve_packing
+from grpo_core.train.learner.recompute import checkpointed_otherwise
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -402,7 +403,7 @@ def test_a_recomputation_without_the_packed_attention_cannot_train_packed(llama,
     model = copy.deepcopy(llama)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # another function
     model.train()
-    assert packing.checkpointed_unpacked(model)
+    assert checkpointed_otherwise(model)
     assert "recomputes it with the model's own attention" in packing.packing_unsupported(model, model.get_decoder())
     batch = random_batch(llama.config.vocab_size, prompts=1, group=3, prompt_lens=[4], lengths=[5, 3, 6],
                          holes=[0, 0, 0], width=6, seed=5)

@@ -27,6 +27,7 @@ from grpo_core.train.learner.learner import Learner, UpdateSettings, replay_of, 
 from grpo_core.train.learner.logprobs import completion_logprobs
 from grpo_core.train.learner.routing import Replay, RouteTally, check_replayable, replayed
 from grpo_core.train.learner.update import Objective, update
+from grpo_core.train.model import enable_checkpointing
 
 from .conftest import BASE_SPEC, merge, read_metrics
 
@@ -167,13 +168,18 @@ def _textbook_gradient(model, rollout: RolloutBatch, advantages: torch.Tensor) -
     return {k: p.grad.detach().clone() for k, p in named.items()}
 
 
-def _engine_gradient(model, rollout: RolloutBatch, advantages: torch.Tensor, packed: bool, replay: bool = True):
-    """``-delta`` of one SGD(lr=1) step of the engine's update (with routing replay): its gradient."""
+def _engine_gradient(model, rollout: RolloutBatch, advantages: torch.Tensor, packed: bool, replay: bool = True,
+                     checkpointed: bool = False):
+    """``-delta`` of one SGD(lr=1) step of the engine's update (with routing replay): its gradient.
+    ``checkpointed``: the copy trained under ``model.gradient_checkpointing``."""
     registry = load_plugins(external=False).registry
     objective = Objective(policy_loss=registry.get("policy_loss", "clip").build(),
                           aggregator=registry.get("loss_aggregator", "seq-mean-token-mean").build(), kl=None,
                           entropy_coef=0.0, early_stop_imp_ratio=None, max_length=16)
     trained = copy.deepcopy(model)
+    if checkpointed:
+        enable_checkpointing(trained)
+        trained.train()
     opt = torch.optim.SGD(trained.parameters(), lr=1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     batch = train_batch(rollout, False)
@@ -203,6 +209,21 @@ def test_the_update_gradient_is_the_textbook_loss_through_the_dense_equivalent_o
     assert float(engine["model.layers.0.mlp.gate.weight"].abs().sum()) > 0
     live, _ = _engine_gradient(learner, r, advantages, packed, replay=False)
     assert max(float((live[name] - book[name]).abs().max()) for name in book) > 1e-5
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_checkpointed_layers_recompute_with_the_replayed_routes(sampled, packed):
+    """Under ``model.gradient_checkpointing`` every MoE layer runs again in the backward: with the
+    recorded routes forced there too, the gradient is the same hand-written loss's, and the
+    mismatch share counts each token once (the recomputation adds nothing to it)."""
+    _, learner, r = sampled
+    advantages = torch.tensor([1.0, -0.5, 0.25, -1.0, 0.5, 2.0], dtype=torch.float64)
+    book = _textbook_gradient(learner, r, advantages)
+    _, plain_replay = _engine_gradient(learner, r, advantages, packed)
+    engine, replay = _engine_gradient(learner, r, advantages, packed, checkpointed=True)
+    for name in book:
+        torch.testing.assert_close(engine[name], book[name], rtol=1e-4, atol=1e-8)
+    assert replay.tally == plain_replay.tally and replay.tally.differing_tokens > 0
 
 
 # ----------------------------------------------------------------------------- the model classes

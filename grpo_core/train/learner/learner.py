@@ -25,8 +25,9 @@ from grpo_core.train.experience import Experience, Scored, Timer
 from grpo_core.train.learner.batch import TrainBatch, batch_logprobs, micro_batches
 from grpo_core.train.learner.kl import KLTerm
 from grpo_core.train.learner.optim import Optimization
-from grpo_core.train.learner.packing import checkpointed_unpacked, resolve_packing
+from grpo_core.train.learner.packing import resolve_packing
 from grpo_core.train.learner.parallel import OneProcess, Strategy, forward_of
+from grpo_core.train.learner.recompute import checkpointed_otherwise
 from grpo_core.train.learner.routing import Replay
 from grpo_core.train.learner.samples import sample_rows
 from grpo_core.train.learner.teacher import check_vocabulary, teacher_logprobs
@@ -102,7 +103,7 @@ class Learner:
         (``model.gradient_checkpointing`` recomputes them under the packed attention), except
         for layers checkpointed some other way, where it runs padded and only the no-grad
         forwards pack; its micro-batches are then counted in padded positions."""
-        return self.packs and not checkpointed_unpacked(self.model)
+        return self.packs and not checkpointed_otherwise(self.model)
 
     def micro_batches(self, batch: TrainBatch) -> list[torch.Tensor]:
         """The row indices of each no-grad forward over the whole ``batch``."""

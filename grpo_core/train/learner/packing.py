@@ -30,11 +30,10 @@ another way would mix rows).
 Where this cannot be exact the padded path runs instead (:func:`packing_unsupported`):
 layers other than full attention (sliding-window, chunked, linear) and soft-capped attention.
 Activation checkpointing packs too: a checkpointed layer is recomputed in the backward, after
-the packed call has ended, and :func:`checkpoint_contexts` (the ``context_fn`` that
-``model.gradient_checkpointing`` hands to ``torch.utils.checkpoint``) switches the packed
-attention back on around that recomputation, so it computes what the forward computed. A layer
-checkpointed by any other function (one that would recompute with the model's own attention)
-still trains padded.
+the packed call has ended, and :func:`attention_switched` registers itself to be switched on
+again around that recomputation (:mod:`grpo_core.train.learner.recompute`), so it computes what
+the forward computed. A layer checkpointed by any other function (one that would recompute with
+the model's own attention) still trains padded.
 
 On a GPU the same rule is one call per layer: :func:`flex_segment_attention` gives torch's
 ``flex_attention`` a block mask of the rule (:func:`segment_mask_mod`: a key is seen when it is
@@ -50,7 +49,6 @@ flex path on a GPU, where ``train.packing: auto`` still pads until that measurem
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import logging
 from collections.abc import Iterator
@@ -62,12 +60,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from grpo_core.errors import RunError
+from grpo_core.train.learner.recompute import checkpointed_otherwise, on_recompute
 
 log = logging.getLogger(__name__)
 
 __all__ = ["PackedRows", "pack_rows", "segment_attention", "flex_segment_attention", "segment_mask_mod",
-           "packed_decoder_call", "packing_unsupported", "attention_switched", "checkpoint_contexts",
-           "checkpointed_unpacked",
+           "packed_decoder_call", "packing_unsupported", "attention_switched",
            "PACKED_ATTENTION", "FLEX_ATTENTION", "ATTENTIONS"]
 
 #: The name :func:`segment_attention` is registered under with transformers.
@@ -88,11 +86,6 @@ LAYOUT_KWARG = "grpo_packed_rows"
 
 #: Device types where ``train.packing: auto`` packs: where ``bench/packing.py`` measured it to win.
 AUTO_DEVICES = ("cpu",)
-
-#: The decoder and attention name of the :func:`attention_switched` block being run, if any: what a
-#: checkpointed layer's recomputation in the backward must switch on again (:func:`checkpoint_contexts`).
-_SWITCHED: contextvars.ContextVar[tuple[nn.Module, str] | None] = contextvars.ContextVar("grpo_packed_switch",
-                                                                                           default=None)
 
 #: Keyword arguments of an attention call that change its formula: packing cannot honour them.
 _SPECIAL = ("softcap", "sinks", "s_aux", "position_bias", "sliding_window")
@@ -380,35 +373,12 @@ def attention_switched(decoder: nn.Module, name: str = PACKED_ATTENTION) -> Iter
     saved = [(config, config._attn_implementation_internal) for config in _attention_configs(decoder)]
     for config, _ in saved:
         config._attn_implementation_internal = name
-    token = _SWITCHED.set((decoder, name))
     try:
-        yield
+        with on_recompute(functools.partial(attention_switched, decoder, name)):
+            yield
     finally:
-        _SWITCHED.reset(token)
         for config, previous in saved:
             config._attn_implementation_internal = previous
-
-
-def checkpoint_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-    """``torch.utils.checkpoint``'s ``context_fn`` for the policy's checkpointed layers: the
-    forward runs as called; the recomputation in the backward runs under the packed attention
-    when the forward ran in a packed call (:func:`attention_switched`), so that it recomputes the
-    same values. Read once per checkpointed layer call, in the forward."""
-    switched = _SWITCHED.get()
-    replay = attention_switched(*switched) if switched is not None else contextlib.nullcontext()
-    return contextlib.nullcontext(), replay
-
-
-def checkpointed_unpacked(model: nn.Module) -> bool:
-    """Whether a layer of ``model`` is checkpointed by a function that would recompute it with
-    the model's own attention (not under :func:`checkpoint_contexts`): its training forward
-    cannot pack."""
-    for module in model.modules():
-        if getattr(module, "gradient_checkpointing", False):
-            func = getattr(module, "_gradient_checkpointing_func", None)
-            if not (isinstance(func, functools.partial) and func.keywords.get("context_fn") is checkpoint_contexts):
-                return True
-    return False
 
 
 def packed_decoder_call(decoder: nn.Module, layout: PackedRows) -> Tensor:
@@ -431,7 +401,7 @@ def packed_decoder_call(decoder: nn.Module, layout: PackedRows) -> Tensor:
 
 def packing_unsupported(model: Any, decoder: nn.Module) -> str | None:
     """Why the packed forward cannot run ``model`` exactly in this call, or None when it can."""
-    if decoder.training and torch.is_grad_enabled() and checkpointed_unpacked(decoder):
+    if decoder.training and torch.is_grad_enabled() and checkpointed_otherwise(decoder):
         return ("a layer is checkpointed by a function that recomputes it with the model's own attention, after "
                 "the packed call (enable checkpointing through model.gradient_checkpointing)")
     return _structural_reason(model)

@@ -23,6 +23,7 @@ least one MoE layer; ``routing/replay_mismatch_routes``: per token and layer).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,7 @@ from torch import Tensor, nn
 
 from grpo_core.contracts.routes import NOT_ROUTED, ROUTER_GATES, ExpertRoutes, moe_routers
 from grpo_core.errors import RunError
+from grpo_core.train.learner.recompute import on_recompute
 
 __all__ = ["Replay", "RouteTally", "replayed", "route_keys", "check_replayable"]
 
@@ -82,7 +84,7 @@ def route_keys(prompt_ids: Tensor, completion_ids: Tensor) -> tuple[Tensor, Tens
     return prompts, completions
 
 
-def _hook(gate: Callable, forced: Tensor, tally: RouteTally, differs: Tensor):
+def _hook(gate: Callable, forced: Tensor, tally: RouteTally | None, differs: Tensor):
     def hook(module: nn.Module, args: Any, output: Any) -> tuple[Tensor, Tensor, Tensor]:
         logits, scores, live = output
         if forced.shape[0] != live.shape[0]:
@@ -90,7 +92,7 @@ def _hook(gate: Callable, forced: Tensor, tally: RouteTally, differs: Tensor):
                                f"{forced.shape[0]} routes were laid out for the call")
         known = forced[:, 0] != NOT_ROUTED
         index = torch.where(known[:, None], forced, live)
-        if torch.is_grad_enabled():
+        if tally is not None and torch.is_grad_enabled():
             with torch.no_grad():
                 changed = known & (live.sort(dim=-1).values != forced.sort(dim=-1).values).any(dim=-1)
                 differs.logical_or_(changed)
@@ -102,9 +104,11 @@ def _hook(gate: Callable, forced: Tensor, tally: RouteTally, differs: Tensor):
 
 
 @contextlib.contextmanager
-def replayed(model: Any, routes: Tensor, tally: RouteTally) -> Iterator[None]:
+def replayed(model: Any, routes: Tensor, tally: RouteTally | None) -> Iterator[None]:
     """Force ``routes`` (``long (..., N, k)``, one per token of the decoder call made inside, in
-    its flattened order) on ``model``'s routers; see the module doc."""
+    its flattened order) on ``model``'s routers; see the module doc. A checkpointed layer run
+    inside is recomputed in the backward with the same routes forced, its tokens not counted
+    again (``tally`` None: nothing counted)."""
     routers = moe_routers(model)
     if len(routers) != routes.shape[-2]:
         raise RunError(f"routing replay: the rollout recorded {routes.shape[-2]} MoE layers, "
@@ -114,11 +118,12 @@ def replayed(model: Any, routes: Tensor, tally: RouteTally) -> Iterator[None]:
     handles = [router.register_forward_hook(_hook(ROUTER_GATES[type(router).__name__], flat[:, n], tally, differs))
                for n, router in enumerate(routers)]
     try:
-        yield
+        with on_recompute(functools.partial(replayed, model, routes, None)):
+            yield
     finally:
         for handle in handles:
             handle.remove()
-    if torch.is_grad_enabled():
+    if tally is not None and torch.is_grad_enabled():
         tally.tokens += float((flat[:, 0, 0] != NOT_ROUTED).sum())
         tally.differing_tokens += float(differs.sum())
 
