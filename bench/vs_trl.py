@@ -17,7 +17,9 @@ The algorithm is set to TRL's defaults on both sides: outcome advantages scaled 
 unbiased group std (+1e-4), token-mean (DAPO) aggregation, clip eps 0.2, one update per
 rollout, temperature 1, no top-k/top-p. ``--precision bf16`` is TRL's default (bf16
 autocast, gradient checkpointing) against grpo-core's ``train.mixed_precision: bf16``;
-``fp32`` runs both in float32 without checkpointing.
+``fp32`` runs both in float32 without checkpointing. ``--checkpointing`` makes both tools
+checkpoint their decoder layers at any precision (TRL's ``gradient_checkpointing``, grpo-core's
+``model.gradient_checkpointing``), so that a memory comparison holds the same activations.
 
 ``--group-size``, ``--tokens``, ``--beta`` and ``--precision`` take comma-separated lists;
 every combination is one setting, run with fresh processes, its result appended as one JSON
@@ -260,7 +262,7 @@ def trl_worker(conn, args: dict) -> None:
 
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="trl-bench-"), use_cpu=True, report_to=[],
-        bf16=bf16, gradient_checkpointing=bf16,
+        bf16=bf16, gradient_checkpointing=bf16 or args["checkpointing"],
         per_device_train_batch_size=args["prompts"] * args["group_size"],
         num_generations=args["group_size"], max_completion_length=args["tokens"],
         learning_rate=1e-5, beta=args["beta"], max_steps=args["steps"], logging_steps=1,
@@ -321,7 +323,8 @@ def run_setting(args: dict) -> dict:
         proc.join(timeout=60)
     trl, ours = results["trl"], results["grpo-core"]
     ratios = {c: (ours[c] / trl[c] if trl[c] else None) for c in ("step", *PHASES, "tokens_per_s", "rss")}
-    setting = {k: args[k] for k in ("group_size", "prompts", "tokens", "beta", "precision", "steps", "threads")}
+    setting = {k: args[k] for k in ("group_size", "prompts", "tokens", "beta", "precision", "steps", "threads",
+                                  "checkpointing")}
     return {"setting": setting, "trl": trl, "grpo-core": ours, "ratio": ratios}
 
 
@@ -356,7 +359,8 @@ def markdown_table(records: list[dict]) -> str:
     for r in records:
         s, steps = r["setting"], r["grpo-core"]["steps"][1:] or r["grpo-core"]["steps"]
         lines.append(
-            f"| {s.get('prompts', 2)} | {s['group_size']} | {s['tokens']} | {s['beta']} | {s['precision']} "
+            f"| {s.get('prompts', 2)} | {s['group_size']} | {s['tokens']} | {s['beta']} "
+            f"| {s['precision']}{', checkpointed' if s.get('checkpointing') else ''} "
             f"| {_pair(r, 'step')} "
             f"| {_pair(r, 'generate')} | {_pair(r, 'logprobs')} | {_pair(r, 'forward_backward')} "
             f"| {_pair(r, 'tokens_per_s', 0)} | {_pair(r, 'rss', 2)} "
@@ -407,6 +411,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model-dir", default=default_model_dir())
     parser.add_argument("--spec", default=DEFAULT_SPEC)
     parser.add_argument("--grpo-set", action="append", default=[], help="extra --set for grpo-core")
+    parser.add_argument("--checkpointing", action="store_true", help="both tools checkpoint their decoder layers "
+                        "(TRL's bf16 default), at any precision")
     parser.add_argument("--grpo-lean", action="store_true", help="grpo-core with its lean memory settings: "
                         + " ".join(LEAN))
     a = parser.parse_args(argv)
@@ -425,7 +431,9 @@ def main(argv: list[str] | None = None) -> int:
     cpu, native = cpu_info()
     print(f"CPU: {cpu}; native bf16: {', '.join(native) if native else 'no (bf16 is emulated)'}")
     base = {"steps": a.steps, "threads": a.threads, "eval_size": a.eval_size,
-            "seed": a.seed, "spec": a.spec, "grpo_set": (LEAN if a.grpo_lean else []) + a.grpo_set,
+            "seed": a.seed, "spec": a.spec, "checkpointing": a.checkpointing,
+            "grpo_set": (LEAN if a.grpo_lean else []) + a.grpo_set
+            + (["model.gradient_checkpointing=true"] if a.checkpointing else []),
             "model": str(prepare_model(Path(a.model_dir)))}
     os.environ.setdefault("OMP_NUM_THREADS", str(a.threads))
     records = []
