@@ -11,7 +11,14 @@ side by side) and writes every probe and step as JSON to ``--out``.
         --server-python .venv-vllm/bin/python --runs 3 --steps 100
 
 A flat server has the same generation time, memory, thread and file counts in the last run as in
-the first, and no request left running or waiting between runs. Nothing here is part of the test
+the first, and no request left running or waiting between runs.
+
+``--load RUN:STEP:PROCS`` adds load on purpose: from step ``STEP`` of run ``RUN`` to that run's end,
+``PROCS`` busy processes share the server's core (pinned beside it; unpinned with ``--no-pin``).
+It tells a server that slows by itself from one that slows while its machine is busy: the loaded
+run's generation time rises with the load, and the run after it shows whether it comes back down.
+Each run's row counts the drift warnings its log holds (``rollout.drift_bound``: a server whose
+generation slows past the bound within a run is named). Nothing here is part of the test
 run (``tests/bench/test_scripts_run.py`` asks it for its ``--help`` only: it needs vLLM).
 """
 
@@ -95,8 +102,47 @@ class Probe(threading.Thread):
             self.sample()
 
 
-def train(args, server: Server, index: int, out: Path) -> list[dict]:
-    """One training run against ``server``: its step rows."""
+class Load:
+    """``procs`` busy processes on ``core`` (None: unpinned), from :meth:`start` to :meth:`stop`."""
+
+    def __init__(self, procs: int, core: int | None):
+        self.procs, self.core, self.children, self.window = procs, core, [], [None, None]
+
+    def start(self, t: float) -> None:
+        command = _pinned(self.core, [sys.executable, "-c", "while True: pass"])
+        self.children = [subprocess.Popen(command) for _ in range(self.procs)]
+        self.window[0] = t
+
+    def stop(self, t: float) -> None:
+        for child in self.children:
+            child.kill()
+            child.wait()
+        if self.children:
+            self.window[1] = t
+        self.children = []
+
+
+def parse_load(text: str | None) -> tuple[int, int, int] | None:
+    if text is None:
+        return None
+    try:
+        run, step, procs = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise SystemExit(f"--load {text!r}: expected RUN:STEP:PROCS, three whole numbers (e.g. 1:10:2)") from None
+    return run, step, procs
+
+
+def _steps_done(metrics: Path) -> int:
+    try:
+        return sum(1 for line in metrics.read_text().splitlines() if '"loss"' in line)
+    except OSError:
+        return 0
+
+
+def train(args, server: Server, index: int, out: Path, load: Load | None = None, load_from: int = 0,
+          clock=None) -> list[dict]:
+    """One training run against ``server``: its step rows. With ``load``, the load starts once
+    the run has logged ``load_from`` steps and stops when the run ends."""
     folder = out / f"run{index}"
     sets = [f"train.output_dir={folder}", "tracking=[]", "train.progress=false", f"train.seed={index}",
             f"train.steps={args.steps}", "train.threads=1", f"model={{path: {args.model}}}",
@@ -106,9 +152,20 @@ def train(args, server: Server, index: int, out: Path) -> list[dict]:
                *[x for s in sets for x in ("--set", s)]]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "GRPO_SERVE_SECRET": SECRET}
     with open(out / f"run{index}.log", "w") as log:
-        done = subprocess.run(_pinned(args.learner_core, command), env=env, stdout=log, stderr=subprocess.STDOUT)
-    if done.returncode:
-        raise SystemExit(f"run {index} failed ({done.returncode}); see {out / f'run{index}.log'}")
+        proc = subprocess.Popen(_pinned(args.learner_core, command), env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            while proc.poll() is None:
+                if load is not None and not load.children and load.window[0] is None \
+                        and _steps_done(folder / "metrics.jsonl") >= load_from:
+                    load.start(clock())
+                time.sleep(1.0)
+        finally:
+            if load is not None:
+                load.stop(clock())
+            if proc.poll() is None:
+                proc.kill()
+    if proc.returncode:
+        raise SystemExit(f"run {index} failed ({proc.returncode}); see {out / f'run{index}.log'}")
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [r for r in rows if "loss" in r]
 
@@ -116,6 +173,14 @@ def train(args, server: Server, index: int, out: Path) -> list[dict]:
 def _median(rows: list[dict], key: str) -> float:
     values = [r[key] for r in rows if key in r]
     return statistics.median(values) if values else float("nan")
+
+
+def drift_warnings(log: Path) -> int:
+    """The drift check's warnings in a run's log (``plugins/rollout/drift.py``)."""
+    try:
+        return log.read_text(errors="replace").count("slower than at the start of the run")
+    except OSError:
+        return 0
 
 
 def summary(index: int, steps: list[dict], probes: list[dict]) -> dict:
@@ -135,11 +200,12 @@ def summary(index: int, steps: list[dict], probes: list[dict]) -> dict:
 
 def table(rows: list[dict]) -> str:
     keys = ("generate_s", "step_s", "rss_mib", "threads", "files", "kv_cache", "running", "waiting")
-    head = "| run | steps | " + " | ".join(f"{k} first → last" for k in keys) + " |"
+    head = "| run | steps | " + " | ".join(f"{k} first → last" for k in keys) + " | load | drift warnings |"
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for r in rows:
         cells = " | ".join(f"{r[k][0]:.3g} → {r[k][1]:.3g}" for k in keys)
-        lines.append(f"| {r['run']} | {r['steps']} | {cells} |")
+        loaded = f"{r['load']['procs']} procs from step {r['load']['from_step']}" if r.get("load") else "none"
+        lines.append(f"| {r['run']} | {r['steps']} | {cells} | {loaded} | {r.get('drift_warnings', 0)} |")
     return "\n".join(lines)
 
 
@@ -157,7 +223,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--out", default="bench/runs/server_soak")
     parser.add_argument("--set", action="append", default=[], help="extra key=value for every learner run")
+    parser.add_argument("--load", metavar="RUN:STEP:PROCS", help="busy processes beside the server from step STEP "
+                        "of run RUN to its end (e.g. 1:10:2)")
     args = parser.parse_args(argv)
+    load_at = parse_load(args.load)
     if args.no_pin:
         args.learner_core = args.server_core = None
     out = Path(args.out)
@@ -169,14 +238,21 @@ def main(argv: list[str] | None = None) -> int:
         probe = Probe(server, args.probe)
         probe.sample()
         probe.start()
+        loads = {}
         for index in range(args.runs):
             probe.current = index
             probe.sample()
-            steps_by_run[index] = train(args, server, index, out)
+            load = Load(load_at[2], args.server_core) if load_at and load_at[0] == index else None
+            steps_by_run[index] = train(args, server, index, out, load, load_at[1] if load else 0,
+                                        lambda: time.monotonic() - probe.started)
             probe.sample()
             results.append(summary(index, steps_by_run[index], probe.rows))
+            results[-1]["drift_warnings"] = drift_warnings(out / f"run{index}.log")
+            if load is not None:
+                loads[index] = {"procs": load.procs, "from_step": load_at[1], "window_t": load.window}
+                results[-1]["load"] = loads[index]
             (out / "soak.json").write_text(json.dumps({"summary": results, "probes": probe.rows,
-                                                       "steps": steps_by_run}, indent=1))
+                                                       "steps": steps_by_run, "load": loads}, indent=1))
         probe.done.set()
     finally:
         server.stop()

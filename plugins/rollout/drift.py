@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import statistics
 import threading
 
@@ -56,6 +57,15 @@ def busy_seconds(intervals: list[tuple[float, float]]) -> float:
         reach = end
     return total
 
+
+
+def machine_load() -> str:
+    """This machine's load average over one minute against its cores, as a phrase."""
+    try:
+        one = os.getloadavg()[0]
+    except OSError:
+        return "load average unknown"
+    return f"load average {one:.1f} on {os.cpu_count()} cores"
 
 class GenerationDrift:
     """The seconds per decode step of each server of a backend (``backend``, for the log),
@@ -108,9 +118,11 @@ class GenerationDrift:
             self.log.warning(
                 "%s rollout: %s generates %.1fx slower than at the start of the run: %.3g s per decode step "
                 "over its last %d rollout calls (median) against %.3g s over its first %d, past the bound of %gx "
-                "(rollout.drift_bound; 0 turns this warning off). A server that slows down as it runs: restart it "
+                "(rollout.drift_bound; 0 turns this warning off). First check its machine's load (this "
+                "process's machine: %s): a server whose machine became busy slows with it and recovers when the "
+                "load goes, and a restart does not help. A server that slows down on an idle machine: restart it "
                 "(grpo-run serve) between runs; see the vLLM guide, 'A server that slows down'",
-                self.backend, url, recent / early, recent, self.window, early, self.window, self.bound)
+                self.backend, url, recent / early, recent, self.window, early, self.window, self.bound, machine_load())
         elif not past and url in self.past:
             self.past.discard(url)
             self.log.info("%s rollout: %s is back within %gx its early generation time (%.3g s per decode step "

@@ -5,6 +5,8 @@ slowed: tests/plugins/vllm/test_drift.py."""
 from __future__ import annotations
 
 import logging
+import os
+import re
 
 import pytest
 from grpo_plugins.rollout.drift import GenerationDrift, busy_seconds, decode_steps
@@ -61,6 +63,7 @@ def test_a_slowed_server_is_named_once_per_crossing(caplog):
         in message
     assert "past the bound of 2x (rollout.drift_bound; 0 turns this warning off)" in message
     assert "restart it (grpo-run serve)" in message and "A server that slows down" in message
+    assert re.search(rf"this process's machine: load average \d+\.\d on {os.cpu_count()} cores\)", message), message
     calls(drift, [3.0, 4.0, 5.0])  # still past: no second warning
     assert len(warnings_of(caplog)) == 1
     calls(drift, [1.0, 1.0])  # back within: said once, at info
