@@ -139,3 +139,26 @@ def test_the_script_runs_at_its_tiniest(name, tiny_model_dir, tmp_path, isolated
 def test_the_script_imports_and_parses_its_arguments(name, isolated, monkeypatch, capsys):
     assert run_script(name, ["--help"], monkeypatch) == 0
     assert "usage:" in capsys.readouterr().out
+
+
+def test_the_server_soaks_added_load_runs_from_its_step_to_the_runs_end(tmp_path):
+    """``server_soak.py --load RUN:STEP:PROCS`` (the rest of the script needs vLLM): the load is
+    PROCS busy processes, started once the run has logged STEP steps and all gone at its end;
+    a malformed value is refused naming the form."""
+    soak = runpy.run_path(str(BENCH / "server_soak.py"))
+    assert soak["parse_load"]("1:10:2") == (1, 10, 2) and soak["parse_load"](None) is None
+    with pytest.raises(SystemExit, match="expected RUN:STEP:PROCS"):
+        soak["parse_load"]("1:ten:2")
+    metrics = tmp_path / "metrics.jsonl"
+    assert soak["_steps_done"](metrics) == 0  # no file yet
+    metrics.write_text('{"step": 0, "loss": 0.1}\n{"step": 0, "eval/reward": 0.5}\n{"step": 1, "loss": 0.2}\n')
+    assert soak["_steps_done"](metrics) == 2  # training rows only
+    load = soak["Load"](2, None)
+    load.start(3.0)
+    try:
+        assert len(load.children) == 2 and all(child.poll() is None for child in load.children)
+        children = list(load.children)
+    finally:
+        load.stop(7.5)
+    assert all(child.poll() is not None for child in children) and load.children == []
+    assert load.window == [3.0, 7.5]
