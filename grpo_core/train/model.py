@@ -13,7 +13,7 @@ import torch
 
 from grpo_core.errors import RunError
 from grpo_core.spec.models import ModelSection
-from grpo_core.train.learner.recompute import checkpoint_contexts
+from grpo_core.train.recompute import checkpoint_contexts
 
 log = logging.getLogger("grpo.model")
 
@@ -290,7 +290,7 @@ def dequantize_4bit(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Modu
 def enable_checkpointing(model) -> None:
     """``model.gradient_checkpointing``: every decoder layer keeps its input only and is
     recomputed in the backward (``torch.utils.checkpoint``, non-reentrant), under the contexts its
-    forward ran in (:func:`grpo_core.train.learner.recompute.checkpoint_contexts`: the packed
+    forward ran in (:func:`grpo_core.train.recompute.checkpoint_contexts`: the packed
     attention, replayed routes), so checkpointed layers train packed and with routing replay."""
     kwargs = {"use_reentrant": False, "context_fn": checkpoint_contexts}
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.20, where the old name warns

@@ -17,7 +17,7 @@ from grpo_core.train.learner import packing
 from grpo_core.train.learner.batch import TrainBatch, micro_batches, packed_tokens
 from grpo_core.train.learner.logprobs import completion_logprobs
 from grpo_core.train.learner.packing import needed_lengths, pack_rows, resolve_packing
-from grpo_core.train.learner.recompute import checkpointed_otherwise
+from grpo_core.train.recompute import checkpointed_otherwise
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 

@@ -12,8 +12,6 @@ It never imports the actor (:mod:`grpo_core.train.actor`); it reads an
 - ``head_logprobs``: the output layer's chosen-token log-probs without full-vocabulary copies.
 - ``packing``: the padding-free forward, a micro-batch's rows packed into one sequence.
 - ``routing``: routing replay, the sampler's expert routes forced on a mixture-of-experts policy.
-- ``recompute``: what a checkpointed layer's recomputation in the backward runs under (the
-  packed attention, the replayed routes).
 - ``kl``: the reference model and the KL penalty, in the loss or in the reward.
 - ``correction``: importance weights for the sampler/trainer mismatch.
 - ``teacher``: the teacher's log-probs for on-policy distillation.

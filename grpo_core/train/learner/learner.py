@@ -27,12 +27,12 @@ from grpo_core.train.learner.kl import KLTerm
 from grpo_core.train.learner.optim import Optimization
 from grpo_core.train.learner.packing import resolve_packing
 from grpo_core.train.learner.parallel import OneProcess, Strategy, forward_of
-from grpo_core.train.learner.recompute import checkpointed_otherwise
 from grpo_core.train.learner.routing import Replay
 from grpo_core.train.learner.samples import sample_rows
 from grpo_core.train.learner.teacher import check_vocabulary, teacher_logprobs
 from grpo_core.train.learner.update import Objective, update
 from grpo_core.train.reasoning_steps import step_tensors
+from grpo_core.train.recompute import checkpointed_otherwise
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

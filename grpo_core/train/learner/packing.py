@@ -31,7 +31,7 @@ Where this cannot be exact the padded path runs instead (:func:`packing_unsuppor
 layers other than full attention (sliding-window, chunked, linear) and soft-capped attention.
 Activation checkpointing packs too: a checkpointed layer is recomputed in the backward, after
 the packed call has ended, and :func:`attention_switched` registers itself to be switched on
-again around that recomputation (:mod:`grpo_core.train.learner.recompute`), so it computes what
+again around that recomputation (:mod:`grpo_core.train.recompute`), so it computes what
 the forward computed. A layer checkpointed by any other function (one that would recompute with
 the model's own attention) still trains padded.
 
@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from grpo_core.errors import RunError
-from grpo_core.train.learner.recompute import checkpointed_otherwise, on_recompute
+from grpo_core.train.recompute import checkpointed_otherwise, on_recompute
 
 log = logging.getLogger(__name__)
 

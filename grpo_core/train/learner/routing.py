@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from grpo_core.contracts.routes import NOT_ROUTED, ROUTER_GATES, ExpertRoutes, moe_routers
 from grpo_core.errors import RunError
-from grpo_core.train.learner.recompute import on_recompute
+from grpo_core.train.recompute import on_recompute
 
 __all__ = ["Replay", "RouteTally", "replayed", "route_keys", "check_replayable"]
 
