@@ -368,13 +368,20 @@ def _attention_configs(decoder: nn.Module) -> list[Any]:
 
 @contextlib.contextmanager
 def attention_switched(decoder: nn.Module, name: str = PACKED_ATTENTION) -> Iterator[None]:
-    """Inside, every attention layer of ``decoder`` runs the registered attention ``name``."""
+    """Inside, every attention layer of ``decoder`` runs the registered attention ``name``; so
+    does a checkpointed layer's recomputation in the backward of a forward run inside."""
     _register()
-    saved = [(config, config._attn_implementation_internal) for config in _attention_configs(decoder)]
+    with _switched(_attention_configs(decoder), name):
+        yield
+
+
+@contextlib.contextmanager
+def _switched(configs: list[Any], name: str) -> Iterator[None]:
+    saved = [(config, config._attn_implementation_internal) for config in configs]
     for config, _ in saved:
         config._attn_implementation_internal = name
     try:
-        with on_recompute(functools.partial(attention_switched, decoder, name)):
+        with on_recompute(functools.partial(_switched, configs, name)):  # the configs found once, not per layer
             yield
     finally:
         for config, previous in saved:

@@ -104,21 +104,28 @@ def _hook(gate: Callable, forced: Tensor, tally: RouteTally | None, differs: Ten
 
 
 @contextlib.contextmanager
-def replayed(model: Any, routes: Tensor, tally: RouteTally | None) -> Iterator[None]:
+def replayed(model: Any, routes: Tensor, tally: RouteTally) -> Iterator[None]:
     """Force ``routes`` (``long (..., N, k)``, one per token of the decoder call made inside, in
     its flattened order) on ``model``'s routers; see the module doc. A checkpointed layer run
     inside is recomputed in the backward with the same routes forced, its tokens not counted
-    again (``tally`` None: nothing counted)."""
+    again."""
     routers = moe_routers(model)
     if len(routers) != routes.shape[-2]:
         raise RunError(f"routing replay: the rollout recorded {routes.shape[-2]} MoE layers, "
                        f"the policy has {len(routers)}")
-    flat = routes.reshape(-1, *routes.shape[-2:])
+    with _forced(routers, routes.reshape(-1, *routes.shape[-2:]), tally):
+        yield
+
+
+@contextlib.contextmanager
+def _forced(routers: list[nn.Module], flat: Tensor, tally: RouteTally | None) -> Iterator[None]:
+    """The hooks of :func:`replayed` on ``routers`` (``flat``: ``long (N, layers, k)``); ``tally``
+    None: nothing counted (a recomputation)."""
     differs = torch.zeros(flat.shape[0], dtype=torch.bool, device=flat.device)
     handles = [router.register_forward_hook(_hook(ROUTER_GATES[type(router).__name__], flat[:, n], tally, differs))
                for n, router in enumerate(routers)]
     try:
-        with on_recompute(functools.partial(replayed, model, routes, None)):
+        with on_recompute(functools.partial(_forced, routers, flat, None)):
             yield
     finally:
         for handle in handles:
