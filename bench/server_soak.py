@@ -19,7 +19,7 @@ It tells a server that slows by itself from one that slows while its machine is 
 run's generation time rises with the load, and the run after it shows whether it comes back down.
 Each run's row counts the drift warnings its log holds (``rollout.drift_bound``: a server whose
 generation slows past the bound within a run is named). Nothing here is part of the test
-run (``tests/bench/test_scripts_run.py`` asks it for its ``--help`` only: it needs vLLM).
+run but its ``--help`` and the load's parts (``tests/bench/test_scripts_run.py``): it needs vLLM.
 """
 
 from __future__ import annotations
@@ -155,8 +155,7 @@ def train(args, server: Server, index: int, out: Path, load: Load | None = None,
         proc = subprocess.Popen(_pinned(args.learner_core, command), env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
             while proc.poll() is None:
-                if load is not None and not load.children and load.window[0] is None \
-                        and _steps_done(folder / "metrics.jsonl") >= load_from:
+                if load is not None and load.window[0] is None and _steps_done(folder / "metrics.jsonl") >= load_from:
                     load.start(clock())
                 time.sleep(1.0)
         finally:

@@ -58,7 +58,6 @@ def busy_seconds(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-
 def machine_load() -> str:
     """This machine's load average over one minute against its cores, as a phrase."""
     try:
@@ -66,6 +65,7 @@ def machine_load() -> str:
     except OSError:
         return "load average unknown"
     return f"load average {one:.1f} on {os.cpu_count()} cores"
+
 
 class GenerationDrift:
     """The seconds per decode step of each server of a backend (``backend``, for the log),
